@@ -1,0 +1,507 @@
+"""The OLMo architecture (OLMo 1, 2 and 3), written twice in the same order with the same names:
+JAX first (pure functions over a flat params dict), then PyTorch (nn.Module). The parameter table,
+init, loss and the parameter/FLOP counts come first and serve both.
+
+    python model.py configs/olmo2-7b.toml            # parameter table, FLOPs/token, total_params=...
+    python model.py configs/tiny.toml --check        # also: init, forward in JAX and torch, compare
+
+Notation (shape comments and einsum strings): B batch, T sequence, S key positions, D d_model,
+F MLP hidden (per SwiGLU branch), V vocab (embedding rows), L layers, N query heads, K kv heads,
+H head dim.
+
+The three families in one picture (HF names):
+    OLMo 1:   x = x + o_proj(attn(LN(x)));        x = x + down(silu(gate(LN(x))) * up(LN(x)))
+    OLMo 2/3: x = x + post_attention_layernorm(o_proj(attn(x)));  x = x + post_feedforward_layernorm(mlp(x))
+LN is LayerNorm with no weight or bias; OLMo 2/3 use RMSNorm with a weight, and QK-norm over the
+full projected width (before the split into heads). OLMo 3 adds sliding-window layers (3 sliding :
+1 full) and YaRN on the full layers. Params are always fp32; `dtype` is the compute dtype, and
+norms, RoPE, softmax and the loss run in fp32 whatever it is.
+"""
+
+import math
+import sys
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F_
+
+from configs import ModelConfig, describe, load_config
+
+IGNORE_INDEX = -100  # labels equal to this contribute nothing to the loss (HF and OLMo-core use -100)
+
+
+# --- the parameter table -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Param:
+    shape: tuple
+    axes: tuple         # logical axis names per dim; shard.py maps them to mesh axes
+    std: object = None  # truncated-normal std: a float, or one per layer for stacked params; None = ones
+
+
+def param_table(m: ModelConfig):
+    """name -> Param, in HF order. Per-layer params are stacked on a leading L axis and named without
+    the layer index ("layers.self_attn.q_proj.weight"). Linear weights are (out, in), as in HF files."""
+    D, L, N, K, H, F, V = m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.head_dim, m.mlp_hidden, m.vocab_size
+    if m.init == "mitchell":
+        # OLMo 1 (OLMo initialization.py, init_fn: mitchell): 1/sqrt(fan_in), and the two matrices that
+        # write into the residual stream also divided by sqrt(2·(layer+1)).
+        s_in, s_f = 1 / math.sqrt(D), 1 / math.sqrt(F)
+        depth = [math.sqrt(2 * (i + 1)) for i in range(L)]
+        std = dict(embed=s_in, qkv=s_in, out=tuple(s_in / d for d in depth), up=s_in,
+                   down=tuple(s_f / d for d in depth), head=s_in)
+    else:
+        std = dict.fromkeys(["embed", "qkv", "out", "up", "down", "head"], m.init_std)
+    t = {"embed_tokens.weight": Param((V, D), ("vocab", "embed"), std["embed"])}
+    a = "layers.self_attn."
+    t[a + "q_proj.weight"] = Param((L, N * H, D), ("layers", "heads", "embed"), std["qkv"])
+    t[a + "k_proj.weight"] = Param((L, K * H, D), ("layers", "kv_heads", "embed"), std["qkv"])
+    t[a + "v_proj.weight"] = Param((L, K * H, D), ("layers", "kv_heads", "embed"), std["qkv"])
+    t[a + "o_proj.weight"] = Param((L, D, N * H), ("layers", "embed", "heads"), std["out"])
+    if m.family != "olmo1":
+        t[a + "q_norm.weight"] = Param((L, N * H), ("layers", "heads"))
+        t[a + "k_norm.weight"] = Param((L, K * H), ("layers", "kv_heads"))
+    t["layers.mlp.gate_proj.weight"] = Param((L, F, D), ("layers", "mlp", "embed"), std["up"])
+    t["layers.mlp.up_proj.weight"] = Param((L, F, D), ("layers", "mlp", "embed"), std["up"])
+    t["layers.mlp.down_proj.weight"] = Param((L, D, F), ("layers", "embed", "mlp"), std["down"])
+    if m.family != "olmo1":  # OLMo 1's LayerNorms have no parameters at all
+        t["layers.post_attention_layernorm.weight"] = Param((L, D), ("layers", "embed"))
+        t["layers.post_feedforward_layernorm.weight"] = Param((L, D), ("layers", "embed"))
+        t["norm.weight"] = Param((D,), ("embed",))
+    if not m.tie_embeddings:
+        t["lm_head.weight"] = Param((V, D), ("vocab", "embed"), std["head"])
+    return t
+
+
+def count_params(m):
+    return sum(math.prod(p.shape) for p in param_table(m).values())
+
+
+def flops_per_token(m, T=None):
+    """Training FLOPs per token (forward + backward), OLMo-core's convention: 6 per weight that is a
+    matmul (everything but the embedding lookup; a tied head still does its V·D matmul), plus
+    12·N·H per key each query attends to, per layer. Keys: T on full layers (causal masking is not
+    discounted, as usual), min(W, T) on sliding layers."""
+    T = T or m.max_seq_len
+    matmul = count_params(m) - (0 if m.tie_embeddings else m.vocab_size * m.d_model)
+    keys = sum(min(m.sliding_window, T) if kind == "S" else T for kind in m.layer_types())
+    return 6 * matmul + 12 * m.n_heads * m.head_dim * keys
+
+
+def stack_layers(state, m):
+    """Unstacked state dict ("layers.3.mlp.up_proj.weight") -> stacked params ("layers.mlp.up_proj.weight",
+    leading L). The only place the two layouts meet; numpy in and out (torch tensors are converted)."""
+    out = {}
+    for name in param_table(m):
+        if name.startswith("layers."):
+            rest = name[len("layers."):]
+            out[name] = np.stack([np.asarray(state[f"layers.{i}.{rest}"]) for i in range(m.n_layers)])
+        else:
+            out[name] = np.asarray(state[name])
+    return out
+
+
+def unstack_layers(params):
+    out = {}
+    for name, value in params.items():
+        if name.startswith("layers."):
+            rest = name[len("layers."):]
+            out.update({f"layers.{i}.{rest}": np.asarray(v) for i, v in enumerate(value)})
+        else:
+            out[name] = np.asarray(value)
+    return out
+
+
+# --- per-layer arrays (not parameters): window and RoPE frequencies, shared by both backends ------
+
+def layer_arrays(m):
+    """window (L,) int32, 0 = full attention; inv_freq (L, H/2) fp32; rope_scale (L,) fp32.
+    Scanned alongside the params, so OLMo 3's sliding/full layers are data, not Python branches."""
+    H = m.head_dim
+    # theta^(2i/H) in fp32 with torch's pow, exactly as HF and OLMo-core: numpy's pow differs in the
+    # last bit for some i, which at position 65536 moves the angle by ~1e-2 rad.
+    pos_freqs = m.rope_theta ** (torch.arange(0, H, 2, dtype=torch.float32) / H)
+    plain = (1.0 / pos_freqs).numpy()
+    full, full_scale = plain, 1.0
+    if m.yarn_factor:
+        full, full_scale = yarn_inv_freq(m, pos_freqs), m.yarn_attention_factor
+    kinds = m.layer_types()
+    window = np.array([m.sliding_window if k == "S" else 0 for k in kinds], np.int32)
+    inv_freq = np.stack([plain if k == "S" else full for k in kinds]).astype(np.float32)
+    rope_scale = np.array([1.0 if k == "S" else full_scale for k in kinds], np.float32)
+    return window, inv_freq, rope_scale
+
+
+def yarn_inv_freq(m, pos_freqs):
+    """YaRN (HF _compute_yarn_parameters, OLMo-core YaRNRoPEScalingConfig): dimensions that turn more
+    than beta_fast times over the original context keep their frequency, those that turn fewer than
+    beta_slow times are divided by `factor`, and a linear ramp blends the ones in between. Same fp32
+    operations in the same order as HF, so the frequencies are bit-identical."""
+    H, theta, ctx = m.head_dim, m.rope_theta, m.yarn_original_max_seq_len
+
+    def dim_for(rotations):  # the dimension index whose wavelength fits `rotations` times into ctx
+        return H * math.log(ctx / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(dim_for(m.yarn_beta_fast)), 0)
+    high = min(math.ceil(dim_for(m.yarn_beta_slow)), H - 1)
+    if low == high:
+        high += 0.001  # HF's guard against dividing by zero
+    ramp = ((torch.arange(H // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1 = extrapolate (frequency unchanged), 0 = interpolate (divided by factor)
+    inv = (1.0 / (m.yarn_factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+    return inv.numpy()
+
+
+# === JAX =========================================================================================
+
+def linear(x, w):
+    """x @ w.T with w (out, in) fp32, cast to the compute dtype at use."""
+    return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype))
+
+
+def rms_norm(x, w, eps):
+    # HF Olmo2RMSNorm: normalise in fp32, multiply by the weight *in fp32*, then cast down (Llama casts first).
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (w.astype(jnp.float32) * y).astype(x.dtype)
+
+
+def layer_norm(x, eps):
+    # OLMo 1: LayerNorm with no weight and no bias, in fp32.
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+    return ((x32 - mean) * jax.lax.rsqrt(var + eps)).astype(x.dtype)
+
+
+def rope_cos_sin(positions, inv_freq, scale):
+    """positions (T,) -> cos, sin (T, H) fp32; YaRN's attention factor multiplies both."""
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # (T, H/2)
+    emb = jnp.concatenate([freqs, freqs], axis=-1)                      # (T, H)
+    return jnp.cos(emb) * scale, jnp.sin(emb) * scale
+
+
+def rope(x, cos, sin):
+    """Half-split ("NeoX") rotation, as HF rotate_half; done in fp32. x (B, T, N, H)."""
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (x32 * cos[:, None] + rotated * sin[:, None]).astype(x.dtype)
+
+
+def attention_mask(T, window):
+    """(T, S) bool: causal, and on sliding layers only the last `window` keys (the query's own included)."""
+    i = jnp.arange(T)[:, None]
+    j = jnp.arange(T)[None, :]
+    return (j <= i) & ((window == 0) | (i - j < window))
+
+
+def attention(p, x, cos, sin, window, m):
+    B, T, _ = x.shape
+    q = linear(x, p["self_attn.q_proj.weight"])  # (B, T, N*H)
+    k = linear(x, p["self_attn.k_proj.weight"])  # (B, T, K*H)
+    v = linear(x, p["self_attn.v_proj.weight"])  # (B, T, K*H)
+    if m.clip_qkv:  # OLMo 1.7 (0424/0724): clamp right after the projections, before RoPE
+        q, k, v = (jnp.clip(t, -m.clip_qkv, m.clip_qkv) for t in (q, k, v))
+    if "self_attn.q_norm.weight" in p:  # OLMo 2/3 QK-norm: over the whole width, before the head split
+        q = rms_norm(q, p["self_attn.q_norm.weight"], m.norm_eps)
+        k = rms_norm(k, p["self_attn.k_norm.weight"], m.norm_eps)
+    q = rope(q.reshape(B, T, m.n_heads, m.head_dim), cos, sin)     # (B, T, N, H)
+    k = rope(k.reshape(B, T, m.n_kv_heads, m.head_dim), cos, sin)  # (B, T, K, H)
+    v = v.reshape(B, T, m.n_kv_heads, m.head_dim)                  # (B, T, K, H)
+    # GQA: query head n reads kv head n // (N/K), as HF repeat_kv. Softmax runs in fp32 inside.
+    y = jax.nn.dot_product_attention(q, k, v, mask=attention_mask(T, window)[None, None], scale=m.head_dim ** -0.5)
+    return linear(y.reshape(B, T, m.n_heads * m.head_dim), p["self_attn.o_proj.weight"])  # (B, T, D)
+
+
+def mlp(p, x):
+    gate = linear(x, p["mlp.gate_proj.weight"])  # (B, T, F)
+    up = linear(x, p["mlp.up_proj.weight"])      # (B, T, F)
+    return linear(jax.nn.silu(gate) * up, p["mlp.down_proj.weight"])  # (B, T, D)
+
+
+def block(p, x, cos, sin, window, m):
+    if m.family == "olmo1":  # pre-norm
+        x = x + attention(p, layer_norm(x, m.norm_eps), cos, sin, window, m)
+        return x + mlp(p, layer_norm(x, m.norm_eps))
+    # OLMo 2/3 "reordered norm": no norm on the way in; RMSNorm on each sublayer's output, then the residual add.
+    x = x + rms_norm(attention(p, x, cos, sin, window, m), p["post_attention_layernorm.weight"], m.norm_eps)
+    return x + rms_norm(mlp(p, x), p["post_feedforward_layernorm.weight"], m.norm_eps)
+
+
+def forward(params, tokens, m, dtype=jnp.float32):
+    """tokens (B, T) int -> logits (B, T, V) in `dtype`. Ids must be < V: JAX clamps silently, so callers
+    check (check_tokens) before they get here."""
+    B, T = tokens.shape
+    x = params["embed_tokens.weight"][tokens].astype(dtype)  # (B, T, D)
+    window, inv_freq, rope_scale = layer_arrays(m)
+    positions = jnp.arange(T)
+    layers = {name[len("layers."):]: w for name, w in params.items() if name.startswith("layers.")}
+
+    def step(x, layer):  # one lax.scan step = one layer, so compile time does not grow with L
+        p, w, f, s = layer
+        cos, sin = rope_cos_sin(positions, f, s)
+        return block(p, x, cos, sin, w, m), None
+
+    x, _ = jax.lax.scan(step, x, (layers, window, inv_freq, rope_scale))
+    x = layer_norm(x, m.norm_eps) if m.family == "olmo1" else rms_norm(x, params["norm.weight"], m.norm_eps)
+    head = params["embed_tokens.weight" if m.tie_embeddings else "lm_head.weight"]
+    return linear(x, head)  # (B, T, V)
+
+
+def cross_entropy(logits, labels, z_loss=0.0):
+    """Mean cross-entropy over labels != IGNORE_INDEX, in fp32, plus z_loss · mean(logsumexp²)
+    (OLMo 2/3 use 1e-5). Returns (loss, ce, z). Labels are already shifted (shift_labels)."""
+    logits = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)                          # (B, T)
+    valid = labels != IGNORE_INDEX
+    target = jnp.take_along_axis(logits, jnp.where(valid, labels, 0)[..., None], axis=-1)[..., 0]
+    n = jnp.maximum(valid.sum(), 1)
+    ce = jnp.sum(jnp.where(valid, lse - target, 0.0)) / n
+    z = jnp.sum(jnp.where(valid, lse * lse, 0.0)) / n
+    return ce + z_loss * z, ce, z
+
+
+def loss_fn(params, tokens, labels, m, dtype=jnp.float32, z_loss=0.0):
+    return cross_entropy(forward(params, tokens, m, dtype), labels, z_loss)[0]
+
+
+def init_params(m, key):
+    """fp32 params from the table: truncated normal at +-3σ (per-layer σ where the table says so), norms at 1."""
+    params = {}
+    for k, (name, p) in zip(jax.random.split(key, len(param_table(m))), param_table(m).items()):
+        if p.std is None:
+            params[name] = jnp.ones(p.shape, jnp.float32)
+            continue
+        std = jnp.asarray(p.std, jnp.float32).reshape((-1,) + (1,) * (len(p.shape) - 1)) if isinstance(p.std, tuple) else p.std
+        params[name] = jax.random.truncated_normal(k, -3.0, 3.0, p.shape, jnp.float32) * std
+    return params
+
+
+def shift_labels(tokens):
+    """Next-token labels: tokens[:, 1:] with IGNORE_INDEX at the end (OLMo-core get_labels)."""
+    return np.concatenate([tokens[:, 1:], np.full_like(tokens[:, :1], IGNORE_INDEX)], axis=1)
+
+
+def check_tokens(tokens, m, source="tokens"):
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"{source}: expected integer token ids of shape (B, T), got {tokens.dtype} {tokens.shape}")
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= m.vocab_size):
+        bad = tokens.max() if tokens.max() >= m.vocab_size else tokens.min()
+        raise ValueError(f"{source}: token id {bad} is out of range for vocab_size={m.vocab_size}")
+    if tokens.shape[1] > m.max_seq_len:
+        print(f"warning: {source} has {tokens.shape[1]} positions, more than max_seq_len={m.max_seq_len}", file=sys.stderr)
+    return tokens
+
+
+# === PyTorch =====================================================================================
+# Same maths, same names, same order. state_dict() keys are the HF names without "model.".
+
+class Linear(nn.Linear):
+    """No bias; fp32 weight cast to the input's dtype at use (the JAX `linear`)."""
+
+    def __init__(self, d_in, d_out):
+        super().__init__(d_in, d_out, bias=False)
+
+    def forward(self, x):
+        return F_.linear(x, self.weight.to(x.dtype))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, width, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.eps = eps
+
+    def forward(self, x):
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * y).to(x.dtype)
+
+
+def layer_norm_torch(x, eps):
+    return F_.layer_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
+
+
+def rope_cos_sin_torch(positions, inv_freq, scale):
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, H/2)
+    emb = torch.cat([freqs, freqs], dim=-1)                 # (T, H)
+    return emb.cos() * scale, emb.sin() * scale
+
+
+def rope_torch(x, cos, sin):
+    """x (B, N, T, H)."""
+    x32 = x.float()
+    x1, x2 = x32.chunk(2, dim=-1)
+    return (x32 * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
+
+
+def attention_mask_torch(T, window, device):
+    i = torch.arange(T, device=device)[:, None]
+    j = torch.arange(T, device=device)[None, :]
+    return (j <= i) & ((window == 0) | (i - j < window))
+
+
+class Attention(nn.Module):
+    def __init__(self, m):
+        super().__init__()
+        D, N, K, H = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim
+        self.m = m
+        self.q_proj, self.k_proj, self.v_proj = Linear(D, N * H), Linear(D, K * H), Linear(D, K * H)
+        self.o_proj = Linear(N * H, D)
+        if m.family != "olmo1":
+            self.q_norm, self.k_norm = RMSNorm(N * H, m.norm_eps), RMSNorm(K * H, m.norm_eps)
+
+    def forward(self, x, cos, sin, window):
+        m, (B, T, _) = self.m, x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (B, T, N*H), (B, T, K*H) x2
+        if m.clip_qkv:
+            q, k, v = (t.clamp(-m.clip_qkv, m.clip_qkv) for t in (q, k, v))
+        if m.family != "olmo1":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = rope_torch(q.view(B, T, m.n_heads, m.head_dim).transpose(1, 2), cos, sin)     # (B, N, T, H)
+        k = rope_torch(k.view(B, T, m.n_kv_heads, m.head_dim).transpose(1, 2), cos, sin)  # (B, K, T, H)
+        v = v.view(B, T, m.n_kv_heads, m.head_dim).transpose(1, 2)                        # (B, K, T, H)
+        y = F_.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask_torch(T, window, x.device),
+                                            scale=m.head_dim ** -0.5, enable_gqa=True)   # (B, N, T, H)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, m.n_heads * m.head_dim))      # (B, T, D)
+
+
+class MLP(nn.Module):
+    def __init__(self, m):
+        super().__init__()
+        self.gate_proj, self.up_proj = Linear(m.d_model, m.mlp_hidden), Linear(m.d_model, m.mlp_hidden)
+        self.down_proj = Linear(m.mlp_hidden, m.d_model)
+
+    def forward(self, x):
+        return self.down_proj(F_.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, m):
+        super().__init__()
+        self.m = m
+        self.self_attn, self.mlp = Attention(m), MLP(m)
+        if m.family != "olmo1":
+            self.post_attention_layernorm = RMSNorm(m.d_model, m.norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(m.d_model, m.norm_eps)
+
+    def forward(self, x, cos, sin, window):
+        if self.m.family == "olmo1":
+            x = x + self.self_attn(layer_norm_torch(x, self.m.norm_eps), cos, sin, window)
+            return x + self.mlp(layer_norm_torch(x, self.m.norm_eps))
+        x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, window))
+        return x + self.post_feedforward_layernorm(self.mlp(x))
+
+
+class OLMo(nn.Module):
+    def __init__(self, m):
+        super().__init__()
+        self.m = m
+        self.embed_tokens = nn.Embedding(m.vocab_size, m.d_model)
+        self.layers = nn.ModuleList(Block(m) for _ in range(m.n_layers))
+        if m.family != "olmo1":
+            self.norm = RMSNorm(m.d_model, m.norm_eps)
+        if not m.tie_embeddings:
+            self.lm_head = Linear(m.d_model, m.vocab_size)
+        window, inv_freq, rope_scale = layer_arrays(m)
+        self.windows = [int(w) for w in window]
+        self.register_buffer("inv_freq", torch.from_numpy(inv_freq), persistent=False)      # (L, H/2)
+        self.register_buffer("rope_scale", torch.from_numpy(rope_scale), persistent=False)  # (L,)
+
+    def forward(self, tokens, dtype=torch.float32):
+        """tokens (B, T) long -> logits (B, T, V) in `dtype`."""
+        T = tokens.shape[1]
+        x = self.embed_tokens(tokens).to(dtype)  # (B, T, D)
+        positions = torch.arange(T, device=tokens.device)
+        for layer, w, f, s in zip(self.layers, self.windows, self.inv_freq, self.rope_scale):
+            cos, sin = rope_cos_sin_torch(positions, f, s)
+            x = layer(x, cos, sin, w)
+        x = layer_norm_torch(x, self.m.norm_eps) if self.m.family == "olmo1" else self.norm(x)
+        head = self.embed_tokens.weight if self.m.tie_embeddings else self.lm_head.weight
+        return F_.linear(x, head.to(dtype))  # (B, T, V)
+
+    @torch.no_grad()
+    def reset_parameters(self, generator=None):
+        """Init from the same table as init_params (the same distributions; not the same draws)."""
+        own = dict(self.named_parameters())
+        for name, p in param_table(self.m).items():
+            per_layer = name.startswith("layers.")
+            targets = [own[f"layers.{i}.{name[len('layers.'):]}"] for i in range(self.m.n_layers)] if per_layer else [own[name]]
+            stds = p.std if isinstance(p.std, tuple) else [p.std] * len(targets)
+            for w, std in zip(targets, stds):
+                if std is None:
+                    w.fill_(1.0)
+                else:
+                    nn.init.trunc_normal_(w, 0.0, std, -3 * std, 3 * std, generator=generator)
+
+
+def cross_entropy_torch(logits, labels, z_loss=0.0):
+    """As cross_entropy: returns (loss, ce, z)."""
+    logits = logits.float()
+    lse = torch.logsumexp(logits, dim=-1)
+    valid = labels != IGNORE_INDEX
+    target = logits.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    n = valid.sum().clamp(min=1)
+    ce = torch.where(valid, lse - target, 0.0).sum() / n
+    z = torch.where(valid, lse * lse, 0.0).sum() / n
+    return ce + z_loss * z, ce, z
+
+
+def torch_model(m, params=None):
+    """An OLMo module holding `params` (stacked, any array type), or freshly initialised ones."""
+    model = OLMo(m)
+    if params is None:
+        model.reset_parameters()
+    else:
+        model.load_state_dict({k: torch.from_numpy(np.array(v, np.float32)) for k, v in unstack_layers(params).items()})
+    return model
+
+
+# --- command line -------------------------------------------------------------------------------
+
+def print_table(m):
+    table = param_table(m)
+    print(f"{'name':<42} {'shape':<19} {'count':>14}  {'logical axes':<26} init")
+    for name, p in table.items():
+        std = p.std if not isinstance(p.std, tuple) else f"{p.std[0]:.4g}..{p.std[-1]:.4g}"  # per layer
+        init = "ones" if p.std is None else f"trunc N(0, {std:.4g})" if isinstance(std, float) else f"trunc N(0, {std})"
+        print(f"{name:<42} {str(p.shape):<19} {math.prod(p.shape):>14,}  {', '.join(p.axes):<26} {init}")
+    T = m.max_seq_len
+    print(f"FLOPs/token (train, T={T}): {flops_per_token(m):,} ({flops_per_token(m) / 1e9:.2f} GFLOP)")
+    print(f"total_params={count_params(m)}")
+
+
+def check(m, B=2, T=64):
+    """Init in JAX, copy the weights into torch, run both on the same random tokens, compare."""
+    T = min(T, m.max_seq_len)
+    params = init_params(m, jax.random.PRNGKey(0))
+    tokens = np.random.default_rng(0).integers(0, m.vocab_size, (B, T))
+    labels = shift_labels(tokens)
+    logits_j = forward(params, jnp.asarray(tokens), m)
+    loss_j = float(cross_entropy(logits_j, jnp.asarray(labels))[0])
+    with torch.no_grad():
+        logits_t = torch_model(m, params)(torch.from_numpy(tokens))
+    loss_t = float(cross_entropy_torch(logits_t, torch.from_numpy(labels))[0])
+    diff = np.abs(np.asarray(logits_j) - logits_t.numpy()).max()
+    print(f"check: B={B} T={T} loss jax {loss_j:.4f} torch {loss_t:.4f} (ln V = {math.log(m.vocab_size):.4f}); "
+          f"max |logit jax - torch| = {diff:.2e}")
+
+
+def main(argv):
+    args = [a for a in argv if a != "--check"]
+    cfg = load_config(args)
+    print(describe(cfg))
+    print()
+    if "--check" in argv:
+        check(cfg.model)
+    print_table(cfg.model)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

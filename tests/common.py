@@ -1,0 +1,39 @@
+"""Small configs covering every architectural feature, and weights far from the trivial init."""
+import numpy as np
+
+from configs import ModelConfig
+from model import param_table
+
+VARIANTS = {
+    # OLMo 1: parameter-free LayerNorm, tied embeddings, clip_qkv small enough to actually clamp.
+    "olmo1": dict(family="olmo1", d_model=64, n_layers=2, n_heads=4, mlp_hidden=96, vocab_size=300,
+                  tie_embeddings=True, clip_qkv=0.5, norm_eps=1e-5, rope_theta=10000.0, max_seq_len=64,
+                  init="mitchell", eos_token_id=2, pad_token_id=1),
+    # OLMo 2: reordered norm, QK-norm, GQA, head_dim != d_model / n_heads.
+    "olmo2": dict(family="olmo2", d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=24, mlp_hidden=96,
+                  vocab_size=300, max_seq_len=64, eos_token_id=2, pad_token_id=1),
+    # OLMo 3: 3 sliding : 1 full with a window shorter than the sequence, YaRN on the full layer, K=1.
+    "olmo3": dict(family="olmo3", d_model=64, n_layers=4, n_heads=4, n_kv_heads=1, head_dim=32, mlp_hidden=96,
+                  vocab_size=300, max_seq_len=64, sliding_window=5, layer_pattern="SSSF",
+                  yarn_factor=4.0, yarn_original_max_seq_len=64, eos_token_id=2, pad_token_id=1),
+}
+
+
+def variant(name, **overrides):
+    return ModelConfig(**{**VARIANTS[name], **overrides})
+
+
+def random_params(m, seed=0, std=0.2):
+    """Every weight random (norm weights too, around 1), so a misplaced tensor cannot hide."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, p in param_table(m).items():
+        if p.std is None:
+            out[name] = (1 + 0.2 * rng.standard_normal(p.shape)).astype(np.float32)
+        else:
+            out[name] = (std * rng.standard_normal(p.shape)).astype(np.float32)
+    return out
+
+
+def tokens(m, B=2, T=24, seed=0):
+    return np.random.default_rng(seed).integers(0, m.vocab_size, (B, T))

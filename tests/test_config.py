@@ -1,0 +1,130 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from configs import ConfigError, ModelConfig, describe, load_config, load_json, save_json
+from model import count_params
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Published exact counts (reference/olmo-facts.md §2, each checked there against the HF classes).
+PUBLISHED = {
+    "olmo1-1b": 1_176_764_416,
+    "olmo1-7b": 6_888_095_744,
+    "olmo2-1b": 1_484_916_736,
+    "olmo2-7b": 7_298_617_344,
+    "olmo2-13b": 13_716_198_400,
+    "olmo3-7b": 7_298_617_344,    # at the training vocabulary, 100352 rows
+    "olmo3-32b": 32_234_279_936,  # likewise
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_released_shapes_have_published_counts(name):
+    assert count_params(load_config([str(ROOT / f"configs/{name}.toml")]).model) == PUBLISHED[name]
+
+
+def test_hf_vocab_counts():
+    # The HF Olmo 3 checkpoints keep 100278 rows.
+    cfg = load_config([str(ROOT / "configs/olmo3-7b.toml"), "--model.vocab_size=100278"])
+    assert count_params(cfg.model) == 7_298_011_136
+    cfg = load_config([str(ROOT / "configs/olmo3-32b.toml"), "--model.vocab_size=100278"])
+    assert count_params(cfg.model) == 32_233_522_176
+
+
+def test_model_py_prints_total_params_last():
+    out = subprocess.run([sys.executable, "model.py", "configs/olmo2-1b.toml"], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "total_params=1484916736"
+    assert "FLOPs/token" in out and "layers.self_attn.q_norm.weight" in out
+
+
+def test_merge_left_to_right_and_overrides(tmp_path):
+    a = tmp_path / "a.toml"
+    a.write_text("[model]\nd_model = 128\nn_heads = 2\n")
+    b = tmp_path / "b.toml"
+    b.write_text("[model]\nn_heads = 4\n")
+    cfg = load_config([str(a), str(b), "--model.n_layers=3", "--model.family=olmo2", "--model.norm_eps=1e-5"])
+    m = cfg.model
+    assert (m.d_model, m.n_heads, m.n_layers, m.family, m.norm_eps) == (128, 4, 3, "olmo2", 1e-5)
+    assert m.head_dim == 32 and m.n_kv_heads == 4
+    assert m.mlp_hidden == 512  # 256·ceil(int(8·128/3)/256) = 256·ceil(341/256)
+    text = describe(cfg)
+    assert "= d_model / n_heads" in text and "256·ceil" in text
+
+
+def test_json_round_trip(tmp_path):
+    cfg = load_config([str(ROOT / "configs/olmo3-7b.toml"), str(ROOT / "configs/olmo3-long-context.toml")])
+    save_json(cfg, tmp_path / "c.json")
+    assert json.loads((tmp_path / "c.json").read_text())["model"]["yarn_factor"] == 8.0
+    again = load_json(tmp_path / "c.json")
+    assert again == cfg
+    assert again.model.yarn_attention_factor == pytest.approx(1.2079441541679836)
+
+
+def test_unknown_key_suggests(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model]\nd_modle = 64\n")
+    with pytest.raises(ConfigError, match=r"bad.toml: unknown key model.d_modle \(did you mean model.d_model\?\)"):
+        load_config([str(bad)])
+    with pytest.raises(ConfigError, match=r"--model.n_layer=2: unknown key model.n_layer \(did you mean model.n_layers\?\)"):
+        load_config(["--model.n_layer=2"])
+    with pytest.raises(ConfigError, match=r"unknown section \[modle\] \(did you mean \[model\]\?\)"):
+        load_config(["--modle.d_model=2"])
+
+
+def test_wrong_types_and_shapes_of_input(tmp_path):
+    with pytest.raises(ConfigError, match=r"model.n_layers='four' is str, expected int"):
+        load_config(["--model.n_layers=four"])
+    with pytest.raises(ConfigError, match=r"model.tie_embeddings=1 is int, expected bool"):
+        load_config(["--model.tie_embeddings=1"])
+    with pytest.raises(ConfigError, match="--section.key=value"):
+        load_config(["--d_model=3"])
+    flat = tmp_path / "flat.toml"
+    flat.write_text("d_model = 64\n")
+    with pytest.raises(ConfigError, match=r"flat.toml: top-level key 'd_model' must sit under a \[section\]"):
+        load_config([str(flat)])
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[model\n")
+    with pytest.raises(ConfigError, match="broken.toml: not valid TOML"):
+        load_config([str(broken)])
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="config file configs/nope.toml not found"):
+        load_config(["configs/nope.toml"])
+
+
+def test_bad_head_counts(tmp_path):
+    f = tmp_path / "gqa.toml"
+    f.write_text("[model]\nn_heads = 6\nn_kv_heads = 4\n")
+    with pytest.raises(ConfigError, match=r"gqa.toml: model.n_kv_heads=4: n_heads=6 must be a multiple of n_kv_heads"):
+        load_config([str(f)])
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(layer_pattern="SSXF", sliding_window=8), "string of S .* and F"),
+    (dict(layer_pattern="SSF", sliding_window=8), "length 3 must divide n_layers=4"),
+    (dict(layer_pattern="SSSF"), "needs sliding_window > 0 exactly when it has an S layer"),
+    (dict(layer_pattern="F", sliding_window=8), "needs sliding_window > 0"),
+    (dict(family="olmo2", layer_pattern="SSSF", sliding_window=8), "need family 'olmo3'"),
+    (dict(family="olmo2", clip_qkv=8.0), "only OLMo 1 clamps"),
+    (dict(family="olmo1"), "OLMo 1's LayerNorm eps is 1e-5"),
+    (dict(family="olmo4"), "must be one of"),
+    (dict(head_dim=33), "must be even"),
+    (dict(yarn_factor=0.5), "must be > 1"),
+    (dict(vocab_size=1000), "eos_token_id=100257: must be a token id below vocab_size=1000"),
+])
+def test_bad_model_configs(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig(**overrides)
+
+
+def test_readme_table_is_current():
+    out = subprocess.run([sys.executable, "model.py", "configs/olmo3-7b.toml"], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout
+    table = out[out.index("name "):].strip()
+    assert table in (ROOT / "README.md").read_text(), "README's parameter table is stale: paste the new output"

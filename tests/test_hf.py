@@ -1,0 +1,188 @@
+"""Ours against Hugging Face transformers' OlmoForCausalLM / Olmo2ForCausalLM / Olmo3ForCausalLM,
+in both directions, through the bridge in convert.py; and eval.py's logits command."""
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import convert
+import model
+from common import VARIANTS, random_params, tokens, variant
+from configs import ConfigError
+
+tf = pytest.importorskip("transformers")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def hf_model(name):
+    """A randomly initialised HF model with the same architecture as VARIANTS[name], built from HF's
+    own config class (not from our writer), with every weight random and large."""
+    v = VARIANTS[name]
+    common = dict(vocab_size=v["vocab_size"], hidden_size=v["d_model"], intermediate_size=v["mlp_hidden"],
+                  num_hidden_layers=v["n_layers"], num_attention_heads=v["n_heads"],
+                  num_key_value_heads=v.get("n_kv_heads", v["n_heads"]), max_position_embeddings=v["max_seq_len"],
+                  pad_token_id=1, eos_token_id=2)
+    if name == "olmo1":
+        cfg = tf.OlmoConfig(**common, clip_qkv=v["clip_qkv"], tie_word_embeddings=True,
+                            rope_parameters={"rope_type": "default", "rope_theta": v["rope_theta"]})
+        net = tf.OlmoForCausalLM(cfg)
+    elif name == "olmo2":
+        net = tf.Olmo2ForCausalLM(tf.Olmo2Config(**common, head_dim=v["head_dim"], rms_norm_eps=1e-6,
+                                                 rope_parameters={"rope_type": "default", "rope_theta": 500000.0}))
+    else:
+        # Legacy (transformers 4.x) RoPE keys, as in the older hub files: our reader must handle them.
+        net = tf.Olmo3ForCausalLM(tf.Olmo3Config(
+            **common, head_dim=v["head_dim"], rms_norm_eps=1e-6, sliding_window=v["sliding_window"],
+            rope_theta=500000.0,
+            rope_scaling={"rope_type": "yarn", "factor": v["yarn_factor"], "beta_fast": 32.0, "beta_slow": 1.0,
+                          "original_max_position_embeddings": v["yarn_original_max_seq_len"]}))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if p.ndim == 1 else 0.15 * torch.randn_like(p))
+    return net.eval()
+
+
+def hf_logits(net, toks):
+    with torch.no_grad():
+        return net(torch.from_numpy(toks)).logits.float().numpy()
+
+
+def rel(a, b):
+    return np.abs(a - b).max() / np.abs(b).max()
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_hf_to_ours(name, tmp_path):
+    net = hf_model(name)
+    net.save_pretrained(tmp_path)
+    m, params = convert.load_hf(tmp_path)
+    assert m == variant(name, init_std=0.02, init="normal")  # the bridge read every field back
+    toks = tokens(m, T=40)  # longer than the sliding window and than YaRN's original context
+    ref = hf_logits(net, toks)
+    assert np.abs(ref).max() > 2.0
+    ours_jax = np.asarray(model.forward(params, jnp.asarray(toks), m))
+    with torch.no_grad():
+        ours_torch = model.torch_model(m, params)(torch.from_numpy(toks)).numpy()
+    assert rel(ours_jax, ref) < 1e-5 and rel(ours_torch, ref) < 1e-5
+    # And the loss: HF shifts labels inside; we pass them shifted.
+    with torch.no_grad():
+        hf_loss = net(torch.from_numpy(toks), labels=torch.from_numpy(toks)).loss.item()
+    ours = model.cross_entropy(jnp.asarray(ours_jax), jnp.asarray(model.shift_labels(toks)))[1]
+    assert float(ours) == pytest.approx(hf_loss, rel=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_ours_to_hf(name, tmp_path):
+    m = variant(name)
+    params = random_params(m, seed=3, std=0.15)
+    convert.save_hf(tmp_path, m, params)
+    net = tf.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(net).__name__ == convert.HF_CLASS[m.family][1]
+    toks = tokens(m, T=40)
+    ours = np.asarray(model.forward(params, jnp.asarray(toks), m))
+    assert rel(ours, hf_logits(net, toks)) < 1e-5
+    # And back: the directory we wrote reads back to the same config and bits.
+    m2, params2 = convert.load_hf(tmp_path)
+    assert m2 == dataclasses.replace(m, init="normal")  # HF files do not say how a model was initialised
+    assert all(np.array_equal(params[k], params2[k]) for k in params)
+
+
+def test_sharded_checkpoint_and_untied_head_in_tied_file(tmp_path):
+    net = hf_model("olmo2")
+    net.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    m, params = convert.load_hf(tmp_path)
+    toks = tokens(m)
+    assert rel(np.asarray(model.forward(params, jnp.asarray(toks), m)), hf_logits(net, toks)) < 1e-5
+
+
+def test_yarn_frequencies_match_hf():
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from configs import load_config
+    m = load_config([str(ROOT / "configs/olmo3-7b.toml"), str(ROOT / "configs/olmo3-long-context.toml")]).model
+    hf_cfg = tf.Olmo3Config(**{k: v for k, v in convert.config_to_hf(m).items() if k not in ("architectures", "model_type")})
+    inv, factor = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg, layer_type="full_attention")
+    from transformers.models.olmo3.modeling_olmo3 import Olmo3RotaryEmbedding
+    plain, _ = Olmo3RotaryEmbedding.compute_default_rope_parameters(hf_cfg, layer_type="sliding_attention")
+    _, ours, scale = model.layer_arrays(m)
+    np.testing.assert_array_equal(ours[3], inv.numpy())  # bit-identical, as HF and OLMo-core are
+    np.testing.assert_array_equal(ours[0], plain.numpy())
+    assert scale[3] == pytest.approx(factor)
+    assert hf_cfg.layer_types == ["sliding_attention"] * 3 + ["full_attention"] + hf_cfg.layer_types[4:]
+    assert hf_cfg.layer_types.count("full_attention") == 8
+
+
+def test_eval_logits_cli_backends_agree(tmp_path):
+    m = variant("olmo3")
+    convert.save_hf(tmp_path / "ckpt", m, random_params(m, std=0.15))
+    np.save(tmp_path / "in.npy", tokens(m, T=30).astype(np.int32))
+    outs = {}
+    for backend in ("jax", "torch"):
+        for dtype in ("float32", "bfloat16"):
+            out = tmp_path / f"{backend}-{dtype}.npy"
+            subprocess.run([sys.executable, "eval.py", "logits", str(tmp_path / "ckpt"), "--tokens",
+                            str(tmp_path / "in.npy"), "--out", str(out), "--backend", backend, "--dtype", dtype],
+                           cwd=ROOT, check=True, capture_output=True)
+            outs[backend, dtype] = np.load(out)
+            assert outs[backend, dtype].dtype == np.float32 and outs[backend, dtype].shape == (2, 30, m.vocab_size)
+    assert rel(outs["jax", "float32"], outs["torch", "float32"]) < 1e-5
+    assert rel(outs["jax", "bfloat16"], outs["torch", "bfloat16"]) < 0.1
+    bad = tmp_path / "bad.npy"
+    np.save(bad, np.array([[1, m.vocab_size]]))
+    r = subprocess.run([sys.executable, "eval.py", "logits", str(tmp_path / "ckpt"), "--tokens", str(bad),
+                        "--out", str(tmp_path / "x.npy")], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode != 0 and "token id 300 is out of range for vocab_size=300" in r.stderr
+
+
+def test_bad_checkpoints(tmp_path):
+    m = variant("olmo2")
+    convert.save_hf(tmp_path, m, random_params(m))
+    st = tmp_path / "model.safetensors"
+    whole = st.read_bytes()
+    st.write_bytes(whole[: len(whole) - 100])
+    with pytest.raises(ValueError, match=r"model.safetensors: tensor .* the file is truncated or corrupt"):
+        convert.load_hf(tmp_path)
+    st.write_bytes(whole[:4])
+    with pytest.raises(ValueError, match="too short to be a safetensors file"):
+        convert.load_hf(tmp_path)
+    st.write_bytes((10**9).to_bytes(8, "little") + whole[8:])
+    with pytest.raises(ValueError, match="header claims 1000000000 bytes"):
+        convert.load_hf(tmp_path)
+    st.write_bytes(whole)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**hf, "num_hidden_layers": 1}))
+    with pytest.raises(ValueError, match=r"tensors do not match config.json: missing \[\], unexpected \['layers.1"):
+        convert.load_hf(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**hf, "head_dim": 16}))
+    with pytest.raises(ValueError, match=r"q_proj.weight has shape \(96, 64\), config.json implies \(64, 64\)"):
+        convert.load_hf(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**hf, "num_key_value_heads": 3}))
+    with pytest.raises(ConfigError, match="config.json: model.n_kv_heads=3: n_heads=4 must be a multiple"):
+        convert.load_hf(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**hf, "model_type": "llama"}))
+    with pytest.raises(ConfigError, match="model_type 'llama' is not an OLMo"):
+        convert.load_hf(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    st.unlink()
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not loaded")
+    with pytest.raises(FileNotFoundError, match="pytorch_model.bin are pickles, which we never load"):
+        convert.load_hf(tmp_path)
+    with pytest.raises(FileNotFoundError, match="config.json not found"):
+        convert.load_hf(tmp_path / "nowhere")
+
+
+def test_ambiguous_legacy_rope_theta_is_refused():
+    # transformers 4 applies a top-level rope_theta to every Olmo3 layer; transformers 5 only to full
+    # layers (sliding ones keep 500000). With any other theta the file means two different models.
+    hf = convert.config_to_hf(variant("olmo3"))
+    del hf["rope_parameters"]
+    assert convert.config_from_hf({**hf, "rope_theta": 500000.0}).rope_theta == 500000.0
+    with pytest.raises(ConfigError, match="transformers 4 and 5 read .* differently"):
+        convert.config_from_hf({**hf, "rope_theta": 10000.0})

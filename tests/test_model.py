@@ -1,0 +1,172 @@
+"""JAX vs PyTorch on the same weights, and the properties the architecture promises."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import model
+from common import VARIANTS, random_params, tokens, variant
+from configs import ModelConfig
+
+
+def both_logits(m, params, toks, dtype="float32"):
+    lj = model.forward(params, jnp.asarray(toks), m, jnp.dtype(dtype))
+    with torch.no_grad():
+        lt = model.torch_model(m, params)(torch.from_numpy(toks), getattr(torch, dtype))
+    return np.asarray(lj.astype(jnp.float32)), lt.float().numpy()
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_jax_torch_logits_loss_grads_fp32(name):
+    m = variant(name)
+    params = random_params(m, std=0.1)
+    toks = tokens(m, T=24)
+    labels = model.shift_labels(toks)
+    labels[0, 3] = model.IGNORE_INDEX  # an ignored label in the middle too
+
+    lj, lt = both_logits(m, params, toks)
+    assert np.abs(lj).max() > 1.0  # far from uniform, so a wrong tensor would show
+    np.testing.assert_allclose(lj, lt, atol=2e-5 * np.abs(lt).max(), rtol=0)
+
+    loss_j, grads_j = jax.value_and_grad(model.loss_fn)(params, jnp.asarray(toks), jnp.asarray(labels), m, z_loss=1e-2)
+    net = model.torch_model(m, params)
+    loss_t = model.cross_entropy_torch(net(torch.from_numpy(toks)), torch.from_numpy(labels), z_loss=1e-2)[0]
+    loss_t.backward()
+    assert float(loss_j) == pytest.approx(loss_t.item(), rel=1e-5)
+    grads_t = model.stack_layers({k: p.grad.numpy() for k, p in net.named_parameters()}, m)
+    assert set(grads_t) == set(grads_j)
+    for k in grads_j:
+        g_j, g_t = np.asarray(grads_j[k]), grads_t[k]
+        np.testing.assert_allclose(g_j, g_t, atol=1e-4 * np.abs(g_t).max() + 1e-9, rtol=0, err_msg=k)
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_jax_torch_bf16(name):
+    m = variant(name)
+    params = random_params(m, std=0.1)
+    toks = tokens(m)
+    lj, lt = both_logits(m, params, toks, "bfloat16")
+    f32, _ = both_logits(m, params, toks)
+    scale = np.abs(f32).max()
+    # bf16 keeps 8 bits of mantissa: both backends land near fp32, and near each other.
+    assert np.abs(lj - f32).max() < 0.1 * scale and np.abs(lt - f32).max() < 0.1 * scale
+    assert np.abs(lj - lt).max() < 0.1 * scale
+    assert np.abs(lj - f32).mean() < 0.01 * scale
+
+
+def test_loss_against_torch_reference():
+    # Our CE (with ignore index) equals torch's own; z-loss is mean of logsumexp².
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((2, 7, 11)).astype(np.float32) * 3
+    labels = rng.integers(0, 11, (2, 7))
+    labels[1, 2:] = model.IGNORE_INDEX
+    loss, ce, z = model.cross_entropy(jnp.asarray(logits), jnp.asarray(labels), z_loss=1e-4)
+    t = torch.from_numpy(logits)
+    ref_ce = torch.nn.functional.cross_entropy(t.view(-1, 11), torch.from_numpy(labels).view(-1), ignore_index=-100)
+    valid = labels != model.IGNORE_INDEX
+    ref_z = (torch.logsumexp(t, -1).numpy()[valid] ** 2).mean()
+    assert float(ce) == pytest.approx(float(ref_ce), rel=1e-6)
+    assert float(z) == pytest.approx(ref_z, rel=1e-6)
+    assert float(loss) == pytest.approx(float(ref_ce) + 1e-4 * ref_z, rel=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_causal(name):
+    m = variant(name)
+    params = random_params(m)
+    a = tokens(m, T=20)
+    b = a.copy()
+    b[:, 12:] = (b[:, 12:] + 7) % m.vocab_size
+    for la, lb in zip(both_logits(m, params, a), both_logits(m, params, b)):
+        np.testing.assert_array_equal(la[:, :12], lb[:, :12])
+        assert np.abs(la[:, 12:] - lb[:, 12:]).max() > 1e-3
+
+
+def test_sliding_window_sees_exactly_w_keys():
+    W, T, q = 6, 16, 13
+    m = variant("olmo3", n_layers=1, layer_pattern="S", sliding_window=W, yarn_factor=0.0)
+    params = random_params(m)
+    base = tokens(m, B=1, T=T)
+    ref = both_logits(m, params, base)
+    for back, seen in [(W, False), (W - 1, True)]:
+        changed = base.copy()
+        changed[0, q - back] = (changed[0, q - back] + 1) % m.vocab_size
+        for r, c in zip(ref, both_logits(m, params, changed)):
+            moved = np.abs(r[0, q] - c[0, q]).max()
+            assert (moved > 1e-4) == seen, (back, moved)
+    # A full layer sees the same far-back key.
+    full = variant("olmo3", n_layers=1, layer_pattern="F", sliding_window=0, yarn_factor=0.0)
+    changed = base.copy()
+    changed[0, q - W] = (changed[0, q - W] + 1) % m.vocab_size
+    assert np.abs(both_logits(full, params, base)[0][0, q] - both_logits(full, params, changed)[0][0, q]).max() > 1e-4
+
+
+def test_layer_arrays_olmo3_7b():
+    from configs import load_config
+    m = load_config(["configs/olmo3-7b.toml", "configs/olmo3-long-context.toml"]).model
+    window, inv_freq, scale = model.layer_arrays(m)
+    assert [i for i in range(32) if window[i] == 0] == [3, 7, 11, 15, 19, 23, 27, 31]
+    assert set(window[window > 0]) == {4096}
+    assert np.all(scale[window > 0] == 1.0) and np.allclose(scale[window == 0], 0.1 * math.log(8) + 1)
+    # YaRN only on full layers: sliding layers keep plain RoPE.
+    np.testing.assert_allclose(inv_freq[0], 500000.0 ** -(np.arange(0, 128, 2) / 128), rtol=1e-6)
+    assert not np.allclose(inv_freq[3], inv_freq[0])
+
+
+def test_init_from_table():
+    m = ModelConfig(d_model=128, n_layers=3, n_heads=4, vocab_size=4096, eos_token_id=0, pad_token_id=1)
+    params = model.init_params(m, jax.random.PRNGKey(0))
+    q = np.asarray(params["layers.self_attn.q_proj.weight"])
+    # Truncated at ±3σ: std shrinks by a known factor (0.9866 for ±3σ).
+    assert np.abs(q).max() <= 0.06 + 1e-7
+    assert q.std() == pytest.approx(0.02 * 0.98658, rel=0.02)
+    assert np.all(np.asarray(params["norm.weight"]) == 1.0)
+    net = model.torch_model(m)
+    assert net.layers[1].mlp.up_proj.weight.std().item() == pytest.approx(0.02 * 0.98658, rel=0.03)
+    assert net.layers[0].post_attention_layernorm.weight.min().item() == 1.0
+
+
+def test_mitchell_init_per_layer():
+    m = ModelConfig(family="olmo1", d_model=256, n_layers=4, n_heads=4, mlp_hidden=512, vocab_size=1024,
+                    norm_eps=1e-5, init="mitchell", eos_token_id=0, pad_token_id=1)
+    params = model.init_params(m, jax.random.PRNGKey(1))
+    o = np.asarray(params["layers.self_attn.o_proj.weight"])
+    down = np.asarray(params["layers.mlp.down_proj.weight"])
+    for i in range(4):
+        depth = math.sqrt(2 * (i + 1))
+        assert o[i].std() == pytest.approx(0.98658 / math.sqrt(256) / depth, rel=0.03)
+        assert down[i].std() == pytest.approx(0.98658 / math.sqrt(512) / depth, rel=0.03)
+    assert np.asarray(params["embed_tokens.weight"]).std() == pytest.approx(0.98658 / 16, rel=0.03)
+    assert "lm_head.weight" in params and "norm.weight" not in params
+
+
+def test_flops_per_token_by_hand():
+    m = variant("olmo3")  # D 64, L 4 (3 sliding W=5 + 1 full), N 4, H 32, V 300, untied
+    T = 64
+    matmul = model.count_params(m) - 300 * 64
+    assert model.flops_per_token(m, T) == 6 * matmul + 12 * 4 * 32 * (3 * 5 + 64)
+    tied = variant("olmo1")
+    assert model.flops_per_token(tied, T) == 6 * model.count_params(tied) + 12 * 4 * 16 * 2 * 64
+
+
+def test_stack_unstack_round_trip():
+    m = variant("olmo2")
+    params = random_params(m)
+    flat = model.unstack_layers(params)
+    assert "layers.1.self_attn.q_norm.weight" in flat and "layers.self_attn.q_norm.weight" not in flat
+    back = model.stack_layers(flat, m)
+    assert all(np.array_equal(back[k], params[k]) for k in params)
+    assert set(model.torch_model(m).state_dict()) == set(flat)
+
+
+def test_token_checks():
+    m = variant("olmo2")
+    with pytest.raises(ValueError, match="token id 300 is out of range for vocab_size=300"):
+        model.check_tokens(np.array([[1, 300]]), m)
+    with pytest.raises(ValueError, match="token id -1 is out of range"):
+        model.check_tokens(np.array([[-1, 3]]), m)
+    with pytest.raises(ValueError, match=r"expected integer token ids of shape \(B, T\)"):
+        model.check_tokens(np.array([1.0, 2.0]), m)
