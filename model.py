@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 import torch.nn as nn
-import torch.nn.functional as F_
+import torch.nn.functional as F_  # F is the MLP width in our notation
 
 from configs import ModelConfig, describe, load_config
 

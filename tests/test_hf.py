@@ -94,13 +94,26 @@ def test_ours_to_hf(name, tmp_path):
     assert all(np.array_equal(params[k], params2[k]) for k in params)
 
 
-def test_sharded_checkpoint_and_untied_head_in_tied_file(tmp_path):
+def test_sharded_checkpoint(tmp_path):
     net = hf_model("olmo2")
     net.save_pretrained(tmp_path, max_shard_size="20KB")
-    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(set(json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"].values())) > 1
     m, params = convert.load_hf(tmp_path)
     toks = tokens(m)
     assert rel(np.asarray(model.forward(params, jnp.asarray(toks), m)), hf_logits(net, toks)) < 1e-5
+
+
+def test_tied_checkpoint_that_also_stores_lm_head(tmp_path):
+    # Some tied files carry a copy of the head; the tied model must use embed_tokens regardless.
+    m = variant("olmo1")
+    params = random_params(m)
+    convert.save_hf(tmp_path, m, params)
+    tensors = dict(convert.read_safetensors(tmp_path / "model.safetensors")[0])
+    assert "lm_head.weight" not in tensors
+    tensors["lm_head.weight"] = np.asarray(tensors["model.embed_tokens.weight"])
+    convert.write_safetensors(tmp_path / "model.safetensors", tensors, {"format": "pt"})
+    m2, params2 = convert.load_hf(tmp_path)
+    assert m2.tie_embeddings and set(params2) == set(params)
 
 
 def test_yarn_frequencies_match_hf():
