@@ -1,5 +1,5 @@
 # The README's two commands. Each creates .venv on first use and installs the pinned requirements.
-#   make demo   # the main job (for now: default corpus -> tokenizer -> token files -> verify/inspect; model check)
+#   make demo   # the main job: default corpus -> tokenizer -> token files -> train tiny -> bpb, plot, sample
 #   make test   # installs the test extra (pytest, transformers) and runs the suite
 PYTHON ?= python3.11
 VENV := .venv
@@ -37,12 +37,11 @@ $(DATA)/tiny/prepare.json: $(DATA)/bpe4096.tiktoken
 	$(PY) data.py prepare $(DATA)/corpus --out $(DATA)/tiny --tokenizer $< --heldout 0.05 $(if $(PALOMA),--decontaminate $(PALOMA))
 
 demo: $(DATA)/tiny/prepare.json
-	$(PY) data.py verify $(DATA)/tiny --seq-len 256 --global-batch 16 --seed 0
-	$(PY) data.py inspect $(DATA)/tiny --seq-len 256 --global-batch 16 --seed 0 --step 0
-	$(PY) model.py configs/tiny.toml --check
+	$(PY) data.py verify $(DATA)/tiny --seq-len 128 --global-batch 16 --seed 0
+	$(PY) train.py configs/tiny.toml
 
 test: $(VENV)/.installed-test
 	$(VENV)/bin/python -m pytest -q tests
 
 clean:
-	rm -rf $(VENV) $(DATA)
+	rm -rf $(VENV) $(DATA) runs

@@ -45,7 +45,8 @@ def read_safetensors(path):
             raise ValueError(f"{path}: the safetensors header is not valid JSON ({e})") from None
     metadata = header.pop("__metadata__", None) or {}
     data_size = size - 8 - n
-    data = np.memmap(path, np.uint8, "r", offset=8 + n, shape=(data_size,)) if data_size else np.zeros(0, np.uint8)
+    # A plain ndarray view of the map: still read lazily, and without np.memmap's reshape quirks (no 0-d arrays).
+    data = np.memmap(path, np.uint8, "r", offset=8 + n, shape=(data_size,)).view(np.ndarray) if data_size else np.zeros(0, np.uint8)
     out = {}
     for name, info in header.items():
         if info.get("dtype") not in DTYPES:
@@ -65,7 +66,7 @@ def write_safetensors(path, tensors, metadata=None):
     path = Path(path)
     header, offset, arrays = {}, 0, []
     for name, a in tensors.items():
-        a = np.ascontiguousarray(a)
+        a = np.asarray(a, order="C")  # (np.ascontiguousarray would turn a 0-d array into shape (1,))
         header[name] = {"dtype": NAMES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
         offset += a.nbytes
         arrays.append(a)

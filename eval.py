@@ -1,4 +1,5 @@
-"""Evaluation. For now: the logits of an HF-format model directory, from either backend.
+"""Evaluation. For now: the logits of an HF-format model directory from either backend, bits per byte,
+and a plain sampler (train.py uses the last two).
 
     python eval.py logits DIR --tokens IN.npy --out OUT.npy [--backend jax|torch] [--dtype float32|bfloat16]
 
@@ -27,6 +28,40 @@ def logits(d, tokens, backend="jax", dtype="float32", source="tokens"):
     with torch.no_grad():
         out = model.torch_model(m, params)(torch.from_numpy(tokens.astype(np.int64)), getattr(torch, dtype))
     return out.float().numpy()
+
+
+def token_bytes(tok):
+    """UTF-8 bytes each token id stands for; special tokens (EOS, PAD) stand for none. Bits per byte
+    divide a loss by these, so models with different tokenizers compare (Paloma's measure)."""
+    special = set(tok.enc.special_tokens_set)
+    out = np.zeros(tok.vocab_size, np.int64)
+    for i in range(tok.vocab_size):
+        piece = tok.enc.decode_single_token_bytes(i)
+        out[i] = 0 if piece.decode("utf-8", "replace") in special else len(piece)
+    return out
+
+
+def bits_per_byte(nats, n_bytes):
+    return nats / (np.log(2) * n_bytes) if n_bytes else float("nan")
+
+
+def sample(params, m, prompt_ids, n_new, temperature=0.8, seed=0):
+    """Plain autoregressive sampling: one jitted forward over a fixed window, reading the logits at the
+    last filled position (a KV cache would avoid recomputing the prefix; this is the simple version)."""
+    import jax
+    import jax.numpy as jnp
+    T = min(m.max_seq_len, len(prompt_ids) + n_new)
+    buf = np.zeros((1, T), np.int32)
+    ids = list(prompt_ids)[-(T - 1):]
+    step = jax.jit(lambda p, t, n, key: jax.random.categorical(
+        key, model.forward(p, t, m)[0, n - 1].astype(jnp.float32) / temperature))
+    key = jax.random.PRNGKey(seed)
+    for _ in range(n_new):
+        window = ids[-T:]
+        buf[0, :len(window)] = window
+        key, sub = jax.random.split(key)
+        ids.append(int(step(params, jnp.asarray(buf), len(window), sub)))
+    return ids[len(prompt_ids[-(T - 1):]):]
 
 
 def main(argv):

@@ -41,6 +41,7 @@ class Param:
     shape: tuple
     axes: tuple         # logical axis names per dim; shard.py maps them to mesh axes
     std: object = None  # truncated-normal std: a float, or one per layer for stacked params; None = ones
+    decay: bool = True  # AdamW weight decay applies (OLMo 2/3 and OLMo 1 alike: all but the embedding)
 
 
 def param_table(m: ModelConfig):
@@ -56,7 +57,7 @@ def param_table(m: ModelConfig):
                    down=tuple(s_f / d for d in depth), head=s_in)
     else:
         std = dict.fromkeys(["embed", "qkv", "out", "up", "down", "head"], m.init_std)
-    t = {"embed_tokens.weight": Param((V, D), ("vocab", "embed"), std["embed"])}
+    t = {"embed_tokens.weight": Param((V, D), ("vocab", "embed"), std["embed"], decay=False)}
     a = "layers.self_attn."
     t[a + "q_proj.weight"] = Param((L, N * H, D), ("layers", "heads", "embed"), std["qkv"])
     t[a + "k_proj.weight"] = Param((L, K * H, D), ("layers", "kv_heads", "embed"), std["qkv"])

@@ -118,8 +118,83 @@ class ModelConfig:
 
 
 @dataclass
+class DataConfig:
+    path: str = "data/tiny"       # a folder from `data.py prepare` (its train split), a mix file, or a token file
+    seq_len: int = 256            # T: tokens per instance
+    global_batch: int = 16        # G: instances per optimizer step, over all devices
+    seed: int = 0                 # the order: epoch e shuffles with PCG64(seed + e), as OLMo-core
+
+    def __post_init__(self):
+        for name in ("seq_len", "global_batch"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"data.{name}={getattr(self, name)}: must be positive")
+
+
+@dataclass
+class MeshConfig:
+    data: int = -1                # data-parallel ways; -1 = every device
+
+    def __post_init__(self):
+        if self.data == 0 or self.data < -1:
+            raise ConfigError(f"mesh.data={self.data}: a positive number of devices, or -1 for all")
+
+
+@dataclass
+class TrainConfig:
+    run_dir: str = "runs/tiny"    # checkpoints, metrics.jsonl, config.json, loss.png; a rerun resumes from here
+    steps: int = 1000             # optimizer steps in this stage
+    micro_batch: int = 0          # instances per device per forward/backward; 0 = all of them (no accumulation)
+    compute_dtype: str = "float32"  # float32 | bfloat16 (params and optimizer state stay fp32)
+    init_seed: int = 0
+    init_from: str = ""           # start a new stage from this checkpoint: its params (and moments), step 0
+    load_optimizer: bool = True   # with init_from: also take its AdamW moments (OLMo 3 mid-training does)
+    lr: float = 4e-4
+    schedule: str = "cosine"      # cosine | linear | half_cosine | constant, after a linear warmup
+    units: str = "steps"          # steps | tokens: what warmup and t_max count
+    warmup: int = 100
+    warmup_min_lr: float = 0.0    # OLMo 1 (Feb 2024) warmed up from 0.1·lr
+    t_max: int = 0                # schedule length; 0 = this stage's steps (or their tokens)
+    alpha_f: float = 0.1          # the schedule ends at alpha_f·lr
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8             # OLMo 1 used 1e-5
+    weight_decay: float = 0.1     # on every weight but the embedding (the table's `decay` flag)
+    clip: float = 1.0             # global gradient-norm clipping; 0 = off
+    z_loss: float = 1e-5          # OLMo 2/3; OLMo 1 had none
+    skip_step: bool = False       # OLMo 3: skip updates whose loss or grad norm is a 6σ outlier
+    log_every: int = 10
+    checkpoint_every: int = 500
+    keep: int = 2                 # checkpoints kept (the newest)
+
+    def __post_init__(self):
+        choices = dict(compute_dtype=("float32", "bfloat16"), schedule=("cosine", "linear", "half_cosine", "constant"),
+                       units=("steps", "tokens"))
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"train.{name}={getattr(self, name)!r}: must be one of {list(allowed)}")
+        for name in ("steps", "log_every", "checkpoint_every", "keep"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"train.{name}={getattr(self, name)}: must be positive")
+        if self.micro_batch < 0 or self.warmup < 0 or self.t_max < 0:
+            raise ConfigError("train.micro_batch, train.warmup and train.t_max must be >= 0")
+
+
+@dataclass
+class EvalConfig:
+    every: int = 200              # held-out loss and bits per byte every N steps (and at the end); 0 = only at the end
+    batches: int = 8              # held-out batches per in-loop eval (the final one uses all); 0 = all
+    prompt: str = "It is a truth universally acknowledged"  # sampled from at the end of training; "" = no sample
+    sample_tokens: int = 48
+    temperature: float = 0.8
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 # --- loading -------------------------------------------------------------------------------------
@@ -218,6 +293,6 @@ def describe(cfg):
         sub = getattr(cfg, section)
         for f in dataclasses.fields(sub):
             value = getattr(sub, f.name)
-            formula = sub.derived.get(f.name)
+            formula = getattr(sub, "derived", {}).get(f.name)
             lines.append(f"{section}.{f.name:<26} {value!r}" + (f"    = {formula}" if formula else ""))
     return "\n".join(lines)

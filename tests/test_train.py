@@ -1,0 +1,281 @@
+"""train.py: AdamW and the schedules against references, exact resume, accumulation, devices, bad input."""
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import convert
+import data
+import model
+import shard
+import train
+from configs import ConfigError, build, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+LICENSE = (ROOT / "LICENSE").read_text()
+
+SMALL = """
+[model]
+family = "olmo3"
+d_model = 32
+n_layers = 2
+n_heads = 4
+n_kv_heads = 2
+mlp_hidden = 64
+vocab_size = 384
+eos_token_id = 382
+pad_token_id = 383
+max_seq_len = 32
+sliding_window = 8
+layer_pattern = "SF"
+[data]
+seq_len = 32
+global_batch = 8
+[train]
+lr = 3e-3
+warmup = 2
+log_every = 1
+checkpoint_every = 100
+[eval]
+every = 0
+prompt = ""
+"""
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A prepared dataset (384-id BPE on real text) and a config file pointing at it."""
+    root = tmp_path_factory.mktemp("train")
+    docs = root / "docs"
+    docs.mkdir()
+    paras = [p for p in LICENSE.split("\n\n") if p.strip()]
+    for i, p in enumerate(paras):
+        (docs / f"{i:03d}.txt").write_text(p * 3)
+    data.save_ranks(data.train_bpe([LICENSE], 384), root / "bpe.tiktoken")
+    data.prepare([docs], root / "data", str(root / "bpe.tiktoken"), heldout=0.1, workers=1, quiet=True)
+    toml = root / "small.toml"
+    toml.write_text(SMALL.replace("[data]\n", f'[data]\npath = "{root / "data"}"\n'))
+    return root, toml
+
+
+def run(toml, run_dir, *extra, env=None, check=True):
+    cmd = [sys.executable, "train.py", str(toml), f"--train.run_dir={run_dir}", *extra]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+    if check and r.returncode:
+        raise AssertionError(r.stdout[-3000:] + r.stderr[-3000:])
+    return r
+
+
+def losses(run_dir):
+    return {r["step"]: r["loss"] for r in map(json.loads, (Path(run_dir) / "metrics.jsonl").read_text().splitlines())}
+
+
+def final_params(run_dir, step):
+    return convert.read_safetensors(Path(run_dir) / f"step_{step}" / "model.safetensors")[0]
+
+
+# --- AdamW and schedules ---
+
+def test_adamw_equals_torch():
+    rng = np.random.default_rng(0)
+    shapes = {"embed_tokens.weight": (5, 3), "layers.mlp.up_proj.weight": (2, 4, 3), "norm.weight": (3,)}
+    params = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    decay = {"embed_tokens.weight": False, "layers.mlp.up_proj.weight": True, "norm.weight": True}
+    tc = build({"train": dict(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)}).train
+    tp = {k: torch.nn.Parameter(torch.from_numpy(v.copy())) for k, v in params.items()}
+    opt_t = torch.optim.AdamW([{"params": [tp[k] for k in tp if decay[k]], "weight_decay": 0.1},
+                               {"params": [tp[k] for k in tp if not decay[k]], "weight_decay": 0.0}],
+                              lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    p, opt = {k: jnp.asarray(v) for k, v in params.items()}, train.new_optimizer(params)
+    for step in range(6):
+        lr = [1e-2, 5e-3, 2e-2, 1e-3, 1e-2, 7e-3][step]
+        grads = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+        for g in opt_t.param_groups:
+            g["lr"] = lr
+        for k in tp:
+            tp[k].grad = torch.from_numpy(grads[k])
+        opt_t.step()
+        p, opt = train.adamw(p, {k: jnp.asarray(v) for k, v in grads.items()}, opt, lr, tc, decay)
+        for k in tp:
+            np.testing.assert_allclose(np.asarray(p[k]), tp[k].detach().numpy(), rtol=2e-6, atol=1e-7, err_msg=k)
+
+
+def tcfg(**kw):
+    return build({"train": kw}).train
+
+
+def test_schedules_match_the_reference_numbers():
+    # OLMo 3 7B stage 1 part 1: lr 3e-4, warmup 2000, cosine to 0.1·lr over t_max = 1,192,093 steps.
+    part1 = tcfg(lr=3e-4, warmup=2000, t_max=1_192_093, schedule="cosine", alpha_f=0.1)
+    hand = 3e-5 + (3e-4 - 3e-5) * (1 + math.cos(math.pi * (597_046 - 2000) / (1_192_093 - 2000))) / 2
+    assert train.lr_at(597_046, part1, 1, 0) == pytest.approx(hand, rel=1e-12)
+    assert hand == pytest.approx(1.65e-4, rel=1e-5)  # the reference's "≈ 1.6500e-4"
+    assert train.lr_at(1000, part1, 1, 0) == pytest.approx(1.5e-4)  # half-way up the warmup from 0
+    assert train.lr_at(1_192_093, part1, 1, 0) == pytest.approx(3e-5)
+    # Part 2: HalfCosWithWarmup(warmup=597,046) over 1,668,931 steps continues at the midpoint and ends
+    # stage 1 (step 1,413,814) at ~3.93e-5 (reference/olmo-facts.md §5.3).
+    part2 = tcfg(lr=3e-4, warmup=597_046, t_max=1_668_931, schedule="half_cosine", alpha_f=0.1)
+    W, T = 597_046, 1_668_931
+    hand = lambda s: 3e-5 + 2.7e-4 * (1 + math.cos(math.pi * (s - W + (T - W)) / (2 * (T - W)))) / 2  # noqa: E731
+    assert train.lr_at(W, part2, 1, 0) == pytest.approx(hand(W), rel=1e-12) and hand(W) == pytest.approx(1.65e-4)
+    assert train.lr_at(1_413_814, part2, 1, 0) == pytest.approx(hand(1_413_814), rel=1e-12)
+    assert hand(1_413_814) == pytest.approx(3.93e-5, rel=2e-3)
+    # OLMo 2 1B, counted in tokens: warmup 8,388,608,000 tokens, cosine to 0.1 over 5e12; at the stage-1
+    # end (step 1,907,359 of 512 x 4096 tokens) the LR was the stage-2 starting LR 7.4487e-5.
+    olmo2 = tcfg(lr=4e-4, units="tokens", warmup=8_388_608_000, t_max=5_000_000_000_000, alpha_f=0.1)
+    assert train.lr_at(1_907_359, olmo2, 512 * 4096, 0) == pytest.approx(7.4487e-5, rel=1e-4)
+    # OLMo 1 (Feb 2024): warmup from 0.1·lr; linear decay (7B) to 0.1·lr.
+    olmo1 = tcfg(lr=3e-4, warmup=5000, warmup_min_lr=3e-5, schedule="linear", t_max=476_837, alpha_f=0.1)
+    assert train.lr_at(2500, olmo1, 1, 0) == pytest.approx(3e-4 * (0.1 + 0.9 * 0.5))
+    mid = 5000 + (476_837 - 5000) / 2
+    assert train.lr_at(mid, olmo1, 1, 0) == pytest.approx(3e-4 - 2.7e-4 / 2)
+    # OLMo 2 stage 2: linear from lr to 0 without warmup; constant holds after warmup.
+    anneal = tcfg(lr=6.1499e-5, warmup=0, schedule="linear", alpha_f=0.0)
+    assert train.lr_at(11931 // 2, anneal, 1, 11931) == pytest.approx(6.1499e-5 * (1 - (11931 // 2) / 11931))
+    assert train.lr_at(50, tcfg(lr=1e-3, warmup=10, schedule="constant"), 1, 100) == 1e-3
+
+
+# --- the step: accumulation ---
+
+def small_cfg(setup, *extra):
+    return load_config([str(setup[1]), *extra])
+
+
+def test_accumulation_equals_one_batch(setup):
+    results = []
+    for micro in (0, 4, 2):
+        cfg = small_cfg(setup, f"--train.micro_batch={micro}")
+        mesh = shard.make_mesh(cfg.mesh)
+        step = train.make_train_step(cfg, mesh)
+        params = model.init_params(cfg.model, jax.random.PRNGKey(0))
+        tokens = np.random.default_rng(1).integers(0, 382, (8, 32)).astype(np.int32)
+        A = 8 // (micro or 8)
+        batch = tokens.reshape(A, 8 // A, 32)
+        p, _, _, out = step(params, train.new_optimizer(params), train.new_history(), batch, jnp.float32(1e-3))
+        results.append((float(out["loss"]), float(out["grad_norm"]), jax.device_get(p)))
+    for loss, gnorm, p in results[1:]:
+        assert loss == pytest.approx(results[0][0], rel=1e-6) and gnorm == pytest.approx(results[0][1], rel=1e-5)
+        for k in p:
+            np.testing.assert_allclose(p[k], results[0][2][k], rtol=0, atol=1e-6, err_msg=k)
+
+
+def test_skip_step_skips_outliers(setup):
+    cfg = small_cfg(setup, "--train.skip_step=true")
+    step = train.make_train_step(cfg, shard.make_mesh(cfg.mesh))
+    params = model.init_params(cfg.model, jax.random.PRNGKey(0))
+    def history(n):  # a fresh one each call: the step donates its inputs
+        return dict(loss=jnp.full(128, 1.0).at[::2].set(1.1), grad_norm=jnp.full(128, 1.0), n=jnp.asarray(n, jnp.int32))
+
+    tokens = np.random.default_rng(1).integers(0, 382, (1, 8, 32)).astype(np.int32)
+    p, _, h, out = step(jax.tree.map(jnp.copy, params), train.new_optimizer(params), history(64), tokens, jnp.float32(1e-3))
+    assert bool(out["skipped"])  # loss ≈ 6 is far above a history of 1.0-1.1
+    assert all(np.array_equal(np.asarray(p[k]), np.asarray(params[k])) for k in params)
+    assert int(h["n"]) == 65
+    # Fewer than 64 values: never skip.
+    _, _, _, out = step(jax.tree.map(jnp.copy, params), train.new_optimizer(params), history(63), tokens, jnp.float32(1e-3))
+    assert not bool(out["skipped"])
+
+
+# --- whole runs ---
+
+def test_exact_resume_after_sigterm(setup, tmp_path):
+    root, toml = setup
+    straight = tmp_path / "straight"
+    run(toml, straight, "--train.steps=60")
+    cut = tmp_path / "cut"
+    proc = subprocess.Popen([sys.executable, "train.py", str(toml), f"--train.run_dir={cut}", "--train.steps=60"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = cut / "metrics.jsonl"
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 4) and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate()[0]
+    assert proc.returncode == 0 and "SIGTERM: saved" in out, out[-2000:]
+    stopped = int((cut / "latest").read_text().strip()[5:])
+    assert 4 <= stopped < 60
+    r = run(toml, cut, "--train.steps=60")
+    assert f"resuming {cut}/step_{stopped} at step {stopped}" in r.stdout
+    assert losses(cut) == losses(straight)  # every step, bit for bit
+    a, b = final_params(straight, 60), final_params(cut, 60)
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    # The checkpoint is a Hugging Face model directory.
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(straight / "step_60")
+    assert type(hf).__name__ == "Olmo3ForCausalLM"
+
+
+def test_sigkill_during_checkpoints_leaves_a_resumable_run(setup, tmp_path):
+    root, toml = setup
+    d = tmp_path / "run"
+    args = [sys.executable, "train.py", str(toml), f"--train.run_dir={d}", "--train.steps=400",
+            "--train.checkpoint_every=1", "--train.keep=3"]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while not (d / "step_6").exists() and proc.poll() is None:
+        time.sleep(0.01)
+    time.sleep(0.37)  # somewhere in the save-every-step loop
+    proc.kill()
+    proc.wait()
+    latest = train.latest_checkpoint(d)
+    assert latest is not None and (latest / "optimizer.safetensors").is_file()
+    # A crash inside a write leaves a .tmp folder; simulate one that died half-way, then resume.
+    (d / "step_999.tmp").mkdir(exist_ok=True)
+    (d / "step_999.tmp" / "model.safetensors").write_bytes(b"\0" * 10)
+    step = int(latest.name[5:])
+    r = run(toml, d, f"--train.steps={step + 2}", "--train.checkpoint_every=1", "--train.keep=3")
+    assert f"at step {step}" in r.stdout and (d / f"step_{step + 2}").is_dir()
+    assert len(list(d.glob("step_*[0-9]"))) == 3
+
+
+def test_eight_devices_equal_one(setup, tmp_path):
+    root, toml = setup
+    one, eight = tmp_path / "one", tmp_path / "eight"
+    run(toml, one, "--train.steps=4")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    r = run(toml, eight, "--train.steps=4", env=env)
+    assert "over 8 device(s)" in r.stdout
+    l1, l8 = losses(one), losses(eight)
+    assert l1.keys() == l8.keys() and all(l8[s] == pytest.approx(l1[s], rel=1e-5) for s in l1)
+    r = run(toml, tmp_path / "bad", "--train.steps=4", "--data.global_batch=12", env=env, check=False)
+    assert r.returncode != 0 and "data.global_batch=12 does not divide over the 8 devices" in r.stderr
+
+
+def test_stage_from_a_checkpoint(setup, tmp_path):
+    root, toml = setup
+    first = tmp_path / "first"
+    run(toml, first, "--train.steps=3")
+    r = run(toml, tmp_path / "second", "--train.steps=1", f"--train.init_from={first}/step_3",
+            "--train.schedule=constant", "--train.warmup=0", "--train.lr=0.0")
+    assert "new stage from" in r.stdout
+    a, b = final_params(first, 3), final_params(tmp_path / "second", 1)
+    assert all(np.array_equal(a[k], b[k]) for k in a)  # lr 0: the stage starts from exactly those params
+    moments = convert.read_safetensors(tmp_path / "second/step_1/optimizer.safetensors")[0]
+    assert int(moments["step"]) == 4  # AdamW's own count continues; the stage's step restarted at 1
+
+
+def test_bad_runs(setup, tmp_path):
+    root, toml = setup
+    d = tmp_path / "run"
+    run(toml, d, "--train.steps=2")
+    r = run(toml, d, "--train.steps=4", "--model.n_layers=4", "--model.layer_pattern=SF", check=False)
+    assert r.returncode != 0 and "holds a different model (n_layers: 2 there, 4 here)" in r.stderr
+    st = d / "step_2" / "model.safetensors"
+    st.write_bytes(st.read_bytes()[:-50])
+    r = run(toml, d, "--train.steps=4", check=False)
+    assert r.returncode != 0 and "model.safetensors: tensor" in r.stderr and "truncated or corrupt" in r.stderr
+    r = run(toml, tmp_path / "nan", "--train.steps=6", "--train.lr=1e30", "--train.warmup=0", "--train.clip=0",
+            "--train.checkpoint_every=1", check=False)
+    assert r.returncode != 0 and "FloatingPointError: loss is nan at step" in r.stderr
+    assert "last good checkpoint: " in r.stderr and "step_" in r.stderr
+    r = run(toml, tmp_path / "skip", "--train.steps=6", "--train.lr=1e30", "--train.warmup=0", "--train.clip=0",
+            "--train.skip_step=true")
+    assert any(json.loads(x)["skipped"] for x in (tmp_path / "skip/metrics.jsonl").read_text().splitlines())
