@@ -347,24 +347,23 @@ def main(argv):
     last_saved = ckpt
     batches = iter(loader)
     bar = tqdm(range(start + 1, tc.steps + 1), initial=start, total=tc.steps, desc="train", dynamic_ncols=True)
-    t_last, steps_since = time.perf_counter(), 0
+    t_last, window = time.perf_counter(), []  # window: losses since the last log line, averaged into it
     for step in bar:
         _, tokens = next(batches)
         lr = lr_at(step, tc, tokens_per_step, tc.steps)
         params, opt, history, out = train_step(params, opt, history, device_batch(tokens), jnp.float32(lr))
         loss, skipped = float(out["loss"]), bool(out["skipped"])
-        steps_since += 1
+        window.append(loss)
         if not math.isfinite(loss) and not tc.skip_step:
             raise FloatingPointError(f"loss is {loss} at step {step}; last good checkpoint: {last_saved or 'none'} "
                                      "(the update was not applied; lower train.lr or set train.skip_step=true)")
         record = None
         if step % tc.log_every == 0 or step == tc.steps:
-            dt = time.perf_counter() - t_last
-            tps = steps_since * tokens_per_step / dt
-            record = dict(step=step, loss=loss, ce=float(out["ce"]), lr=lr, grad_norm=float(out["grad_norm"]),
-                          tokens_per_s=tps, mfu=flops * tps / (peak * n_dev) if peak else None, skipped=skipped,
-                          tokens=step * tokens_per_step)
-            t_last, steps_since = time.perf_counter(), 0
+            tps = len(window) * tokens_per_step / (time.perf_counter() - t_last)
+            record = dict(step=step, loss=sum(window) / len(window), ce=float(out["ce"]), lr=lr,
+                          grad_norm=float(out["grad_norm"]), tokens_per_s=tps, skipped=skipped,
+                          mfu=flops * tps / (peak * n_dev) if peak else None, tokens=step * tokens_per_step)
+            t_last, window = time.perf_counter(), []
         if ec.every and step % ec.every == 0 and step != tc.steps:
             record = {**(record or dict(step=step)), **(held_out_eval(ec.batches) or {})}
             t_last = time.perf_counter()  # tokens/s measures training only
@@ -373,7 +372,7 @@ def main(argv):
                 f.write(json.dumps(record) + "\n")
             if "loss" in record:
                 mfu = f"{100 * record['mfu']:.1f}%" if record["mfu"] is not None else "n/a"
-                line = (f"step {step:>6} | loss {loss:.4f} | lr {lr:.2e} | grad norm {record['grad_norm']:.3f} | "
+                line = (f"step {step:>6} | loss {record['loss']:.4f} | lr {lr:.2e} | grad norm {record['grad_norm']:.3f} | "
                         f"{record['tokens_per_s']:,.0f} tok/s | MFU {mfu}" + (" | SKIPPED" if skipped else ""))
                 bar.write(line + (f" | held-out bpb {record['eval_bpb']:.3f}" if record.get("eval_bpb") else ""))
         if (step % tc.checkpoint_every == 0 or step == tc.steps or stop["signal"]) and jax.process_index() == 0:
@@ -447,11 +446,9 @@ def plot(run_dirs, out):
 
 # --- bench --------------------------------------------------------------------------------------
 
-def bench(argv, steps=5):
+def bench(argv, steps=10):
     """A few train steps of the configured model in JAX, then the same model, batch and optimizer in
-    transformers (torch, this machine's CPU), in one process."""
-    import torch
-    import transformers
+    transformers (torch, this machine's CPU), in one process. Each side runs 2 steps before the clock."""
     cfg = load_config(argv)
     m, dc, tc = cfg.model, cfg.data, cfg.train
     B, T = dc.global_batch, dc.seq_len
@@ -461,7 +458,8 @@ def bench(argv, steps=5):
     opt, history = new_optimizer(params), new_history()
     step = make_train_step(cfg, mesh)
     batch = jax.device_put(tokens[None], shard.batch_sharding(mesh))
-    params, opt, history, out = step(params, opt, history, batch, jnp.float32(tc.lr))  # compile
+    for _ in range(2):  # compile, warm up
+        params, opt, history, out = step(params, opt, history, batch, jnp.float32(tc.lr))
     jax.block_until_ready(out)
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -469,6 +467,8 @@ def bench(argv, steps=5):
     jax.block_until_ready(out)
     ours = steps * B * T / (time.perf_counter() - t0)
 
+    import torch  # imported only now, so its thread pools do not share the cores with XLA's above
+    import transformers
     hf_cfg = convert.config_to_hf(m)
     hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**{
         k: v for k, v in hf_cfg.items() if k != "architectures"}))
@@ -483,6 +483,7 @@ def bench(argv, steps=5):
         optim.step()
         optim.zero_grad()
 
+    torch_step()
     torch_step()
     t0 = time.perf_counter()
     for _ in range(steps):
