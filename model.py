@@ -225,28 +225,33 @@ def mlp(p, x):
     return linear(jax.nn.silu(gate) * up, p["mlp.down_proj.weight"])  # (B, T, D)
 
 
-def block(p, x, cos, sin, window, m):
+def block(p, x, cos, sin, window, m, ffn=mlp):
     if m.family == "olmo1":  # pre-norm
         x = x + attention(p, layer_norm(x, m.norm_eps), cos, sin, window, m)
-        return x + mlp(p, layer_norm(x, m.norm_eps))
+        return x + ffn(p, layer_norm(x, m.norm_eps))
     # OLMo 2/3 "reordered norm": no norm on the way in; RMSNorm on each sublayer's output, then the residual add.
     x = x + rms_norm(attention(p, x, cos, sin, window, m), p["post_attention_layernorm.weight"], m.norm_eps)
-    return x + rms_norm(mlp(p, x), p["post_feedforward_layernorm.weight"], m.norm_eps)
+    return x + rms_norm(ffn(p, x), p["post_feedforward_layernorm.weight"], m.norm_eps)
 
 
-def forward(params, tokens, m, dtype=jnp.float32):
+def forward(params, tokens, m, dtype=jnp.float32, remat="none"):
     """tokens (B, T) int -> logits (B, T, V) in `dtype`. Ids must be < V: JAX clamps silently, so callers
-    check (check_tokens) before they get here."""
+    check (check_tokens) before they get here. `remat` trades compute for memory in training: "block"
+    keeps only each layer's input for the backward pass, "mlp" recomputes just the MLPs."""
     B, T = tokens.shape
     x = params["embed_tokens.weight"][tokens].astype(dtype)  # (B, T, D)
     window, inv_freq, rope_scale = layer_arrays(m)
     positions = jnp.arange(T)
     layers = {name[len("layers."):]: w for name, w in params.items() if name.startswith("layers.")}
 
-    def step(x, layer):  # one lax.scan step = one layer, so compile time does not grow with L
-        p, w, f, s = layer
+    ffn = jax.checkpoint(mlp) if remat == "mlp" else mlp
+    layer = lambda p, x, cos, sin, w: block(p, x, cos, sin, w, m, ffn)  # noqa: E731
+    layer = jax.checkpoint(layer) if remat == "block" else layer
+
+    def step(x, xs):  # one lax.scan step = one layer, so compile time does not grow with L
+        p, w, f, s = xs
         cos, sin = rope_cos_sin(positions, f, s)
-        return block(p, x, cos, sin, w, m), None
+        return layer(p, x, cos, sin, w), None
 
     x, _ = jax.lax.scan(step, x, (layers, window, inv_freq, rope_scale))
     x = layer_norm(x, m.norm_eps) if m.family == "olmo1" else rms_norm(x, params["norm.weight"], m.norm_eps)
@@ -267,8 +272,8 @@ def cross_entropy(logits, labels, z_loss=0.0):
     return ce + z_loss * z, ce, z
 
 
-def loss_fn(params, tokens, labels, m, dtype=jnp.float32, z_loss=0.0):
-    return cross_entropy(forward(params, tokens, m, dtype), labels, z_loss)[0]
+def loss_fn(params, tokens, labels, m, dtype=jnp.float32, z_loss=0.0, remat="none"):
+    return cross_entropy(forward(params, tokens, m, dtype, remat), labels, z_loss)[0]
 
 
 def init_params(m, key):

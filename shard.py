@@ -1,54 +1,218 @@
 """Device meshes and shardings. The model never sees any of this: train.py asks here how to lay out the
-params and the batch, and jit does the rest.
+params, the optimizer state and the batch, and jit (GSPMD) inserts the communication.
 
-    python shard.py            # print the mesh this machine would build
+    python shard.py configs/olmo3-7b.toml --mesh.fsdp=-1          # the mesh and each parameter's layout here
+    python shard.py plan configs/olmo3-7b.toml --mesh data=1,fsdp=256,tensor=1 --batch 512 --seq 8192
 
-For now the mesh has one axis, "data": every device holds all parameters and a slice of the batch,
-and jit's gradient all-reduce makes it plain data parallelism. (FSDP and tensor parallelism add the
-"fsdp" and "tensor" axes and the logical-axis rules.)
+The mesh has three axes, ("data", "fsdp", "tensor"). The batch is split over data × fsdp; parameters
+are split by the logical axes the parameter table gives each dimension, through RULES:
+    embed -> fsdp (FSDP/ZeRO-3: each device keeps 1/fsdp of every weight, gathered for use)
+    heads, kv_heads, mlp, vocab -> tensor (Megatron-style tensor parallelism)
+    layers -> not split (the scan walks over it)
 """
 
+import math
+import os
 import sys
 
-import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+RULES = {"embed": "fsdp", "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor", "layers": None}
+AXES = ("data", "fsdp", "tensor")
+BATCH = ("data", "fsdp")  # the axes the instances of a batch are split over
+
+
+def mesh_shape(mesh_cfg, n_devices):
+    """(data, fsdp, tensor) with the one -1 filled in; checked against the device count."""
+    sizes = [mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor]
+    if sizes.count(-1) > 1:
+        raise ValueError(f"mesh {dict(zip(AXES, sizes))}: at most one axis may be -1")
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if n_devices % known:
+            raise ValueError(f"mesh {dict(zip(AXES, sizes))}: {n_devices} devices do not divide by {known}")
+        sizes[sizes.index(-1)] = n_devices // known
+    if math.prod(sizes) != n_devices:
+        raise ValueError(f"mesh {dict(zip(AXES, sizes))} needs {math.prod(sizes)} devices, there are {n_devices}")
+    return tuple(sizes)
 
 
 def make_mesh(mesh_cfg, devices=None):
+    import jax
+    from jax.sharding import AxisType
     devices = jax.devices() if devices is None else devices
-    n = len(devices) if mesh_cfg.data == -1 else mesh_cfg.data
-    if n != len(devices):
-        raise ValueError(f"mesh.data={mesh_cfg.data} but there are {len(devices)} devices; "
-                         f"the mesh must use every device (-1 means all)")
-    return Mesh(np.array(devices).reshape(n), ("data",))
+    shape = mesh_shape(mesh_cfg, len(devices))
+    # Auto axes: shardings go in through jit's in/out_shardings (jax.make_mesh defaults to Explicit).
+    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
 
 
-def param_sharding(mesh):
-    return NamedSharding(mesh, P())  # replicated
+def spec_for(name, param, mesh_sizes):
+    """PartitionSpec of one parameter from its logical axes; every split must divide its dimension."""
+    from jax.sharding import PartitionSpec as P
+    out = []
+    for dim, logical in zip(param.shape, param.axes):
+        axis = RULES[logical]
+        if axis is not None and mesh_sizes[axis] > 1:
+            if dim % mesh_sizes[axis]:
+                raise ValueError(f"{name}: dimension '{logical}' of size {dim} does not divide over mesh axis "
+                                 f"'{axis}' of size {mesh_sizes[axis]}")
+            out.append(axis)
+        else:
+            out.append(None)
+    return P(*out)
+
+
+def param_shardings(mesh, table):
+    from jax.sharding import NamedSharding
+    sizes = dict(mesh.shape)
+    return {name: NamedSharding(mesh, spec_for(name, p, sizes)) for name, p in table.items()}
+
+
+def replicated(mesh):
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    return NamedSharding(mesh, P())
 
 
 def batch_sharding(mesh):
-    """Token batches (A micro-batches, B instances, T): instances split over "data"."""
-    return NamedSharding(mesh, P(None, "data"))
+    """Token batches (A micro-batches, B instances, T): instances split over data × fsdp."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    return NamedSharding(mesh, P(None, BATCH))
 
 
 def instance_sharding(mesh):
-    """A plain batch of instances (B, T), split over "data"."""
-    return NamedSharding(mesh, P("data"))
+    """A plain batch of instances (B, T), split over data × fsdp."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    return NamedSharding(mesh, P(BATCH))
+
+
+def dp_size(mesh):
+    return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
 def local_ranks(mesh):
-    """Data-parallel ranks whose devices belong to this process, in mesh order."""
-    return [i for i, d in enumerate(mesh.devices.flat) if d.process_index == jax.process_index()]
+    """Data-parallel ranks (data-major, then fsdp) with a device in this process, in order."""
+    import jax
+    devs = mesh.devices.reshape(dp_size(mesh), -1)  # (ranks, tensor)
+    return [r for r in range(len(devs)) if any(d.process_index == jax.process_index() for d in devs[r])]
+
+
+def check_batch(global_batch, micro_batch, mesh):
+    """Instances per rank and micro-batches per step; errors before anything compiles."""
+    dp = dp_size(mesh)
+    if global_batch % dp:
+        raise ValueError(f"data.global_batch={global_batch} does not divide over the {dp} data-parallel ranks "
+                         f"(mesh data={mesh.shape['data']} x fsdp={mesh.shape['fsdp']})")
+    per_rank = global_batch // dp
+    micro = micro_batch or per_rank
+    if per_rank % micro:
+        raise ValueError(f"train.micro_batch={micro} does not divide the {per_rank} instances each rank gets per step")
+    return per_rank, micro, per_rank // micro
+
+
+def layout_table(mesh, table, dtype_bytes=4):
+    """One line per parameter: spec and bytes per device (params only; AdamW adds 2x that)."""
+    shardings = param_shardings(mesh, table)
+    lines, total = [], 0
+    for name, p in table.items():
+        spec = shardings[name].spec
+        per_dev = math.prod(p.shape) * dtype_bytes // math.prod(mesh.shape[a] for a in spec if a)
+        total += per_dev
+        lines.append(f"{name:<42} {str(tuple(spec)):<34} {per_dev / 2**20:>10.2f} MiB/device")
+    lines.append(f"{'params in all':<42} {'':<34} {total / 2**30:>10.3f} GiB/device (+2x for AdamW moments)")
+    return lines
 
 
 def describe(mesh):
+    import jax
     kinds = sorted({d.device_kind for d in mesh.devices.flat})
     return (f"mesh {dict(mesh.shape)} over {mesh.devices.size} device(s) ({', '.join(kinds)}), "
             f"{jax.process_count()} process(es)")
 
 
-if __name__ == "__main__":
+def start_distributed():
+    """Multi-host: when the launcher set JAX_COORDINATOR_ADDRESS (and JAX_NUM_PROCESSES, JAX_PROCESS_ID),
+    join the other processes. TPU pods and SLURM fill these in by themselves; call before any device use."""
+    import jax
+    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        if os.environ.get("JAX_PLATFORMS") == "cpu":  # CPU processes talk over gloo (tests, laptops)
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(os.environ["JAX_COORDINATOR_ADDRESS"], int(os.environ["JAX_NUM_PROCESSES"]),
+                                   int(os.environ["JAX_PROCESS_ID"]))
+
+
+# --- the plan: compile the real train step ahead of time for a mesh we do not have ------------------
+
+HBM_GIB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32, "a100": 80, "h100": 80, "h200": 141, "b200": 180}
+
+
+def plan(argv):
+    """python shard.py plan CONFIG.toml... --mesh data=D,fsdp=F,tensor=T --batch B --seq T [--device h100]
+    [--topology v5p:8x8x4] [--section.key=value ...]"""
+    import argparse
+    ap = argparse.ArgumentParser(prog="shard.py plan", description=plan.__doc__)
+    ap.add_argument("configs", nargs="+")
+    ap.add_argument("--mesh", required=True, help="data=D,fsdp=F,tensor=T")
+    ap.add_argument("--batch", type=int, required=True, help="instances per step (global)")
+    ap.add_argument("--seq", type=int, required=True)
+    ap.add_argument("--device", default="h100", choices=sorted(HBM_GIB), help="whose memory to compare against")
+    ap.add_argument("--topology", default=None, help="with libtpu installed: compile for this TPU topology, e.g. v5p:8x8x4")
+    args, extra = ap.parse_known_args(argv)  # extra: --section.key=value config overrides
+    sizes = dict(part.split("=") for part in args.mesh.split(","))
+    overrides = [f"--mesh.{k}={v}" for k, v in sizes.items()] + [f"--data.global_batch={args.batch}", f"--data.seq_len={args.seq}"]
     from configs import load_config
-    print(describe(make_mesh(load_config(sys.argv[1:]).mesh)))
+    cfg = load_config(args.configs + extra + overrides)
+    n = math.prod(int(v) for v in sizes.values())
+    import jax
+    if args.topology:
+        from jax.experimental import topologies
+        devices = topologies.get_topology_desc(args.topology, "tpu").devices
+        device, hbm = args.topology.split(":")[0], HBM_GIB[args.topology.split(":")[0]]
+        caveat = f"TPU compiler for {args.topology} (libtpu): its own memory figures"
+    else:
+        jax.config.update("jax_num_cpu_devices", n)  # must happen before anything touches a backend
+        devices, device, hbm = jax.devices(), args.device, HBM_GIB[args.device]
+        caveat = ("CPU compiler on fake devices: it lowers gradient reductions as all-reduce, not reduce-scatter, "
+                  "so 'temporary' over-states what a TPU/GPU needs; params and optimizer state are exact")
+    import jax.numpy as jnp
+    import model
+    import train
+    mesh = make_mesh(cfg.mesh, devices[:n])
+    m, tc = cfg.model, cfg.train
+    _, micro, accum = check_batch(args.batch, tc.micro_batch, mesh)
+    p_sh, o_sh, h_sh = train.state_shardings(mesh, m)
+    table = model.param_table(m)
+    abstract = lambda shape, dtype, sh: jax.ShapeDtypeStruct(shape, dtype, sharding=sh)  # noqa: E731
+    params = {k: abstract(p.shape, jnp.float32, p_sh[k]) for k, p in table.items()}
+    opt = dict(m=params, v=params, count=abstract((), jnp.int32, o_sh["count"]))
+    hist = jax.tree.map(lambda x: abstract(x.shape, x.dtype, h_sh), train.new_history())
+    batch = abstract((accum, args.batch // accum, args.seq), jnp.int32, batch_sharding(mesh))
+    import time
+    t0 = time.perf_counter()
+    compiled = train.make_train_step(cfg, mesh).lower(params, opt, hist, batch, jnp.float32(1e-4)).compile()
+    seconds = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    per_dev = lambda tree: sum(math.prod(s.sharding.shard_shape(s.shape)) * s.dtype.itemsize for s in jax.tree.leaves(tree))  # noqa: E731
+    p_bytes, o_bytes = per_dev(params), per_dev(opt)
+    temp = mem.temp_size_in_bytes
+    total = p_bytes + o_bytes + per_dev(batch) + temp
+    gib = lambda b: f"{b / 2**30:8.2f} GiB"  # noqa: E731
+    print(f"{cfg.model.family} {model.count_params(m) / 1e9:.2f}B params, mesh {dict(mesh.shape)} ({n} devices), "
+          f"batch {args.batch} x {args.seq} tokens, {accum} micro-batch(es) of {micro} per rank, "
+          f"remat={tc.remat}, compute {tc.compute_dtype}; compiled in {seconds:.0f} s")
+    print(f"  params            {gib(p_bytes)} per device (fp32)")
+    print(f"  optimizer state   {gib(o_bytes)} per device (AdamW m, v)")
+    print(f"  gradients + activations + workspace (XLA temporary) {gib(temp)}")
+    print(f"  total             {gib(total)} of {hbm} GiB ({device}): {'fits' if total <= hbm * 2**30 else 'does NOT fit'}")
+    print(f"  ({caveat})")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["plan"]:
+        plan(sys.argv[2:])
+    else:
+        from configs import load_config
+        import model
+        cfg = load_config(sys.argv[1:])
+        mesh = make_mesh(cfg.mesh)
+        print(describe(mesh))
+        print("\n".join(layout_table(mesh, model.param_table(cfg.model))))

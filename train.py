@@ -94,13 +94,19 @@ def new_history():
 
 # --- the train step -----------------------------------------------------------------------------
 
+def state_shardings(mesh, m):
+    """Params (by the table's logical axes), AdamW state (the same), skip-step history (replicated)."""
+    p = shard.param_shardings(mesh, model.param_table(m))
+    return p, dict(m=p, v=p, count=shard.replicated(mesh)), shard.replicated(mesh)
+
+
 def make_train_step(cfg, mesh):
     m, tc = cfg.model, cfg.train
     dtype = jnp.dtype(tc.compute_dtype)
     decay = {k: p.decay and tc.weight_decay > 0 for k, p in model.param_table(m).items()}
 
     def micro_loss(params, tokens, labels, n_total):
-        logits = model.forward(params, tokens, m, dtype)
+        logits = model.forward(params, tokens, m, dtype, tc.remat)
         loss, ce, z = model.cross_entropy(logits, labels, tc.z_loss)
         # OLMo-core normalises by the non-ignored tokens of the whole global batch, not per micro-batch.
         share = (labels != model.IGNORE_INDEX).sum() / n_total
@@ -141,9 +147,9 @@ def make_train_step(cfg, mesh):
         metrics = dict(loss=loss, ce=ce, grad_norm=grad_norm, skipped=~ok)
         return keep(new_params, params), keep(new_opt, opt), history, metrics
 
-    replicated = shard.param_sharding(mesh)
-    return jax.jit(step, in_shardings=(replicated, replicated, replicated, shard.batch_sharding(mesh), None),
-                   out_shardings=(replicated, replicated, replicated, replicated), donate_argnums=(0, 1, 2))
+    p, o, h = state_shardings(mesh, m)
+    return jax.jit(step, in_shardings=(p, o, h, shard.batch_sharding(mesh), None),
+                   out_shardings=(p, o, h, shard.replicated(mesh)), donate_argnums=(0, 1, 2))
 
 
 def make_eval_step(cfg, mesh):
@@ -158,7 +164,7 @@ def make_eval_step(cfg, mesh):
         nll = jnp.where(valid, jax.nn.logsumexp(logits, axis=-1) - target, 0.0)
         return nll.sum(), valid.sum()
 
-    return jax.jit(step, in_shardings=(shard.param_sharding(mesh), shard.instance_sharding(mesh)))
+    return jax.jit(step, in_shardings=(state_shardings(mesh, m)[0], shard.instance_sharding(mesh)))
 
 
 # --- checkpoints --------------------------------------------------------------------------------
@@ -237,15 +243,12 @@ def main(argv):
     run_dir.mkdir(parents=True, exist_ok=True)
 
     # --- mesh
+    shard.start_distributed()
     mesh = shard.make_mesh(cfg.mesh)
     n_dev = mesh.devices.size
-    if dc.global_batch % n_dev:
-        raise ConfigError(f"data.global_batch={dc.global_batch} does not divide over the {n_dev} devices of the mesh")
-    per_device = dc.global_batch // n_dev
-    micro = tc.micro_batch or per_device
-    if per_device % micro:
-        raise ConfigError(f"train.micro_batch={micro} does not divide the {per_device} instances each device gets per step")
-    accum = per_device // micro
+    per_rank, micro, accum = shard.check_batch(dc.global_batch, tc.micro_batch, mesh)
+    table = model.param_table(m)
+    param_sh, opt_sh, hist_sh = state_shardings(mesh, m)  # checks every split divides before anything compiles
 
     # --- data
     instances = data.open_instances(dc.path, dc.seq_len, dc.seed)
@@ -277,17 +280,15 @@ def main(argv):
         params, opt, _ = load_checkpoint(tc.init_from, m, tc.load_optimizer)
         opt = opt or new_optimizer(params)
         print(f"new stage from {tc.init_from}: its params{' and AdamW moments' if tc.load_optimizer else ''}, step 0")
-    else:
-        params = model.init_params(m, jax.random.PRNGKey(tc.init_seed))
-        opt = new_optimizer(params)
-    replicated = shard.param_sharding(mesh)
-    params, opt, history = jax.device_put((params, opt, history), replicated)
-    loader = data.Loader(instances, dc.global_batch, dc.seed, world=n_dev, ranks=shard.local_ranks(mesh),
+    else:  # initialised where it lives: each device draws only its own shard
+        params = jax.jit(lambda key: model.init_params(m, key), out_shardings=param_sh)(jax.random.PRNGKey(tc.init_seed))
+        opt = jax.jit(new_optimizer, out_shardings=opt_sh)(params)
+    params, opt, history = jax.device_put(params, param_sh), jax.device_put(opt, opt_sh), jax.device_put(history, hist_sh)
+    loader = data.Loader(instances, dc.global_batch, dc.seed, world=shard.dp_size(mesh), ranks=shard.local_ranks(mesh),
                          start_step=loader_pos, vocab_size=m.vocab_size)
     save_json(cfg, run_dir / "config.json")
 
     # --- what this run is
-    table = model.param_table(m)
     groups = {}
     for name, p in table.items():
         group = name.split(".")[0] if not name.startswith("layers.") else name.split(".")[1]
@@ -297,7 +298,8 @@ def main(argv):
     print(describe(cfg))
     print(f"params {model.count_params(m):,}: " + ", ".join(f"{g} {n:,}" for g, n in groups.items()))
     print(f"tokens/step {tokens_per_step:,} = global_batch {dc.global_batch} x seq_len {dc.seq_len}; "
-          f"{n_dev} device(s) x {accum} micro-batch(es) of {micro}; FLOPs/token {flops / 1e6:,.1f}M")
+          f"{shard.dp_size(mesh)} data-parallel rank(s) x {accum} micro-batch(es) of {micro}; FLOPs/token {flops / 1e6:,.1f}M")
+    print("\n".join(shard.layout_table(mesh, table)))
     print(f"{shard.describe(mesh)}; peak {'%.0f TFLOP/s per device' % (peak / 1e12) if peak else 'unknown: MFU n/a'}")
     print(f"data: {instances.n:,} instances of {dc.seq_len}, {loader.batches_per_epoch:,} steps per epoch"
           + (f"; held-out {heldout.n:,} instances" if heldout else "; no held-out split"))
@@ -320,7 +322,7 @@ def main(argv):
             return None
         n_batches = heldout.n // dc.global_batch
         n_batches = min(n_batches, batches) if batches else n_batches
-        rows = np.concatenate([np.arange(r * per_device, (r + 1) * per_device) for r in local])  # this process's
+        rows = np.concatenate([np.arange(r * per_rank, (r + 1) * per_rank) for r in local])  # this process's
         nats = count = n_bytes = 0
         for b in range(n_batches):
             tokens = np.stack([heldout.read(b * dc.global_batch + i) for i in range(dc.global_batch)]).astype(np.int32)
@@ -454,8 +456,9 @@ def bench(argv, steps=10):
     B, T = dc.global_batch, dc.seq_len
     mesh = shard.make_mesh(cfg.mesh)
     tokens = np.random.default_rng(0).integers(0, m.vocab_size, (B, T)).astype(np.int32)
-    params = jax.device_put(model.init_params(m, jax.random.PRNGKey(0)), shard.param_sharding(mesh))
-    opt, history = new_optimizer(params), new_history()
+    param_sh, opt_sh, hist_sh = state_shardings(mesh, m)
+    params = jax.device_put(model.init_params(m, jax.random.PRNGKey(0)), param_sh)
+    opt, history = jax.device_put(new_optimizer(params), opt_sh), jax.device_put(new_history(), hist_sh)
     step = make_train_step(cfg, mesh)
     batch = jax.device_put(tokens[None], shard.batch_sharding(mesh))
     for _ in range(2):  # compile, warm up

@@ -132,11 +132,16 @@ class DataConfig:
 
 @dataclass
 class MeshConfig:
-    data: int = -1                # data-parallel ways; -1 = every device
+    # Devices along each mesh axis; one may be -1 (= what remains). The batch splits over data x fsdp;
+    # weights split over fsdp (their embed dimension) and tensor (heads, mlp, vocab). See shard.py.
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
 
     def __post_init__(self):
-        if self.data == 0 or self.data < -1:
-            raise ConfigError(f"mesh.data={self.data}: a positive number of devices, or -1 for all")
+        for name in ("data", "fsdp", "tensor"):
+            if getattr(self, name) == 0 or getattr(self, name) < -1:
+                raise ConfigError(f"mesh.{name}={getattr(self, name)}: a positive number of devices, or -1 for the rest")
 
 
 @dataclass
@@ -145,6 +150,7 @@ class TrainConfig:
     steps: int = 1000             # optimizer steps in this stage
     micro_batch: int = 0          # instances per device per forward/backward; 0 = all of them (no accumulation)
     compute_dtype: str = "float32"  # float32 | bfloat16 (params and optimizer state stay fp32)
+    remat: str = "none"           # activation checkpointing: none | block (recompute each layer) | mlp (OLMo 3 mid-training)
     init_seed: int = 0
     init_from: str = ""           # start a new stage from this checkpoint: its params (and moments), step 0
     load_optimizer: bool = True   # with init_from: also take its AdamW moments (OLMo 3 mid-training does)
@@ -167,7 +173,7 @@ class TrainConfig:
     keep: int = 2                 # checkpoints kept (the newest)
 
     def __post_init__(self):
-        choices = dict(compute_dtype=("float32", "bfloat16"), schedule=("cosine", "linear", "half_cosine", "constant"),
+        choices = dict(compute_dtype=("float32", "bfloat16"), remat=("none", "block", "mlp"), schedule=("cosine", "linear", "half_cosine", "constant"),
                        units=("steps", "tokens"))
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

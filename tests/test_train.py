@@ -246,7 +246,7 @@ def test_eight_devices_equal_one(setup, tmp_path):
     l1, l8 = losses(one), losses(eight)
     assert l1.keys() == l8.keys() and all(l8[s] == pytest.approx(l1[s], rel=1e-5) for s in l1)
     r = run(toml, tmp_path / "bad", "--train.steps=4", "--data.global_batch=12", env=env, check=False)
-    assert r.returncode != 0 and "data.global_batch=12 does not divide over the 8 devices" in r.stderr
+    assert r.returncode != 0 and "data.global_batch=12 does not divide over the 8 data-parallel ranks" in r.stderr
 
 
 def test_stage_from_a_checkpoint(setup, tmp_path):

@@ -1,0 +1,42 @@
+"""Run by test_shard.py in a subprocess with 8 fake CPU devices (XLA_FLAGS set before jax starts):
+a few train steps of one small model on several meshes; prints losses and whether shardings held."""
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import model  # noqa: E402
+import shard  # noqa: E402
+import train  # noqa: E402
+from configs import build  # noqa: E402
+
+MODEL = dict(family="olmo3", d_model=64, n_layers=2, n_heads=8, n_kv_heads=8, head_dim=8, mlp_hidden=128,
+             vocab_size=512, eos_token_id=0, pad_token_id=1, max_seq_len=32, sliding_window=8, layer_pattern="SF")
+MESHES = {"one": (1, 1, 1), "fsdp": (1, 8, 1), "tensor": (1, 1, 8), "mixed": (2, 2, 2)}
+out = {}
+tokens = np.random.default_rng(0).integers(0, 512, (3, 1, 8, 32)).astype(np.int32)
+for name, (d, f, t) in MESHES.items():
+    cfg = build({"model": MODEL, "data": dict(global_batch=8, seq_len=32), "mesh": dict(data=d, fsdp=f, tensor=t),
+                 "train": dict(lr=1e-2, warmup=0)})
+    devices = jax.devices()[: d * f * t]
+    mesh = shard.make_mesh(cfg.mesh, devices)
+    p_sh, o_sh, h_sh = train.state_shardings(mesh, cfg.model)
+    params = jax.jit(lambda k: model.init_params(cfg.model, k), out_shardings=p_sh)(jax.random.PRNGKey(0))
+    opt = jax.jit(train.new_optimizer, out_shardings=o_sh)(params)
+    history = jax.device_put(train.new_history(), h_sh)
+    step = train.make_train_step(cfg, mesh)
+    losses = []
+    for s in range(3):
+        batch = jax.device_put(tokens[s], shard.batch_sharding(mesh))
+        params, opt, history, metrics = step(params, opt, history, batch, jnp.float32(1e-2))
+        losses.append(float(metrics["loss"]))
+    kept = all(params[k].sharding.spec == p_sh[k].spec and opt["m"][k].sharding.spec == p_sh[k].spec for k in params)
+    fraction = sum(x.addressable_shards[0].data.size for x in params.values()) / sum(x.size for x in params.values())
+    out[name] = dict(losses=losses, shardings_kept=kept, param_fraction_per_device=fraction,
+                     q_spec=str(p_sh["layers.self_attn.q_proj.weight"].spec))
+print(json.dumps(out))

@@ -1,0 +1,87 @@
+"""shard.py: FSDP, tensor and mixed meshes against one device; layouts; bad meshes; the AOT plan."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import model
+import shard
+from common import random_params, tokens, variant
+from configs import build
+
+ROOT = Path(__file__).resolve().parents[1]
+EIGHT = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+
+
+def test_meshes_train_like_one_device():
+    r = subprocess.run([sys.executable, "tests/mesh_check.py"], cwd=ROOT, env=EIGHT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    one = out["one"]["losses"]
+    for name in ("fsdp", "tensor", "mixed"):
+        np.testing.assert_allclose(out[name]["losses"], one, rtol=1e-5, err_msg=name)
+        assert out[name]["shardings_kept"], name
+    assert out["fsdp"]["q_spec"] == "P(None, None, 'fsdp')" and out["tensor"]["q_spec"] == "P(None, 'tensor', None)"
+    assert out["fsdp"]["param_fraction_per_device"] < 0.2  # each device keeps about 1/8 of the weights
+    assert out["mixed"]["param_fraction_per_device"] < 0.3
+
+
+def test_layouts_follow_the_rules():
+    m = build({"model": dict(d_model=64, n_heads=4, n_kv_heads=2, mlp_hidden=128, vocab_size=512,
+                             eos_token_id=0, pad_token_id=1)}).model
+    table = model.param_table(m)
+    sizes = dict(data=1, fsdp=4, tensor=2)
+    spec = lambda name: tuple(shard.spec_for(name, table[name], sizes))  # noqa: E731
+    assert spec("embed_tokens.weight") == ("tensor", "fsdp")
+    assert spec("layers.self_attn.q_proj.weight") == (None, "tensor", "fsdp")
+    assert spec("layers.self_attn.o_proj.weight") == (None, "fsdp", "tensor")
+    assert spec("layers.mlp.down_proj.weight") == (None, "fsdp", "tensor")
+    assert spec("layers.post_attention_layernorm.weight") == (None, "fsdp")
+
+
+def test_bad_meshes_fail_before_compiling():
+    mesh = lambda **kw: build({"mesh": kw}).mesh  # noqa: E731
+    with pytest.raises(ValueError, match=r"needs 6 devices, there are 8"):
+        shard.mesh_shape(mesh(data=2, fsdp=3), 8)
+    with pytest.raises(ValueError, match="8 devices do not divide by 3"):
+        shard.mesh_shape(mesh(data=-1, fsdp=3), 8)
+    with pytest.raises(ValueError, match="at most one axis may be -1"):
+        shard.mesh_shape(mesh(data=-1, fsdp=-1), 8)
+    assert shard.mesh_shape(mesh(data=-1, fsdp=2, tensor=2), 8) == (2, 2, 2)
+    m = build({"model": dict(d_model=96, n_heads=4, vocab_size=1000, eos_token_id=0, pad_token_id=1)}).model
+    p = model.param_table(m)["lm_head.weight"]
+    with pytest.raises(ValueError, match=r"lm_head.weight: dimension 'vocab' of size 1000 does not divide over mesh axis 'tensor' of size 16"):
+        shard.spec_for("lm_head.weight", p, dict(data=1, fsdp=1, tensor=16))
+
+    class FakeMesh:
+        shape = dict(data=2, fsdp=4, tensor=1)
+
+    with pytest.raises(ValueError, match=r"data.global_batch=12 does not divide over the 8 data-parallel ranks \(mesh data=2 x fsdp=4\)"):
+        shard.check_batch(12, 0, FakeMesh())
+    with pytest.raises(ValueError, match="train.micro_batch=3 does not divide the 4 instances each rank gets"):
+        shard.check_batch(32, 3, FakeMesh())
+
+
+def test_remat_policies_compute_the_same_gradients():
+    m = variant("olmo3")
+    params = {k: jnp.asarray(v) for k, v in random_params(m, std=0.1).items()}
+    t = tokens(m, T=24)
+    labels = jnp.asarray(model.shift_labels(t))
+    grads = {r: jax.grad(model.loss_fn)(params, jnp.asarray(t), labels, m, remat=r) for r in ("none", "block", "mlp")}
+    for r in ("block", "mlp"):
+        for k in params:
+            ref = np.asarray(grads["none"][k])
+            np.testing.assert_allclose(np.asarray(grads[r][k]), ref, rtol=0, atol=1e-5 * np.abs(ref).max(), err_msg=k)
+
+
+def test_plan_compiles_for_a_simulated_mesh():
+    r = subprocess.run([sys.executable, "shard.py", "plan", "configs/tiny.toml", "--mesh", "data=2,fsdp=2,tensor=2",
+                        "--batch", "16", "--seq", "128", "--device", "v5e"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "(8 devices)" in r.stdout and "of 16 GiB (v5e): fits" in r.stdout and "optimizer state" in r.stdout
