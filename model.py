@@ -32,6 +32,7 @@ import torch.nn.functional as F_  # F is the MLP width in our notation
 from configs import ModelConfig, describe, load_config
 
 IGNORE_INDEX = -100  # labels equal to this contribute nothing to the loss (HF and OLMo-core use -100)
+Q_BLOCK = 1024  # JAX attention takes queries in blocks of this many when T is longer (see `attend`)
 
 
 # --- the parameter table -------------------------------------------------------------------------
@@ -194,11 +195,31 @@ def rope(x, cos, sin):
     return (x32 * cos[:, None] + rotated * sin[:, None]).astype(x.dtype)
 
 
-def attention_mask(T, window):
-    """(T, S) bool: causal, and on sliding layers only the last `window` keys (the query's own included)."""
-    i = jnp.arange(T)[:, None]
+def attention_mask(T, window, first=0, rows=None):
+    """(rows, T) bool for queries first..first+rows: causal, and on sliding layers only the last `window`
+    keys (the query's own included)."""
+    i = first + jnp.arange(T if rows is None else rows)[:, None]
     j = jnp.arange(T)[None, :]
     return (j <= i) & ((window == 0) | (i - j < window))
+
+
+def attend(q, k, v, window, scale):
+    """Softmax attention, q (B, T, N, H), k and v (B, T, K, H) -> (B, T, N, H). GQA: query head n reads kv
+    head n // (N/K), as HF repeat_kv; the softmax runs in fp32 inside dot_product_attention. Past Q_BLOCK
+    positions the queries go in blocks, each recomputed in the backward pass, so the (N, T, T) scores
+    never exist in full (at T=8192 they would be 8 GiB per instance per layer). Same numbers either way."""
+    T = q.shape[1]
+    if T <= Q_BLOCK or T % Q_BLOCK:
+        return jax.nn.dot_product_attention(q, k, v, mask=attention_mask(T, window)[None, None], scale=scale)
+
+    @jax.checkpoint
+    def block_of_queries(i):
+        qi = jax.lax.dynamic_slice_in_dim(q, i * Q_BLOCK, Q_BLOCK, axis=1)  # (B, Q_BLOCK, N, H)
+        mask = attention_mask(T, window, i * Q_BLOCK, Q_BLOCK)[None, None]
+        return jax.nn.dot_product_attention(qi, k, v, mask=mask, scale=scale)
+
+    y = jax.lax.map(block_of_queries, jnp.arange(T // Q_BLOCK))  # (T/Q_BLOCK, B, Q_BLOCK, N, H)
+    return jnp.moveaxis(y, 0, 1).reshape(q.shape)
 
 
 def attention(p, x, cos, sin, window, m):
@@ -214,8 +235,7 @@ def attention(p, x, cos, sin, window, m):
     q = rope(q.reshape(B, T, m.n_heads, m.head_dim), cos, sin)     # (B, T, N, H)
     k = rope(k.reshape(B, T, m.n_kv_heads, m.head_dim), cos, sin)  # (B, T, K, H)
     v = v.reshape(B, T, m.n_kv_heads, m.head_dim)                  # (B, T, K, H)
-    # GQA: query head n reads kv head n // (N/K), as HF repeat_kv. Softmax runs in fp32 inside.
-    y = jax.nn.dot_product_attention(q, k, v, mask=attention_mask(T, window)[None, None], scale=m.head_dim ** -0.5)
+    y = attend(q, k, v, window, m.head_dim ** -0.5)                # (B, T, N, H)
     return linear(y.reshape(B, T, m.n_heads * m.head_dim), p["self_attn.o_proj.weight"])  # (B, T, D)
 
 
@@ -234,12 +254,13 @@ def block(p, x, cos, sin, window, m, ffn=mlp):
     return x + rms_norm(ffn(p, x), p["post_feedforward_layernorm.weight"], m.norm_eps)
 
 
-def forward(params, tokens, m, dtype=jnp.float32, remat="none"):
+def forward(params, tokens, m, dtype=jnp.float32, remat="none", constrain=lambda x: x):
     """tokens (B, T) int -> logits (B, T, V) in `dtype`. Ids must be < V: JAX clamps silently, so callers
     check (check_tokens) before they get here. `remat` trades compute for memory in training: "block"
-    keeps only each layer's input for the backward pass, "mlp" recomputes just the MLPs."""
+    keeps only each layer's input for the backward pass, "mlp" recomputes just the MLPs. `constrain` is
+    applied to the residual stream (B, T, D) after every layer; shard.py passes one that pins its layout."""
     B, T = tokens.shape
-    x = params["embed_tokens.weight"][tokens].astype(dtype)  # (B, T, D)
+    x = constrain(params["embed_tokens.weight"][tokens].astype(dtype))  # (B, T, D)
     window, inv_freq, rope_scale = layer_arrays(m)
     positions = jnp.arange(T)
     layers = {name[len("layers."):]: w for name, w in params.items() if name.startswith("layers.")}
@@ -251,7 +272,7 @@ def forward(params, tokens, m, dtype=jnp.float32, remat="none"):
     def step(x, xs):  # one lax.scan step = one layer, so compile time does not grow with L
         p, w, f, s = xs
         cos, sin = rope_cos_sin(positions, f, s)
-        return layer(p, x, cos, sin, w), None
+        return constrain(layer(p, x, cos, sin, w)), None
 
     x, _ = jax.lax.scan(step, x, (layers, window, inv_freq, rope_scale))
     x = layer_norm(x, m.norm_eps) if m.family == "olmo1" else rms_norm(x, params["norm.weight"], m.norm_eps)

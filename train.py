@@ -105,8 +105,10 @@ def make_train_step(cfg, mesh):
     dtype = jnp.dtype(tc.compute_dtype)
     decay = {k: p.decay and tc.weight_decay > 0 for k, p in model.param_table(m).items()}
 
+    constrain = shard.residual_constraint(mesh)
+
     def micro_loss(params, tokens, labels, n_total):
-        logits = model.forward(params, tokens, m, dtype, tc.remat)
+        logits = model.forward(params, tokens, m, dtype, tc.remat, constrain)
         loss, ce, z = model.cross_entropy(logits, labels, tc.z_loss)
         # OLMo-core normalises by the non-ignored tokens of the whole global batch, not per micro-batch.
         share = (labels != model.IGNORE_INDEX).sum() / n_total

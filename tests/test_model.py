@@ -170,3 +170,17 @@ def test_token_checks():
         model.check_tokens(np.array([[-1, 3]]), m)
     with pytest.raises(ValueError, match=r"expected integer token ids of shape \(B, T\)"):
         model.check_tokens(np.array([1.0, 2.0]), m)
+
+
+def test_query_blocks_give_the_same_attention(monkeypatch):
+    m = variant("olmo3")
+    params = {k: jnp.asarray(v) for k, v in random_params(m, std=0.1).items()}
+    t = jnp.asarray(tokens(m, T=32))
+    labels = jnp.asarray(model.shift_labels(np.asarray(t)))
+    whole = model.forward(params, t, m), jax.grad(model.loss_fn)(params, t, labels, m)
+    monkeypatch.setattr(model, "Q_BLOCK", 8)  # 4 blocks of 8 queries, window 5 crossing block edges
+    blocks = model.forward(params, t, m), jax.grad(model.loss_fn)(params, t, labels, m)
+    np.testing.assert_allclose(np.asarray(blocks[0]), np.asarray(whole[0]), rtol=0, atol=1e-5)
+    for k in params:
+        ref = np.asarray(whole[1][k])
+        np.testing.assert_allclose(np.asarray(blocks[1][k]), ref, rtol=0, atol=1e-5 * np.abs(ref).max(), err_msg=k)
