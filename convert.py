@@ -28,8 +28,8 @@ DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dt
 NAMES = {np.dtype(v): k for k, v in DTYPES.items()}
 
 
-def read_safetensors(path):
-    """name -> read-only numpy array backed by a memmap of `path`, plus the header's __metadata__."""
+def read_safetensors(path, writable=False):
+    """name -> numpy array backed by a memmap of `path` (read-only unless `writable`), plus __metadata__."""
     path = Path(path)
     size = path.stat().st_size
     with open(path, "rb") as f:
@@ -46,7 +46,8 @@ def read_safetensors(path):
     metadata = header.pop("__metadata__", None) or {}
     data_size = size - 8 - n
     # A plain ndarray view of the map: still read lazily, and without np.memmap's reshape quirks (no 0-d arrays).
-    data = np.memmap(path, np.uint8, "r", offset=8 + n, shape=(data_size,)).view(np.ndarray) if data_size else np.zeros(0, np.uint8)
+    mode = "r+" if writable else "r"
+    data = np.memmap(path, np.uint8, mode, offset=8 + n, shape=(data_size,)).view(np.ndarray) if data_size else np.zeros(0, np.uint8)
     out = {}
     for name, info in header.items():
         if info.get("dtype") not in DTYPES:
@@ -61,28 +62,42 @@ def read_safetensors(path):
     return out, metadata
 
 
-def write_safetensors(path, tensors, metadata=None):
-    """Write atomically: into PATH.tmp, fsync, then rename, so a crash leaves the old file intact."""
-    path = Path(path)
-    header, offset, arrays = {}, 0, []
-    for name, a in tensors.items():
-        a = np.asarray(a, order="C")  # (np.ascontiguousarray would turn a 0-d array into shape (1,))
-        header[name] = {"dtype": NAMES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
-        offset += a.nbytes
-        arrays.append(a)
+def _header(entries, metadata):
+    """The safetensors header for {name: (shape, numpy dtype)}, tensors laid out in order."""
+    header, offset = {}, 0
+    for name, (shape, dtype) in entries.items():
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+        header[name] = {"dtype": NAMES[np.dtype(dtype)], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
     if metadata:
         header["__metadata__"] = metadata
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+    return len(blob).to_bytes(8, "little") + blob, offset
+
+
+def write_safetensors(path, tensors, metadata=None):
+    """Write atomically: into PATH.tmp, fsync, then rename, so a crash leaves the old file intact."""
+    path = Path(path)
+    arrays = {name: np.asarray(a, order="C") for name, a in tensors.items()}  # (ascontiguousarray would make 0-d 1-d)
+    head, _ = _header({k: (a.shape, a.dtype) for k, a in arrays.items()}, metadata)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
-        f.write(len(blob).to_bytes(8, "little"))
-        f.write(blob)
-        for a in arrays:
+        f.write(head)
+        for a in arrays.values():
             f.write(a.tobytes())  # one tensor at a time: peak memory is the largest tensor, not the file
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def allocate_safetensors(path, entries, metadata=None):
+    """Write the header for {name: (shape, dtype)} and size the file (sparse), for writers that then
+    fill their own slices through read_safetensors(path, writable=True): several processes, one file."""
+    head, size = _header(entries, metadata)
+    with open(path, "wb") as f:
+        f.write(head)
+        f.truncate(len(head) + size)
 
 
 # --- HF config.json <-> ModelConfig --------------------------------------------------------------
@@ -214,8 +229,9 @@ def read_hf_tensors(d):
     raise FileNotFoundError(f"{d}: no model.safetensors or model.safetensors.index.json{why}")
 
 
-def load_hf(d):
-    """An HF OLMo directory -> (ModelConfig, params: name -> fp32 numpy, stacked on L)."""
+def open_hf(d):
+    """An HF OLMo directory -> (ModelConfig, tensors: our unstacked names -> memory-mapped arrays), checked
+    against config.json. Nothing is read yet: callers take the slices they need (train.py, per device)."""
     d = Path(d)
     if not (d / "config.json").is_file():
         raise FileNotFoundError(f"{d / 'config.json'} not found: expected a Hugging Face model directory")
@@ -239,8 +255,13 @@ def load_hf(d):
     for name, shape in want.items():
         if tuple(state[name].shape) != tuple(shape):
             raise ValueError(f"{d}: tensor {name} has shape {tuple(state[name].shape)}, config.json implies {tuple(shape)}")
-    params = {k: v.astype(np.float32) for k, v in stack_layers(state, m).items()}
-    return m, params
+    return m, state
+
+
+def load_hf(d):
+    """An HF OLMo directory -> (ModelConfig, params: name -> fp32 numpy, stacked on L), all in memory."""
+    m, state = open_hf(d)
+    return m, {k: v.astype(np.float32) for k, v in stack_layers(state, m).items()}
 
 
 def save_hf(d, m, params, dtype=np.float32):

@@ -169,36 +169,94 @@ def make_eval_step(cfg, mesh):
     return jax.jit(step, in_shardings=(state_shardings(mesh, m)[0], shard.instance_sharding(mesh)))
 
 
-# --- checkpoints --------------------------------------------------------------------------------
+# --- checkpoints ---------------------------------------------------------------------------------
+# Stored in the HF layout (one tensor per layer, HF names), whatever the mesh: each process writes the
+# shards it holds into the shared files, and a restore reads only the slices its devices need, so a
+# checkpoint written on one mesh resumes on another and no host ever holds a whole sharded array.
+
+def _sync(name):
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)
+
+
+def _stored(name, shape, prefix):
+    """(file name, layer) per tensor a stacked array is stored as; layer is None for unstacked ones."""
+    if name.startswith("layers."):
+        return [(f"{prefix}layers.{i}.{name[len('layers.'):]}", i) for i in range(shape[0])]
+    return [(prefix + name, None)]
+
+
+def write_sharded(path, items, metadata):
+    """items: (our name, jax.Array, file-name prefix). Every process writes replica 0 of its shards."""
+    entries = {}
+    for name, a, prefix in items:
+        for fname, layer in _stored(name, a.shape, prefix):
+            entries[fname] = (a.shape[1:] if layer is not None else a.shape, np.dtype(a.dtype))
+    if jax.process_index() == 0:
+        convert.allocate_safetensors(path, entries, metadata)
+    _sync(f"allocated {path}")
+    views, _ = convert.read_safetensors(path, writable=True)
+    for name, a, prefix in items:
+        for sh in a.addressable_shards:
+            if sh.replica_id:
+                continue  # another device holds the same values and writes them
+            data, idx = np.asarray(sh.data), sh.index
+            if name.startswith("layers."):
+                for j, layer in enumerate(range(*idx[0].indices(a.shape[0]))):
+                    views[f"{prefix}layers.{layer}.{name[len('layers.'):]}"][idx[1:]] = data[j]
+            else:
+                views[prefix + name][idx] = data
+    del views
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())  # the mapped pages, on disk
+    _sync(f"written {path}")
+
+
+def read_sharded(views, name, prefix, shape, sharding):
+    """One array, each device's slice read straight from the stored tensors (fp32 whatever they hold)."""
+    rest = name[len("layers."):]
+
+    def read(idx):
+        if not name.startswith("layers."):
+            return np.asarray(views[prefix + name][idx], np.float32)
+        return np.stack([np.asarray(views[f"{prefix}layers.{i}.{rest}"][idx[1:]], np.float32)
+                         for i in range(*idx[0].indices(shape[0]))])
+
+    return jax.make_array_from_callback(shape, sharding, read)
+
 
 def save_checkpoint(run_dir, step, params, opt, history, cfg, loader_state):
     """step_N.tmp/ -> fsync -> rename to step_N/ -> point `latest` at it -> drop the oldest beyond `keep`.
     A crash at any moment leaves the previous complete checkpoint and `latest` as they were."""
     run_dir = Path(run_dir)
     final, tmp = run_dir / f"step_{step}", run_dir / f"step_{step}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    host = {k: np.asarray(v) for k, v in params.items()}
-    convert.save_hf(tmp, cfg.model, host)
-    moments = {}
-    for which, name in (("m", "exp_avg"), ("v", "exp_avg_sq")):
-        for k, v in model.unstack_layers({k: np.asarray(a) for k, a in opt[which].items()}).items():
-            moments[f"{name}.{k}"] = v
-    moments["step"] = np.asarray(opt["count"], np.int64)
-    convert.write_safetensors(tmp / "optimizer.safetensors", moments, {"format": "nanolmo"})
-    meta = dict(step=step, config=to_dict(cfg), data=loader_state,
-                history={k: np.asarray(v).tolist() for k, v in history.items()})
-    (tmp / "nanolmo.json").write_text(json.dumps(meta, indent=1) + "\n")
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    if final.exists():  # left by a run that crashed before updating `latest`: same step, redo it
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    (run_dir / "latest.tmp").write_text(final.name + "\n")
-    os.replace(run_dir / "latest.tmp", run_dir / "latest")
-    steps = sorted(int(p.name[5:]) for p in run_dir.glob("step_*") if p.name[5:].isdigit())
-    for old in steps[:-cfg.train.keep]:
-        shutil.rmtree(run_dir / f"step_{old}")
+    if jax.process_index() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _sync(f"mkdir {tmp}")
+    write_sharded(tmp / "model.safetensors", [(k, v, "" if k == "lm_head.weight" else "model.")
+                                              for k, v in params.items()], {"format": "pt"})
+    write_sharded(tmp / "optimizer.safetensors", [(k, v, "exp_avg.") for k, v in opt["m"].items()]
+                  + [(k, v, "exp_avg_sq.") for k, v in opt["v"].items()] + [("step", opt["count"], "")],
+                  {"format": "nanolmo"})
+    if jax.process_index() == 0:
+        (tmp / "config.json").write_text(json.dumps(convert.config_to_hf(cfg.model), indent=2) + "\n")
+        meta = dict(step=step, config=to_dict(cfg), data=loader_state,
+                    history={k: np.asarray(v).tolist() for k, v in history.items()})
+        (tmp / "nanolmo.json").write_text(json.dumps(meta, indent=1) + "\n")
+        for f in ("config.json", "nanolmo.json"):
+            with open(tmp / f, "rb") as fh:
+                os.fsync(fh.fileno())
+        if final.exists():  # left by a run that crashed before updating `latest`: same step, redo it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        (run_dir / "latest.tmp").write_text(final.name + "\n")
+        os.replace(run_dir / "latest.tmp", run_dir / "latest")
+        steps = sorted(int(p.name[5:]) for p in run_dir.glob("step_*") if p.name[5:].isdigit())
+        for old in steps[:-cfg.train.keep]:
+            shutil.rmtree(run_dir / f"step_{old}")
+    _sync(f"saved {final}")
     return final
 
 
@@ -212,26 +270,28 @@ def latest_checkpoint(run_dir):
     return path
 
 
-def load_checkpoint(path, m, with_optimizer=True):
-    """(params, opt or None, meta). The model in the checkpoint must be the configured one."""
+def load_checkpoint(path, m, param_sh, opt_sh, with_optimizer=True):
+    """(params, opt or None, meta), laid out as the given shardings. The model must be the configured one."""
     path = Path(path)
-    saved_m, params = convert.load_hf(path)
+    saved_m, state = convert.open_hf(path)
     meta = json.loads((path / "nanolmo.json").read_text()) if (path / "nanolmo.json").is_file() else {}
     theirs = build({"model": meta["config"]["model"]}).model if meta else saved_m
     diff = [f"{k}: {getattr(theirs, k)!r} there, {getattr(m, k)!r} here" for k in to_dict(Config(model=m))["model"]
             if k not in ("init", "init_std") and getattr(theirs, k) != getattr(m, k)]
     if diff:
         raise ConfigError(f"{path} holds a different model ({'; '.join(diff)})")
+    table = model.param_table(m)
+    params = {k: read_sharded(state, k, "", p.shape, param_sh[k]) for k, p in table.items()}
     opt = None
     if with_optimizer and (path / "optimizer.safetensors").is_file():
-        tensors, _ = convert.read_safetensors(path / "optimizer.safetensors")
-        opt = dict(count=jnp.asarray(int(tensors["step"]), jnp.int32))
-        for which, name in (("m", "exp_avg"), ("v", "exp_avg_sq")):
-            state = {k[len(name) + 1:]: v for k, v in tensors.items() if k.startswith(name + ".")}
-            try:
-                opt[which] = {k: np.asarray(v, np.float32) for k, v in model.stack_layers(state, m).items()}
-            except KeyError as e:
-                raise ValueError(f"{path / 'optimizer.safetensors'}: no moment for {e.args[0]}") from None
+        views, _ = convert.read_safetensors(path / "optimizer.safetensors")
+        for prefix in ("exp_avg.", "exp_avg_sq."):
+            missing = [f for k, p in table.items() for f, _ in _stored(k, p.shape, prefix) if f not in views]
+            if missing:
+                raise ValueError(f"{path / 'optimizer.safetensors'}: no moment {missing[0]}")
+        opt = dict(m={k: read_sharded(views, k, "exp_avg.", p.shape, param_sh[k]) for k, p in table.items()},
+                   v={k: read_sharded(views, k, "exp_avg_sq.", p.shape, param_sh[k]) for k, p in table.items()},
+                   count=jax.device_put(jnp.asarray(int(views["step"]), jnp.int32), opt_sh["count"]))
     return params, opt, meta
 
 
@@ -246,6 +306,9 @@ def main(argv):
 
     # --- mesh
     shard.start_distributed()
+    lead = jax.process_index() == 0  # the one process that prints and writes files other than checkpoints
+    if not lead:
+        sys.stdout = open(os.devnull, "w")
     mesh = shard.make_mesh(cfg.mesh)
     n_dev = mesh.devices.size
     per_rank, micro, accum = shard.check_batch(dc.global_batch, tc.micro_batch, mesh)
@@ -268,7 +331,7 @@ def main(argv):
     # --- params: resume this run, or start a stage from another checkpoint, or initialise
     ckpt, start, history, loader_pos = latest_checkpoint(run_dir), 0, new_history(), 0
     if ckpt:
-        params, opt, meta = load_checkpoint(ckpt, m)
+        params, opt, meta = load_checkpoint(ckpt, m, param_sh, opt_sh)
         start, loader_pos = meta["step"], meta["data"]["step"]
         history = {k: jnp.asarray(v, jnp.int32 if k == "n" else jnp.float32) for k, v in meta["history"].items()}
         if opt is None:
@@ -279,16 +342,17 @@ def main(argv):
                               "(to change them, start a new stage: train.init_from)")
         print(f"resuming {ckpt} at step {start}")
     elif tc.init_from:
-        params, opt, _ = load_checkpoint(tc.init_from, m, tc.load_optimizer)
-        opt = opt or new_optimizer(params)
+        params, opt, _ = load_checkpoint(tc.init_from, m, param_sh, opt_sh, tc.load_optimizer)
+        opt = opt or jax.jit(new_optimizer, out_shardings=opt_sh)(params)
         print(f"new stage from {tc.init_from}: its params{' and AdamW moments' if tc.load_optimizer else ''}, step 0")
     else:  # initialised where it lives: each device draws only its own shard
         params = jax.jit(lambda key: model.init_params(m, key), out_shardings=param_sh)(jax.random.PRNGKey(tc.init_seed))
         opt = jax.jit(new_optimizer, out_shardings=opt_sh)(params)
-    params, opt, history = jax.device_put(params, param_sh), jax.device_put(opt, opt_sh), jax.device_put(history, hist_sh)
+    history = jax.device_put(history, hist_sh)
     loader = data.Loader(instances, dc.global_batch, dc.seed, world=shard.dp_size(mesh), ranks=shard.local_ranks(mesh),
                          start_step=loader_pos, vocab_size=m.vocab_size)
-    save_json(cfg, run_dir / "config.json")
+    if lead:
+        save_json(cfg, run_dir / "config.json")
 
     # --- what this run is
     groups = {}
@@ -345,12 +409,13 @@ def main(argv):
 
     # --- the loop
     metrics_path = run_dir / "metrics.jsonl"
-    if metrics_path.exists():  # drop lines a crashed run logged after its last checkpoint
+    if lead and metrics_path.exists():  # drop lines a crashed run logged after its last checkpoint
         kept = [ln for ln in metrics_path.read_text().splitlines() if json.loads(ln)["step"] <= start]
         metrics_path.write_text("".join(ln + "\n" for ln in kept))
     last_saved = ckpt
     batches = iter(loader)
-    bar = tqdm(range(start + 1, tc.steps + 1), initial=start, total=tc.steps, desc="train", dynamic_ncols=True)
+    bar = tqdm(range(start + 1, tc.steps + 1), initial=start, total=tc.steps, desc="train", dynamic_ncols=True,
+               disable=not lead)
     t_last, window = time.perf_counter(), []  # window: losses since the last log line, averaged into it
     for step in bar:
         _, tokens = next(batches)
@@ -371,7 +436,7 @@ def main(argv):
         if ec.every and step % ec.every == 0 and step != tc.steps:
             record = {**(record or dict(step=step)), **(held_out_eval(ec.batches) or {})}
             t_last = time.perf_counter()  # tokens/s measures training only
-        if record:
+        if record and lead:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
             if "loss" in record:
@@ -379,7 +444,7 @@ def main(argv):
                 line = (f"step {step:>6} | loss {record['loss']:.4f} | lr {lr:.2e} | grad norm {record['grad_norm']:.3f} | "
                         f"{record['tokens_per_s']:,.0f} tok/s | MFU {mfu}" + (" | SKIPPED" if skipped else ""))
                 bar.write(line + (f" | held-out bpb {record['eval_bpb']:.3f}" if record.get("eval_bpb") else ""))
-        if (step % tc.checkpoint_every == 0 or step == tc.steps or stop["signal"]) and jax.process_index() == 0:
+        if step % tc.checkpoint_every == 0 or step == tc.steps or stop["signal"]:  # every process writes its shards
             last_saved = save_checkpoint(run_dir, step, params, opt, history, cfg, loader.state())
         if stop["signal"]:
             bar.close()
@@ -389,7 +454,7 @@ def main(argv):
 
     # --- the end: held-out bits per byte against a unigram model, the plot, a sample
     final = held_out_eval(0)
-    if final:
+    if final and lead:
         line = f"held-out loss {final['eval_loss']:.4f} nats/token"
         if final["eval_bpb"] is not None:
             uni = unigram_bpb(instances, heldout, token_bytes, m.vocab_size)
@@ -397,9 +462,10 @@ def main(argv):
             final["unigram_bpb"] = uni
         print(line)
         (run_dir / "final.json").write_text(json.dumps(dict(step=tc.steps, **final), indent=1) + "\n")
-    plot([run_dir], run_dir / "loss.png")
+    if lead:
+        plot([run_dir], run_dir / "loss.png")
     print(f"checkpoint {last_saved}; metrics {metrics_path}; plot {run_dir / 'loss.png'}")
-    if ec.prompt and tok is not None:
+    if ec.prompt and tok is not None and jax.process_count() == 1:  # (the sampler wants every weight on one host)
         ids = tok.enc.encode(ec.prompt, allowed_special="all")
         new = evaluate.sample(jax.device_get(params), m, ids, ec.sample_tokens, ec.temperature, seed=tc.init_seed)
         print(f"sample: {ec.prompt}{tok.decode(new)!r}")
