@@ -11,11 +11,19 @@ are split by the logical axes the parameter table gives each dimension, through 
     layers -> not split (the scan walks over it)
 """
 
+import argparse
 import math
 import os
 import sys
+import time
 
-import numpy as np
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import model
+from configs import load_config
+
 
 RULES = {"embed": "fsdp", "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor", "layers": None}
 AXES = ("data", "fsdp", "tensor")
@@ -38,8 +46,6 @@ def mesh_shape(mesh_cfg, n_devices):
 
 
 def make_mesh(mesh_cfg, devices=None):
-    import jax
-    from jax.sharding import AxisType
     devices = jax.devices() if devices is None else devices
     shape = mesh_shape(mesh_cfg, len(devices))
     # Auto axes: shardings go in through jit's in/out_shardings (jax.make_mesh defaults to Explicit).
@@ -48,7 +54,6 @@ def make_mesh(mesh_cfg, devices=None):
 
 def spec_for(name, param, mesh_sizes):
     """PartitionSpec of one parameter from its logical axes; every split must divide its dimension."""
-    from jax.sharding import PartitionSpec as P
     out = []
     for dim, logical in zip(param.shape, param.axes):
         axis = RULES[logical]
@@ -63,25 +68,21 @@ def spec_for(name, param, mesh_sizes):
 
 
 def param_shardings(mesh, table):
-    from jax.sharding import NamedSharding
     sizes = dict(mesh.shape)
     return {name: NamedSharding(mesh, spec_for(name, p, sizes)) for name, p in table.items()}
 
 
 def replicated(mesh):
-    from jax.sharding import NamedSharding, PartitionSpec as P
     return NamedSharding(mesh, P())
 
 
 def batch_sharding(mesh):
     """Token batches (A micro-batches, B instances, T): instances split over data × fsdp."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
     return NamedSharding(mesh, P(None, BATCH))
 
 
 def instance_sharding(mesh):
     """A plain batch of instances (B, T), split over data × fsdp."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
     return NamedSharding(mesh, P(BATCH))
 
 
@@ -89,8 +90,6 @@ def residual_constraint(mesh):
     """Pin the residual stream (B, T, D) to "instances over data x fsdp". Measured with `plan`: without it
     GSPMD meets weights split on D over fsdp and may split the activations the same way, keeping whole
     batches on every device (olmo3-7b, fsdp=256, 512 x 8192: 3 TiB of temporaries per device)."""
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec as P
     return lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(BATCH, None, None)))
 
 
@@ -100,7 +99,6 @@ def dp_size(mesh):
 
 def local_ranks(mesh):
     """Data-parallel ranks (data-major, then fsdp) with a device in this process, in order."""
-    import jax
     devs = mesh.devices.reshape(dp_size(mesh), -1)  # (ranks, tensor)
     return [r for r in range(len(devs)) if any(d.process_index == jax.process_index() for d in devs[r])]
 
@@ -132,7 +130,6 @@ def layout_table(mesh, table, dtype_bytes=4):
 
 
 def describe(mesh):
-    import jax
     kinds = sorted({d.device_kind for d in mesh.devices.flat})
     return (f"mesh {dict(mesh.shape)} over {mesh.devices.size} device(s) ({', '.join(kinds)}), "
             f"{jax.process_count()} process(es)")
@@ -141,7 +138,6 @@ def describe(mesh):
 def start_distributed():
     """Multi-host: when the launcher set JAX_COORDINATOR_ADDRESS (and JAX_NUM_PROCESSES, JAX_PROCESS_ID),
     join the other processes. TPU pods and SLURM fill these in by themselves; call before any device use."""
-    import jax
     if os.environ.get("JAX_COORDINATOR_ADDRESS"):
         if os.environ.get("JAX_PLATFORMS") == "cpu":  # CPU processes talk over gloo (tests, laptops)
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -157,7 +153,6 @@ HBM_GIB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32, "a100": 80, "h100": 80, "h
 def plan(argv):
     """python shard.py plan CONFIG.toml... --mesh data=D,fsdp=F,tensor=T --batch B --seq T [--device h100]
     [--topology v5p:8x8x4] [--section.key=value ...]"""
-    import argparse
     ap = argparse.ArgumentParser(prog="shard.py plan", description=plan.__doc__)
     ap.add_argument("configs", nargs="+")
     ap.add_argument("--mesh", required=True, help="data=D,fsdp=F,tensor=T")
@@ -168,10 +163,8 @@ def plan(argv):
     args, extra = ap.parse_known_args(argv)  # extra: --section.key=value config overrides
     sizes = dict(part.split("=") for part in args.mesh.split(","))
     overrides = [f"--mesh.{k}={v}" for k, v in sizes.items()] + [f"--data.global_batch={args.batch}", f"--data.seq_len={args.seq}"]
-    from configs import load_config
     cfg = load_config(args.configs + extra + overrides)
     n = math.prod(int(v) for v in sizes.values())
-    import jax
     if args.topology:
         from jax.experimental import topologies
         devices = topologies.get_topology_desc(args.topology, "tpu").devices
@@ -182,9 +175,7 @@ def plan(argv):
         devices, device, hbm = jax.devices(), args.device, HBM_GIB[args.device]
         caveat = ("CPU compiler on fake devices: it lowers gradient reductions as all-reduce, not reduce-scatter, "
                   "so 'temporary' over-states what a TPU/GPU needs; params and optimizer state are exact")
-    import jax.numpy as jnp
-    import model
-    import train
+    import train  # here, not at the top: train.py imports this file
     mesh = make_mesh(cfg.mesh, devices[:n])
     m, tc = cfg.model, cfg.train
     _, micro, accum = check_batch(args.batch, tc.micro_batch, mesh)
@@ -195,7 +186,6 @@ def plan(argv):
     opt = dict(m=params, v=params, count=abstract((), jnp.int32, o_sh["count"]))
     hist = jax.tree.map(lambda x: abstract(x.shape, x.dtype, h_sh), train.new_history())
     batch = abstract((accum, args.batch // accum, args.seq), jnp.int32, batch_sharding(mesh))
-    import time
     t0 = time.perf_counter()
     compiled = train.make_train_step(cfg, mesh).lower(params, opt, hist, batch, jnp.float32(1e-4)).compile()
     seconds = time.perf_counter() - t0
@@ -219,8 +209,6 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["plan"]:
         plan(sys.argv[2:])
     else:
-        from configs import load_config
-        import model
         cfg = load_config(sys.argv[1:])
         mesh = make_mesh(cfg.mesh)
         print(describe(mesh))

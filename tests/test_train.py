@@ -19,7 +19,7 @@ import data
 import model
 import shard
 import train
-from configs import ConfigError, build, load_config
+from configs import build, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 LICENSE = (ROOT / "LICENSE").read_text()
