@@ -1,7 +1,7 @@
 """Device meshes and shardings. The model never sees any of this: train.py asks here how to lay out the
 params, the optimizer state and the batch, and jit (GSPMD) inserts the communication.
 
-    python shard.py configs/olmo3-7b.toml --mesh.fsdp=-1          # the mesh and each parameter's layout here
+    python shard.py configs/olmo3-7b.toml --mesh.data=1 --mesh.fsdp=-1   # the mesh and each parameter's layout here
     python shard.py plan configs/olmo3-7b.toml --mesh data=1,fsdp=256,tensor=1 --batch 512 --seq 8192
 
 The mesh has three axes, ("data", "fsdp", "tensor"). The batch is split over data × fsdp; parameters
