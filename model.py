@@ -310,8 +310,10 @@ def init_params(m, key):
 
 
 def shift_labels(tokens):
-    """Next-token labels: tokens[:, 1:] with IGNORE_INDEX at the end (OLMo-core get_labels)."""
-    return np.concatenate([tokens[:, 1:], np.full_like(tokens[:, :1], IGNORE_INDEX)], axis=1)
+    """Next-token labels: tokens[..., 1:] with IGNORE_INDEX at the end (OLMo-core get_labels). Works on
+    numpy arrays (giving numpy) and inside jit."""
+    xp = np if isinstance(tokens, np.ndarray) else jnp
+    return xp.concatenate([tokens[..., 1:], xp.full_like(tokens[..., :1], IGNORE_INDEX)], axis=-1)
 
 
 def check_tokens(tokens, m, source="tokens"):

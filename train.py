@@ -116,7 +116,7 @@ def make_train_step(cfg, mesh):
 
     def step(params, opt, history, tokens, lr):
         """tokens (A, B, T): A micro-batches of B instances (B split over the data axis)."""
-        labels = jnp.concatenate([tokens[..., 1:], jnp.full_like(tokens[..., :1], model.IGNORE_INDEX)], axis=-1)
+        labels = model.shift_labels(tokens)
         n_total = jnp.maximum((labels != model.IGNORE_INDEX).sum(), 1)
 
         def accumulate(grads, xs):
@@ -159,12 +159,10 @@ def make_eval_step(cfg, mesh):
     m = cfg.model
 
     def step(params, tokens):
-        labels = jnp.concatenate([tokens[:, 1:], jnp.full_like(tokens[:, :1], model.IGNORE_INDEX)], axis=1)
-        logits = model.forward(params, tokens, m, jnp.dtype(cfg.train.compute_dtype)).astype(jnp.float32)
-        valid = labels != model.IGNORE_INDEX
-        target = jnp.take_along_axis(logits, jnp.where(valid, labels, 0)[..., None], axis=-1)[..., 0]
-        nll = jnp.where(valid, jax.nn.logsumexp(logits, axis=-1) - target, 0.0)
-        return nll.sum(), valid.sum()
+        labels = model.shift_labels(tokens)
+        logits = model.forward(params, tokens, m, jnp.dtype(cfg.train.compute_dtype), constrain=shard.residual_constraint(mesh))
+        n = (labels != model.IGNORE_INDEX).sum()
+        return model.cross_entropy(logits, labels)[1] * n, n
 
     return jax.jit(step, in_shardings=(state_shardings(mesh, m)[0], shard.instance_sharding(mesh)))
 
