@@ -168,12 +168,8 @@ def save_ranks(ranks, path):
     """tiktoken's ranks format: one 'base64(token bytes) rank' line per token."""
     import base64
     lines = [f"{base64.b64encode(t).decode()} {r}\n" for t, r in sorted(ranks.items(), key=lambda kv: kv[1])]
-    _atomic_write(Path(path), "".join(lines).encode())
-
-
-def _atomic_write(path, blob):
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(blob)
+    tmp = Path(str(path) + ".tmp")
+    tmp.write_text("".join(lines))
     os.replace(tmp, path)
 
 
@@ -369,10 +365,6 @@ def _ordered_map(pool, fn, items, depth):
         yield pending.popleft().get()
 
 
-def token_dtype(vocab_size):
-    return np.uint16 if vocab_size <= 2**16 else np.uint32
-
-
 def _batches(sources, roots, size=1 << 20):
     """Raw records grouped into ~1 MB batches for the workers; doc ids default to path relative to input."""
     batch, nbytes = [], 0
@@ -413,7 +405,7 @@ def prepare(inputs, out, tokenizer="dolma2", heldout=0.0, decontaminate=(), work
     shutil.rmtree(tmp, ignore_errors=True)  # a previous run's leftovers: never complete, safe to drop
     tmp.mkdir(parents=True)
     try:
-        dtype = token_dtype(tok.vocab_size)
+        dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32  # OLMo-core: the smallest that holds the ids
         writers = {s: PartWriter(tmp, s, dtype, tok, max_part_tokens) for s in ("train", "heldout")}
         skipped, examples, surrogates = Counter(), [], 0
         total = sum(p.stat().st_size for p in sources)
@@ -471,6 +463,7 @@ class TokenFile:
     tokens: int
     docs: np.ndarray | None = None  # (documents, 3): first token, source index, line
     sources: list | None = None     # source paths, from the dataset's prepare.json
+    sha256: str | None = None       # as PART.json recorded it (verify compares)
 
     def array(self):
         if not hasattr(self, "_mm"):  # one mapping per file, not one per read
@@ -502,7 +495,7 @@ def open_token_file(path, dtype=None):
     docs = np.load(docs_path, allow_pickle=False) if docs_path.is_file() else None
     if docs is not None and (docs.ndim != 2 or len(docs) != meta["documents"] or (len(docs) and docs[-1, 0] >= n)):
         raise ValueError(f"{docs_path}: document index does not match {path.name} ({meta['documents']} documents)")
-    return TokenFile(path, dt, n, docs)
+    return TokenFile(path, dt, n, docs, sha256=meta.get("sha256"))
 
 
 def load_dataset_info(d):
@@ -510,6 +503,12 @@ def load_dataset_info(d):
     if not (d / "prepare.json").is_file():
         raise FileNotFoundError(f"{d}: no prepare.json here; expected a folder written by `data.py prepare`")
     return json.loads((d / "prepare.json").read_text())
+
+
+def dataset_tokenizer(d):
+    """The tokenizer a prepared folder was made with (a trained one is copied into the folder)."""
+    name = load_dataset_info(d)["tokenizer"]
+    return load_tokenizer(name if name == "dolma2" else str(Path(d) / name))
 
 
 def dataset_files(d, split="train"):
@@ -682,8 +681,7 @@ def describe_instance(inst, i, tok=None, chars=60):
 
 
 def inspect(d, seq_len, global_batch, seed, step, world=1, rank=None):
-    info = load_dataset_info(d)
-    tok = load_tokenizer("dolma2" if info["tokenizer"] == "dolma2" else str(Path(d) / info["tokenizer"]))
+    tok = dataset_tokenizer(d)
     loader = Loader(open_instances(d, seq_len, seed), global_batch, seed, world)
     epoch, row = divmod(step, loader.batches_per_epoch)
     print(f"step {step}: epoch {epoch + 1}, row {row} of {loader.batches_per_epoch}; "
@@ -707,8 +705,7 @@ def verify(d, seq_len, global_batch, seed, world=1):
             if top >= V:
                 problems.append(f"{tf.path}: token id {top} near position {s} is >= vocab_size {V}")
                 break
-        meta = json.loads(tf.path.with_suffix(".json").read_text())
-        if _sha256(tf.path) != meta["sha256"]:
+        if _sha256(tf.path) != tf.sha256:
             problems.append(f"{tf.path}: sha256 differs from {tf.path.with_suffix('.json').name}")
     # Held-out documents never in training: by their (source, line) and by their content.
     def docs(files):

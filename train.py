@@ -320,7 +320,7 @@ def main(argv):
         info = data.load_dataset_info(dc.path)
         if info["vocab_size"] > m.vocab_size:
             raise ConfigError(f"{dc.path} was tokenized with {info['vocab_size']} ids but model.vocab_size={m.vocab_size}")
-        tok = data.load_tokenizer("dolma2" if info["tokenizer"] == "dolma2" else str(Path(dc.path) / info["tokenizer"]))
+        tok = data.dataset_tokenizer(dc.path)
         held_files = data.dataset_files(dc.path, "heldout")
         if held_files and sum(f.tokens for f in held_files) >= dc.seq_len:
             heldout = data.Instances([("heldout", held_files, None)], dc.seq_len)
