@@ -21,6 +21,7 @@ norms, RoPE, softmax and the loss run in fp32 whatever it is.
 import math
 import sys
 from dataclasses import dataclass
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F_  # F is the MLP width in our notation
+from torch.utils.checkpoint import checkpoint
 
 from configs import ModelConfig, describe, load_config
 
@@ -126,7 +128,7 @@ def layer_arrays(m):
     H = m.head_dim
     # theta^(2i/H) in fp32 with torch's pow, exactly as HF and OLMo-core: numpy's pow differs in the
     # last bit for some i, which at position 65536 moves the angle by ~1e-2 rad.
-    pos_freqs = m.rope_theta ** (torch.arange(0, H, 2, dtype=torch.float32) / H)
+    pos_freqs = m.rope_theta ** (torch.arange(0, H, 2, dtype=torch.float32, device="cpu") / H)
     plain = (1.0 / pos_freqs).numpy()
     full, full_scale = plain, 1.0
     if m.yarn_factor:
@@ -297,10 +299,13 @@ def loss_fn(params, tokens, labels, m, dtype=jnp.float32, z_loss=0.0, remat="non
     return cross_entropy(forward(params, tokens, m, dtype, remat), labels, z_loss)[0]
 
 
-def init_params(m, key):
-    """fp32 params from the table: truncated normal at +-3σ (per-layer σ where the table says so), norms at 1."""
+def init_params(m, key, names=None):
+    """fp32 params from the table: truncated normal at +-3σ (per-layer σ where the table says so), norms at 1.
+    `names` draws only those, with the same values as the full draw (the torch backend takes one at a time)."""
     params = {}
     for k, (name, p) in zip(jax.random.split(key, len(param_table(m))), param_table(m).items()):
+        if names is not None and name not in names:
+            continue
         if p.std is None:
             params[name] = jnp.ones(p.shape, jnp.float32)
             continue
@@ -396,7 +401,10 @@ class Attention(nn.Module):
         q = rope_torch(q.view(B, T, m.n_heads, m.head_dim).transpose(1, 2), cos, sin)     # (B, N, T, H)
         k = rope_torch(k.view(B, T, m.n_kv_heads, m.head_dim).transpose(1, 2), cos, sin)  # (B, K, T, H)
         v = v.view(B, T, m.n_kv_heads, m.head_dim).transpose(1, 2)                        # (B, K, T, H)
-        y = F_.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask_torch(T, window, x.device),
+        # Full layers ask for is_causal, which lets SDPA pick a flash kernel on GPUs; sliding-window
+        # layers pass their band as a boolean mask (SDPA's memory-efficient kernel takes masks).
+        mask = attention_mask_torch(T, window, x.device) if window else None
+        y = F_.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=not window,
                                             scale=m.head_dim ** -0.5, enable_gqa=True)   # (B, N, T, H)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, m.n_heads * m.head_dim))      # (B, T, D)
 
@@ -420,12 +428,13 @@ class Block(nn.Module):
             self.post_attention_layernorm = RMSNorm(m.d_model, m.norm_eps)
             self.post_feedforward_layernorm = RMSNorm(m.d_model, m.norm_eps)
 
-    def forward(self, x, cos, sin, window):
+    def forward(self, x, cos, sin, window, remat_mlp=False):
+        ffn = partial(checkpoint, self.mlp, use_reentrant=False) if remat_mlp else self.mlp
         if self.m.family == "olmo1":
             x = x + self.self_attn(layer_norm_torch(x, self.m.norm_eps), cos, sin, window)
-            return x + self.mlp(layer_norm_torch(x, self.m.norm_eps))
+            return x + ffn(layer_norm_torch(x, self.m.norm_eps))
         x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, window))
-        return x + self.post_feedforward_layernorm(self.mlp(x))
+        return x + self.post_feedforward_layernorm(ffn(x))
 
 
 class OLMo(nn.Module):
@@ -443,14 +452,24 @@ class OLMo(nn.Module):
         self.register_buffer("inv_freq", torch.from_numpy(inv_freq), persistent=False)      # (L, H/2)
         self.register_buffer("rope_scale", torch.from_numpy(rope_scale), persistent=False)  # (L,)
 
-    def forward(self, tokens, dtype=torch.float32):
-        """tokens (B, T) long -> logits (B, T, V) in `dtype`."""
+    def reset_buffers(self):
+        """Refill the RoPE buffers, after a model built on the meta device is given real storage (to_empty)."""
+        _, inv_freq, rope_scale = layer_arrays(self.m)
+        self.inv_freq.copy_(torch.from_numpy(inv_freq))
+        self.rope_scale.copy_(torch.from_numpy(rope_scale))
+
+    def forward(self, tokens, dtype=torch.float32, remat="none"):
+        """tokens (B, T) long -> logits (B, T, V) in `dtype`. `remat` as in the JAX forward: "block"
+        keeps only each layer's input for the backward pass, "mlp" recomputes just the MLPs."""
         T = tokens.shape[1]
         x = self.embed_tokens(tokens).to(dtype)  # (B, T, D)
         positions = torch.arange(T, device=tokens.device)
         for layer, w, f, s in zip(self.layers, self.windows, self.inv_freq, self.rope_scale):
             cos, sin = rope_cos_sin_torch(positions, f, s)
-            x = layer(x, cos, sin, w)
+            if remat == "block":
+                x = checkpoint(layer, x, cos, sin, w, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, w, remat_mlp=remat == "mlp")
         x = layer_norm_torch(x, self.m.norm_eps) if self.m.family == "olmo1" else self.norm(x)
         head = self.embed_tokens.weight if self.m.tie_embeddings else self.lm_head.weight
         return F_.linear(x, head.to(dtype))  # (B, T, V)

@@ -1,5 +1,6 @@
 """Device meshes and shardings. The model never sees any of this: train.py asks here how to lay out the
-params, the optimizer state and the batch, and jit (GSPMD) inserts the communication.
+params, the optimizer state and the batch, and jit (GSPMD) inserts the communication. The torch
+backend's equivalent (torchrun processes, FSDP2's fully_shard) is the section before the plan.
 
     python shard.py configs/olmo3-7b.toml --mesh.data=1 --mesh.fsdp=-1   # the mesh and each parameter's layout here
     python shard.py plan configs/olmo3-7b.toml --mesh data=1,fsdp=256,tensor=1 --batch 512 --seq 8192
@@ -19,6 +20,8 @@ import time
 
 import jax
 import jax.numpy as jnp
+import torch
+import torch.distributed as dist
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import model
@@ -93,6 +96,10 @@ def residual_constraint(mesh):
     return lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(BATCH, None, None)))
 
 
+def mesh_where(mesh):
+    return f"mesh data={mesh.shape['data']} x fsdp={mesh.shape['fsdp']}"
+
+
 def dp_size(mesh):
     return mesh.shape["data"] * mesh.shape["fsdp"]
 
@@ -103,12 +110,11 @@ def local_ranks(mesh):
     return [r for r in range(len(devs)) if any(d.process_index == jax.process_index() for d in devs[r])]
 
 
-def check_batch(global_batch, micro_batch, mesh):
-    """Instances per rank and micro-batches per step; errors before anything compiles."""
-    dp = dp_size(mesh)
+def check_batch(global_batch, micro_batch, dp, where):
+    """Instances per rank and micro-batches per step, for `dp` data-parallel ranks; errors before anything
+    compiles. `where` says where the ranks come from, for the message."""
     if global_batch % dp:
-        raise ValueError(f"data.global_batch={global_batch} does not divide over the {dp} data-parallel ranks "
-                         f"(mesh data={mesh.shape['data']} x fsdp={mesh.shape['fsdp']})")
+        raise ValueError(f"data.global_batch={global_batch} does not divide over the {dp} data-parallel ranks ({where})")
     per_rank = global_batch // dp
     micro = micro_batch or per_rank
     if per_rank % micro:
@@ -145,6 +151,107 @@ def start_distributed():
                                    int(os.environ["JAX_PROCESS_ID"]))
 
 
+# --- PyTorch: torchrun processes and FSDP2 --------------------------------------------------------
+# The torch backend's layout. torchrun starts one process per device and sets RANK, WORLD_SIZE and
+# LOCAL_RANK; FSDP2's fully_shard splits every parameter's dim 0 over the ranks, gathers a block's
+# weights just before the block runs and reduce-scatters its gradients after. The mesh config means
+# what it means in JAX: data = replicas, fsdp = shards (both > 1 is HSDP); no tensor parallelism.
+
+def torch_start():
+    """(rank, processes, device) of this process; under torchrun, join the others (nccl on GPUs, gloo on CPU)."""
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return rank, world, device
+
+
+def torch_shard(net, mesh_cfg, world, device):
+    """fully_shard each block, then the root (embedding, final norm, head), over a (data, fsdp) device mesh.
+    One process: the module as it is."""
+    data, fsdp, _ = mesh_shape(mesh_cfg, world)
+    if world == 1:
+        return net
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    # fully_shard on a 2-D mesh replicates over the first axis and shards over the second (HSDP);
+    # data=N, fsdp=1 is plain data parallelism, each rank keeping whole weights.
+    mesh = init_device_mesh(device.type, (data, fsdp), mesh_dim_names=("data", "fsdp"))
+    for block in net.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    return net
+
+
+def torch_layout_table(mesh_cfg, world, table, dtype_bytes=4):
+    """layout_table's torch twin: FSDP2 splits the rows of every tensor (each layer's, for stacked ones)."""
+    if mesh_cfg.tensor != 1:
+        raise ValueError(f"mesh.tensor={mesh_cfg.tensor}: the torch backend shards with FSDP2 only (mesh.data x mesh.fsdp); "
+                         "tensor parallelism is the JAX backend's")
+    data, fsdp, _ = mesh_shape(mesh_cfg, world)
+    lines, total = [], 0
+    for name, p in table.items():
+        rows = p.shape[1] if name.startswith("layers.") else p.shape[0]
+        per_dev = math.prod(p.shape) * dtype_bytes * (-(-rows // fsdp)) // rows
+        total += per_dev
+        where = f"rows over fsdp={fsdp}" + (" per layer" if name.startswith("layers.") else "") if fsdp > 1 else "whole"
+        lines.append(f"{name:<42} {where:<34} {per_dev / 2**20:>10.2f} MiB/device")
+    lines.append(f"{'params in all':<42} {'':<34} {total / 2**30:>10.3f} GiB/device (+2x for AdamW moments)")
+    lines.append(f"torch {torch.__version__}: {world} process(es), mesh data={data} x fsdp={fsdp}"
+                 + (" (FSDP2)" if world > 1 else ""))
+    return lines
+
+
+def is_dtensor(t):
+    # Imported here, not at the top: torch.distributed.tensor takes ~1 s to import, and JAX runs never need it.
+    from torch.distributed.tensor import DTensor
+    return isinstance(t, DTensor)
+
+
+def torch_local(t):
+    """(local tensor, index into the whole tensor, writes) for the piece of `t` this process holds. FSDP2
+    cuts dim 0 as torch.chunk does (ceil(n/shards) rows each, the last ones shorter or empty). `writes` is
+    False on all replicas but the first, so a checkpoint gets each value once."""
+    if not is_dtensor(t):
+        return t, (slice(None),) * t.ndim, True
+    local, idx, writes = t.to_local(), [slice(None)] * t.ndim, True
+    for axis, placement in enumerate(t.placements):
+        at, size = t.device_mesh.get_local_rank(axis), t.device_mesh.size(axis)
+        if placement.is_shard():
+            n = t.shape[placement.dim]
+            rows = -(-n // size)
+            start = min(at * rows, n)
+            idx[placement.dim] = slice(start, min(start + rows, n))
+        elif at:
+            writes = False
+    expect = tuple(len(range(*s.indices(n))) for s, n in zip(idx, t.shape))
+    if tuple(local.shape) != expect:
+        raise RuntimeError(f"FSDP2 holds a {tuple(local.shape)} piece of a {tuple(t.shape)} tensor here, where "
+                           f"torch.chunk would give {expect}: this torch cuts tensors differently")
+    return local, tuple(idx), writes
+
+
+def torch_full(t):
+    """The whole tensor on every process (FSDP2 all-gathers a DTensor)."""
+    return t.full_tensor() if is_dtensor(t) else t
+
+
+def torch_sum(t):
+    """Sum over the processes (nothing to do in one)."""
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return t
+
+
+def torch_barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
 # --- the plan: compile the real train step ahead of time for a mesh we do not have ------------------
 
 HBM_GIB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32, "a100": 80, "h100": 80, "h200": 141, "b200": 180}
@@ -178,7 +285,7 @@ def plan(argv):
     import train  # here, not at the top: train.py imports this file
     mesh = make_mesh(cfg.mesh, devices[:n])
     m, tc = cfg.model, cfg.train
-    _, micro, accum = check_batch(args.batch, tc.micro_batch, mesh)
+    _, micro, accum = check_batch(args.batch, tc.micro_batch, dp_size(mesh), mesh_where(mesh))
     p_sh, o_sh, h_sh = train.state_shardings(mesh, m)
     table = model.param_table(m)
     abstract = lambda shape, dtype, sh: jax.ShapeDtypeStruct(shape, dtype, sharding=sh)  # noqa: E731

@@ -1,19 +1,27 @@
-"""Train an OLMo in JAX: config -> mesh -> data -> params -> optimizer -> train step -> loop.
+"""Train an OLMo: config -> devices -> data -> params -> optimizer -> train step -> loop, in JAX or PyTorch.
 
-    python train.py configs/tiny.toml                                    # the main job's run
+    python train.py configs/tiny.toml                                    # the main job's run (JAX)
     python train.py configs/tiny.toml --train.steps=50 --train.run_dir=runs/x   # rerun the same command to resume
-    python train.py configs/tiny.toml --bench                            # tokens/s and MFU, next to transformers
+    python train.py configs/tiny.toml --train.backend=torch              # the same run with model.py's nn.Module
+    torchrun --nproc_per_node=8 train.py configs/olmo2-1b.toml --train.backend=torch --mesh.data=1 --mesh.fsdp=-1
+    python train.py configs/tiny.toml --bench                            # tokens/s and MFU: JAX, torch eager and compiled
     python train.py plot runs/a runs/b                                   # overlay loss curves -> runs/a/loss.png
+
+Both backends read the same config, data loader, schedule and checkpoints; everything between the
+loader and the checkpoint is one of two classes, JaxBackend and TorchBackend, with the same methods
+(init, load, step, eval, pieces for the checkpoint writer, host_params), so the loop has no `if backend`.
 
 A run directory holds config.json (the resolved config), metrics.jsonl (one line per logged step),
 loss.png, and checkpoints step_N/: Hugging Face model directories (config.json, model.safetensors)
 plus optimizer.safetensors (AdamW moments, same names) and nanolmo.json (config, step, data
-position, skip-step history). `latest` names the newest complete one; a rerun continues from it.
+position, skip-step history). `latest` names the newest complete one; a rerun continues from it, in
+either backend.
 """
 
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import sys
@@ -23,6 +31,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import torch
 from tqdm import tqdm
 
 import convert
@@ -37,7 +46,7 @@ PEAK_FLOPS = {
     "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v6 lite": 918e12,
     "TPU v6e": 918e12, "NVIDIA A100-SXM4-40GB": 312e12, "NVIDIA A100-SXM4-80GB": 312e12,
     "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H200": 989e12, "NVIDIA GH200 480GB": 989e12,
-}
+}  # (JAX's device_kind and torch.cuda.get_device_name give the same strings)
 SKIP_WINDOW, SKIP_MIN, SKIP_SIGMA = 128, 64, 6.0  # OLMo-core SkipStepAdamW defaults
 
 
@@ -92,7 +101,132 @@ def new_history():
                 n=jnp.zeros((), jnp.int32))
 
 
-# --- the train step -----------------------------------------------------------------------------
+def is_outlier(history, loss, grad_norm):
+    """OLMo-core SkipStepAdamW: a 6σ outlier in loss or grad norm, once 64 steps of history exist.
+    jnp, so the JAX step runs it inside jit and the torch step calls it eagerly on the host."""
+    n = jnp.minimum(history["n"], SKIP_WINDOW)
+    valid = jnp.arange(SKIP_WINDOW) < n
+
+    def outlier(x, xs):
+        mean = jnp.sum(jnp.where(valid, xs, 0)) / jnp.maximum(n, 1)
+        std = jnp.sqrt(jnp.sum(jnp.where(valid, (xs - mean) ** 2, 0)) / jnp.maximum(n - 1, 1))
+        return x - mean > SKIP_SIGMA * std
+
+    return (n >= SKIP_MIN) & (outlier(loss, history["loss"]) | outlier(grad_norm, history["grad_norm"]))
+
+
+def push_history(history, loss, grad_norm):
+    slot = history["n"] % SKIP_WINDOW
+    return dict(loss=history["loss"].at[slot].set(loss), grad_norm=history["grad_norm"].at[slot].set(grad_norm),
+                n=history["n"] + 1)
+
+
+# --- checkpoints (both backends) -----------------------------------------------------------------
+# Stored in the HF layout (one tensor per layer, HF names), whatever the backend or mesh: each process
+# writes the pieces it holds into the shared files, and a restore reads only the slices it needs, so a
+# checkpoint written on one mesh (or by one backend) resumes on another and no host holds a whole array.
+
+def stored(name, shape, prefix):
+    """(file name, layer) per tensor a param is stored as: one per layer for stacked params (layer None
+    otherwise). Model tensors take HF's "model." prefix, except lm_head.weight; moments "exp_avg." etc."""
+    prefix = "" if prefix == "model." and name == "lm_head.weight" else prefix
+    if name.startswith("layers."):
+        return [(f"{prefix}layers.{i}.{name[len('layers.'):]}", i) for i in range(shape[0])]
+    return [(prefix + name, None)]
+
+
+def checkpoint_entries(m):
+    """{file name: (shape, dtype)} of model.safetensors and of optimizer.safetensors: fp32 everything,
+    from the parameter table, so both backends write the same files by construction."""
+    model_e, opt_e = {}, {}
+    for name, p in model.param_table(m).items():
+        shape = p.shape[1:] if name.startswith("layers.") else p.shape
+        for f, _ in stored(name, p.shape, "model."):
+            model_e[f] = (shape, np.float32)
+        for prefix in ("exp_avg.", "exp_avg_sq."):
+            opt_e.update({f: (shape, np.float32) for f, _ in stored(name, p.shape, prefix)})
+    opt_e["step"] = ((), np.int32)
+    return model_e, opt_e
+
+
+def write_tensors(path, entries, pieces, metadata, lead, barrier):
+    """The lead process sizes the file; then every process writes its pieces, (file name, index, numpy
+    array), through a writable memory map, and fsyncs."""
+    if lead:
+        convert.allocate_safetensors(path, entries, metadata)
+    barrier()
+    views, _ = convert.read_safetensors(path, writable=True)
+    for name, idx, value in pieces:
+        views[name][idx] = value
+    del views
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())  # the mapped pages, on disk
+    barrier()
+
+
+def save_checkpoint(run_dir, step, backend, cfg, loader_state):
+    """step_N.tmp/ -> fsync -> rename to step_N/ -> point `latest` at it -> drop the oldest beyond `keep`.
+    A crash at any moment leaves the previous complete checkpoint and `latest` as they were."""
+    run_dir, lead, barrier = Path(run_dir), backend.lead, backend.barrier
+    final, tmp = run_dir / f"step_{step}", run_dir / f"step_{step}.tmp"
+    if lead:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    model_e, opt_e = checkpoint_entries(cfg.model)
+    write_tensors(tmp / "model.safetensors", model_e, backend.pieces("model."), {"format": "pt"}, lead, barrier)
+    write_tensors(tmp / "optimizer.safetensors", opt_e, backend.pieces("optimizer"), {"format": "nanolmo"}, lead, barrier)
+    if lead:
+        (tmp / "config.json").write_text(json.dumps(convert.config_to_hf(cfg.model), indent=2) + "\n")
+        meta = dict(step=step, config=to_dict(cfg), data=loader_state,
+                    history={k: np.asarray(v).tolist() for k, v in backend.history.items()})
+        (tmp / "nanolmo.json").write_text(json.dumps(meta, indent=1) + "\n")
+        for f in ("config.json", "nanolmo.json"):
+            with open(tmp / f, "rb") as fh:
+                os.fsync(fh.fileno())
+        if final.exists():  # left by a run that crashed before updating `latest`: same step, redo it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        (run_dir / "latest.tmp").write_text(final.name + "\n")
+        os.replace(run_dir / "latest.tmp", run_dir / "latest")
+        steps = sorted(int(p.name[5:]) for p in run_dir.glob("step_*") if p.name[5:].isdigit())
+        for old in steps[:-cfg.train.keep]:
+            shutil.rmtree(run_dir / f"step_{old}")
+    barrier()
+    return final
+
+
+def latest_checkpoint(run_dir):
+    pointer = Path(run_dir) / "latest"
+    if not pointer.is_file():
+        return None
+    path = Path(run_dir) / pointer.read_text().strip()
+    if not (path / "nanolmo.json").is_file():
+        raise FileNotFoundError(f"{pointer} names {path.name}, which is not a complete checkpoint (no nanolmo.json)")
+    return path
+
+
+def open_checkpoint(path, m, with_optimizer=True):
+    """(model tensors, optimizer tensors or None, meta): memory maps by stored name, nothing read yet.
+    The checkpoint must hold the configured model; any HF OLMo directory with our config will do."""
+    path = Path(path)
+    saved_m, state = convert.open_hf(path)
+    meta = json.loads((path / "nanolmo.json").read_text()) if (path / "nanolmo.json").is_file() else {}
+    theirs = build({"model": meta["config"]["model"]}).model if meta else saved_m
+    diff = [f"{k}: {getattr(theirs, k)!r} there, {getattr(m, k)!r} here" for k in to_dict(Config(model=m))["model"]
+            if k not in ("init", "init_std") and getattr(theirs, k) != getattr(m, k)]
+    if diff:
+        raise ConfigError(f"{path} holds a different model ({'; '.join(diff)})")
+    opt = None
+    if with_optimizer and (path / "optimizer.safetensors").is_file():
+        opt, _ = convert.read_safetensors(path / "optimizer.safetensors")
+        missing = [f for f in checkpoint_entries(m)[1] if f not in opt]
+        if missing:
+            raise ValueError(f"{path / 'optimizer.safetensors'}: no tensor {missing[0]}")
+    return state, opt, meta
+
+
+# --- the JAX backend: one jitted step over a device mesh -----------------------------------------
 
 def state_shardings(mesh, m):
     """Params (by the table's logical axes), AdamW state (the same), skip-step history (replicated)."""
@@ -132,22 +266,11 @@ def make_train_step(cfg, mesh):
         new_params, new_opt = adamw(params, grads, opt, lr, tc, decay)
 
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        if tc.skip_step:  # OLMo-core SkipStepAdamW: skip a 6σ outlier once 64 steps of history exist
-            n = jnp.minimum(history["n"], SKIP_WINDOW)
-            valid = jnp.arange(SKIP_WINDOW) < n
-
-            def outlier(x, xs):
-                mean = jnp.sum(jnp.where(valid, xs, 0)) / jnp.maximum(n, 1)
-                std = jnp.sqrt(jnp.sum(jnp.where(valid, (xs - mean) ** 2, 0)) / jnp.maximum(n - 1, 1))
-                return x - mean > SKIP_SIGMA * std
-
-            ok &= ~((n >= SKIP_MIN) & (outlier(loss, history["loss"]) | outlier(grad_norm, history["grad_norm"])))
+        if tc.skip_step:
+            ok &= ~is_outlier(history, loss, grad_norm)
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
-        slot = history["n"] % SKIP_WINDOW
-        history = dict(loss=history["loss"].at[slot].set(loss), grad_norm=history["grad_norm"].at[slot].set(grad_norm),
-                       n=history["n"] + 1)
         metrics = dict(loss=loss, ce=ce, grad_norm=grad_norm, skipped=~ok)
-        return keep(new_params, params), keep(new_opt, opt), history, metrics
+        return keep(new_params, params), keep(new_opt, opt), push_history(history, loss, grad_norm), metrics
 
     p, o, h = state_shardings(mesh, m)
     return jax.jit(step, in_shardings=(p, o, h, shard.batch_sharding(mesh), None),
@@ -167,151 +290,255 @@ def make_eval_step(cfg, mesh):
     return jax.jit(step, in_shardings=(state_shardings(mesh, m)[0], shard.instance_sharding(mesh)))
 
 
-# --- checkpoints ---------------------------------------------------------------------------------
-# Stored in the HF layout (one tensor per layer, HF names), whatever the mesh: each process writes the
-# shards it holds into the shared files, and a restore reads only the slices its devices need, so a
-# checkpoint written on one mesh resumes on another and no host ever holds a whole sharded array.
-
-def _sync(name):
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-        multihost_utils.sync_global_devices(name)
-
-
-def _stored(name, shape, prefix):
-    """(file name, layer) per tensor a stacked array is stored as; layer is None for unstacked ones."""
-    if name.startswith("layers."):
-        return [(f"{prefix}layers.{i}.{name[len('layers.'):]}", i) for i in range(shape[0])]
-    return [(prefix + name, None)]
-
-
-def write_sharded(path, items, metadata):
-    """items: (our name, jax.Array, file-name prefix). Every process writes replica 0 of its shards."""
-    entries = {}
-    for name, a, prefix in items:
-        for fname, layer in _stored(name, a.shape, prefix):
-            entries[fname] = (a.shape[1:] if layer is not None else a.shape, np.dtype(a.dtype))
-    if jax.process_index() == 0:
-        convert.allocate_safetensors(path, entries, metadata)
-    _sync(f"allocated {path}")
-    views, _ = convert.read_safetensors(path, writable=True)
-    for name, a, prefix in items:
-        for sh in a.addressable_shards:
-            if sh.replica_id:
-                continue  # another device holds the same values and writes them
-            data, idx = np.asarray(sh.data), sh.index
-            if name.startswith("layers."):
-                for j, layer in enumerate(range(*idx[0].indices(a.shape[0]))):
-                    views[f"{prefix}layers.{layer}.{name[len('layers.'):]}"][idx[1:]] = data[j]
-            else:
-                views[prefix + name][idx] = data
-    del views
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())  # the mapped pages, on disk
-    _sync(f"written {path}")
-
-
 def read_sharded(views, name, prefix, shape, sharding):
     """One array, each device's slice read straight from the stored tensors (fp32 whatever they hold)."""
-    rest = name[len("layers."):]
+    files = stored(name, shape, prefix)
 
     def read(idx):
         if not name.startswith("layers."):
-            return np.asarray(views[prefix + name][idx], np.float32)
-        return np.stack([np.asarray(views[f"{prefix}layers.{i}.{rest}"][idx[1:]], np.float32)
-                         for i in range(*idx[0].indices(shape[0]))])
+            return np.asarray(views[files[0][0]][idx], np.float32)
+        return np.stack([np.asarray(views[files[i][0]][idx[1:]], np.float32) for i in range(*idx[0].indices(shape[0]))])
 
     return jax.make_array_from_callback(shape, sharding, read)
 
 
-def save_checkpoint(run_dir, step, params, opt, history, cfg, loader_state):
-    """step_N.tmp/ -> fsync -> rename to step_N/ -> point `latest` at it -> drop the oldest beyond `keep`.
-    A crash at any moment leaves the previous complete checkpoint and `latest` as they were."""
-    run_dir = Path(run_dir)
-    final, tmp = run_dir / f"step_{step}", run_dir / f"step_{step}.tmp"
-    if jax.process_index() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _sync(f"mkdir {tmp}")
-    write_sharded(tmp / "model.safetensors", [(k, v, "" if k == "lm_head.weight" else "model.")
-                                              for k, v in params.items()], {"format": "pt"})
-    write_sharded(tmp / "optimizer.safetensors", [(k, v, "exp_avg.") for k, v in opt["m"].items()]
-                  + [(k, v, "exp_avg_sq.") for k, v in opt["v"].items()] + [("step", opt["count"], "")],
-                  {"format": "nanolmo"})
-    if jax.process_index() == 0:
-        (tmp / "config.json").write_text(json.dumps(convert.config_to_hf(cfg.model), indent=2) + "\n")
-        meta = dict(step=step, config=to_dict(cfg), data=loader_state,
-                    history={k: np.asarray(v).tolist() for k, v in history.items()})
-        (tmp / "nanolmo.json").write_text(json.dumps(meta, indent=1) + "\n")
-        for f in ("config.json", "nanolmo.json"):
-            with open(tmp / f, "rb") as fh:
-                os.fsync(fh.fileno())
-        if final.exists():  # left by a run that crashed before updating `latest`: same step, redo it
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        (run_dir / "latest.tmp").write_text(final.name + "\n")
-        os.replace(run_dir / "latest.tmp", run_dir / "latest")
-        steps = sorted(int(p.name[5:]) for p in run_dir.glob("step_*") if p.name[5:].isdigit())
-        for old in steps[:-cfg.train.keep]:
-            shutil.rmtree(run_dir / f"step_{old}")
-    _sync(f"saved {final}")
-    return final
+class JaxBackend:
+    """Params, AdamW moments and skip-step history as global jax.Arrays laid out over the mesh; one jitted
+    step per optimizer step (all micro-batches inside it). Any number of processes (jax.distributed)."""
+
+    def __init__(self, cfg):
+        m, dc, tc = cfg.model, cfg.data, cfg.train
+        shard.start_distributed()
+        self.cfg, self.lead, self.processes = cfg, jax.process_index() == 0, jax.process_count()
+        self.mesh = mesh = shard.make_mesh(cfg.mesh)
+        self.n_devices, self.world, self.ranks = mesh.devices.size, shard.dp_size(mesh), shard.local_ranks(mesh)
+        self.per_rank, self.micro, self.accum = shard.check_batch(dc.global_batch, tc.micro_batch, self.world, shard.mesh_where(mesh))
+        self.param_sh, self.opt_sh, hist_sh = state_shardings(mesh, m)  # checks every split divides before anything compiles
+        self.peak = PEAK_FLOPS.get(jax.devices()[0].device_kind)
+        self.history = jax.device_put(new_history(), hist_sh)
+        self.train_step, self.eval_step = make_train_step(cfg, mesh), make_eval_step(cfg, mesh)
+        self.new_optimizer = jax.jit(new_optimizer, out_shardings=self.opt_sh)
+
+    def describe(self):
+        return "\n".join(shard.layout_table(self.mesh, model.param_table(self.cfg.model))) + "\n" + shard.describe(self.mesh)
+
+    def barrier(self, name="barrier"):
+        if self.processes > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices(name)
+
+    def init(self, seed):
+        """Initialised where it lives: each device draws only its own shard."""
+        m = self.cfg.model
+        self.params = jax.jit(lambda key: model.init_params(m, key), out_shardings=self.param_sh)(jax.random.PRNGKey(seed))
+        self.opt = self.new_optimizer(self.params)
+
+    def load(self, path, with_optimizer, with_history):
+        """Params (and moments, history) from a checkpoint; returns (meta, whether moments were there)."""
+        state, views, meta = open_checkpoint(path, self.cfg.model, with_optimizer)
+        table = model.param_table(self.cfg.model)
+        self.params = {k: read_sharded(state, k, "", p.shape, self.param_sh[k]) for k, p in table.items()}
+        if views is None:
+            self.opt = self.new_optimizer(self.params)
+        else:
+            self.opt = dict(m={k: read_sharded(views, k, "exp_avg.", p.shape, self.param_sh[k]) for k, p in table.items()},
+                            v={k: read_sharded(views, k, "exp_avg_sq.", p.shape, self.param_sh[k]) for k, p in table.items()},
+                            count=jax.device_put(jnp.asarray(int(views["step"]), jnp.int32), self.opt_sh["count"]))
+        if with_history:
+            history = {k: jnp.asarray(v, jnp.int32 if k == "n" else jnp.float32) for k, v in meta["history"].items()}
+            self.history = jax.device_put(history, self.history["n"].sharding)
+        return meta, views is not None
+
+    def step(self, tokens, lr):
+        """tokens (B_local, T): this process's ranks' instances, rank-major."""
+        T = tokens.shape[1]
+        per = tokens.reshape(len(self.ranks), self.accum, self.micro, T).transpose(1, 0, 2, 3)  # micro-batch a of every rank
+        batch = jax.make_array_from_process_local_data(shard.batch_sharding(self.mesh), per.reshape(self.accum, -1, T))
+        self.params, self.opt, self.history, out = self.train_step(self.params, self.opt, self.history, batch, jnp.float32(lr))
+        return dict(loss=float(out["loss"]), ce=float(out["ce"]), grad_norm=float(out["grad_norm"]), skipped=bool(out["skipped"]))
+
+    def eval(self, tokens):
+        """Summed nats and token count over every process's rows (B_local, T)."""
+        s, n = self.eval_step(self.params, jax.make_array_from_process_local_data(shard.instance_sharding(self.mesh), tokens))
+        return float(s), int(n)
+
+    def pieces(self, kind):
+        """(file name, index, numpy) for replica 0 of every shard this process holds."""
+        if kind == "model.":
+            arrays = [(k, v, "model.") for k, v in self.params.items()]
+        else:
+            arrays = ([(k, v, "exp_avg.") for k, v in self.opt["m"].items()] + [(k, v, "exp_avg_sq.") for k, v in self.opt["v"].items()]
+                      + [("step", self.opt["count"], "")])
+        for name, a, prefix in arrays:
+            files = stored(name, a.shape, prefix)
+            for sh in a.addressable_shards:
+                if sh.replica_id:
+                    continue  # another device holds the same values and writes them
+                value, idx = np.asarray(sh.data), sh.index
+                if name.startswith("layers."):
+                    for j, layer in enumerate(range(*idx[0].indices(a.shape[0]))):
+                        yield files[layer][0], idx[1:], value[j]
+                else:
+                    yield files[0][0], idx, value
+
+    def host_params(self):
+        return jax.device_get(self.params)
 
 
-def latest_checkpoint(run_dir):
-    pointer = Path(run_dir) / "latest"
-    if not pointer.is_file():
-        return None
-    path = Path(run_dir) / pointer.read_text().strip()
-    if not (path / "nanolmo.json").is_file():
-        raise FileNotFoundError(f"{pointer} names {path.name}, which is not a complete checkpoint (no nanolmo.json)")
-    return path
+# --- the PyTorch backend: model.py's nn.Module, torch.optim.AdamW, FSDP2 under torchrun ----------
 
+class TorchBackend:
+    """The same training in PyTorch: one process per device, each rank's micro-batches run eagerly (or
+    torch.compile'd per block), gradients reduced by FSDP2, AdamW from torch itself. fp32 master weights;
+    model.py casts them to the compute dtype where they are used, as the JAX forward does."""
 
-def load_checkpoint(path, m, param_sh, opt_sh, with_optimizer=True):
-    """(params, opt or None, meta), laid out as the given shardings. The model must be the configured one."""
-    path = Path(path)
-    saved_m, state = convert.open_hf(path)
-    meta = json.loads((path / "nanolmo.json").read_text()) if (path / "nanolmo.json").is_file() else {}
-    theirs = build({"model": meta["config"]["model"]}).model if meta else saved_m
-    diff = [f"{k}: {getattr(theirs, k)!r} there, {getattr(m, k)!r} here" for k in to_dict(Config(model=m))["model"]
-            if k not in ("init", "init_std") and getattr(theirs, k) != getattr(m, k)]
-    if diff:
-        raise ConfigError(f"{path} holds a different model ({'; '.join(diff)})")
-    table = model.param_table(m)
-    params = {k: read_sharded(state, k, "", p.shape, param_sh[k]) for k, p in table.items()}
-    opt = None
-    if with_optimizer and (path / "optimizer.safetensors").is_file():
-        views, _ = convert.read_safetensors(path / "optimizer.safetensors")
-        for prefix in ("exp_avg.", "exp_avg_sq."):
-            missing = [f for k, p in table.items() for f, _ in _stored(k, p.shape, prefix) if f not in views]
-            if missing:
-                raise ValueError(f"{path / 'optimizer.safetensors'}: no moment {missing[0]}")
-        opt = dict(m={k: read_sharded(views, k, "exp_avg.", p.shape, param_sh[k]) for k, p in table.items()},
-                   v={k: read_sharded(views, k, "exp_avg_sq.", p.shape, param_sh[k]) for k, p in table.items()},
-                   count=jax.device_put(jnp.asarray(int(views["step"]), jnp.int32), opt_sh["count"]))
-    return params, opt, meta
+    def __init__(self, cfg):
+        m, dc, tc = cfg.model, cfg.data, cfg.train
+        # JAX only draws the initial weights here (the same draws as a JAX run): keep it off the GPUs.
+        jax.config.update("jax_platforms", "cpu")
+        self.rank, self.processes, self.device = shard.torch_start()
+        self.cfg, self.lead, self.ranks = cfg, self.rank == 0, [self.rank]
+        self.n_devices = self.world = self.processes  # one device and one data-parallel rank per process
+        self.per_rank, self.micro, self.accum = shard.check_batch(dc.global_batch, tc.micro_batch, self.world,
+                                                                  f"{self.processes} torch process(es)")
+        with torch.device("meta"):  # no memory until the weights are sharded: each rank allocates its piece
+            net = model.OLMo(m)
+        self.layout = shard.torch_layout_table(cfg.mesh, self.processes, model.param_table(m))  # checks the mesh
+        net = shard.torch_shard(net, cfg.mesh, self.processes, self.device)
+        net.to_empty(device=self.device)
+        with torch.no_grad():
+            net.reset_buffers()
+        if tc.compile:
+            for block in net.layers:
+                block.compile()  # in place: parameter names stay the HF ones (no _orig_mod.)
+        self.net, self.dtype = net, getattr(torch, tc.compute_dtype)
+        self.named = dict(net.named_parameters())  # unstacked HF names: "layers.3.mlp.up_proj.weight"
+        decay = {n: model.param_table(m)[re.sub(r"^layers\.\d+\.", "layers.", n)].decay for n in self.named}
+        self.optim = torch.optim.AdamW(
+            [dict(params=[p for n, p in self.named.items() if decay[n]], weight_decay=tc.weight_decay),
+             dict(params=[p for n, p in self.named.items() if not decay[n]], weight_decay=0.0)],
+            lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps)
+        self.history = new_history()  # on the host, read by is_outlier
+        kind = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        self.peak, self.kind = PEAK_FLOPS.get(kind), kind
+
+    def describe(self):
+        return "\n".join(self.layout) + f" on {self.kind}" + (", torch.compile" if self.cfg.train.compile else "")
+
+    def barrier(self, name="barrier"):
+        shard.torch_barrier()
+
+    def _fill(self, tensors, source):
+        """Copy into each tensor the piece this rank holds, from source(unstacked name, index) -> numpy."""
+        with torch.no_grad():
+            for n, t in tensors.items():
+                local, idx, _ = shard.torch_local(t)
+                local.copy_(torch.from_numpy(np.array(source(n, idx), np.float32)))  # (a copy: memmaps are read-only)
+
+    def init(self, seed):
+        """JAX's init_params, drawn on the host one tensor at a time: a torch run and a JAX run with the
+        same seed start from the same weights."""
+        m, key, cache = self.cfg.model, jax.random.PRNGKey(seed), {}
+
+        def draw(n, idx):
+            stacked = re.sub(r"^layers\.\d+\.", "layers.", n)
+            if stacked not in cache:
+                cache.clear()  # one tensor in memory at a time
+                cache[stacked] = np.asarray(model.init_params(m, key, [stacked])[stacked])
+            value = cache[stacked]
+            return value[int(n.split(".")[1])][idx] if n.startswith("layers.") else value[idx]
+
+        self._fill(self.named, draw)
+
+    def load(self, path, with_optimizer, with_history):
+        state, views, meta = open_checkpoint(path, self.cfg.model, with_optimizer)
+        self._fill(self.named, lambda n, idx: state[n][idx])
+        if views is not None:  # AdamW's state, set before its first step so that it keeps ours
+            for key in ("exp_avg", "exp_avg_sq"):
+                moments = {n: torch.zeros_like(p) for n, p in self.named.items()}  # sharded as p is
+                self._fill(moments, lambda n, idx: views[f"{key}.{n}"][idx])
+                for n, p in self.named.items():
+                    self.optim.state[p].update({key: moments[n], "step": torch.tensor(float(views["step"]))})
+        if with_history:
+            self.history = {k: jnp.asarray(v, jnp.int32 if k == "n" else jnp.float32) for k, v in meta["history"].items()}
+        return meta, views is not None
+
+    def step(self, tokens, lr):
+        """tokens (B_rank, T): this rank's instances, cut into micro-batches; the same sums as the JAX step."""
+        tc = self.cfg.train
+        x = torch.from_numpy(tokens.astype(np.int64)).to(self.device)                     # (B_rank, T)
+        y = torch.from_numpy(model.shift_labels(tokens).astype(np.int64)).to(self.device)  # (B_rank, T)
+        n_total = shard.torch_sum((y != model.IGNORE_INDEX).sum()).clamp(min=1)  # over the global batch, as OLMo-core
+        sums = torch.zeros(2, device=self.device)  # loss, ce
+        for a in range(self.accum):
+            if self.processes > 1:
+                self.net.set_requires_gradient_sync(a == self.accum - 1)  # reduce-scatter once, after the last
+            xa, ya = x[a * self.micro:(a + 1) * self.micro], y[a * self.micro:(a + 1) * self.micro]
+            loss, ce, _ = model.cross_entropy_torch(self.net(xa, self.dtype, tc.remat), ya, tc.z_loss)
+            share = (ya != model.IGNORE_INDEX).sum() / n_total
+            # FSDP2 averages gradients over ranks; each rank's loss is already its share of the global
+            # mean, so scale by the rank count to get their sum.
+            (loss * share * self.world).backward()
+            sums += torch.stack([loss.detach(), ce.detach()]) * share
+        loss, ce = shard.torch_sum(sums).tolist()
+        params = list(self.named.values())
+        norm = shard.torch_full(torch.nn.utils.get_total_norm([p.grad for p in params]))
+        grad_norm = float(norm)
+        ok = math.isfinite(loss) and math.isfinite(grad_norm)
+        if ok and tc.skip_step:
+            ok = not bool(is_outlier(self.history, loss, grad_norm))
+        if ok:
+            if tc.clip:  # scale by min(1, clip / (norm + 1e-6)), as the JAX step
+                torch.nn.utils.clip_grads_with_norm_(params, tc.clip, norm)
+            for group in self.optim.param_groups:
+                group["lr"] = lr
+            self.optim.step()
+        self.optim.zero_grad(set_to_none=True)
+        self.history = push_history(self.history, loss, grad_norm)
+        return dict(loss=loss, ce=ce, grad_norm=grad_norm, skipped=not ok)
+
+    @torch.no_grad()
+    def eval(self, tokens):
+        x = torch.from_numpy(tokens.astype(np.int64)).to(self.device)
+        y = torch.from_numpy(model.shift_labels(tokens).astype(np.int64)).to(self.device)
+        n = (y != model.IGNORE_INDEX).sum()
+        nats = model.cross_entropy_torch(self.net(x, self.dtype), y)[1].double() * n
+        s, n = shard.torch_sum(torch.stack([nats, n.double()])).tolist()
+        return s, int(n)
+
+    def pieces(self, kind):
+        """(file name, index, numpy) for the piece of every tensor this rank holds (first replica only)."""
+        step = 0
+        for n, p in self.named.items():
+            if kind == "model.":
+                tensors = [(("" if n == "lm_head.weight" else "model.") + n, p)]
+            else:
+                st = self.optim.state.get(p) or dict(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p), step=0)
+                tensors, step = [(f"{key}.{n}", st[key]) for key in ("exp_avg", "exp_avg_sq")], int(st["step"])
+            for fname, t in tensors:
+                local, idx, writes = shard.torch_local(t)
+                if writes:
+                    yield fname, idx, local.detach().cpu().numpy()
+        if kind != "model." and self.lead:
+            yield "step", (), np.int32(step)
+
+    def host_params(self):
+        """Stacked numpy params, gathered whole on every process."""
+        return model.stack_layers({n: shard.torch_full(p).detach().cpu().numpy() for n, p in self.named.items()}, self.cfg.model)
 
 
 # --- main ---------------------------------------------------------------------------------------
 
 def main(argv):
-    # --- config
+    # --- config and devices
     cfg = load_config(argv)
     m, dc, tc, ec = cfg.model, cfg.data, cfg.train, cfg.eval
     run_dir = Path(tc.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-
-    # --- mesh
-    shard.start_distributed()
-    lead = jax.process_index() == 0  # the one process that prints and writes files other than checkpoints
+    backend = (TorchBackend if tc.backend == "torch" else JaxBackend)(cfg)
+    lead = backend.lead  # the one process that prints and writes files other than checkpoints
     if not lead:
         sys.stdout = open(os.devnull, "w")
-    mesh = shard.make_mesh(cfg.mesh)
-    n_dev = mesh.devices.size
-    per_rank, micro, accum = shard.check_batch(dc.global_batch, tc.micro_batch, mesh)
-    table = model.param_table(m)
-    param_sh, opt_sh, hist_sh = state_shardings(mesh, m)  # checks every split divides before anything compiles
 
     # --- data
     instances = data.open_instances(dc.path, dc.seq_len, dc.seed)
@@ -327,57 +554,43 @@ def main(argv):
     tokens_per_step = dc.global_batch * dc.seq_len
 
     # --- params: resume this run, or start a stage from another checkpoint, or initialise
-    ckpt, start, history, loader_pos = latest_checkpoint(run_dir), 0, new_history(), 0
+    ckpt, start, loader_pos = latest_checkpoint(run_dir), 0, 0
     if ckpt:
-        params, opt, meta = load_checkpoint(ckpt, m, param_sh, opt_sh)
-        start, loader_pos = meta["step"], meta["data"]["step"]
-        history = {k: jnp.asarray(v, jnp.int32 if k == "n" else jnp.float32) for k, v in meta["history"].items()}
-        if opt is None:
+        meta, has_opt = backend.load(ckpt, with_optimizer=True, with_history=True)
+        if not has_opt:
             raise ValueError(f"{ckpt}: no optimizer.safetensors, cannot resume")
+        start, loader_pos = meta["step"], meta["data"]["step"]
         was = {k: meta["config"]["data"][k] for k in ("path", "seq_len", "global_batch", "seed")}
         if was != {k: getattr(dc, k) for k in was}:
             raise ConfigError(f"{ckpt} was trained with data {was}; resuming needs the same data settings "
                               "(to change them, start a new stage: train.init_from)")
-        print(f"resuming {ckpt} at step {start}")
+        print(f"resuming {ckpt} at step {start}" + (f" (written by the {meta['config']['train'].get('backend', 'jax')} backend)"))
     elif tc.init_from:
-        params, opt, _ = load_checkpoint(tc.init_from, m, param_sh, opt_sh, tc.load_optimizer)
-        opt = opt or jax.jit(new_optimizer, out_shardings=opt_sh)(params)
+        backend.load(tc.init_from, with_optimizer=tc.load_optimizer, with_history=False)
         print(f"new stage from {tc.init_from}: its params{' and AdamW moments' if tc.load_optimizer else ''}, step 0")
-    else:  # initialised where it lives: each device draws only its own shard
-        params = jax.jit(lambda key: model.init_params(m, key), out_shardings=param_sh)(jax.random.PRNGKey(tc.init_seed))
-        opt = jax.jit(new_optimizer, out_shardings=opt_sh)(params)
-    history = jax.device_put(history, hist_sh)
-    loader = data.Loader(instances, dc.global_batch, dc.seed, world=shard.dp_size(mesh), ranks=shard.local_ranks(mesh),
+    else:
+        backend.init(tc.init_seed)
+    loader = data.Loader(instances, dc.global_batch, dc.seed, world=backend.world, ranks=backend.ranks,
                          start_step=loader_pos, vocab_size=m.vocab_size)
     if lead:
         save_json(cfg, run_dir / "config.json")
 
     # --- what this run is
+    table = model.param_table(m)
     groups = {}
     for name, p in table.items():
         group = name.split(".")[0] if not name.startswith("layers.") else name.split(".")[1]
         groups[group] = groups.get(group, 0) + math.prod(p.shape)
-    flops = model.flops_per_token(m, dc.seq_len)
-    peak = PEAK_FLOPS.get(jax.devices()[0].device_kind)
+    flops, peak = model.flops_per_token(m, dc.seq_len), backend.peak
     print(describe(cfg))
     print(f"params {model.count_params(m):,}: " + ", ".join(f"{g} {n:,}" for g, n in groups.items()))
     print(f"tokens/step {tokens_per_step:,} = global_batch {dc.global_batch} x seq_len {dc.seq_len}; "
-          f"{shard.dp_size(mesh)} data-parallel rank(s) x {accum} micro-batch(es) of {micro}; FLOPs/token {flops / 1e6:,.1f}M")
-    print("\n".join(shard.layout_table(mesh, table)))
-    print(f"{shard.describe(mesh)}; peak {'%.0f TFLOP/s per device' % (peak / 1e12) if peak else 'unknown: MFU n/a'}")
+          f"{backend.world} data-parallel rank(s) x {backend.accum} micro-batch(es) of {backend.micro}; "
+          f"FLOPs/token {flops / 1e6:,.1f}M")
+    print(backend.describe())
+    print(f"backend {tc.backend}; peak {'%.0f TFLOP/s per device' % (peak / 1e12) if peak else 'unknown: MFU n/a'}")
     print(f"data: {instances.n:,} instances of {dc.seq_len}, {loader.batches_per_epoch:,} steps per epoch"
           + (f"; held-out {heldout.n:,} instances" if heldout else "; no held-out split"))
-
-    # --- the compiled steps
-    train_step = make_train_step(cfg, mesh)
-    eval_step = make_eval_step(cfg, mesh)
-    local = shard.local_ranks(mesh)
-    batch_sharding = shard.batch_sharding(mesh)
-
-    def device_batch(tokens):  # (B_local, T) rank-major -> (A, B_local, T): micro-batch a of every rank
-        per = tokens.reshape(len(local), accum, micro, dc.seq_len).transpose(1, 0, 2, 3)
-        return jax.make_array_from_process_local_data(batch_sharding, per.reshape(accum, -1, dc.seq_len))
-
     token_bytes = evaluate.token_bytes(tok) if tok else None
 
     def held_out_eval(batches):
@@ -386,12 +599,13 @@ def main(argv):
             return None
         n_batches = heldout.n // dc.global_batch
         n_batches = min(n_batches, batches) if batches else n_batches
-        rows = np.concatenate([np.arange(r * per_rank, (r + 1) * per_rank) for r in local])  # this process's
+        P = backend.per_rank
+        rows = np.concatenate([np.arange(r * P, (r + 1) * P) for r in backend.ranks])  # this process's
         nats = count = n_bytes = 0
         for b in range(n_batches):
             tokens = np.stack([heldout.read(b * dc.global_batch + i) for i in range(dc.global_batch)]).astype(np.int32)
-            s, n = eval_step(params, jax.make_array_from_process_local_data(shard.instance_sharding(mesh), tokens[rows]))
-            nats, count = nats + float(s), count + int(n)
+            s, n = backend.eval(tokens[rows])
+            nats, count = nats + s, count + n
             if token_bytes is not None:
                 n_bytes += int(token_bytes[tokens[:, 1:]].sum())
         return dict(eval_loss=nats / count, eval_bpb=evaluate.bits_per_byte(nats, n_bytes) if n_bytes else None)
@@ -418,18 +632,17 @@ def main(argv):
     for step in bar:
         _, tokens = next(batches)
         lr = lr_at(step, tc, tokens_per_step, tc.steps)
-        params, opt, history, out = train_step(params, opt, history, device_batch(tokens), jnp.float32(lr))
-        loss, skipped = float(out["loss"]), bool(out["skipped"])
-        window.append(loss)
-        if not math.isfinite(loss) and not tc.skip_step:
-            raise FloatingPointError(f"loss is {loss} at step {step}; last good checkpoint: {last_saved or 'none'} "
+        out = backend.step(tokens, lr)
+        window.append(out["loss"])
+        if not math.isfinite(out["loss"]) and not tc.skip_step:
+            raise FloatingPointError(f"loss is {out['loss']} at step {step}; last good checkpoint: {last_saved or 'none'} "
                                      "(the update was not applied; lower train.lr or set train.skip_step=true)")
         record = None
         if step % tc.log_every == 0 or step == tc.steps:
             tps = len(window) * tokens_per_step / (time.perf_counter() - t_last)
-            record = dict(step=step, loss=sum(window) / len(window), ce=float(out["ce"]), lr=lr,
-                          grad_norm=float(out["grad_norm"]), tokens_per_s=tps, skipped=skipped,
-                          mfu=flops * tps / (peak * n_dev) if peak else None, tokens=step * tokens_per_step)
+            record = dict(step=step, loss=sum(window) / len(window), ce=out["ce"], lr=lr, grad_norm=out["grad_norm"],
+                          tokens_per_s=tps, skipped=out["skipped"], mfu=flops * tps / (peak * backend.n_devices) if peak else None,
+                          tokens=step * tokens_per_step)
             t_last, window = time.perf_counter(), []
         if ec.every and step % ec.every == 0 and step != tc.steps:
             record = {**(record or dict(step=step)), **(held_out_eval(ec.batches) or {})}
@@ -440,10 +653,10 @@ def main(argv):
             if "loss" in record:
                 mfu = f"{100 * record['mfu']:.1f}%" if record["mfu"] is not None else "n/a"
                 line = (f"step {step:>6} | loss {record['loss']:.4f} | lr {lr:.2e} | grad norm {record['grad_norm']:.3f} | "
-                        f"{record['tokens_per_s']:,.0f} tok/s | MFU {mfu}" + (" | SKIPPED" if skipped else ""))
+                        f"{record['tokens_per_s']:,.0f} tok/s | MFU {mfu}" + (" | SKIPPED" if out["skipped"] else ""))
                 bar.write(line + (f" | held-out bpb {record['eval_bpb']:.3f}" if record.get("eval_bpb") else ""))
-        if step % tc.checkpoint_every == 0 or step == tc.steps or stop["signal"]:  # every process writes its shards
-            last_saved = save_checkpoint(run_dir, step, params, opt, history, cfg, loader.state())
+        if step % tc.checkpoint_every == 0 or step == tc.steps or stop["signal"]:  # every process writes its pieces
+            last_saved = save_checkpoint(run_dir, step, backend, cfg, loader.state())
         if stop["signal"]:
             bar.close()
             print(f"{stop['signal']}: saved {last_saved}; rerun the same command to continue")
@@ -463,9 +676,9 @@ def main(argv):
     if lead:
         plot([run_dir], run_dir / "loss.png")
     print(f"checkpoint {last_saved}; metrics {metrics_path}; plot {run_dir / 'loss.png'}")
-    if ec.prompt and tok is not None and jax.process_count() == 1:  # (the sampler wants every weight on one host)
+    if ec.prompt and tok is not None and backend.processes == 1:  # (the sampler wants every weight on one host)
         ids = tok.enc.encode(ec.prompt, allowed_special="all")
-        new = evaluate.sample(jax.device_get(params), m, ids, ec.sample_tokens, ec.temperature, seed=tc.init_seed)
+        new = evaluate.sample(backend.host_params(), m, ids, ec.sample_tokens, ec.temperature, seed=tc.init_seed)
         print(f"sample: {ec.prompt}{tok.decode(new)!r}")
 
 
@@ -486,92 +699,120 @@ def unigram_bpb(instances, heldout, token_bytes, V):
 # --- plot ---------------------------------------------------------------------------------------
 
 def plot(run_dirs, out):
-    """Training loss (and held-out loss, dashed) against tokens, one colour per run."""
+    """Training loss (and held-out loss, dashed) against steps, one colour per run. With several runs, a
+    second panel shows each one's per-step relative difference from the first, and the largest of each
+    is returned (over the steps both logged)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for i, d in enumerate(run_dirs):
+    curves = []
+    for d in run_dirs:
         rows = [json.loads(ln) for ln in (Path(d) / "metrics.jsonl").read_text().splitlines()]
-        train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
         held = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
         final = Path(d) / "final.json"
         if final.is_file():
             held.append((json.loads(final.read_text())["step"], json.loads(final.read_text())["eval_loss"]))
-        color = f"C{i}"
+        curves.append((dict((r["step"], r["loss"]) for r in rows if "loss" in r), held))
+    fig, axes = plt.subplots(2 if len(run_dirs) > 1 else 1, 1, figsize=(8, 7 if len(run_dirs) > 1 else 5),
+                             sharex=True, squeeze=False, height_ratios=[2, 1] if len(run_dirs) > 1 else None)
+    ax = axes[0, 0]
+    for i, (d, (train, held)) in enumerate(zip(run_dirs, curves)):
         if train:
-            ax.plot(*zip(*train), color=color, label=f"{Path(d).name} train")
+            ax.plot(list(train), list(train.values()), color=f"C{i}", label=f"{Path(d).name} train", lw=1.5 if i else 2.5)
         if held:
-            ax.plot(*zip(*held), "--o", color=color, markersize=3, label=f"{Path(d).name} held-out")
-    ax.set_xlabel("step")
+            ax.plot(*zip(*held), "--o", color=f"C{i}", markersize=3, label=f"{Path(d).name} held-out")
     ax.set_ylabel("loss (nats/token)")
     ax.grid(alpha=0.3)
     ax.legend()
+    diffs = []
+    for i, (d, (train, _)) in enumerate(zip(run_dirs[1:], curves[1:]), start=1):
+        first = curves[0][0]
+        common = sorted(set(first) & set(train))
+        if not common:
+            continue
+        rel = [abs(train[s] - first[s]) / abs(first[s]) for s in common]
+        axes[1, 0].semilogy(common, [max(r, 1e-9) for r in rel], color=f"C{i}", lw=1,
+                            label=f"|{Path(d).name} - {Path(run_dirs[0]).name}| / {Path(run_dirs[0]).name}")
+        j = max(range(len(common)), key=rel.__getitem__)
+        diffs.append(dict(run=str(d), steps=len(common), step=common[j], diff=abs(train[common[j]] - first[common[j]]),
+                          rel=rel[j]))
+    if len(run_dirs) > 1:
+        axes[1, 0].set_ylabel("relative difference")
+        axes[1, 0].grid(alpha=0.3)
+        axes[1, 0].legend(fontsize=8)
+    axes[-1, 0].set_xlabel("step")
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    fig.savefig(out, dpi=100)
     plt.close(fig)
+    return diffs
 
 
 # --- bench --------------------------------------------------------------------------------------
 
 def bench(argv, steps=10):
-    """A few train steps of the configured model in JAX, then the same model, batch and optimizer in
-    transformers (torch, this machine's CPU), in one process. Each side runs 2 steps before the clock."""
+    """A few train steps of the configured model and batch in each backend, in one process: JAX, torch
+    eager, torch compiled, and transformers' OlmoForCausalLM with torch.optim.AdamW when it is installed.
+    Each runs 2 steps (compile, warm-up) before the clock starts."""
     cfg = load_config(argv)
     m, dc, tc = cfg.model, cfg.data, cfg.train
     B, T = dc.global_batch, dc.seq_len
-    mesh = shard.make_mesh(cfg.mesh)
     tokens = np.random.default_rng(0).integers(0, m.vocab_size, (B, T)).astype(np.int32)
-    param_sh, opt_sh, hist_sh = state_shardings(mesh, m)
-    params = jax.device_put(model.init_params(m, jax.random.PRNGKey(0)), param_sh)
-    opt, history = jax.device_put(new_optimizer(params), opt_sh), jax.device_put(new_history(), hist_sh)
-    step = make_train_step(cfg, mesh)
-    batch = jax.device_put(tokens[None], shard.batch_sharding(mesh))
-    for _ in range(2):  # compile, warm up
-        params, opt, history, out = step(params, opt, history, batch, jnp.float32(tc.lr))
-    jax.block_until_ready(out)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        params, opt, history, out = step(params, opt, history, batch, jnp.float32(tc.lr))
-    jax.block_until_ready(out)
-    ours = steps * B * T / (time.perf_counter() - t0)
-
-    import torch  # imported only now, so its thread pools do not share the cores with XLA's above
-    import transformers
-    hf_cfg = convert.config_to_hf(m)
-    hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**{
-        k: v for k, v in hf_cfg.items() if k != "architectures"}))
-    hf.train()
-    optim = torch.optim.AdamW(hf.parameters(), lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps, weight_decay=tc.weight_decay)
-    ids = torch.from_numpy(tokens.astype(np.int64))
-
-    def torch_step():
-        loss = hf(ids, labels=ids).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(hf.parameters(), tc.clip or 1e9)
-        optim.step()
-        optim.zero_grad()
-
-    torch_step()
-    torch_step()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        torch_step()
-    theirs = steps * B * T / (time.perf_counter() - t0)
     flops = model.flops_per_token(m, T)
-    peak = PEAK_FLOPS.get(jax.devices()[0].device_kind)
-    mfu = lambda tps: f"{100 * flops * tps / (peak * mesh.devices.size):.1f}%" if peak else "n/a"  # noqa: E731
-    print(f"{'':<34} {'tokens/s':>10} {'MFU':>6} {'GFLOP/s':>9}")
-    print(f"{'nanolmo JAX (' + jax.devices()[0].platform + ', ' + tc.compute_dtype + ')':<34} {ours:>10,.0f} {mfu(ours):>6} {flops * ours / 1e9:>9.1f}")
-    print(f"{'transformers ' + transformers.__version__ + ' (torch CPU)':<34} {theirs:>10,.0f} {mfu(theirs):>6} {flops * theirs / 1e9:>9.1f}")
-    print(f"ratio nanolmo / transformers: {ours / theirs:.2f}x  (B={B}, T={T}, {model.count_params(m):,} params, {steps} steps each)")
+
+    def timed(step):
+        for _ in range(2):
+            step()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        return steps * B * T / (time.perf_counter() - t0)
+
+    rows = []
+    for backend_cls, compiled in ((JaxBackend, True), (TorchBackend, False), (TorchBackend, True)):
+        run = build({**to_dict(cfg), "train": {**to_dict(cfg)["train"], "compile": compiled}})
+        backend = backend_cls(run)
+        backend.init(0)
+        if backend_cls is JaxBackend:
+            label = f"nanolmo JAX ({jax.devices()[0].platform}, {tc.compute_dtype})"
+        else:
+            label = f"nanolmo torch {'compiled' if compiled else 'eager'} ({backend.device.type}, {tc.compute_dtype})"
+        rows.append((label, timed(lambda: backend.step(tokens, tc.lr)), backend.peak, backend.n_devices))
+
+
+    try:
+        import transformers
+    except ImportError:
+        transformers = None  # a test extra; the table simply has no reference row
+    if transformers is not None:
+        hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**{
+            k: v for k, v in convert.config_to_hf(m).items() if k != "architectures"}))
+        hf.train()
+        optim = torch.optim.AdamW(hf.parameters(), lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps, weight_decay=tc.weight_decay)
+        ids = torch.from_numpy(tokens.astype(np.int64))
+
+        def hf_step():
+            hf(ids, labels=ids).loss.backward()
+            torch.nn.utils.clip_grad_norm_(hf.parameters(), tc.clip or 1e9)
+            optim.step()
+            optim.zero_grad()
+
+        rows.append((f"transformers {transformers.__version__} (torch CPU, fp32)", timed(hf_step), None, 1))
+
+    print(f"{'':<44} {'tokens/s':>10} {'vs JAX':>7} {'MFU':>6} {'GFLOP/s':>9}")
+    for label, tps, peak, n in rows:
+        mfu = f"{100 * flops * tps / (peak * n):.1f}%" if peak else "n/a"
+        print(f"{label:<44} {tps:>10,.0f} {tps / rows[0][1]:>6.2f}x {mfu:>6} {flops * tps / 1e9:>9.1f}")
+    print(f"(B={B}, T={T}, {model.count_params(m):,} params, {steps} timed steps each, one process)")
 
 
 if __name__ == "__main__":
     args = sys.argv[1:]
     if args[:1] == ["plot"]:
-        plot(args[1:], Path(args[1]) / "loss.png")
-        print(f"wrote {Path(args[1]) / 'loss.png'}")
+        out = Path(args[1]) / "loss.png"
+        for d in plot(args[1:], out):
+            print(f"{d['run']} vs {args[1]}: largest per-step loss difference {d['diff']:.3g} "
+                  f"({d['rel']:.2g} relative) at step {d['step']}, over {d['steps']} common steps")
+        print(f"wrote {out}")
     elif "--bench" in args:
         bench([a for a in args if a != "--bench"])
     else:

@@ -147,6 +147,8 @@ class MeshConfig:
 @dataclass
 class TrainConfig:
     run_dir: str = "runs/tiny"    # checkpoints, metrics.jsonl, config.json, loss.png; a rerun resumes from here
+    backend: str = "jax"          # jax (any mesh, TPU/GPU/CPU) | torch (one device, or torchrun + FSDP2)
+    compile: bool = False         # torch backend: torch.compile each block (JAX always compiles)
     steps: int = 1000             # optimizer steps in this stage
     micro_batch: int = 0          # instances per device per forward/backward; 0 = all of them (no accumulation)
     compute_dtype: str = "float32"  # float32 | bfloat16 (params and optimizer state stay fp32)
@@ -173,7 +175,7 @@ class TrainConfig:
     keep: int = 2                 # checkpoints kept (the newest)
 
     def __post_init__(self):
-        choices = dict(compute_dtype=("float32", "bfloat16"), remat=("none", "block", "mlp"), schedule=("cosine", "linear", "half_cosine", "constant"),
+        choices = dict(backend=("jax", "torch"), compute_dtype=("float32", "bfloat16"), remat=("none", "block", "mlp"), schedule=("cosine", "linear", "half_cosine", "constant"),
                        units=("steps", "tokens"))
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

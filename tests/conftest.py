@@ -1,5 +1,54 @@
-"""Tests run from the repository root (`make test`); make the top-level scripts importable."""
+"""Tests run from the repository root (`make test`); make the top-level scripts importable. The `setup`
+fixture (a small prepared dataset and a config file for it) serves test_train.py and test_torch.py."""
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import data  # noqa: E402  (after the path is set)
+
+SMALL = """
+[model]
+family = "olmo3"
+d_model = 32
+n_layers = 2
+n_heads = 4
+n_kv_heads = 2
+mlp_hidden = 64
+vocab_size = 384
+eos_token_id = 382
+pad_token_id = 383
+max_seq_len = 32
+sliding_window = 8
+layer_pattern = "SF"
+[data]
+seq_len = 32
+global_batch = 8
+[train]
+lr = 3e-3
+warmup = 2
+log_every = 1
+checkpoint_every = 100
+[eval]
+every = 0
+prompt = ""
+"""
+
+
+@pytest.fixture(scope="session")
+def setup(tmp_path_factory):
+    """A prepared dataset (384-id BPE on real text) and a config file pointing at it."""
+    root = tmp_path_factory.mktemp("small")
+    docs = root / "docs"
+    docs.mkdir()
+    paras = [p for p in (ROOT / "LICENSE").read_text().split("\n\n") if p.strip()]
+    for i, p in enumerate(paras):
+        (docs / f"{i:03d}.txt").write_text(p * 3)
+    data.save_ranks(data.train_bpe([(ROOT / "LICENSE").read_text()], 384), root / "bpe.tiktoken")
+    data.prepare([docs], root / "data", str(root / "bpe.tiktoken"), heldout=0.1, workers=1, quiet=True)
+    toml = root / "small.toml"
+    toml.write_text(SMALL.replace("[data]\n", f'[data]\npath = "{root / "data"}"\n'))
+    return root, toml

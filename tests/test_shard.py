@@ -59,13 +59,10 @@ def test_bad_meshes_fail_before_compiling():
     with pytest.raises(ValueError, match=r"lm_head.weight: dimension 'vocab' of size 1000 does not divide over mesh axis 'tensor' of size 16"):
         shard.spec_for("lm_head.weight", p, dict(data=1, fsdp=1, tensor=16))
 
-    class FakeMesh:
-        shape = dict(data=2, fsdp=4, tensor=1)
-
     with pytest.raises(ValueError, match=r"data.global_batch=12 does not divide over the 8 data-parallel ranks \(mesh data=2 x fsdp=4\)"):
-        shard.check_batch(12, 0, FakeMesh())
+        shard.check_batch(12, 0, 8, "mesh data=2 x fsdp=4")
     with pytest.raises(ValueError, match="train.micro_batch=3 does not divide the 4 instances each rank gets"):
-        shard.check_batch(32, 3, FakeMesh())
+        shard.check_batch(32, 3, 8, "mesh data=2 x fsdp=4")
 
 
 def test_remat_policies_compute_the_same_gradients():

@@ -15,58 +15,12 @@ import pytest
 import torch
 
 import convert
-import data
 import model
 import shard
 import train
 from configs import build, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
-LICENSE = (ROOT / "LICENSE").read_text()
-
-SMALL = """
-[model]
-family = "olmo3"
-d_model = 32
-n_layers = 2
-n_heads = 4
-n_kv_heads = 2
-mlp_hidden = 64
-vocab_size = 384
-eos_token_id = 382
-pad_token_id = 383
-max_seq_len = 32
-sliding_window = 8
-layer_pattern = "SF"
-[data]
-seq_len = 32
-global_batch = 8
-[train]
-lr = 3e-3
-warmup = 2
-log_every = 1
-checkpoint_every = 100
-[eval]
-every = 0
-prompt = ""
-"""
-
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    """A prepared dataset (384-id BPE on real text) and a config file pointing at it."""
-    root = tmp_path_factory.mktemp("train")
-    docs = root / "docs"
-    docs.mkdir()
-    paras = [p for p in LICENSE.split("\n\n") if p.strip()]
-    for i, p in enumerate(paras):
-        (docs / f"{i:03d}.txt").write_text(p * 3)
-    data.save_ranks(data.train_bpe([LICENSE], 384), root / "bpe.tiktoken")
-    data.prepare([docs], root / "data", str(root / "bpe.tiktoken"), heldout=0.1, workers=1, quiet=True)
-    toml = root / "small.toml"
-    toml.write_text(SMALL.replace("[data]\n", f'[data]\npath = "{root / "data"}"\n'))
-    return root, toml
-
 
 def run(toml, run_dir, *extra, env=None, check=True):
     cmd = [sys.executable, "train.py", str(toml), f"--train.run_dir={run_dir}", *extra]

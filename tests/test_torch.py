@@ -1,0 +1,145 @@
+"""The PyTorch backend against the JAX one: same steps, checkpoints that cross between them, FSDP2 under
+torchrun equal to one process. (torch.compile is left to `train.py --bench`: a cold compile takes ~40 s here.)"""
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import convert
+import data
+import model
+import train
+from common import random_params, variant
+from configs import ConfigError, load_config
+from test_train import losses
+
+ROOT = Path(__file__).resolve().parents[1]
+REL = 1e-5  # per-step loss, relative: measured ≤ 3e-7 between the backends on this config
+
+
+def test_torch_steps_equal_jax_steps(setup):
+    """Same init, same batches, 2 micro-batches per step, skip-step on: every loss and grad norm agrees,
+    and so do the weights after 25 AdamW steps."""
+    root, toml = setup
+    cfg = load_config([str(toml), "--train.micro_batch=4", "--train.skip_step=true", "--train.steps=25"])
+    backends = [train.JaxBackend(cfg), train.TorchBackend(cfg)]
+    for b in backends:
+        b.init(cfg.train.init_seed)
+    loader = data.Loader(data.open_instances(cfg.data.path, cfg.data.seq_len, 0), cfg.data.global_batch, 0)
+    batches = iter(loader)
+    for step in range(1, 26):
+        tokens = next(batches)[1]
+        lr = train.lr_at(step, cfg.train, 256, 25)
+        j, t = (b.step(tokens, lr) for b in backends)
+        assert t["loss"] == pytest.approx(j["loss"], rel=REL) and t["ce"] == pytest.approx(j["ce"], rel=REL), (step, j, t)
+        assert t["grad_norm"] == pytest.approx(j["grad_norm"], rel=1e-4) and t["skipped"] == j["skipped"], (step, j, t)
+    pj, pt = (b.host_params() for b in backends)
+    assert max(float(np.abs(pj[k] - pt[k]).max()) for k in pj) < 1e-4
+    heldout = np.stack([loader.inst.read(i) for i in range(8)]).astype(np.int32)
+    (nj, cj), (nt, ct) = (b.eval(heldout) for b in backends)
+    assert cj == ct and nt == pytest.approx(nj, rel=REL)
+
+
+def test_torch_remat_and_windows():
+    """Activation checkpointing changes memory, not gradients; sliding-window layers (SDPA with a band
+    mask) equal the JAX forward past the window."""
+    m = variant("olmo3")
+    params = random_params(m, seed=1)
+    tokens = torch.from_numpy(np.random.default_rng(0).integers(0, m.vocab_size, (2, 48)))
+    grads = {}
+    for remat in ("none", "block", "mlp"):
+        net = model.torch_model(m, params)
+        logits = net(tokens, remat=remat)
+        logits.square().mean().backward()
+        grads[remat] = {n: p.grad.clone() for n, p in net.named_parameters()}
+    for remat in ("block", "mlp"):
+        assert all(torch.allclose(grads[remat][n], grads["none"][n], rtol=1e-5, atol=1e-7) for n in grads["none"])
+    import jax.numpy as jnp
+    want = np.asarray(model.forward({k: jnp.asarray(v) for k, v in params.items()}, jnp.asarray(tokens.numpy()), m))
+    assert np.abs(want - logits.detach().numpy()).max() < 1e-4
+
+
+def run_together(*runs):
+    """Several train.py runs at once (their imports and start-up overlap): each (run_dir, args) or a full command."""
+    procs = []
+    for r in runs:
+        cmd = r if isinstance(r[0], str) else [sys.executable, "train.py", str(r[2]), f"--train.run_dir={r[0]}", *r[1]]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:] + err[-3000:]
+    return [out for out, _ in outs]
+
+
+@pytest.fixture(scope="module")
+def straight(setup, tmp_path_factory):
+    """12 steps in each backend, checkpointed at 6 and 12."""
+    root, toml = setup
+    out = tmp_path_factory.mktemp("backends")
+    args = ["--train.steps=12", "--train.checkpoint_every=6", "--train.keep=2"]
+    run_together(*[(out / b, [*args, f"--train.backend={b}"], toml) for b in ("jax", "torch")])
+    return out
+
+
+def cut(run_dir, to, step):
+    """A copy of run_dir as if it had stopped after `step` (its checkpoint step_<step> the latest)."""
+    shutil.copytree(run_dir, to)
+    for d in to.glob("step_*"):
+        if d.name != f"step_{step}":
+            shutil.rmtree(d)
+    (to / "latest").write_text(f"step_{step}\n")
+    return to
+
+
+def test_a_run_changes_backend_mid_way(setup, straight, tmp_path):
+    """JAX for 6 steps, then torch to 12, equals torch all the way (and the reverse); `plot` says so too."""
+    root, toml = setup
+    pairs = (("jax", "torch"), ("torch", "jax"))
+    dirs = [cut(straight / first, tmp_path / f"{first}-{then}", 6) for first, then in pairs]
+    outs = run_together(*[(d, ["--train.steps=12", f"--train.backend={then}"], toml) for d, (_, then) in zip(dirs, pairs)])
+    for (first, then), d, out in zip(pairs, dirs, outs):
+        assert f"resuming {d}/step_6 at step 6 (written by the {first} backend)" in out
+        a, b = losses(straight / then), losses(d)
+        assert a.keys() == b.keys() == set(range(1, 13))
+        assert all(b[s] == pytest.approx(a[s], rel=REL) for s in a), (first, then, a, b)
+        (diff,) = train.plot([straight / then, d], tmp_path / "both.png")
+        assert diff["steps"] == 12 and diff["rel"] < REL
+    x, y = (convert.read_safetensors(straight / b / "step_12" / "model.safetensors")[0] for b in ("jax", "torch"))
+    assert max(float(np.abs(x[k] - y[k]).max()) for k in x) < 1e-4
+
+
+def test_torchrun_fsdp2_equals_one_process(setup, straight, tmp_path):
+    """2 processes (gloo, FSDP2 over fsdp=2, 2 micro-batches each) for 6 steps equal one process; the
+    checkpoint they wrote together resumes in one torch process and in JAX."""
+    root, toml = setup
+    d = tmp_path / "two"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", str(toml),
+           f"--train.run_dir={d}", "--train.steps=6", "--train.t_max=12", "--train.backend=torch",
+           "--mesh.data=1", "--mesh.fsdp=2", "--train.micro_batch=2"]
+    (out,) = run_together(cmd)
+    assert "2 process(es), mesh data=1 x fsdp=2 (FSDP2) on cpu" in out
+    one = losses(straight / "torch")
+    assert all(losses(d)[s] == pytest.approx(one[s], rel=REL) for s in range(1, 7))
+    written = convert.read_safetensors(d / "step_6" / "model.safetensors")[0]
+    ref = convert.read_safetensors(straight / "torch" / "step_6" / "model.safetensors")[0]
+    assert written.keys() == ref.keys() and max(float(np.abs(written[k] - ref[k]).max()) for k in ref) < 1e-5
+    moments = convert.read_safetensors(d / "step_6" / "optimizer.safetensors")[0]
+    assert int(moments["step"]) == 6 and not any(np.all(moments[k] == 0) for k in moments if k.startswith("exp_avg_sq."))
+    thens = ("torch", "jax")
+    resumed = [cut(d, tmp_path / f"two-{then}", 6) for then in thens]
+    run_together(*[(r, ["--train.steps=12", f"--train.backend={then}"], toml) for r, then in zip(resumed, thens)])
+    for then, r in zip(thens, resumed):
+        a, b = losses(straight / then), losses(r)
+        assert all(b[s] == pytest.approx(a[s], rel=REL) for s in range(7, 13)), (then, a, b)
+
+
+def test_torch_bad_config(setup):
+    root, toml = setup
+    with pytest.raises(ValueError, match=r"mesh.tensor=2: the torch backend shards with FSDP2 only"):
+        train.TorchBackend(load_config([str(toml), "--train.backend=torch", "--mesh.tensor=2"]))
+    with pytest.raises(ConfigError, match=r"train.backend='pytorch': must be one of \['jax', 'torch'\]"):
+        load_config([str(toml), "--train.backend=pytorch"])
