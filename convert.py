@@ -505,7 +505,7 @@ def dcp_store(d):
 
     class Reader(dcp.FileSystemReader):
         def read_metadata(self, *args, **kwargs):  # the checked copy above, not FileSystemReader's pickle.load
-            md.storage_meta = md.storage_meta or StorageMeta()
+            md.storage_meta = getattr(md, "storage_meta", None) or StorageMeta()
             md.storage_meta.load_id = self.load_id
             return md
 
@@ -682,8 +682,8 @@ def open_source(path, config=None):
         plan = _olmo_core_plan(m)
         ident = str(((c.get("dataset") or {}).get("tokenizer") or {}).get("identifier", ""))
         tokenizer = "dolma2" if "dolma2" in ident or "dolma3" in ident else None
-    if kind != "hf" and tokenizer is None and m.eos_token_id == 100257 and m.vocab_size >= 100278:
-        tokenizer = "dolma2"
+    if tokenizer is None and m.eos_token_id == 100257 and m.vocab_size >= 100278:
+        tokenizer = "dolma2"  # OLMo 2 / 3's ids (EOS 100257), and rows enough for them
     return Source(kind, Path(path), m, _bind(store, plan, m, str(path), cfg.name), tokenizer)
 
 # --- writing: our checkpoint directory, or a release-style HF one --------------------------------
@@ -766,6 +766,7 @@ def convert(src, out, to_hf=False, dtype=None, tokenizer=None, config=None, shar
                         tensors[k] = Lazy((V,) + t.shape[1:], t.dtype, lambda t=t: t.load()[:V])
                 m = dataclasses.replace(m, vocab_size=V)
             files.update(hf_tokenizer_files(tok, m.max_seq_len))
+            print(f"tokenizer files: {spec} ({tok.vocab_size} ids)", file=sys.stderr)
         else:
             print(f"note: no tokenizer files written (pass --tokenizer SPEC; model vocab {m.vocab_size})", file=sys.stderr)
         files["generation_config.json"] = json.dumps(
@@ -855,11 +856,13 @@ def tiktoken_from_hf(path):
         raise ValueError(f"{path}: not a byte-level BPE tokenizer (model {model.get('type')}, pre-tokenizer {pre.get('type')})")
     added = {a["content"]: a["id"] for a in tj.get("added_tokens", [])}  # matched in text before BPE runs
     try:
-        ranks = {bytes(CHAR_BYTES[c] for c in t): i for t, i in model["vocab"].items() if i not in added.values()}
+        ids = set(added.values())
+        ranks = {bytes(CHAR_BYTES[c] for c in t): i for t, i in model["vocab"].items() if i not in ids}
     except KeyError as e:
         raise ValueError(f"{path}: vocabulary character {e.args[0]!r} is not a byte-level character") from None
     if sorted(ranks.values()) != list(range(len(ranks))):
-        raise ValueError(f"{path}: vocabulary ids are not 0..{len(ranks) - 1}")
+        raise ValueError(f"{path}: vocabulary ids, added tokens left out, are not 0..{len(ranks) - 1} "
+                         "(tiktoken ranks and data.py's specials-after-ranks layout need that)")
     missing = [b for b in range(256) if bytes([b]) not in ranks]
     if missing:
         raise ValueError(f"{path}: bytes {missing[:5]} have no token: tiktoken needs all 256")
@@ -1035,7 +1038,8 @@ def main(argv):
     import argparse
     cmd = argv[0] if argv and argv[0] in ("check", "soup", "tokenizer", "info") else "convert"
     ap = argparse.ArgumentParser(prog=f"convert.py{'' if cmd == 'convert' else ' ' + cmd}",
-                                 description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 description=__doc__ if cmd == "convert" else __doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     dtypes = ["float32", "bfloat16"]
     if cmd == "convert":
         ap.add_argument("src")

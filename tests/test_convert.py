@@ -5,9 +5,12 @@ random weights, so a wrong split or a swapped SwiGLU half shows up as different 
 import copy
 import dataclasses
 import json
+import os
+import pickle
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -290,6 +293,26 @@ def test_soup(tmp_path):
     assert not (tmp_path / "bad").exists()
 
 
+def test_conversion_streams_one_tensor_at_a_time(tmp_path):
+    m = variant("olmo2")
+    convert.save_hf(tmp_path / "src", m, random_params(m))
+    s = convert.open_source(tmp_path / "src")
+    alive, most = set(), [0]
+
+    def tracked(t):
+        def load():
+            a = np.array(t.load())  # a real copy, as a cast or a DCP read makes
+            alive.add(id(a))
+            weakref.finalize(a, alive.discard, id(a))
+            most[0] = max(most[0], len(alive))
+            return a
+        return convert.Lazy(t.shape, t.dtype, load)
+
+    convert.write_checkpoint(tmp_path / "out", m, {k: tracked(t) for k, t in s.tensors.items()}, "bfloat16")
+    assert most[0] == 1 and same_params(loaded(tmp_path / "out")[1], {k: np.asarray(v).astype(jnp.bfloat16).astype(np.float32)
+                                                                       for k, v in convert.load_hf(tmp_path / "src")[1].items()})
+
+
 def test_check_at_long_context_in_bf16(tmp_path):
     """A 4-layer OLMo 3 (3 sliding : 1 full, YaRN) at T=2048: ours against transformers, both in bf16, is
     the conversion report. On random weights many top-2 logits are near ties, so top-1 agreement is bounded
@@ -350,6 +373,17 @@ def test_bad_inputs(tmp_path):
     torch.save({"transformer.wte.weight": Path("x")}, tmp_path / "trainer/model.pt")
     with pytest.raises(ValueError, match="model.pt: not readable by torch.load\\(weights_only=True\\)"):
         convert.convert(tmp_path / "trainer", tmp_path / "out")
+    # A distributed checkpoint whose .metadata pickle would call a function is refused; nothing runs.
+    class Evil:
+        def __reduce__(self):
+            return os.system, (f"touch {tmp_path / 'pwned'}",)
+
+    (tmp_path / "evil/model_and_optim").mkdir(parents=True)
+    (tmp_path / "evil/config.json").write_text(json.dumps(olmo_core_config(variant("olmo3", head_dim=0))))
+    (tmp_path / "evil/model_and_optim/.metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(ValueError, match="system is not part of checkpoint metadata"):
+        convert.convert(tmp_path / "evil", tmp_path / "out")
+    assert not (tmp_path / "pwned").exists()
     # A failure halfway through writing leaves neither OUT nor OUT.tmp.
     convert.save_hf(tmp_path / "good", m, params)
     s = convert.open_source(tmp_path / "good")
