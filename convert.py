@@ -1,22 +1,49 @@
-"""Checkpoints in and out: safetensors through numpy memmaps, and the Hugging Face bridge (an HF
-OLMo / Olmo2 / Olmo3 model directory <-> our config and stacked params).
+"""Checkpoints in and out. Every OLMo checkpoint format converts to ours (an HF model directory,
+DESIGN §3) and back out as a release-style HF directory; `check` measures how close two models are.
 
-    python convert.py info HF_DIR        # what the bridge reads from an HF directory: config and tensors
+    python convert.py SRC OUT [--dtype bfloat16] [--config FILE]          # any OLMo checkpoint -> ours
+    python convert.py SRC OUT --to-hf [--tokenizer dolma2] [--shard-size 5]  # -> a release-style HF directory
+    python convert.py check jax:OUT hf:SRC --tokens TOKENS [--seq-len 8192] [--rows 1] [--dtype bfloat16]
+    python convert.py soup RUN_A/step_N RUN_B/step_N RUN_C/step_N --out SOUP
+    python convert.py tokenizer tokenizer.json --out my.tiktoken         # HF byte-level BPE -> ranks for data.py
+    python convert.py info SRC                                           # what the converter reads from SRC
 
-HF names are ours with "model." in front (lm_head.weight has none) and the layer index spelled out;
-so conversion is a rename plus stack/unstack (model.stack_layers), never a transpose or a RoPE permute.
-Nothing here unpickles: .bin / .pt checkpoints are refused, safetensors are parsed by hand (an
-8-byte header length, a JSON header, raw little-endian data) and mapped, not read into memory.
+SRC formats, told apart by their files (`info` says which it saw):
+  hf         config.json (model_type olmo / olmo2 / olmo3) + model.safetensors, or shards and their index,
+             or pytorch_model*.bin. Our checkpoints are this format.
+  hf_olmo    the original allenai/OLMo-* repos (custom code): config.json holding the old trainer's keys
+             (d_model, n_heads, ...) + model.transformer.* weights.
+  olmo       the old OLMo trainer's unsharded checkpoint (OLMo 1 and 2): config.yaml + model.pt, with the
+             fused att_proj = [q; k; v] and ff_proj = [up; gate] (SwiGLU's `x, gate = chunk(2)`).
+  olmo_core  an OLMo-core checkpoint (OLMo 2 / 3): config.json ({"model": TransformerConfig, ...}) + model.pt
+             or model.safetensors (its unshard_checkpoint), or model_and_optim/ (torch.distributed.checkpoint).
+Names map one to one onto ours (HF's, less "model."): a rename, a split of the fused tensors, never a
+transpose or a RoPE permute. Conversion streams: each output tensor is read from a memory map of the
+source, written into a memory map of the output, and dropped, so peak memory is about one tensor.
+Output goes to OUT.tmp and is renamed to OUT at the end; a failure leaves nothing behind.
+
+Nothing is unpickled freely: .bin / .pt go through torch.load(weights_only=True), and the one plain pickle
+in a torch.distributed.checkpoint (its .metadata) through an unpickler that resolves only DCP's own metadata
+classes. `check` TOKENS: a .npy of int ids (B, T) or (N,), read with allow_pickle=False, or a raw token file
+(ours, or OLMo-core's headerless uint32). Models are jax:DIR / torch:DIR (ours, any SRC format) or hf:DIR
+(transformers on an HF directory); a bare DIR means jax:DIR.
 """
 
+import dataclasses
 import json
 import math
 import os
+import pickle
+import shutil
 import sys
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import ml_dtypes
 import numpy as np
+from tqdm import tqdm
 
 from configs import ConfigError, ModelConfig
 from model import param_table, stack_layers, unstack_layers
@@ -217,6 +244,8 @@ def read_hf_tensors(d):
         weight_map = json.loads(index.read_text())["weight_map"]
         tensors = {}
         for shard in sorted(set(weight_map.values())):
+            if not (d / shard).is_file():
+                raise FileNotFoundError(f"{index} names shard {shard}, which is missing")
             tensors.update(read_safetensors(d / shard)[0])
         missing = sorted(set(weight_map) - set(tensors))
         if missing:
@@ -225,8 +254,20 @@ def read_hf_tensors(d):
     if (d / "model.safetensors").is_file():
         return read_safetensors(d / "model.safetensors")[0]
     pickles = [p.name for p in d.glob("*.bin")] + [p.name for p in d.glob("*.pt")]
-    why = f" ({', '.join(pickles)} are pickles, which we never load: a downloaded file could run code)" if pickles else ""
+    why = (f" ({', '.join(pickles)} are pickles, which we never load here: `python convert.py {d} OUT` reads them "
+           "with torch.load(weights_only=True) into safetensors)") if pickles else ""
     raise FileNotFoundError(f"{d}: no model.safetensors or model.safetensors.index.json{why}")
+
+
+def expected_tensors(m):
+    """Our unstacked names -> shapes, in HF file order (per layer, then the rest)."""
+    want = {}
+    for name, p in param_table(m).items():
+        if name.startswith("layers."):
+            want.update({f"layers.{i}.{name[len('layers.'):]}": p.shape[1:] for i in range(m.n_layers)})
+        else:
+            want[name] = p.shape
+    return want
 
 
 def open_hf(d):
@@ -243,12 +284,7 @@ def open_hf(d):
         state[name.removeprefix("model.")] = a
     if m.tie_embeddings:
         state.pop("lm_head.weight", None)  # tied: the head is embed_tokens
-    want = {}
-    for name, p in param_table(m).items():
-        if name.startswith("layers."):
-            want.update({f"layers.{i}.{name[len('layers.'):]}": p.shape[1:] for i in range(m.n_layers)})
-        else:
-            want[name] = p.shape
+    want = expected_tensors(m)
     missing, unexpected = sorted(set(want) - set(state)), sorted(set(state) - set(want))
     if missing or unexpected:
         raise ValueError(f"{d}: tensors do not match config.json: missing {missing[:6]}, unexpected {unexpected[:6]}")
@@ -273,15 +309,782 @@ def save_hf(d, m, params, dtype=np.float32):
     write_safetensors(d / "model.safetensors", tensors, {"format": "pt"})
     (d / "config.json").write_text(json.dumps(config_to_hf(m), indent=2) + "\n")
 
+# --- the old OLMo trainer's and OLMo-core's configs -> ModelConfig -------------------------------
+
+def config_from_olmo(c, source):
+    """The old trainer's model config (config.yaml's `model:`, or an hf_olmo config.json) -> ModelConfig.
+    OLMo 1 = pre-norm, LayerNorm without affine; OLMo 2 = norm_after + attention_layer_norm, RMSNorm."""
+    def need(key, want, why):  # flags compare as booleans (bias_for_layer_norm: null means false)
+        got = c.get(key, want)
+        if (bool(got) if isinstance(want, bool) else got) != want:
+            raise ConfigError(f"{source}: {key}={got!r} is not supported ({why})")
+
+    for key, want in (("rope", True), ("alibi", False), ("include_bias", False), ("bias_for_layer_norm", False),
+                      ("scale_logits", False), ("activation_type", "swiglu"), ("block_type", "sequential")):
+        need(key, want, "not an OLMo 1 / 2 architecture")
+    if c.get("norm_after"):
+        need("attention_layer_norm", True, "OLMo 2 has QK-norm")
+        need("layer_norm_type", "rms", "OLMo 2 uses RMSNorm")
+        need("layer_norm_with_affine", True, "OLMo 2's RMSNorms have weights")
+        family = "olmo2"
+    else:
+        need("attention_layer_norm", False, "OLMo 1 has no QK-norm")
+        need("layer_norm_with_affine", False, "OLMo 1's LayerNorm has no weight")
+        if c.get("layer_norm_type", "default") not in ("default", "low_precision"):
+            raise ConfigError(f"{source}: layer_norm_type={c['layer_norm_type']!r}: OLMo 1 uses LayerNorm ('default')")
+        family = "olmo1"
+    try:
+        D, N = c["d_model"], c["n_heads"]
+        K = c.get("n_kv_heads") or (1 if c.get("multi_query_attention") else N)
+        hidden = c.get("mlp_hidden_size") or D * c.get("mlp_ratio", 4)
+        return ModelConfig(
+            family=family, d_model=D, n_layers=c["n_layers"], n_heads=N, n_kv_heads=K, head_dim=D // N,
+            mlp_hidden=hidden // 2,  # the trainer's size counts both SwiGLU halves of ff_proj
+            vocab_size=c.get("embedding_size") or c["vocab_size"], tie_embeddings=bool(c.get("weight_tying", True)),
+            norm_eps=float(c.get("layer_norm_eps") or 1e-5), rope_theta=float(c.get("rope_theta", 10000)),
+            max_seq_len=c.get("max_sequence_length", 2048), clip_qkv=float(c.get("clip_qkv") or 0.0),
+            init="mitchell" if c.get("init_fn") == "mitchell" else "normal", init_std=float(c.get("init_std", 0.02)),
+            eos_token_id=c.get("eos_token_id", 50256), pad_token_id=c.get("pad_token_id", 50256))
+    except KeyError as e:
+        raise ConfigError(f"{source}: required key {e.args[0]!r} is missing") from None
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def _olmo_core_window(sw, i, L):
+    """OLMo-core SlidingWindowAttentionConfig._get_window_size: -1 = full attention."""
+    if not sw:
+        return -1
+    first, last = sw.get("force_full_attention_on_first_layer", True), sw.get("force_full_attention_on_last_layer", True)
+    if (first and i == 0) or (last and i == L - 1):
+        return -1
+    return sw["pattern"][(i - 1 if first else i) % len(sw["pattern"])]
+
+
+def config_from_olmo_core(cfg, source):
+    """An OLMo-core experiment config (config.json: model, dataset.tokenizer, ...) -> ModelConfig.
+    Per-layer differences (OLMo 3's sliding windows, YaRN only on full layers through block_overrides)
+    are read layer by layer and must form a repeating pattern."""
+    def bad(why):
+        raise ConfigError(f"{source}: {why}")
+
+    t = cfg.get("model")
+    if not isinstance(t, dict) or "block" not in t:
+        bad("no model.block: not an OLMo-core TransformerConfig")
+    L, base = t["n_layers"], t["block"]
+    if base.get("name") != "reordered_norm" or t.get("name", "default") != "default":
+        bad(f"block {base.get('name')!r} / model {t.get('name')!r}: only OLMo 2/3's reordered_norm transformer is supported")
+    overrides = {int(k): v for k, v in (t.get("block_overrides") or {}).items()}
+
+    def attn(block):
+        return block.get("sequence_mixer") or block.get("attention") or bad("a block without attention")
+
+    def without_scaling(block):  # the block with its RoPE scaling removed, to compare the rest
+        a = {**attn(block), "rope": {**(attn(block).get("rope") or {}), "scaling": None}}
+        return {k: v for k, v in {**block, "sequence_mixer": a}.items() if k != "attention"}
+
+    kinds, windows, yarns = [], set(), []
+    for i in range(L):
+        block = overrides.get(i, base)
+        if i in overrides and without_scaling(block) != without_scaling(base):
+            bad(f"block_overrides[{i}] changes more than RoPE scaling: not supported")
+        a = attn(block)
+        w = _olmo_core_window(a.get("sliding_window"), i, L)
+        kinds.append("F" if w == -1 else "S")
+        if w != -1:
+            windows.add(w)
+        yarns.append((a.get("rope") or {}).get("scaling"))
+    a, ff, ln = attn(base), base.get("feed_forward") or {}, base.get("layer_norm") or {}
+    rope, qk = a.get("rope") or bad("attention without RoPE"), a.get("qk_norm")
+    if a.get("name", "default") != "default" or a.get("bias") or a.get("clip_qkv") or a.get("use_head_qk_norm"):
+        bad("attention with bias / clip_qkv / per-head QK-norm is not OLMo 2/3")
+    if not qk or qk.get("name", "default") != "rms" or ln.get("name", "default") != "rms" or ln.get("bias") or qk.get("bias"):
+        bad("OLMo 2/3 use RMSNorm without bias for the block norms and QK-norm")
+    if qk.get("eps", 1e-5) != ln.get("eps", 1e-5):
+        bad(f"QK-norm eps {qk.get('eps')} differs from the block norms' {ln.get('eps')}")
+    if ff.get("activation", "swiglu") != "swiglu" or ff.get("bias") or base.get("feed_forward_moe"):
+        bad("the feed-forward must be a SwiGLU MLP without bias")
+    if len(windows) > 1:
+        bad(f"sliding layers with different windows {sorted(windows)}")
+    scaled = {json.dumps(y, sort_keys=True) for y in yarns if y}
+    yarn = {}
+    if scaled:
+        y = yarns[kinds.index("F")] if "F" in kinds else None
+        if len(scaled) > 1 or not y or any(bool(s) != (k == "F") for s, k in zip(yarns, kinds)):
+            bad("RoPE scaling must be the same on every full-attention layer and absent on sliding ones")
+        if "YaRN" not in y.get("_CLASS_", "YaRN") or set(y) - {"_CLASS_", "factor", "beta_fast", "beta_slow", "old_context_len"}:
+            bad(f"RoPE scaling {y}: only YaRN is supported")
+        yarn = dict(yarn_factor=float(y.get("factor", 8.0)), yarn_beta_fast=float(y.get("beta_fast", 32)),
+                    yarn_beta_slow=float(y.get("beta_slow", 1)), yarn_original_max_seq_len=int(y.get("old_context_len", 8192)))
+    kinds = "".join(kinds)
+    tok = (cfg.get("dataset") or {}).get("tokenizer") or {}
+    seq = (cfg.get("dataset") or {}).get("sequence_length") or (cfg.get("train_module") or {}).get("max_sequence_length")
+    try:
+        return ModelConfig(
+            family="olmo3" if "S" in kinds or yarn else "olmo2", d_model=t["d_model"], n_layers=L,
+            n_heads=a["n_heads"], n_kv_heads=a.get("n_kv_heads") or a["n_heads"],
+            head_dim=a.get("head_dim") or t["d_model"] // a["n_heads"], mlp_hidden=ff["hidden_size"],
+            vocab_size=t["vocab_size"], tie_embeddings=False, norm_eps=float(ln.get("eps", 1e-5)),
+            rope_theta=float(rope.get("theta", 500000)), max_seq_len=seq or 8192,
+            sliding_window=windows.pop() if windows else 0, layer_pattern=_shortest_period(kinds) if "S" in kinds else "F",
+            init_std=float(t.get("init_std", 0.02)), eos_token_id=tok.get("eos_token_id", 100257),
+            pad_token_id=tok.get("pad_token_id", 100277), **yarn)
+    except KeyError as e:
+        raise ConfigError(f"{source}: required key {e.args[0]!r} is missing") from None
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+# --- tensor stores: name -> a lazily read array ---------------------------------------------------
+
+class Lazy(NamedTuple):
+    """A tensor not read yet: shape and dtype are known, `load()` reads it (numpy, native dtype)."""
+    shape: tuple
+    dtype: np.dtype
+    load: Callable
+
+
+def _from_torch(t):
+    import torch
+    t = t.detach()
+    return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16) if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def _array_store(arrays):
+    """Memory-mapped numpy arrays (safetensors, torch.load(mmap=True)) -> Lazy: their bytes are read on load."""
+    return {k: Lazy(tuple(a.shape), np.dtype(a.dtype), lambda a=a: np.asarray(a)) for k, a in arrays.items()}
+
+
+def torch_store(path):
+    """A .bin / .pt state dict, through torch.load(weights_only=True): tensors only, never arbitrary objects.
+    mmap=True keeps the tensors on disk until used (zip-format files, i.e. torch >= 1.6)."""
+    import torch
+    try:
+        try:
+            sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise
+            sd = torch.load(path, map_location="cpu", weights_only=True)  # legacy format: read whole
+    except (RuntimeError, pickle.UnpicklingError, EOFError) as e:
+        raise ValueError(f"{path}: not readable by torch.load(weights_only=True): {str(e).splitlines()[0]}") from None
+    while isinstance(sd, dict) and len(sd) == 1 and next(iter(sd)) in ("model", "state_dict"):
+        sd = next(iter(sd.values()))  # {"model": {...}}, as some writers wrap it
+    return _array_store({k: _from_torch(v) for k, v in sd.items() if isinstance(v, torch.Tensor)})
+
+
+# A torch.distributed.checkpoint's .metadata is a plain pickle. This unpickler resolves only the classes
+# such metadata is made of, so a hostile file fails here instead of running code.
+_DCP_GLOBALS = {("torch.distributed.checkpoint.metadata", n) for n in (
+    "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+    "StorageMeta", "MetadataIndex", "_MEM_FORMAT_ENCODING")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("collections", "OrderedDict")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        import torch
+        if (module, name) in _DCP_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of checkpoint metadata; refusing to load it")
+
+
+def dcp_store(d):
+    """The model.* tensors of a torch.distributed.checkpoint directory, each loaded on its own into a fresh
+    buffer (dcp.load in this one process: no process group), so peak memory is one tensor."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
+    d = Path(d)
+    try:
+        with open(d / ".metadata", "rb") as f:
+            md = _MetadataUnpickler(f).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
+        raise ValueError(f"{d / '.metadata'}: not torch.distributed.checkpoint metadata ({e})") from None
+
+    class Reader(dcp.FileSystemReader):
+        def read_metadata(self, *args, **kwargs):  # the checked copy above, not FileSystemReader's pickle.load
+            md.storage_meta = getattr(md, "storage_meta", None) or StorageMeta()
+            md.storage_meta.load_id = self.load_id
+            return md
+
+    reader = Reader(d)
+
+    def load(key, shape, dtype):
+        t = torch.empty(shape, dtype=dtype)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "torch.distributed is disabled ... assuming a single process": yes
+            dcp.load({key: t}, storage_reader=reader, no_dist=True)
+        return _from_torch(t)
+
+    out = {}
+    for key, meta in md.state_dict_metadata.items():
+        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata):
+            shape, dtype = tuple(meta.size), meta.properties.dtype
+            np_dtype = ml_dtypes.bfloat16 if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype
+            out[key[len("model."):]] = Lazy(shape, np.dtype(np_dtype), lambda k=key, s=shape, t=dtype: load(k, s, t))
+    return out
+
+
+# --- sources: any checkpoint -> (ModelConfig, our name -> Lazy) ----------------------------------
+
+@dataclass
+class Source:
+    kind: str        # hf | hf_olmo | olmo | olmo_core
+    path: Path
+    m: ModelConfig
+    tensors: dict    # our unstacked names -> Lazy, in HF file order
+    tokenizer: str = None  # "dolma2" when the checkpoint says so
+
+
+def _bind(store, plan, m, where, what):
+    """plan: our name -> (their name, row slice or None); every stored tensor must be used, each with the
+    shape the config implies (a fused tensor's is its parts' rows stacked). -> our name -> Lazy."""
+    want = expected_tensors(m)
+    shapes = {}
+    for ours, (theirs, rows) in plan.items():
+        rows = rows or slice(0, want[ours][0])
+        shapes[theirs] = (max(shapes.get(theirs, (0,))[0], rows.stop),) + tuple(want[ours][1:])
+    missing, unexpected = sorted(set(shapes) - set(store)), sorted(set(store) - set(shapes))
+    if missing or unexpected:
+        raise ValueError(f"{where}: tensors do not match {what}: missing {missing[:6]}, unexpected {unexpected[:6]}")
+    for theirs, shape in shapes.items():
+        if tuple(store[theirs].shape) != shape:
+            raise ValueError(f"{where}: tensor {theirs} has shape {tuple(store[theirs].shape)}, {what} implies {shape}")
+    out = {}
+    for ours in want:
+        theirs, rows = plan[ours]
+        t = store[theirs]
+        out[ours] = t if rows is None else Lazy(want[ours], t.dtype, lambda t=t, r=rows: t.load()[r])
+    return out
+
+
+def _olmo_plan(m):
+    """Old trainer names (OLMo 1 and 2) -> ours. att_proj rows are [q; k; v]; ff_proj rows are [up; gate]:
+    the trainer's SwiGLU is `x, gate = ff_proj(x).chunk(2); silu(gate) * x`."""
+    NH, KH, F = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim, m.mlp_hidden
+    plan = {"embed_tokens.weight": ("transformer.wte.weight", None)}
+    for i in range(m.n_layers):
+        b, o = f"transformer.blocks.{i}.", f"layers.{i}."
+        plan.update({o + "self_attn.q_proj.weight": (b + "att_proj.weight", slice(0, NH)),
+                     o + "self_attn.k_proj.weight": (b + "att_proj.weight", slice(NH, NH + KH)),
+                     o + "self_attn.v_proj.weight": (b + "att_proj.weight", slice(NH + KH, NH + 2 * KH)),
+                     o + "self_attn.o_proj.weight": (b + "attn_out.weight", None),
+                     o + "mlp.up_proj.weight": (b + "ff_proj.weight", slice(0, F)),
+                     o + "mlp.gate_proj.weight": (b + "ff_proj.weight", slice(F, 2 * F)),
+                     o + "mlp.down_proj.weight": (b + "ff_out.weight", None)})
+        if m.family != "olmo1":
+            plan.update({o + "self_attn.q_norm.weight": (b + "q_norm.weight", None),
+                         o + "self_attn.k_norm.weight": (b + "k_norm.weight", None),
+                         o + "post_attention_layernorm.weight": (b + "attn_norm.weight", None),
+                         o + "post_feedforward_layernorm.weight": (b + "ff_norm.weight", None)})
+    if m.family != "olmo1":
+        plan["norm.weight"] = ("transformer.ln_f.weight", None)
+    if not m.tie_embeddings:
+        plan["lm_head.weight"] = ("transformer.ff_out.weight", None)
+    return plan
+
+
+OLMO_CORE_NAMES = {  # OLMo-core (olmo_core/nn/hf/convert.py's table, reversed) -> ours, per layer
+    "attention.w_q.weight": "self_attn.q_proj.weight", "attention.w_k.weight": "self_attn.k_proj.weight",
+    "attention.w_v.weight": "self_attn.v_proj.weight", "attention.w_out.weight": "self_attn.o_proj.weight",
+    "attention.q_norm.weight": "self_attn.q_norm.weight", "attention.k_norm.weight": "self_attn.k_norm.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight", "attention_norm.weight": "post_attention_layernorm.weight",
+    "feed_forward_norm.weight": "post_feedforward_layernorm.weight"}
+
+
+def _olmo_core_plan(m):
+    plan = {"embed_tokens.weight": ("embeddings.weight", None), "norm.weight": ("lm_head.norm.weight", None),
+            "lm_head.weight": ("lm_head.w_out.weight", None)}
+    for i in range(m.n_layers):
+        plan.update({f"layers.{i}.{ours}": (f"blocks.{i}.{theirs}", None) for theirs, ours in OLMO_CORE_NAMES.items()})
+    return plan
+
+
+def _weights(d, names):
+    """The first weight file (or shard index) of `names` present in d, opened as a store."""
+    for name in names:
+        p = d / name
+        if name.endswith(".index.json") and p.is_file():
+            files = sorted(set(json.loads(p.read_text())["weight_map"].values()))
+            for f in files:
+                if not (d / f).is_file():
+                    raise FileNotFoundError(f"{p} names shard {f}, which is missing")
+            return {k: v for f in files for k, v in _weights(d, [f]).items()}
+        if name == "model_and_optim" and (p / ".metadata").is_file():
+            return dcp_store(p)
+        if p.is_file():
+            return _array_store(read_safetensors(p)[0]) if name.endswith(".safetensors") else torch_store(p)
+    raise FileNotFoundError(f"{d}: no weights: looked for {', '.join(names)}")
+
+
+def _read_yaml(path):
+    try:
+        import yaml
+    except ImportError:
+        raise ImportError(f"reading {path} needs PyYAML: pip install pyyaml") from None
+    return yaml.safe_load(Path(path).read_text())
+
+
+def detect(path, config=None):
+    """(kind, weights directory, config file) from what is in `path` (a directory, or a weight file in one)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such checkpoint")
+    d = path.parent if path.is_file() else path
+    if d.name == "model_and_optim":  # an OLMo-core step directory's DCP folder was given
+        d = d.parent
+    cfg = Path(config) if config else next((d / n for n in ("config.json", "config.yaml") if (d / n).is_file()), None)
+    if cfg is None:
+        seen = sorted(p.name for p in d.iterdir())[:8]
+        raise ValueError(f"{path}: not a checkpoint format I know: no config.json (HF, hf_olmo, OLMo-core) or "
+                         f"config.yaml (old OLMo trainer); found {seen} (pass --config FILE if it lives elsewhere)")
+    if cfg.suffix in (".yaml", ".yml"):
+        return "olmo", d, cfg
+    c = json.loads(cfg.read_text())
+    if isinstance(c.get("model"), dict) and "block" in c["model"]:
+        return "olmo_core", d, cfg
+    if "d_model" in c:
+        return "hf_olmo", d, cfg
+    if c.get("model_type") in FAMILY_OF:
+        return "hf", d, cfg
+    raise ValueError(f"{cfg}: not a config I know: model_type {c.get('model_type')!r}, no d_model, no model.block")
+
+
+def open_source(path, config=None):
+    """Any supported checkpoint -> Source, checked: every tensor present, used, and of the right shape."""
+    kind, d, cfg = detect(path, config)
+    weight_file = [Path(path).name] if Path(path).is_file() else []
+    tokenizer = None
+    if kind == "hf":
+        m = config_from_hf(json.loads(cfg.read_text()), str(cfg))
+        store = _weights(d, weight_file + ["model.safetensors.index.json", "model.safetensors",
+                                           "pytorch_model.bin.index.json", "pytorch_model.bin"])
+        store = {k.removeprefix("model."): v for k, v in store.items() if not k.endswith("rotary_emb.inv_freq")}
+        if m.tie_embeddings:
+            store.pop("lm_head.weight", None)  # some tied files carry a copy of the head
+        plan = {k: (k, None) for k in expected_tensors(m)}
+    elif kind in ("olmo", "hf_olmo"):
+        c = _read_yaml(cfg)["model"] if kind == "olmo" else json.loads(cfg.read_text())
+        m = config_from_olmo(c, str(cfg))
+        names = ["model.safetensors", "model.pt"] if kind == "olmo" else [
+            "model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json", "pytorch_model.bin"]
+        # Unsharding and hf_olmo put prefixes before "transformer." ("model.transformer.wte.weight").
+        store = {k[k.find("transformer."):] if "transformer." in k else k: v
+                 for k, v in _weights(d, weight_file + names).items()}
+        plan = _olmo_plan(m)
+    else:
+        c = json.loads(cfg.read_text())
+        m = config_from_olmo_core(c, str(cfg))
+        store = _weights(d, weight_file + ["model_and_optim", "model.safetensors", "model.pt"])
+        plan = _olmo_core_plan(m)
+        ident = str(((c.get("dataset") or {}).get("tokenizer") or {}).get("identifier", ""))
+        tokenizer = "dolma2" if "dolma2" in ident or "dolma3" in ident else None
+    if tokenizer is None and m.eos_token_id == 100257 and m.vocab_size >= 100278:
+        tokenizer = "dolma2"  # OLMo 2 / 3's ids (EOS 100257), and rows enough for them
+    return Source(kind, Path(path), m, _bind(store, plan, m, str(path), cfg.name), tokenizer)
+
+# --- writing: our checkpoint directory, or a release-style HF one --------------------------------
+
+def hf_name(name):
+    return name if name == "lm_head.weight" else "model." + name
+
+
+def _fsync(path):
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def write_checkpoint(out, m, tensors, dtype=None, files=None, shard_bytes=None):
+    """Stream tensors (our name -> Lazy) into OUT: config.json + model.safetensors, or shards of at most
+    shard_bytes + their index. `files` ({name: text}) are written alongside. Everything goes to OUT.tmp
+    first; OUT appears, complete, only at the end."""
+    out = Path(out)
+    if out.exists():
+        raise FileExistsError(f"{out} exists; convert never overwrites (delete it or pick another OUT)")
+    dtypes = {k: np.dtype(dtype or t.dtype) for k, t in tensors.items()}
+    sizes = {k: math.prod(t.shape) * dtypes[k].itemsize for k, t in tensors.items()}
+    shards = [[]]
+    for k in tensors:  # greedy, in file order, as transformers' save_pretrained cuts its shards
+        if shard_bytes and shards[-1] and sum(sizes[j] for j in shards[-1]) + sizes[k] > shard_bytes:
+            shards.append([])
+        shards[-1].append(k)
+    names = ["model.safetensors"] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    hf = config_to_hf(m)
+    kinds = set(dtypes.values())
+    hf["dtype"] = next(iter(kinds)).name if len(kinds) == 1 else "float32"
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)  # a previous run's leftovers: never complete
+    tmp.mkdir(parents=True)
+    try:
+        bar = tqdm(total=sum(sizes.values()), unit="B", unit_scale=True, desc=f"write {out.name}",
+                   disable=sum(sizes.values()) < 2**27)
+        for fname, keys in zip(names, shards):
+            allocate_safetensors(tmp / fname, {hf_name(k): (tensors[k].shape, dtypes[k]) for k in keys}, {"format": "pt"})
+            views, _ = read_safetensors(tmp / fname, writable=True)
+            for k in keys:
+                views[hf_name(k)][...] = tensors[k].load().astype(dtypes[k], copy=False)  # one tensor in memory
+                bar.update(sizes[k])
+            del views
+            _fsync(tmp / fname)
+        bar.close()
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": sum(sizes.values())},
+                     "weight_map": {hf_name(k): f for f, keys in zip(names, shards) for k in keys}}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        for name, text in {"config.json": json.dumps(hf, indent=2) + "\n", **(files or {})}.items():
+            (tmp / name).write_text(text)
+            _fsync(tmp / name)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def convert(src, out, to_hf=False, dtype=None, tokenizer=None, config=None, shard_gb=5.0):
+    """SRC (any format) -> OUT. to_hf: a release-style HF directory, as the official ones are laid out:
+    shards with an index past shard_gb, generation_config.json, tokenizer files, and for OLMo 3 the
+    embedding and head trimmed to the tokenizer's ids (the releases keep 100278 of the 100352 rows)."""
+    s = open_source(src, config)
+    m, tensors, files = s.m, dict(s.tensors), {}
+    if to_hf:
+        spec = tokenizer or s.tokenizer
+        if spec:
+            import data
+            tok = data.load_tokenizer(spec)
+            if tok.vocab_size > m.vocab_size:
+                raise ValueError(f"tokenizer {spec} has {tok.vocab_size} ids, the model only {m.vocab_size} rows")
+            if m.family == "olmo3" and tok.vocab_size < m.vocab_size:
+                V = tok.vocab_size
+                for k in ("embed_tokens.weight", "lm_head.weight"):
+                    if k in tensors:
+                        t = tensors[k]
+                        tensors[k] = Lazy((V,) + t.shape[1:], t.dtype, lambda t=t: t.load()[:V])
+                m = dataclasses.replace(m, vocab_size=V)
+            files.update(hf_tokenizer_files(tok, m.max_seq_len))
+            print(f"tokenizer files: {spec} ({tok.vocab_size} ids)", file=sys.stderr)
+        else:
+            print(f"note: no tokenizer files written (pass --tokenizer SPEC; model vocab {m.vocab_size})", file=sys.stderr)
+        files["generation_config.json"] = json.dumps(
+            {"_from_model_config": True, "eos_token_id": m.eos_token_id, "pad_token_id": m.pad_token_id}, indent=2) + "\n"
+    write_checkpoint(out, m, tensors, dtype, files, shard_gb * 2**30 if to_hf else None)
+    return s, m
+
+# --- tokenizers: tiktoken ranks <-> HF tokenizer.json ---------------------------------------------
+
+def _byte_chars():
+    """GPT-2's byte -> printable character map, which byte-level BPE vocabularies are written in."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    moved = [b for b in range(256) if b not in keep]
+    return {**{b: chr(b) for b in keep}, **{b: chr(256 + i) for i, b in enumerate(moved)}}
+
+
+BYTE_CHARS = _byte_chars()
+CHAR_BYTES = {c: b for b, c in BYTE_CHARS.items()}
+
+
+def _parts(ranks, token, below):
+    """tiktoken's BPE on `token`'s bytes using only merges ranked below `below`."""
+    parts = [bytes([b]) for b in token]
+    while len(parts) > 1:
+        best = min(range(len(parts) - 1), key=lambda i: ranks.get(parts[i] + parts[i + 1], math.inf))
+        if ranks.get(parts[best] + parts[best + 1], math.inf) >= below:
+            break
+        parts[best:best + 2] = [parts[best] + parts[best + 1]]
+    return parts
+
+
+def hf_tokenizer_json(ranks, specials, pattern):
+    """tiktoken ranks + special tokens -> an HF tokenizer.json (dict) that tokenizes the same way. Each
+    token's merge is recovered by running BPE on its bytes with the lower ranks only; listing the merges in
+    rank order makes HF's merge priority tiktoken's rank order. ignore_merges=True is tiktoken's shortcut
+    (a piece that is one token stays one token). Laid out like OLMo's allenai_dolma2.json."""
+    text = lambda b: "".join(BYTE_CHARS[x] for x in b)  # noqa: E731
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
+        if len(token) > 1:
+            parts = _parts(ranks, token, rank)
+            if len(parts) != 2:
+                raise ValueError(f"rank {rank} ({token!r}) is not the merge of two lower-ranked tokens: not a BPE vocabulary")
+            merges.append(f"{text(parts[0])} {text(parts[1])}")
+    added = [dict(id=i, content=s, single_word=False, lstrip=False, rstrip=False, normalized=False,
+                  special=not s.startswith(("<|extra_id_", "|||")))  # dolma2 marks these two kinds non-special
+             for s, i in sorted(specials.items(), key=lambda kv: kv[1])]
+    return {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Removed", "invert": True},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
+        "post_processor": None,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
+                  "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False, "ignore_merges": True,
+                  "vocab": {text(t): r for t, r in ranks.items()}, "merges": merges}}
+
+
+def hf_tokenizer_files(tok, max_len):
+    """tokenizer.json, tokenizer_config.json, special_tokens_map.json for a data.py Tokenizer, so that
+    AutoTokenizer.from_pretrained(DIR) tokenizes as data.py does (no BOS added; added tokens matched in text).
+    tokenizer_class is the plain fast tokenizer: transformers 5's GPT2Tokenizer rebuilds its own GPT-2
+    pre-tokenizer and would split text differently."""
+    enc = tok.enc
+    eos, pad = enc.decode([tok.eos_id]), enc.decode([tok.pad_id])
+    tj = hf_tokenizer_json(enc._mergeable_ranks, enc._special_tokens, enc._pat_str)
+    decoder = {str(a["id"]): {k: v for k, v in a.items() if k != "id"} for a in tj["added_tokens"]}
+    cfg = dict(add_bos_token=False, add_eos_token=False, added_tokens_decoder=decoder, bos_token=eos, eos_token=eos,
+               pad_token=pad, unk_token=eos, clean_up_tokenization_spaces=False, model_max_length=max_len,
+               tokenizer_class="PreTrainedTokenizerFast")
+    specials = dict(bos_token=eos, eos_token=eos, pad_token=pad, unk_token=eos)
+    return {"tokenizer.json": json.dumps(tj, ensure_ascii=False) + "\n",
+            "tokenizer_config.json": json.dumps(cfg, indent=2, ensure_ascii=False) + "\n",
+            "special_tokens_map.json": json.dumps(specials, indent=2) + "\n"}
+
+
+def tiktoken_from_hf(path):
+    """An HF byte-level BPE tokenizer.json -> (ranks {bytes: id}, added tokens {text: id}, pattern or None).
+    tiktoken merges the lowest-ranked pair; HF the earliest merge. They agree exactly when the ids of the
+    merge results rise in merge order, every multi-byte token is some merge's result, and ids are 0..n-1:
+    anything else is an error naming the first merge or token that breaks it."""
+    tj = json.loads(Path(path).read_text(encoding="utf-8"))
+    model, pre = tj.get("model") or {}, tj.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    if model.get("type") != "BPE" or not any(s.get("type") == "ByteLevel" for s in steps):
+        raise ValueError(f"{path}: not a byte-level BPE tokenizer (model {model.get('type')}, pre-tokenizer {pre.get('type')})")
+    added = {a["content"]: a["id"] for a in tj.get("added_tokens", [])}  # matched in text before BPE runs
+    try:
+        ids = set(added.values())
+        ranks = {bytes(CHAR_BYTES[c] for c in t): i for t, i in model["vocab"].items() if i not in ids}
+    except KeyError as e:
+        raise ValueError(f"{path}: vocabulary character {e.args[0]!r} is not a byte-level character") from None
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise ValueError(f"{path}: vocabulary ids, added tokens left out, are not 0..{len(ranks) - 1} "
+                         "(tiktoken ranks and data.py's specials-after-ranks layout need that)")
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing:
+        raise ValueError(f"{path}: bytes {missing[:5]} have no token: tiktoken needs all 256")
+    made, last = set(), -1
+    for n, mg in enumerate(model.get("merges", [])):
+        a, b = mg.split(" ") if isinstance(mg, str) else mg
+        t = bytes(CHAR_BYTES[c] for c in a + b)
+        if t not in ranks or t in made:
+            raise ValueError(f"{path}: merge {n} ({a!r}, {b!r}) makes {'no' if t not in ranks else 'a second'} vocabulary entry")
+        if ranks[t] <= last:
+            raise ValueError(f"{path}: merge {n} ({a!r}, {b!r}) makes id {ranks[t]}, after a merge that made id {last}: "
+                             "ids do not follow merge order, so tiktoken's ranks would tokenize differently")
+        made.add(t)
+        last = ranks[t]
+    stray = sorted(r for t, r in ranks.items() if len(t) > 1 and t not in made)
+    if stray:
+        raise ValueError(f"{path}: id {stray[0]} is a multi-byte token no merge makes: tiktoken could still produce it")
+    splits = [s for s in steps if s.get("type") == "Split"]
+    pattern = splits[0]["pattern"].get("Regex") if len(splits) == 1 and len(steps) == 2 else None
+    return ranks, added, pattern
+
+
+def tokenizer_to_ranks(path, out):
+    """tokenizer.json -> a ranks file that data.py's load_tokenizer reads. data.py's ranks files imply its
+    pre-tokenizer (the dolma2 pattern) and two added tokens, <|endoftext|> and <|pad|>, right after the ranks:
+    a tokenizer.json that differs would tokenize differently, so that is an error, not a silent change."""
+    import data
+    ranks, added, pattern = tiktoken_from_hf(path)
+    n = len(ranks)
+    if pattern != data.PATTERN or json.loads(Path(path).read_text(encoding="utf-8")).get("normalizer"):
+        raise ValueError(f"{path}: pre-tokenizer {pattern!r} (with any normalizer) is not data.py's dolma2 split; "
+                         "data.py's ranks files always split with that one")
+    want = {s: n + i for i, s in enumerate(data.BPE_SPECIALS)}
+    if added != want:
+        hint = " (this is dolma2's layout: use --tokenizer dolma2)" if added == data.DOLMA2_ADDED else ""
+        raise ValueError(f"{path}: added tokens {dict(list(added.items())[:4])}{'...' if len(added) > 4 else ''} "
+                         f"are not data.py's ranks-file convention {want}{hint}")
+    data.save_ranks(ranks, out)
+    return data.load_tokenizer(str(out))
+
+# --- soups: the average of checkpoints ------------------------------------------------------------
+
+def soup(srcs, out, dtype=None):
+    """Average checkpoints of one model tensor by tensor, in fp32 (the OLMo 2 7B and 13B releases are the
+    average of their annealing runs). Any source format; they must hold the same model."""
+    sources = [open_source(s) for s in srcs]
+    first = sources[0]
+    fields = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in ("init", "init_std")]
+    for s in sources[1:]:
+        diff = [f"{f}: {getattr(first.m, f)!r} vs {getattr(s.m, f)!r}" for f in fields if getattr(first.m, f) != getattr(s.m, f)]
+        if diff:
+            raise ConfigError(f"{s.path} is a different model from {first.path} ({'; '.join(diff)})")
+
+    def mean(name):
+        total = np.zeros(first.tensors[name].shape, np.float32)
+        for s in sources:
+            total += s.tensors[name].load().astype(np.float32)
+        return total / np.float32(len(sources))
+
+    tensors = {k: Lazy(t.shape, t.dtype, lambda k=k: mean(k)) for k, t in first.tensors.items()}
+    return write_checkpoint(out, first.m, tensors, dtype)
+
+
+# --- check: two models on the same tokens ----------------------------------------------------------
+
+def load_tokens(path, seq_len=None, rows=0):
+    """(B, T) int64 from a .npy (allow_pickle=False) or a raw token file (data.open_token_file: ours with
+    its PART.json, or OLMo-core's headerless uint32). 1-D ids are cut into rows of seq_len."""
+    import data
+    with open(path, "rb") as f:
+        is_npy = f.read(6) == b"\x93NUMPY"
+    a = np.load(path, allow_pickle=False) if is_npy else data.open_token_file(path).array()
+    if a.ndim == 1:
+        T = seq_len or len(a)
+        n = len(a) // T if not rows else min(rows, len(a) // T)
+        if n == 0:
+            raise ValueError(f"{path}: {len(a)} tokens, fewer than one row of --seq-len {T}")
+        a = np.asarray(a[:n * T]).reshape(n, T)
+    elif a.ndim == 2:
+        a = a[:rows or len(a), :seq_len or a.shape[1]]
+        if seq_len and a.shape[1] < seq_len:
+            raise ValueError(f"{path}: rows of {a.shape[1]} tokens, fewer than --seq-len {seq_len}")
+    else:
+        raise ValueError(f"{path}: token ids of shape {a.shape}; expected (T,) or (B, T)")
+    if not np.issubdtype(a.dtype, np.integer):
+        raise ValueError(f"{path}: {a.dtype} values are not token ids")
+    return np.asarray(a, np.int64)
+
+
+def open_runner(spec, dtype="float32"):
+    """'jax:DIR' / 'torch:DIR' (ours, any source format) or 'hf:DIR' (transformers) -> (run, V, label, m).
+    run(tokens (1, T)) -> float32 logits (T, V)."""
+    kind, sep, path = spec.partition(":")
+    if not sep or kind not in ("jax", "torch", "hf"):
+        kind, path = "jax", spec
+    import torch
+    if kind == "hf":
+        import transformers
+        net = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), local_files_only=True).eval()
+
+        def run(tokens):
+            with torch.no_grad():
+                return net(torch.from_numpy(tokens)).logits[0].float().numpy()
+
+        return run, net.config.vocab_size, f"hf:{path} (transformers {transformers.__version__}, {type(net).__name__})", None
+    import model
+    s = open_source(path)
+    m = s.m
+    params = stack_layers({k: t.load().astype(np.float32) for k, t in s.tensors.items()}, m)
+    if kind == "torch":
+        net = model.torch_model(m, params).eval()
+        del params
+
+        def run(tokens):
+            with torch.no_grad():
+                return net(torch.from_numpy(tokens), getattr(torch, dtype))[0].float().numpy()
+    else:
+        import jax
+        import jax.numpy as jnp
+        params = {k: jnp.asarray(v) for k, v in params.items()}
+        fwd = jax.jit(lambda p, t: model.forward(p, t, m, jnp.dtype(dtype))[0].astype(jnp.float32))
+
+        def run(tokens):
+            return np.asarray(fwd(params, jnp.asarray(tokens)))
+    return run, m.vocab_size, f"{kind}:{path} (ours, {s.kind} format, {m.family})", m
+
+
+def compare_logits(a, b, rows=256):
+    """Per-position KL(A||B) (nats), whether the top-1 tokens agree, and the largest |logit difference|,
+    over the first min(V_A, V_B) ids (beyond those are padding rows one side lacks), in float64."""
+    V = min(a.shape[-1], b.shape[-1])
+    kl, agree, diff = [], [], 0.0
+    for i in range(0, len(a), rows):
+        x, y = a[i:i + rows, :V].astype(np.float64), b[i:i + rows, :V].astype(np.float64)
+        lx = x - x.max(-1, keepdims=True)
+        lx -= np.log(np.exp(lx).sum(-1, keepdims=True))
+        ly = y - y.max(-1, keepdims=True)
+        ly -= np.log(np.exp(ly).sum(-1, keepdims=True))
+        kl.append((np.exp(lx) * (lx - ly)).sum(-1))
+        agree.append(x.argmax(-1) == y.argmax(-1))
+        diff = max(diff, float(np.abs(x - y).max()))
+    return np.concatenate(kl), np.concatenate(agree), diff
+
+
+def check(a, b, tokens, dtype="float32"):
+    """Run models A and B on tokens (B, T), row by row; print and return the conversion report."""
+    run_a, Va, label_a, m = open_runner(a, dtype)
+    run_b, Vb, label_b, _ = open_runner(b, dtype)
+    if m is not None:
+        import model
+        model.check_tokens(tokens, m)
+    if tokens.max() >= min(Va, Vb):
+        raise ValueError(f"token id {tokens.max()} is out of range for vocab {min(Va, Vb)}")
+    kls, agrees, diff = [], [], 0.0
+    for row in tqdm(tokens, desc="check", disable=len(tokens) < 2):
+        kl, agree, d = compare_logits(run_a(row[None]), run_b(row[None]))
+        kls.append(kl)
+        agrees.append(agree)
+        diff = max(diff, d)
+    kl, agree = np.concatenate(kls), np.concatenate(agrees)
+    r = dict(kl_mean=float(kl.mean()), kl_max=float(kl.max()), top1=float(agree.mean()), max_abs_diff=diff,
+             positions=int(kl.size), vocab=min(Va, Vb))
+    print(f"A = {label_a}\nB = {label_b}\n{tokens.shape[0]} x {tokens.shape[1]} tokens, {dtype} compute, "
+          f"compared over {r['vocab']} ids" + (f" (A has {Va}, B {Vb})" if Va != Vb else ""))
+    print(f"KL(A||B) per token: mean {r['kl_mean']:.3e}  max {r['kl_max']:.3e}   top-1 agreement "
+          f"{100 * r['top1']:.2f}% ({int(agree.sum())}/{agree.size})   max |logit A - logit B| {diff:.4g}")
+    return r
+
+
+# --- command line -------------------------------------------------------------------------------
 
 def main(argv):
-    if len(argv) != 2 or argv[0] != "info":
-        sys.exit(__doc__)
-    from configs import Config, describe
-    m, params = load_hf(argv[1])
-    print(describe(Config(model=m)))
-    for name, a in params.items():
-        print(f"{name:<44} {str(a.shape):<22}")
+    import argparse
+    cmd = argv[0] if argv and argv[0] in ("check", "soup", "tokenizer", "info") else "convert"
+    ap = argparse.ArgumentParser(prog=f"convert.py{'' if cmd == 'convert' else ' ' + cmd}",
+                                 description=__doc__ if cmd == "convert" else __doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    dtypes = ["float32", "bfloat16"]
+    if cmd == "convert":
+        ap.add_argument("src")
+        ap.add_argument("out")
+        ap.add_argument("--to-hf", action="store_true", help="a release-style HF directory (shards, tokenizer, generation config)")
+        ap.add_argument("--dtype", choices=dtypes, help="cast every tensor (default: keep each tensor's dtype)")
+        ap.add_argument("--tokenizer", help="with --to-hf: dolma2 or a ranks file (default: dolma2 if the checkpoint uses it)")
+        ap.add_argument("--config", help="the source's config.json / config.yaml, when not next to its weights")
+        ap.add_argument("--shard-size", type=float, default=5.0, help="with --to-hf: GiB per safetensors shard")
+    elif cmd == "check":
+        ap.add_argument("a", help="jax:DIR, torch:DIR (ours) or hf:DIR (transformers)")
+        ap.add_argument("b")
+        ap.add_argument("--tokens", required=True, help=".npy of token ids, or a token file")
+        ap.add_argument("--seq-len", type=int, help="T: cut 1-D ids into rows of T (or truncate rows to T)")
+        ap.add_argument("--rows", type=int, default=0, help="only the first N rows (0 = all)")
+        ap.add_argument("--dtype", choices=dtypes, default="float32", help="compute dtype of both models")
+    elif cmd == "soup":
+        ap.add_argument("ckpts", nargs="+")
+        ap.add_argument("--out", required=True)
+        ap.add_argument("--dtype", choices=dtypes)
+    elif cmd == "tokenizer":
+        ap.add_argument("tokenizer_json")
+        ap.add_argument("--out", required=True, help="a tiktoken ranks file for data.py --tokenizer")
+    else:
+        ap.add_argument("src")
+        ap.add_argument("--config")
+    a = ap.parse_args(argv if cmd == "convert" else argv[1:])
+
+    if cmd == "convert":
+        s, m = convert(a.src, a.out, a.to_hf, a.dtype, a.tokenizer, a.config, a.shard_size)
+        print(f"{a.src} ({s.kind}, {m.family}, {sum(math.prod(t.shape) for t in s.tensors.values()):,} params) -> {a.out}")
+    elif cmd == "check":
+        check(a.a, a.b, load_tokens(a.tokens, a.seq_len, a.rows), a.dtype)
+    elif cmd == "soup":
+        soup(a.ckpts, a.out, a.dtype)
+        print(f"{a.out}: the average of {len(a.ckpts)} checkpoints")
+    elif cmd == "tokenizer":
+        tok = tokenizer_to_ranks(a.tokenizer_json, a.out)
+        print(f"{a.out}: {tok.vocab_size - 2} ranks + <|endoftext|> {tok.eos_id}, <|pad|> {tok.pad_id}")
+    else:
+        from configs import Config, describe
+        s = open_source(a.src, a.config)
+        print(f"{s.path}: {s.kind} format\n{describe(Config(model=s.m))}")
+        for name, t in s.tensors.items():
+            print(f"{name:<52} {str(t.shape):<18} {t.dtype}")
 
 
 if __name__ == "__main__":
