@@ -43,6 +43,7 @@ from typing import Callable, NamedTuple
 
 import ml_dtypes
 import numpy as np
+import yaml
 from tqdm import tqdm
 
 from configs import ConfigError, ModelConfig
@@ -621,11 +622,7 @@ def _weights(d, names):
 
 
 def _read_yaml(path):
-    try:
-        import yaml
-    except ImportError:
-        raise ImportError(f"reading {path} needs PyYAML: pip install pyyaml") from None
-    return yaml.safe_load(Path(path).read_text())
+    return yaml.safe_load(Path(path).read_text())  # safe_load: plain data only, no Python objects
 
 
 def detect(path, config=None):
@@ -685,6 +682,7 @@ def open_source(path, config=None):
     if tokenizer is None and m.eos_token_id == 100257 and m.vocab_size >= 100278:
         tokenizer = "dolma2"  # OLMo 2 / 3's ids (EOS 100257), and rows enough for them
     return Source(kind, Path(path), m, _bind(store, plan, m, str(path), cfg.name), tokenizer)
+
 
 # --- writing: our checkpoint directory, or a release-style HF one --------------------------------
 
