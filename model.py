@@ -224,7 +224,8 @@ def attend(q, k, v, window, scale):
     return jnp.moveaxis(y, 0, 1).reshape(q.shape)
 
 
-def attention(p, x, cos, sin, window, m):
+def project_qkv(p, x, cos, sin, m):
+    """x (B, T, D) -> q (B, T, N, H), k and v (B, T, K, H), RoPE applied."""
     B, T, _ = x.shape
     q = linear(x, p["self_attn.q_proj.weight"])  # (B, T, N*H)
     k = linear(x, p["self_attn.k_proj.weight"])  # (B, T, K*H)
@@ -237,7 +238,13 @@ def attention(p, x, cos, sin, window, m):
     q = rope(q.reshape(B, T, m.n_heads, m.head_dim), cos, sin)     # (B, T, N, H)
     k = rope(k.reshape(B, T, m.n_kv_heads, m.head_dim), cos, sin)  # (B, T, K, H)
     v = v.reshape(B, T, m.n_kv_heads, m.head_dim)                  # (B, T, K, H)
-    y = attend(q, k, v, window, m.head_dim ** -0.5)                # (B, T, N, H)
+    return q, k, v
+
+
+def attention(p, x, cos, sin, window, m):
+    B, T, _ = x.shape
+    q, k, v = project_qkv(p, x, cos, sin, m)
+    y = attend(q, k, v, window, m.head_dim ** -0.5)  # (B, T, N, H)
     return linear(y.reshape(B, T, m.n_heads * m.head_dim), p["self_attn.o_proj.weight"])  # (B, T, D)
 
 
@@ -247,12 +254,14 @@ def mlp(p, x):
     return linear(jax.nn.silu(gate) * up, p["mlp.down_proj.weight"])  # (B, T, D)
 
 
-def block(p, x, cos, sin, window, m, ffn=mlp):
+def block(p, x, attn, m, ffn=mlp):
+    """One layer. attn(h) -> (B, T, D) is the attention sublayer: over the sequence itself in training,
+    over a KV cache in generation (forward_step)."""
     if m.family == "olmo1":  # pre-norm
-        x = x + attention(p, layer_norm(x, m.norm_eps), cos, sin, window, m)
+        x = x + attn(layer_norm(x, m.norm_eps))
         return x + ffn(p, layer_norm(x, m.norm_eps))
     # OLMo 2/3 "reordered norm": no norm on the way in; RMSNorm on each sublayer's output, then the residual add.
-    x = x + rms_norm(attention(p, x, cos, sin, window, m), p["post_attention_layernorm.weight"], m.norm_eps)
+    x = x + rms_norm(attn(x), p["post_attention_layernorm.weight"], m.norm_eps)
     return x + rms_norm(ffn(p, x), p["post_feedforward_layernorm.weight"], m.norm_eps)
 
 
@@ -268,7 +277,7 @@ def forward(params, tokens, m, dtype=jnp.float32, remat="none", constrain=lambda
     layers = {name[len("layers."):]: w for name, w in params.items() if name.startswith("layers.")}
 
     ffn = jax.checkpoint(mlp) if remat == "mlp" else mlp
-    layer = lambda p, x, cos, sin, w: block(p, x, cos, sin, w, m, ffn)  # noqa: E731
+    layer = lambda p, x, cos, sin, w: block(p, x, lambda h: attention(p, h, cos, sin, w, m), m, ffn)  # noqa: E731
     layer = jax.checkpoint(layer) if remat == "block" else layer
 
     def step(x, xs):  # one lax.scan step = one layer, so compile time does not grow with L
@@ -333,6 +342,65 @@ def check_tokens(tokens, m, source="tokens"):
     return tokens
 
 
+# --- generation: the same layers over a KV cache --------------------------------------------------
+# Each layer keeps the keys and values it has seen, RoPE already applied, in a ring of C slots: position
+# p sits in slot p % C. Full layers have C = the longest sequence asked for; sliding-window layers have
+# C = their window, so they keep only the keys they can still attend to. forward_step takes T new
+# tokens at positions pos..pos+T-1: the prompt in one call (pos = 0), then one token per call. The
+# layers are a Python loop here, not a scan, because the caches of sliding and full layers differ in size.
+
+def new_cache(m, B, S, dtype=jnp.float32):
+    """Empty caches for B sequences of up to S positions: per layer k and v (B, C, K, H)."""
+    window = layer_arrays(m)[0]
+    sizes = [min(int(w), S) if w else S for w in window]
+    return [dict(k=jnp.zeros((B, C, m.n_kv_heads, m.head_dim), dtype), v=jnp.zeros((B, C, m.n_kv_heads, m.head_dim), dtype))
+            for C in sizes]
+
+
+def cached_attention(p, x, cos, sin, cache, pos, window, m):
+    """x (B, T, D) at positions pos..pos+T-1 attends to the cache and to itself; returns (y, new cache)."""
+    B, T, _ = x.shape
+    C = cache["k"].shape[1]
+    q, k, v = project_qkv(p, x, cos, sin, m)                      # (B, T, N, H), (B, T, K, H) x2
+    held = (pos - 1) - ((pos - 1 - jnp.arange(C)) % C)            # the position in each slot (< 0: empty)
+    key_pos = jnp.concatenate([held, pos + jnp.arange(T)])        # (C + T,)
+    q_pos = (pos + jnp.arange(T))[:, None]
+    mask = (key_pos >= 0) & (key_pos <= q_pos) & ((window == 0) | (q_pos - key_pos < window))  # (T, C + T)
+    keys = jnp.concatenate([cache["k"], k.astype(cache["k"].dtype)], axis=1)    # (B, C + T, K, H)
+    values = jnp.concatenate([cache["v"], v.astype(cache["v"].dtype)], axis=1)  # (B, C + T, K, H)
+    y = jax.nn.dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask=mask[None, None],
+                                     scale=m.head_dim ** -0.5)    # (B, T, N, H)
+    first = max(0, T - C)  # only the last C new keys fit; each lands in its own slot
+    slots = (pos + jnp.arange(first, T)) % C
+    cache = dict(k=cache["k"].at[:, slots].set(k[:, first:].astype(cache["k"].dtype)),
+                 v=cache["v"].at[:, slots].set(v[:, first:].astype(cache["v"].dtype)))
+    return linear(y.reshape(B, T, m.n_heads * m.head_dim), p["self_attn.o_proj.weight"]), cache
+
+
+def forward_step(params, tokens, pos, cache, m, dtype=jnp.float32):
+    """tokens (B, T) at positions pos..pos+T-1 -> (logits (B, T, V), new cache). Over a whole sequence
+    from pos = 0 it gives forward's logits."""
+    T = tokens.shape[1]
+    x = params["embed_tokens.weight"][tokens].astype(dtype)  # (B, T, D)
+    window, inv_freq, rope_scale = layer_arrays(m)
+    positions = pos + jnp.arange(T)
+    new = []
+    for i in range(m.n_layers):
+        p = {name[len("layers."):]: w[i] for name, w in params.items() if name.startswith("layers.")}
+        cos, sin = rope_cos_sin(positions, inv_freq[i], rope_scale[i])
+        out = {}
+
+        def attn(h):
+            y, out["cache"] = cached_attention(p, h, cos, sin, cache[i], pos, int(window[i]), m)
+            return y
+
+        x = block(p, x, attn, m)
+        new.append(out["cache"])
+    x = layer_norm(x, m.norm_eps) if m.family == "olmo1" else rms_norm(x, params["norm.weight"], m.norm_eps)
+    head = params["embed_tokens.weight" if m.tie_embeddings else "lm_head.weight"]
+    return linear(x, head), new  # (B, T, V)
+
+
 # === PyTorch =====================================================================================
 # Same maths, same names, same order. state_dict() keys are the HF names without "model.".
 
@@ -391,7 +459,8 @@ class Attention(nn.Module):
         if m.family != "olmo1":
             self.q_norm, self.k_norm = RMSNorm(N * H, m.norm_eps), RMSNorm(K * H, m.norm_eps)
 
-    def forward(self, x, cos, sin, window):
+    def project(self, x, cos, sin):
+        """x (B, T, D) -> q (B, N, T, H), k and v (B, K, T, H), RoPE applied."""
         m, (B, T, _) = self.m, x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (B, T, N*H), (B, T, K*H) x2
         if m.clip_qkv:
@@ -401,12 +470,41 @@ class Attention(nn.Module):
         q = rope_torch(q.view(B, T, m.n_heads, m.head_dim).transpose(1, 2), cos, sin)     # (B, N, T, H)
         k = rope_torch(k.view(B, T, m.n_kv_heads, m.head_dim).transpose(1, 2), cos, sin)  # (B, K, T, H)
         v = v.view(B, T, m.n_kv_heads, m.head_dim).transpose(1, 2)                        # (B, K, T, H)
+        return q, k, v
+
+    def forward(self, x, cos, sin, window):
+        m, (B, T, _) = self.m, x.shape
+        q, k, v = self.project(x, cos, sin)
         # Full layers ask for is_causal, which lets SDPA pick a flash kernel on GPUs; sliding-window
         # layers pass their band as a boolean mask (SDPA's memory-efficient kernel takes masks).
         mask = attention_mask_torch(T, window, x.device) if window else None
         y = F_.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=not window,
                                             scale=m.head_dim ** -0.5, enable_gqa=True)   # (B, N, T, H)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, m.n_heads * m.head_dim))      # (B, T, D)
+
+    def cached(self, x, cos, sin, cache, pos, window):
+        """As the JAX cached_attention; the cache (k, v: (B, K, C, H)) is updated in place."""
+        m, (B, T, _) = self.m, x.shape
+        C = cache["k"].shape[2]
+        q, k, v = self.project(x, cos, sin)
+        slot = torch.arange(C, device=x.device)
+        held = (pos - 1) - torch.remainder(pos - 1 - slot, C)   # the position in each slot (< 0: empty)
+        key_pos = torch.cat([held, pos + torch.arange(T, device=x.device)])
+        q_pos = (pos + torch.arange(T, device=x.device))[:, None]
+        mask = (key_pos >= 0) & (key_pos <= q_pos) & ((window == 0) | (q_pos - key_pos < window))  # (T, C + T)
+        keys = torch.cat([cache["k"], k.to(cache["k"].dtype)], dim=2).to(q.dtype)    # (B, K, C + T, H)
+        values = torch.cat([cache["v"], v.to(cache["v"].dtype)], dim=2).to(q.dtype)  # (B, K, C + T, H)
+        # Plain softmax attention in fp32, GQA as query groups: SDPA's CPU kernel took ~0.7 ms per call for a
+        # single query against a mask (torch 2.13), more than the rest of the layer.
+        qg = q.float().view(B, m.n_kv_heads, m.n_heads // m.n_kv_heads, T, m.head_dim)     # (B, K, N/K, T, H)
+        scores = torch.einsum("bkgth,bksh->bkgts", qg, keys.float()) * m.head_dim ** -0.5  # (B, K, N/K, T, C + T)
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+        y = torch.einsum("bkgts,bksh->bkgth", probs, values.float()).reshape(B, m.n_heads, T, m.head_dim).to(q.dtype)
+        first = max(0, T - C)
+        slots = torch.remainder(pos + torch.arange(first, T, device=x.device), C)
+        cache["k"].index_copy_(2, slots, k[:, :, first:].to(cache["k"].dtype))
+        cache["v"].index_copy_(2, slots, v[:, :, first:].to(cache["v"].dtype))
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, m.n_heads * m.head_dim))  # (B, T, D)
 
 
 class MLP(nn.Module):
@@ -430,10 +528,17 @@ class Block(nn.Module):
 
     def forward(self, x, cos, sin, window, remat_mlp=False):
         ffn = partial(checkpoint, self.mlp, use_reentrant=False) if remat_mlp else self.mlp
+        return self.residual(x, lambda h: self.self_attn(h, cos, sin, window), ffn)
+
+    def cached(self, x, cos, sin, cache, pos, window):
+        return self.residual(x, lambda h: self.self_attn.cached(h, cos, sin, cache, pos, window), self.mlp)
+
+    def residual(self, x, attn, ffn):
+        """The JAX `block`: attn(h) is the attention sublayer, over the sequence or over a cache."""
         if self.m.family == "olmo1":
-            x = x + self.self_attn(layer_norm_torch(x, self.m.norm_eps), cos, sin, window)
+            x = x + attn(layer_norm_torch(x, self.m.norm_eps))
             return x + ffn(layer_norm_torch(x, self.m.norm_eps))
-        x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, window))
+        x = x + self.post_attention_layernorm(attn(x))
         return x + self.post_feedforward_layernorm(ffn(x))
 
 
@@ -470,6 +575,25 @@ class OLMo(nn.Module):
                 x = checkpoint(layer, x, cos, sin, w, use_reentrant=False)
             else:
                 x = layer(x, cos, sin, w, remat_mlp=remat == "mlp")
+        x = layer_norm_torch(x, self.m.norm_eps) if self.m.family == "olmo1" else self.norm(x)
+        head = self.embed_tokens.weight if self.m.tie_embeddings else self.lm_head.weight
+        return F_.linear(x, head.to(dtype))  # (B, T, V)
+
+    def new_cache(self, B, S, dtype=torch.float32):
+        """As the JAX new_cache, in SDPA's layout: per layer k and v (B, K, C, H)."""
+        shape = lambda C: (B, self.m.n_kv_heads, C, self.m.head_dim)  # noqa: E731
+        dev = self.embed_tokens.weight.device
+        return [dict(k=torch.zeros(shape(min(w, S) if w else S), dtype=dtype, device=dev),
+                     v=torch.zeros(shape(min(w, S) if w else S), dtype=dtype, device=dev)) for w in self.windows]
+
+    def forward_step(self, tokens, pos, cache, dtype=torch.float32):
+        """As the JAX forward_step: tokens (B, T) at positions pos.. -> logits (B, T, V); the cache is updated in place."""
+        T = tokens.shape[1]
+        x = self.embed_tokens(tokens).to(dtype)  # (B, T, D)
+        positions = pos + torch.arange(T, device=tokens.device)
+        for layer, c, w, f, s in zip(self.layers, cache, self.windows, self.inv_freq, self.rope_scale):
+            cos, sin = rope_cos_sin_torch(positions, f, s)
+            x = layer.cached(x, cos, sin, c, pos, w)
         x = layer_norm_torch(x, self.m.norm_eps) if self.m.family == "olmo1" else self.norm(x)
         head = self.embed_tokens.weight if self.m.tie_embeddings else self.lm_head.weight
         return F_.linear(x, head.to(dtype))  # (B, T, V)

@@ -678,7 +678,8 @@ def main(argv):
     print(f"checkpoint {last_saved}; metrics {metrics_path}; plot {run_dir / 'loss.png'}")
     if ec.prompt and tok is not None and backend.processes == 1:  # (the sampler wants every weight on one host)
         ids = tok.enc.encode(ec.prompt, allowed_special="all")
-        new = evaluate.sample(backend.host_params(), m, ids, ec.sample_tokens, ec.temperature, seed=tc.init_seed)
+        new, _ = evaluate.generate(backend.host_params(), m, ids, ec.sample_tokens, temperature=ec.temperature,
+                                   eos=m.eos_token_id, seed=tc.init_seed)
         print(f"sample: {ec.prompt}{tok.decode(new)!r}")
 
 

@@ -1,0 +1,84 @@
+"""Generation: the KV cache against the plain forward in both backends, the sampler, the command line."""
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import convert
+import eval as evaluate
+import model
+from common import random_params, variant
+from configs import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("name", ["olmo1", "olmo2", "olmo3"])
+def test_forward_step_equals_forward(name):
+    """A 7-token prompt, then one token at a time to 30: the same logits as one forward over all 30, in
+    both backends. olmo3's sliding layers (window 5) keep 5 slots, and the prompt is longer than that."""
+    m = variant(name)
+    params = random_params(m, seed=1)
+    toks = np.random.default_rng(0).integers(0, m.vocab_size, (2, 30))
+    want = np.asarray(model.forward({k: jnp.asarray(v) for k, v in params.items()}, jnp.asarray(toks), m))
+    cache = model.new_cache(m, 2, 30)
+    assert [c["k"].shape[1] for c in cache] == ([5, 5, 5, 30] if name == "olmo3" else [30, 30])
+    step = jax.jit(lambda p, t, pos, c: model.forward_step(p, t, pos, c, m))
+    got = []
+    for start, stop in [(0, 7)] + [(t, t + 1) for t in range(7, 30)]:
+        logits, cache = step(params, jnp.asarray(toks[:, start:stop]), start, cache)
+        got.append(np.asarray(logits))
+    assert np.abs(np.concatenate(got, 1) - want).max() < 1e-5 * np.abs(want).max()
+    net = model.torch_model(m, params)
+    kv = net.new_cache(2, 30)
+    with torch.no_grad():
+        got = [net.forward_step(torch.from_numpy(toks[:, s:e]), s, kv).numpy() for s, e in [(0, 7)] + [(t, t + 1) for t in range(7, 30)]]
+    assert np.abs(np.concatenate(got, 1) - want).max() < 1e-5 * np.abs(want).max()
+
+
+def test_greedy_with_cache_equals_without():
+    """Far past the sliding window (5): the same tokens with and without the cache, in both backends."""
+    m = variant("olmo3")
+    params = random_params(m, seed=2)
+    runs = {(backend, cache): evaluate.generate(params, m, [3, 1, 4], 40, backend, cache=cache)[0]
+            for backend in ("jax", "torch") for cache in (True, False)}
+    assert len(set(map(tuple, runs.values()))) == 1 and len(runs["jax", True]) == 40, runs
+    # Stop at EOS: make the 10th greedy token the end of text.
+    eos = runs["jax", True][9]
+    first = runs["jax", True].index(eos)
+    assert evaluate.generate(params, m, [3, 1, 4], 40, "torch", eos=eos)[0] == runs["jax", True][:first + 1]
+
+
+def test_sampler():
+    logits = np.log(np.array([0.05, 0.4, 0.1, 0.3, 0.15]))
+    rng = np.random.default_rng(0)
+    assert evaluate.pick(logits) == 1 and evaluate.pick(logits, 1.0, top_k=1, rng=rng) == 1
+    assert evaluate.pick(logits, 1.0, top_p=0.3, rng=rng) == 1  # the top token alone reaches 0.3
+    draws = np.array([evaluate.pick(logits, 1.0, top_k=3, rng=rng) for _ in range(4000)])
+    assert set(draws) == {1, 3, 4}  # top-k keeps 0.4, 0.3, 0.15, renormalised by 0.85
+    assert np.allclose(np.bincount(draws, minlength=5)[[1, 3, 4]] / 4000, np.array([0.4, 0.3, 0.15]) / 0.85, atol=0.03)
+    draws = np.array([evaluate.pick(logits, 1.0, top_p=0.75, rng=rng) for _ in range(2000)])
+    assert set(draws) == {1, 3, 4}  # 0.4 + 0.3 < 0.75, so the third (0.15) is still needed
+    draws = np.array([evaluate.pick(logits, 0.05, rng=rng) for _ in range(200)])
+    assert (draws == 1).mean() > 0.99  # a low temperature is nearly greedy
+
+
+def test_generate_command(setup, tmp_path):
+    root, toml = setup
+    m = load_config([str(toml)]).model
+    convert.save_hf(tmp_path / "ckpt", m, random_params(m, seed=3))
+    cmd = [sys.executable, "eval.py", "generate", str(tmp_path / "ckpt"), "--prompt", "Licensed under",
+           "--max-new", "12", "--tokenizer", str(root / "bpe.tiktoken")]
+    outs = [subprocess.run(cmd + extra, cwd=ROOT, capture_output=True, text=True) for extra in ([], ["--backend", "torch"])]
+    for r in outs:
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert r.stdout.startswith("Licensed under") and "tokens/s" in r.stderr
+    assert outs[0].stdout == outs[1].stdout  # greedy: the same text from both backends
+    r = subprocess.run(cmd[:4] + ["--prompt", "x" * 400, "--tokenizer", str(root / "bpe.tiktoken")], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode and "max_seq_len=32 leaves no room" in r.stderr
