@@ -5,6 +5,7 @@
     python train.py configs/tiny.toml --train.backend=torch              # the same run with model.py's nn.Module
     torchrun --nproc_per_node=8 train.py configs/olmo2-1b.toml --train.backend=torch --mesh.data=1 --mesh.fsdp=-1
     python train.py configs/tiny.toml --bench                            # tokens/s and MFU: JAX, torch eager and compiled
+    python train.py configs/tiny.toml --eval.tasks=arc_easy,piqa --eval.tasks_limit=100   # + zero-shot tasks (eval.py) in-loop
     python train.py plot runs/a runs/b                                   # overlay loss curves -> runs/a/loss.png
 
 Both backends read the same config, data loader, schedule and checkpoints; everything between the
