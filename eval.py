@@ -463,7 +463,24 @@ def read_rows(path):
         rows = json.loads(path.read_text())
         if not isinstance(rows, list):
             raise ValueError(f"{path}: expected a JSON array of rows")
-        return [(f"{path}[{i}]", r) for i, r in enumerate(rows)]
+        out = [(f"{path}[{i}]", r) for i, r in enumerate(rows)]
+    else:
+        out = _read_lines(path)
+    for at, rec in out:
+        if not isinstance(rec, dict):
+            raise ValueError(f"{at}: expected a JSON object, got {type(rec).__name__}")
+    labels = path.with_name(path.name.removesuffix(".jsonl") + "-labels.lst")
+    if labels.is_file():
+        lines = labels.read_text().split()
+        if len(lines) != len(out):
+            raise ValueError(f"{labels}: {len(lines)} labels for {len(out)} rows of {path}")
+        for (at, rec), lab in zip(out, lines):
+            if "label" not in rec and "answer" not in rec:
+                rec["answer" if "option1" in rec else "label"] = lab
+    return out
+
+
+def _read_lines(path):
     out, seen = [], set()
     opener = gzip.open if path.name.endswith(".gz") else open
     with opener(path, "rt", encoding="utf-8") as f:
@@ -480,14 +497,6 @@ def read_rows(path):
                 seen.add(rec.get("doc_id"))
                 rec = rec.get("doc")
             out.append((f"{path}:{lineno}", rec))
-    labels = path.with_name(path.name.removesuffix(".jsonl") + "-labels.lst")
-    if labels.is_file():
-        lines = labels.read_text().split()
-        if len(lines) != len(out):
-            raise ValueError(f"{labels}: {len(lines)} labels for {len(out)} rows of {path}")
-        for (at, rec), lab in zip(out, lines):
-            if isinstance(rec, dict) and "label" not in rec and "answer" not in rec:
-                rec["answer" if "option1" in rec else "label"] = lab
     return out
 
 
