@@ -5,6 +5,7 @@
     python train.py configs/tiny.toml --train.backend=torch              # the same run with model.py's nn.Module
     torchrun --nproc_per_node=8 train.py configs/olmo2-1b.toml --train.backend=torch --mesh.data=1 --mesh.fsdp=-1
     python train.py configs/tiny.toml --bench                            # tokens/s and MFU: JAX, torch eager and compiled
+    python train.py configs/tiny.toml --eval.tasks=arc_easy,piqa --eval.tasks_limit=100   # + zero-shot tasks (eval.py) in-loop
     python train.py plot runs/a runs/b                                   # overlay loss curves -> runs/a/loss.png
 
 Both backends read the same config, data loader, schedule and checkpoints; everything between the
@@ -610,6 +611,39 @@ def main(argv):
                 n_bytes += int(token_bytes[tokens[:, 1:]].sum())
         return dict(eval_loss=nats / count, eval_bpb=evaluate.bits_per_byte(nats, n_bytes) if n_bytes else None)
 
+    # --- in-loop downstream tasks (eval.py tasks, as OLMo's in-loop ICL evals): read, rendered and
+    # tokenized once here; scored at each eval on a full host copy of the params by the JAX forward
+    # (for the torch backend too, on JAX's CPU), so one process only, like the sample at the end.
+    task_requests, scorer = None, None
+    if ec.tasks:
+        names = [n.strip() for n in ec.tasks.split(",") if n.strip()]
+        unknown = [n for n in names if n not in evaluate.TASKS]
+        if unknown:
+            raise ConfigError(f"eval.tasks={ec.tasks!r}: unknown {unknown}; known: {', '.join(evaluate.TASKS)}")
+        if tok is None:
+            raise ConfigError(f"eval.tasks needs a tokenizer, and data.path={dc.path!r} is not a folder from `data.py prepare`")
+        if backend.processes > 1:
+            print("eval.tasks: skipped (in-loop tasks run in single-process runs; use `eval.py tasks` on a checkpoint)")
+        else:
+            task_requests = evaluate.prepare_tasks(names, ec.tasks_data, tok, ec.tasks_norm, ec.tasks_limit)
+            print("in-loop tasks: " + ", ".join(f"{n} ({len(t['items'])} docs)" for n, t in task_requests["tasks"].items())
+                  + f", {ec.tasks_norm} prompts and normalisation")
+
+    def task_eval():
+        """{<task>_acc: accuracy} on the in-loop tasks ({} when there are none)."""
+        nonlocal scorer
+        if task_requests is None:
+            return {}
+        params = backend.host_params()
+        if scorer is None:  # compiled once; later evals only swap the params
+            scorer = evaluate.Scorer(m, params, "jax", tc.compute_dtype)
+        scorer.params = params
+        return {f"{name}_acc": r["acc"] for name, r in evaluate.score_tasks(scorer, task_requests).items()}
+
+    def task_line(step, record):
+        accs = [f"{k[:-4]} {100 * v:.1f}%" for k, v in record.items() if k.endswith("_acc")]
+        return f"step {step:>6} | " + " | ".join(accs) if accs else None
+
     # --- stop cleanly on SIGTERM / Ctrl-C: finish the step, save, exit
     stop = {"signal": None}
 
@@ -645,7 +679,7 @@ def main(argv):
                           tokens=step * tokens_per_step)
             t_last, window = time.perf_counter(), []
         if ec.every and step % ec.every == 0 and step != tc.steps:
-            record = {**(record or dict(step=step)), **(held_out_eval(ec.batches) or {})}
+            record = {**(record or dict(step=step)), **(held_out_eval(ec.batches) or {}), **task_eval()}
             t_last = time.perf_counter()  # tokens/s measures training only
         if record and lead:
             with open(metrics_path, "a") as f:
@@ -655,6 +689,8 @@ def main(argv):
                 line = (f"step {step:>6} | loss {record['loss']:.4f} | lr {lr:.2e} | grad norm {record['grad_norm']:.3f} | "
                         f"{record['tokens_per_s']:,.0f} tok/s | MFU {mfu}" + (" | SKIPPED" if out["skipped"] else ""))
                 bar.write(line + (f" | held-out bpb {record['eval_bpb']:.3f}" if record.get("eval_bpb") else ""))
+            if task_line(step, record):
+                bar.write(task_line(step, record))
         if step % tc.checkpoint_every == 0 or step == tc.steps or stop["signal"]:  # every process writes its pieces
             last_saved = save_checkpoint(run_dir, step, backend, cfg, loader.state())
         if stop["signal"]:
@@ -663,8 +699,8 @@ def main(argv):
             return
     bar.close()
 
-    # --- the end: held-out bits per byte against a unigram model, the plot, a sample
-    final = held_out_eval(0)
+    # --- the end: held-out bits per byte against a unigram model, downstream tasks, the plot, a sample
+    final = held_out_eval(0) or {}
     if final and lead:
         line = f"held-out loss {final['eval_loss']:.4f} nats/token"
         if final["eval_bpb"] is not None:
@@ -672,6 +708,10 @@ def main(argv):
             line += f", {final['eval_bpb']:.4f} bits/byte (a unigram model of the training tokens: {uni:.4f})"
             final["unigram_bpb"] = uni
         print(line)
+    final.update(task_eval())
+    if task_line(tc.steps, final):
+        print(task_line(tc.steps, final))
+    if final and lead:
         (run_dir / "final.json").write_text(json.dumps(dict(step=tc.steps, **final), indent=1) + "\n")
     if lead:
         plot([run_dir], run_dir / "loss.png")

@@ -194,6 +194,18 @@ class EvalConfig:
     prompt: str = "It is a truth universally acknowledged"  # sampled from at the end of training; "" = no sample
     sample_tokens: int = 48
     temperature: float = 0.8
+    # Downstream tasks (eval.py tasks) scored with the same schedule as the held-out eval, logged as
+    # <task>_acc. Single-process runs only; scored by the JAX forward on the gathered params.
+    tasks: str = ""               # comma list, e.g. "arc_easy,hellaswag,piqa" (eval.TASKS); "" = none
+    tasks_data: str = "../shared/evaldata"  # a folder laid out like ../shared/evaldata (eval.py tasks --data)
+    tasks_limit: int = 100        # the first N documents of each task; 0 = all
+    tasks_norm: str = "olmes"     # olmes | catwalk: prompts and per-task normalisation (eval.py tasks --norm)
+
+    def __post_init__(self):
+        if self.tasks_norm not in ("olmes", "catwalk"):
+            raise ConfigError(f"eval.tasks_norm={self.tasks_norm!r}: must be one of ['olmes', 'catwalk']")
+        if self.tasks_limit < 0:
+            raise ConfigError(f"eval.tasks_limit={self.tasks_limit}: must be >= 0 (0 = all)")
 
 
 @dataclass

@@ -1,0 +1,346 @@
+"""eval.py: our prompts against AI2's OLMES request dumps, the tasks' file formats and pitfalls, scoring
+against transformers, Paloma's windows against lm-eval's, the bpb and tasks commands, in-loop tasks."""
+import dataclasses
+import gzip
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import convert
+import data
+import eval as ev
+import train
+
+tf = pytest.importorskip("transformers")
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared" / "evaldata"
+needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason="../shared is absent")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """These models are tiny: one forward is ~3 ms on one thread, and on a busy 2-core machine two
+    threads waiting on each other made it ~400 ms. Restored after this file."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# --- prompts: string for string against the OLMES request dumps ---
+
+@needs_shared
+def test_requests_equal_the_olmes_dumps():
+    """Every request of every dump (conditional and "Answer:" ones, labels too) from our own reading of the
+    task files; HellaSwag's docs come from its 5-shot dump, rendered with OLMES's 5 fixed shots."""
+    dumps = sorted((SHARED / "olmes_requests").glob("*.requests.jsonl.gz"))
+    assert len(dumps) == 8
+    for f in dumps:
+        task, shots = f.name.split(".")[0].rsplit("_rc_", 1)
+        shots = int(shots.removesuffix("shot"))
+        docs = ([ev.read_hellaswag(r, at) for at, r in ev.read_rows(f)] if task == "hellaswag"
+                else ev.load_task(task, SHARED)[0])
+        items = [ev.render(task, d, "olmes", shots) for d in docs]
+        seen, bad = set(), []
+        with gzip.open(f, "rt") as lines:
+            for line in lines:
+                r = json.loads(line)
+                doc, unc = r["doc_id"] % 1_000_000, r["doc_id"] >= 1_000_000
+                item = items[doc]
+                ours = ev.requests_of(item)[len(item.continuations) * unc + r["idx"]]
+                if ours != (r["request"]["context"], r["request"]["continuation"]) or r["label"] != item.gold:
+                    bad.append((task, r["doc_id"], r["idx"]))
+                seen.add((unc, doc, r["idx"]))
+        assert not bad, bad[:5]
+        # and the other way: each of our conditional requests is in the dump, and our "Answer:" ones where it has them
+        has_uncond = any(u for u, _, _ in seen)
+        ours = {(u, d, k) for d, it in enumerate(items) for u in (0, 1)[:1 + (it.uncond and has_uncond)]
+                for k in range(len(it.continuations))}
+        assert ours == seen, task
+        if task == "hellaswag":  # the 0-shot rendering of the same docs: the query itself
+            item = ev.render(task, docs[0], "olmes")
+            assert item.contexts[0] == docs[0]["query"] and item.continuations[0] == " " + docs[0]["choices"][0]
+
+
+@needs_shared
+def test_original_formats_read_like_hf(tmp_path):
+    """BoolQ/OBQA/PIQA/WinoGrande: the original files in ../shared; ARC and SciQ: originals written here
+    from the HF rows (ARC's nested question, SciQ's JSON array), read back by load_task."""
+    def items(task, root, style):
+        return [ev.render(task, d, style) for d in ev.load_task(task, root)[0]]
+
+    hf = tmp_path / "hf" / "hf_validation"
+    hf.mkdir(parents=True)
+    for task in ("openbookqa", "piqa", "winogrande", "boolq"):
+        (hf / f"{task}.validation.jsonl").symlink_to(SHARED / f"hf_validation/{task}.validation.jsonl")
+    orig = tmp_path / "orig"
+    orig.mkdir()
+    (orig / "original").symlink_to(SHARED / "original")
+    for task in ("openbookqa", "piqa", "winogrande"):
+        for style in ("olmes", "catwalk"):
+            assert items(task, tmp_path / "hf", style) == items(task, orig, style), task
+    # BoolQ: the original has titles (OLMES prompts with "Title -- passage"); HF's boolq has none
+    with_title, without = items("boolq", orig, "olmes"), items("boolq", tmp_path / "hf", "olmes")
+    rows = [json.loads(x) for x in (SHARED / "original/boolq/dev.jsonl").read_text().splitlines()]
+    assert len(with_title) == len(without) == 3270
+    for a, b, r in zip(with_title, without, rows):
+        assert a.contexts[0] == f"{r['title']} -- " + b.contexts[0] and a.gold == b.gold
+    for task, name in [("arc_easy", "ARC-Easy-Dev.jsonl"), ("arc_challenge", "ARC-Challenge-Dev.jsonl")]:
+        rows = [json.loads(x) for x in (SHARED / f"hf_validation/{task}.validation.jsonl").read_text().splitlines()]
+        out = tmp_path / "arc" / "original" / task
+        out.mkdir(parents=True)
+        (out / name).write_text("".join(json.dumps({"id": r["id"], "answerKey": r["answerKey"], "question": {
+            "stem": r["question"], "choices": [{"text": t, "label": lab} for t, lab in zip(r["choices"]["text"], r["choices"]["label"])]}}) + "\n"
+            for r in rows))
+        assert items(task, tmp_path / "arc", "olmes") == items(task, SHARED, "olmes")
+    rows = [json.loads(x) for x in (SHARED / "hf_validation/sciq.validation.jsonl").read_text().splitlines()]
+    (tmp_path / "sciq/original/sciq").mkdir(parents=True)
+    (tmp_path / "sciq/original/sciq/valid.json").write_text(json.dumps(rows))
+    assert items("sciq", tmp_path / "sciq", "catwalk") == items("sciq", SHARED, "catwalk")
+
+
+def test_pitfalls():
+    arc = dict(question="q", choices={"text": ["a", "b", "c", "d"], "label": ["1", "2", "3", "4"]}, answerKey="3")
+    assert ev.read_choice(arc, "x")["gold"] == 2                              # numeric keys with numeric labels
+    assert ev.read_choice({**arc, "answerKey": "C", "choices": {**arc["choices"], "label": list("ABCD")}}, "x")["gold"] == 2
+    assert ev.read_choice({**arc, "answerKey": "2", "choices": {**arc["choices"], "label": list("ABCD")}}, "x")["gold"] == 1
+    # HellaSwag: OLMo's docstring example; the label as a string (HF) or an int (original jsonl)
+    hs = dict(activity_label="Roof shingle removal", ctx_a="A man is sitting on a roof.", ctx_b="he", label="3",
+              endings=["is using wrap to wrap a pair of skis.", "is ripping level tiles off.",
+                       "is holding a rubik's cube.", "starts pulling up roofing on a roof."])
+    item = ev.render("hellaswag", ev.read_hellaswag(hs, "x"))
+    assert item.contexts[0] == "Roof shingle removal: A man is sitting on a roof. He" and item.gold == 3
+    assert item.continuations[1] == " is ripping level tiles off."
+    assert ev.render("hellaswag", ev.read_hellaswag({**hs, "label": 3}, "x")) == item
+    for bad in ("", "4", None, True):
+        with pytest.raises(ValueError, match="label"):
+            ev.read_hellaswag({**hs, "label": bad}, "f.jsonl:7")
+    # SciQ with an empty support starts at "Question:" (OLMo's in-loop version starts with "\n")
+    sciq = dict(question="Who?", support="", distractor1="a", distractor2="b", distractor3="c", correct_answer="d")
+    item = ev.render("sciq", ev.read_sciq(sciq, "x"))
+    assert item.contexts[0] == "Question: Who?\nAnswer:" and item.gold == 3 and item.continuations[3] == " d"
+    assert ev.render("sciq", ev.read_sciq({**sciq, "support": "S."}, "x")).contexts[0] == "S.\nQuestion: Who?\nAnswer:"
+    # BoolQ with and without a title; Catwalk's option order is super_glue's (no, yes)
+    bq = dict(question="is it", passage="P.", answer=True)
+    assert ev.render("boolq", ev.read_boolq(bq, "x")).contexts[0] == "P.\nQuestion: is it?\nAnswer:"
+    titled = ev.render("boolq", ev.read_boolq({**bq, "title": "T"}, "x"))
+    assert titled.contexts[0] == "T -- P.\nQuestion: is it?\nAnswer:" and titled.continuations == [" yes", " no"] and titled.gold == 0
+    cw = ev.render("boolq", ev.read_boolq(bq, "x"), "catwalk")
+    assert cw.continuations == [" no", " yes"] and cw.gold == 1
+    # the two prompt sets where they differ
+    piqa = ev.read_piqa(dict(goal="g", sol1="a", sol2="b", label=1), "x")
+    assert ev.render("piqa", piqa).contexts[0] == "Goal: g\nAnswer:"
+    assert ev.render("piqa", piqa, "catwalk").contexts[0] == "Question: g\nAnswer:"
+    obqa = ev.read_choice(dict(question_stem="Stem", choices={"text": ["x", "y"], "label": ["A", "B"]}, answerKey="B"), "x")
+    assert ev.render("openbookqa", obqa, "catwalk").contexts[0] == "Stem"
+    # WinoGrande partial scoring: the options end the contexts, the rest is the one continuation
+    wg = ev.render("winogrande", ev.read_winogrande(dict(sentence="A beat B so _ won.", option1="A", option2="B", answer="1"), "x"))
+    assert wg.contexts == ["A beat B so A", "A beat B so B"] and wg.continuations == [" won."] * 2 and wg.gold == 0
+    # bad input names the file, line and field
+    with pytest.raises(ValueError, match=r"f.jsonl:3: answerKey 'E'"):
+        ev.read_choice({**arc, "answerKey": "E"}, "f.jsonl:3")
+    with pytest.raises(ValueError, match=r"f.jsonl:2: sentence has 0 blanks"):
+        ev.read_winogrande(dict(sentence="no blank", option1="a", option2="b", answer="1"), "f.jsonl:2")
+    with pytest.raises(ValueError, match=r"f.jsonl:1: field 'goal'"):
+        ev.read_piqa(dict(sol1="a", sol2="b", label=0), "f.jsonl:1")
+    with pytest.raises(ValueError, match="unknown task 'mmlu'"):
+        ev.load_task("mmlu", "nowhere")
+    with pytest.raises(FileNotFoundError, match="piqa: none of"):
+        ev.load_task("piqa", "nowhere")
+
+
+class FixedScorer:
+    """Stands in for a model: the log-likelihoods are given."""
+    def __init__(self, ll, n):
+        self.ll, self.n = np.asarray(ll, np.float64), np.asarray(n, np.int64)
+
+    def loglikelihoods(self, requests, desc=""):
+        return self.ll[:len(requests)], self.n[:len(requests)]
+
+
+def test_ties_go_to_the_first_option_and_pmi_is_a_difference(tmp_path):
+    (tmp_path / "hf_validation").mkdir()
+    (tmp_path / "hf_validation/sciq.validation.jsonl").write_text(json.dumps(dict(
+        question="q", support="", distractor1="a", distractor2="bb", distractor3="c", correct_answer="d")) + "\n")
+    tok = data.load_tokenizer("dolma2")
+    prep = ev.prepare_tasks(["sciq"], tmp_path, tok)
+    assert len(prep["pairs"]) == 8  # 4 options + 4 after "Answer:"
+    r = ev.score_tasks(FixedScorer([-2.0] * 8, [1] * 8), prep)["sciq"]
+    assert r["accs"] == dict(raw=0.0, per_token=0.0, per_char=0.0, pmi=0.0)  # all equal: option 0, never the gold 3
+    assert r["majority"] == 1.0 and r["chance"] == 0.25
+    # PMI = LL(cont|ctx) - LL(cont|"Answer:"): the gold is least likely but most raised by the context.
+    # OLMo's in-loop ratio LL_ctx / LL_uncond would pick option 0 here (-2/-1 = 2 is its largest).
+    r = ev.score_tasks(FixedScorer([-2.0, -3.0, -3.0, -4.0, -1.0, -2.0, -2.0, -9.0], [1] * 8), prep)["sciq"]
+    assert r["accs"]["pmi"] == 1.0 and r["accs"]["raw"] == 0.0
+
+
+# --- scoring against transformers ---
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory, setup):
+    """A random HF Olmo3 (sliding + full layers, GQA) with the setup fixture's 384-id BPE's EOS, saved by
+    transformers itself: our checkpoint format is HF's."""
+    root, _ = setup
+    cfg = tf.Olmo3Config(vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, max_position_embeddings=64, sliding_window=8,
+                         pad_token_id=383, eos_token_id=382, rms_norm_eps=1e-6,
+                         rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    net = tf.Olmo3ForCausalLM(cfg)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if p.ndim == 1 else 0.3 * torch.randn_like(p))
+    d = tmp_path_factory.mktemp("ckpt")
+    net.eval().save_pretrained(d)
+    return d, net, root / "bpe.tiktoken"
+
+
+def hf_loglikelihoods(net, requests, L, eos):
+    """One unbatched transformers forward per request, OLMo's truncation, no sharing of anything."""
+    out = []
+    for ctx, cont in requests:
+        keep = ((list(ctx) or [eos]) + list(cont))[-(L + 1):]
+        with torch.no_grad():
+            logp = torch.log_softmax(net(torch.tensor([keep[:-1]])).logits[0].double(), -1)
+        n = min(len(cont), len(keep) - 1)
+        out.append(sum(logp[p, keep[p + 1]].item() for p in range(len(keep) - 1 - n, len(keep) - 1)))
+    return np.array(out)
+
+
+@needs_shared
+def test_task_scores_equal_transformers(ckpt):
+    d, net, bpe = ckpt
+    m, params = convert.load_hf(d)
+    tok = ev.checkpoint_tokenizer(d, m, str(bpe))
+    prep = ev.prepare_tasks(["arc_easy", "boolq", "winogrande", "piqa"], SHARED, tok, "olmes", limit=10)
+    assert max(len(c) + len(x) for c, x in prep["ids"]) > m.max_seq_len  # BoolQ passages get left-truncated
+    ref = hf_loglikelihoods(net, prep["ids"], m.max_seq_len, m.eos_token_id)
+    want = ev.score_tasks(FixedScorer(ref, [min(len(x), m.max_seq_len) for _, x in prep["ids"]]), prep)
+    for backend in ("jax", "torch"):
+        scorer = ev.Scorer(m, params, backend, batch_tokens=512)
+        ll, _ = scorer.loglikelihoods(prep["ids"])
+        np.testing.assert_allclose(ll, ref, rtol=2e-5, atol=2e-4)
+        assert scorer.rows < scorer.requests  # one-token options shared their context's forward
+        got = ev.score_tasks(scorer, prep)
+        assert {t: r["accs"] for t, r in got.items()} == {t: r["accs"] for t, r in want.items()}
+        assert all(got[t]["bpb"] == pytest.approx(want[t]["bpb"], rel=1e-5) for t in got)
+
+
+def test_scorer_edge_cases_equal_transformers(ckpt):
+    """An empty context is scored after EOS; many one-token options of one context (more than the J extra
+    queries a row carries); duplicates; a continuation longer than the model's context."""
+    d, net, _ = ckpt
+    m, params = convert.load_hf(d)
+    eos = m.eos_token_id
+    reqs = [([], [t]) for t in range(20)] + [([eos], [5]), ([], [5, 6, 7]), ([3, 4], [5]), ([3, 4], [5]),
+                                            ([1], list(range(100, 180))), ([3, 4, 5], [6, 7])]
+    scorer = ev.Scorer(m, params, "jax", batch_tokens=256)
+    ll, n = scorer.loglikelihoods(reqs)
+    np.testing.assert_allclose(ll, hf_loglikelihoods(net, reqs, m.max_seq_len, eos), rtol=2e-5, atol=2e-4)
+    assert ll[5] == ll[20] and n[-2] == m.max_seq_len and scorer.rows < len(reqs)
+    with pytest.raises(ValueError, match="token id 384 is out of range for vocab_size=384"):
+        scorer.loglikelihoods([([1], [384])])
+    with pytest.raises(ValueError, match="request 0: empty continuation"):
+        scorer.loglikelihoods([([1], [])])
+
+
+# --- bits per byte ---
+
+def test_rolling_windows_are_lm_evals():
+    """lm-eval's own expected windows (tests/test_utils.py, test_get_rolling_token_windows_v1: 34 tokens,
+    max_seq_len 10, context_len 1, prefix -100) as (model input, predicted tokens)."""
+    gold = [([-100, *range(9)], list(range(10))), (list(range(9, 19)), list(range(10, 20))),
+            (list(range(19, 29)), list(range(20, 30))), (list(range(23, 33)), list(range(30, 34)))]
+    got = [((ctx + cont)[:-1], cont) for ctx, cont in ev.rolling_windows(list(range(34)), 10, -100)]
+    assert got == gold
+    assert ev.rolling_windows([], 10, -100) == [] and ev.rolling_windows([7], 10, -1) == [([-1], [7])]
+
+
+def test_bpb_equals_one_transformers_pass(ckpt, tmp_path):
+    """With max_seq_len above a document's length there is one window, so the document's NLL must equal one
+    transformers forward over [EOS] + tokens; with the checkpoint's 64 it is split into windows, which the
+    Scorer matches per window. Domains pool their bytes; the headline is the mean over domains."""
+    d, net, bpe = ckpt
+    m, params = convert.load_hf(d)
+    tok = data.load_tokenizer(str(bpe))
+    paras = [p for p in (ROOT / "LICENSE").read_text().split("\n\n") if len(p) > 400][:3]
+    docs = [("a", "src", paras[0]), ("a", "src", paras[1]), ("b", "src", paras[2])]
+    ids = [ev.encode(tok, t) for _, _, t in docs]
+    assert max(map(len, ids)) > 64
+
+    def full_pass(t):
+        with torch.no_grad():
+            logp = torch.log_softmax(net(torch.tensor([[m.eos_token_id] + t[:-1]])).logits[0].double(), -1)
+        return -logp[torch.arange(len(t)), torch.tensor(t)].sum().item()
+
+    big = ev.Scorer(dataclasses.replace(m, max_seq_len=512), params, batch_tokens=1024)
+    res = ev.bpb(big, tok, docs)
+    nats = [full_pass(t) for t in ids]
+    a, b = res["domains"]["src/a"], res["domains"]["src/b"]
+    assert a["nats"] == pytest.approx(nats[0] + nats[1], rel=1e-5) and b["nats"] == pytest.approx(nats[2], rel=1e-5)
+    assert a["bytes"] == len((paras[0] + paras[1]).encode()) and a["tokens"] == len(ids[0]) + len(ids[1])
+    assert a["bpb"] == pytest.approx(a["nats"] / np.log(2) / a["bytes"])
+    assert res["macro_bpb"] == pytest.approx((a["bpb"] + b["bpb"]) / 2)
+    assert res["micro_bpb"] == pytest.approx(sum(nats) / np.log(2) / sum(len(t.encode()) for _, _, t in docs))
+    # windows of 64: each window is one transformers pass over its own input
+    small = ev.bpb(ev.Scorer(m, params, batch_tokens=256), tok, docs)
+    windows = [w for t in ids for w in ev.rolling_windows(t, 64, m.eos_token_id)]
+    assert small["tokens"] == sum(map(len, ids)) and len(windows) > len(docs)
+    assert small["nats"] == pytest.approx(-hf_loglikelihoods(net, windows, 64, m.eos_token_id).sum(), rel=1e-5)
+
+
+# --- the commands and the in-loop evals ---
+
+def test_commands(ckpt, setup, tmp_path, capsys):
+    d, _, bpe = ckpt
+    root, _ = setup
+    docs = tmp_path / "docs.jsonl.gz"
+    with gzip.open(docs, "wt") as f:
+        for i, p in enumerate(p for p in (ROOT / "LICENSE").read_text().split("\n\n")[:6] if p.strip()):
+            f.write(json.dumps({"text": p, "source": "lic", "subdomain": "odd" if i % 2 else "even"}) + "\n")
+        f.write(json.dumps({"text": ""}) + "\n")
+    ev.main(["bpb", str(d), str(docs), "--tokenizer", str(bpe), "--out", str(tmp_path / "bpb.json"), "--backend", "torch"])
+    res = json.loads((tmp_path / "bpb.json").read_text())
+    assert set(res["domains"]) == {"lic/odd", "lic/even"} and res["empty_skipped"] == 1 and res["tokens_per_s"] > 0
+    assert "macro (domains)" in capsys.readouterr().out
+
+    tasks = tmp_path / "tasks"
+    (tasks / "hf_validation").mkdir(parents=True)
+    (tasks / "original/piqa").mkdir(parents=True)
+    (tasks / "hf_validation/arc_easy.validation.jsonl").write_text("".join(json.dumps(dict(
+        id=str(i), question=f"Which is {i}?", choices={"text": ["one", "two", "three"], "label": ["1", "2", "3"]},
+        answerKey=str(1 + i % 3))) + "\n" for i in range(4)))
+    (tasks / "original/piqa/valid.jsonl").write_text("".join(json.dumps(dict(goal=f"g{i}", sol1="a b", sol2="c")) + "\n" for i in range(3)))
+    (tasks / "original/piqa/valid-labels.lst").write_text("0\n1\n1\n")
+    # the tokenizer from nanolmo.json: the dataset it names (relative to the working directory, as train.py wrote it)
+    (d / "nanolmo.json").write_text(json.dumps({"config": {"data": {"path": str(root / "data")}}}))
+    ev.main(["tasks", str(d), "--tasks", "arc_easy,piqa", "--data", str(tasks), "--limit", "3", "--norm", "catwalk",
+             "--out", str(tmp_path / "tasks.json")])
+    res = json.loads((tmp_path / "tasks.json").read_text())["tasks"]
+    assert res["arc_easy"]["docs"] == 3 and res["piqa"]["docs"] == 3 and res["arc_easy"]["norm"] == "pmi"
+    assert res["piqa"]["majority"] == pytest.approx(2 / 3) and 0 <= res["piqa"]["acc"] <= 1
+    (d / "nanolmo.json").unlink()
+    with pytest.raises(FileNotFoundError, match="pass --tokenizer SPEC"):
+        ev.main(["tasks", str(d), "--tasks", "piqa", "--data", str(tasks)])
+    with pytest.raises(ValueError, match="does not fit"):
+        ev.main(["tasks", str(d), "--tasks", "piqa", "--data", str(tasks), "--tokenizer", "dolma2"])
+    (tasks / "original/piqa/valid-labels.lst").write_text("0\n1\n")
+    with pytest.raises(ValueError, match="valid-labels.lst: 2 labels for 3 rows"):
+        ev.main(["tasks", str(d), "--tasks", "piqa", "--data", str(tasks), "--tokenizer", str(bpe)])
+
+
+def test_in_loop_tasks(setup, tmp_path):
+    root, toml = setup
+    tasks = tmp_path / "tasks" / "hf_validation"
+    tasks.mkdir(parents=True)
+    (tasks / "winogrande.validation.jsonl").write_text("".join(json.dumps(dict(
+        sentence=f"The cat chased the dog so _ ran {i}.", option1="cat", option2="dog", answer="2")) + "\n" for i in range(3)))
+    run = tmp_path / "run"
+    train.main([str(toml), f"--train.run_dir={run}", "--train.steps=2", "--eval.every=1", "--eval.batches=1",
+                "--eval.tasks=winogrande", f"--eval.tasks_data={tasks.parent}", "--eval.tasks_limit=2"])
+    first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["step"] == 1 and first["winogrande_acc"] in (0.0, 0.5, 1.0)
+    assert "winogrande_acc" in json.loads((run / "final.json").read_text())
