@@ -114,14 +114,17 @@ def test_a_run_changes_backend_mid_way(setup, straight, tmp_path):
 
 def test_torchrun_fsdp2_equals_one_process(setup, straight, tmp_path):
     """2 processes (gloo, FSDP2 over fsdp=2, 2 micro-batches each) for 6 steps equal one process; the
-    checkpoint they wrote together resumes in one torch process and in JAX."""
+    checkpoint they wrote together resumes in one torch process and in JAX; and 2 processes resume a
+    JAX checkpoint (each rank reads its rows of the weights and moments) as one process does."""
     root, toml = setup
-    d = tmp_path / "two"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", str(toml),
-           f"--train.run_dir={d}", "--train.steps=6", "--train.t_max=12", "--train.backend=torch",
-           "--mesh.data=1", "--mesh.fsdp=2", "--train.micro_batch=2"]
-    (out,) = run_together(cmd)
+    d, cont = tmp_path / "two", cut(straight / "jax", tmp_path / "two-from-jax", 6)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", str(toml),
+                "--train.backend=torch", "--mesh.data=1", "--mesh.fsdp=2", "--train.micro_batch=2"]
+    (out,) = run_together(torchrun + [f"--train.run_dir={d}", "--train.steps=6", "--train.t_max=12"])
     assert "2 process(es), mesh data=1 x fsdp=2 (FSDP2) on cpu" in out
+    run_together(torchrun + [f"--train.run_dir={cont}", "--train.steps=12"])
+    one = losses(straight / "torch")
+    assert all(losses(cont)[s] == pytest.approx(one[s], rel=REL) for s in range(7, 13))
     one = losses(straight / "torch")
     assert all(losses(d)[s] == pytest.approx(one[s], rel=REL) for s in range(1, 7))
     written = convert.read_safetensors(d / "step_6" / "model.safetensors")[0]
