@@ -260,6 +260,12 @@ def read_hf_tensors(d):
     raise FileNotFoundError(f"{d}: no model.safetensors or model.safetensors.index.json{why}")
 
 
+def hf_name(name):
+    """Our unstacked name -> its name in HF files: "model." in front of all but the head (HF's
+    OlmoForCausalLM holds the head beside its `model`, not inside it)."""
+    return name if name == "lm_head.weight" else "model." + name
+
+
 def expected_tensors(m):
     """Our unstacked names -> shapes, in HF file order (per layer, then the rest)."""
     want = {}
@@ -305,10 +311,10 @@ def save_hf(d, m, params, dtype=np.float32):
     """Write config.json + model.safetensors that transformers' AutoModelForCausalLM loads."""
     d = Path(d)
     d.mkdir(parents=True, exist_ok=True)
-    tensors = {(k if k == "lm_head.weight" else "model." + k): np.asarray(v).astype(dtype)
-               for k, v in unstack_layers(params).items()}
+    tensors = {hf_name(k): np.asarray(v).astype(dtype) for k, v in unstack_layers(params).items()}
     write_safetensors(d / "model.safetensors", tensors, {"format": "pt"})
     (d / "config.json").write_text(json.dumps(config_to_hf(m), indent=2) + "\n")
+
 
 # --- the old OLMo trainer's and OLMo-core's configs -> ModelConfig -------------------------------
 
@@ -686,10 +692,6 @@ def open_source(path, config=None):
 
 # --- writing: our checkpoint directory, or a release-style HF one --------------------------------
 
-def hf_name(name):
-    return name if name == "lm_head.weight" else "model." + name
-
-
 def _fsync(path):
     with open(path, "rb+") as f:
         os.fsync(f.fileno())
@@ -771,6 +773,7 @@ def convert(src, out, to_hf=False, dtype=None, tokenizer=None, config=None, shar
             {"_from_model_config": True, "eos_token_id": m.eos_token_id, "pad_token_id": m.pad_token_id}, indent=2) + "\n"
     write_checkpoint(out, m, tensors, dtype, files, shard_gb * 2**30 if to_hf else None)
     return s, m
+
 
 # --- tokenizers: tiktoken ranks <-> HF tokenizer.json ---------------------------------------------
 

@@ -129,23 +129,19 @@ def push_history(history, loss, grad_norm):
 
 def stored(name, shape, prefix):
     """(file name, layer) per tensor a param is stored as: one per layer for stacked params (layer None
-    otherwise). Model tensors take HF's "model." prefix, except lm_head.weight; moments "exp_avg." etc."""
-    prefix = "" if prefix == "model." and name == "lm_head.weight" else prefix
+    otherwise). prefix "model." means HF's model file names (convert.hf_name); moments take "exp_avg." etc."""
+    rename = convert.hf_name if prefix == "model." else lambda n: prefix + n  # noqa: E731
     if name.startswith("layers."):
-        return [(f"{prefix}layers.{i}.{name[len('layers.'):]}", i) for i in range(shape[0])]
-    return [(prefix + name, None)]
+        return [(rename(f"layers.{i}.{name[len('layers.'):]}"), i) for i in range(shape[0])]
+    return [(rename(name), None)]
 
 
 def checkpoint_entries(m):
     """{file name: (shape, dtype)} of model.safetensors and of optimizer.safetensors: fp32 everything,
     from the parameter table, so both backends write the same files by construction."""
-    model_e, opt_e = {}, {}
-    for name, p in model.param_table(m).items():
-        shape = p.shape[1:] if name.startswith("layers.") else p.shape
-        for f, _ in stored(name, p.shape, "model."):
-            model_e[f] = (shape, np.float32)
-        for prefix in ("exp_avg.", "exp_avg_sq."):
-            opt_e.update({f: (shape, np.float32) for f, _ in stored(name, p.shape, prefix)})
+    shapes = convert.expected_tensors(m)  # unstacked names, as stored
+    model_e = {convert.hf_name(n): (shape, np.float32) for n, shape in shapes.items()}
+    opt_e = {prefix + n: (shape, np.float32) for prefix in ("exp_avg.", "exp_avg_sq.") for n, shape in shapes.items()}
     opt_e["step"] = ((), np.int32)
     return model_e, opt_e
 
@@ -512,7 +508,7 @@ class TorchBackend:
         step = 0
         for n, p in self.named.items():
             if kind == "model.":
-                tensors = [(("" if n == "lm_head.weight" else "model.") + n, p)]
+                tensors = [(convert.hf_name(n), p)]
             else:
                 st = self.optim.state.get(p) or dict(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p), step=0)
                 tensors, step = [(f"{key}.{n}", st[key]) for key in ("exp_avg", "exp_avg_sq")], int(st["step"])
