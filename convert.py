@@ -458,7 +458,7 @@ def _from_torch(t):
 
 
 def _array_store(arrays):
-    """Memory-mapped numpy arrays (safetensors, torch.load(mmap=True)) -> Lazy: their bytes are read on load."""
+    """Memory-mapped numpy arrays (safetensors, or torch_store's weights_only mmap) -> Lazy: read on load."""
     return {k: Lazy(tuple(a.shape), np.dtype(a.dtype), lambda a=a: np.asarray(a)) for k, a in arrays.items()}
 
 

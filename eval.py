@@ -661,7 +661,7 @@ def score_tasks(scorer, prep):
                 correct[k] += int(np.argmax(score[k]) == item.gold)  # np.argmax: the first of equal maxima
             golds.append(item.gold)
             chance.append(1 / K)
-            gold_bpb.append(-ll[cond[item.gold]] / (math.log(2) * len(item.continuations[item.gold].encode("utf-8"))))
+            gold_bpb.append(bits_per_byte(-ll[cond[item.gold]], len(item.continuations[item.gold].encode("utf-8"))))
         n = len(t["items"])
         norm = TASKS[name][2 if prep["style"] == "catwalk" else 3]
         accs = {k: correct[k] / n for k in NORMS}
