@@ -5,7 +5,7 @@ PYTHON ?= python3.11
 VENV := .venv
 PIP := $(VENV)/bin/pip install --quiet --disable-pip-version-check
 
-.PHONY: demo test clean
+.PHONY: demo test tables exercises clean
 
 $(VENV)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,14 @@ demo: $(DATA)/tiny/prepare.json
 
 test: $(VENV)/.installed-test
 	$(VENV)/bin/python -m pytest -q tests
+
+# Every generated table in README.md and docs/*.md, in place (tests/tables.py; the slow ones take minutes).
+tables: $(VENV)/.installed-test
+	$(PY) tests/tables.py
+
+# docs/exercises.md: each exercise's tests fail with its code removed and pass with it (tests/exercises.py).
+exercises: $(VENV)/.installed-test
+	$(PY) tests/exercises.py check
 
 clean:
 	rm -rf $(VENV) $(DATA) runs

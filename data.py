@@ -596,6 +596,7 @@ class Instances:
         return self.files[f].array()[k * self.seq_len:(k + 1) * self.seq_len]
 
 
+# exercise: data_order
 @lru_cache(maxsize=2)
 def epoch_permutation(n, seed, epoch):
     """OLMo-core: np.random.Generator(PCG64(seed + epoch)).shuffle(arange(N, uint32)); epochs count from 1."""

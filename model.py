@@ -167,6 +167,7 @@ def linear(x, w):
     return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype))
 
 
+# exercise: rmsnorm
 def rms_norm(x, w, eps):
     # HF Olmo2RMSNorm: normalise in fp32, multiply by the weight *in fp32*, then cast down (Llama casts first).
     x32 = x.astype(jnp.float32)
@@ -182,6 +183,7 @@ def layer_norm(x, eps):
     return ((x32 - mean) * jax.lax.rsqrt(var + eps)).astype(x.dtype)
 
 
+# exercise: rope
 def rope_cos_sin(positions, inv_freq, scale):
     """positions (T,) -> cos, sin (T, H) fp32; YaRN's attention factor multiplies both."""
     freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # (T, H/2)
@@ -189,6 +191,7 @@ def rope_cos_sin(positions, inv_freq, scale):
     return jnp.cos(emb) * scale, jnp.sin(emb) * scale
 
 
+# exercise: rope
 def rope(x, cos, sin):
     """Half-split ("NeoX") rotation, as HF rotate_half; done in fp32. x (B, T, N, H)."""
     x32 = x.astype(jnp.float32)
@@ -197,6 +200,7 @@ def rope(x, cos, sin):
     return (x32 * cos[:, None] + rotated * sin[:, None]).astype(x.dtype)
 
 
+# exercise: sliding_window
 def attention_mask(T, window, first=0, rows=None):
     """(rows, T) bool for queries first..first+rows: causal, and on sliding layers only the last `window`
     keys (the query's own included)."""
@@ -205,6 +209,7 @@ def attention_mask(T, window, first=0, rows=None):
     return (j <= i) & ((window == 0) | (i - j < window))
 
 
+# exercise: gqa
 def attend(q, k, v, window, scale):
     """Softmax attention, q (B, T, N, H), k and v (B, T, K, H) -> (B, T, N, H). GQA: query head n reads kv
     head n // (N/K), as HF repeat_kv; the softmax runs in fp32 inside dot_product_attention. Past Q_BLOCK
@@ -224,6 +229,7 @@ def attend(q, k, v, window, scale):
     return jnp.moveaxis(y, 0, 1).reshape(q.shape)
 
 
+# exercise: qk_norm
 def project_qkv(p, x, cos, sin, m):
     """x (B, T, D) -> q (B, T, N, H), k and v (B, T, K, H), RoPE applied."""
     B, T, _ = x.shape
@@ -254,6 +260,7 @@ def mlp(p, x):
     return linear(jax.nn.silu(gate) * up, p["mlp.down_proj.weight"])  # (B, T, D)
 
 
+# exercise: rmsnorm
 def block(p, x, attn, m, ffn=mlp):
     """One layer. attn(h) -> (B, T, D) is the attention sublayer: over the sequence itself in training,
     over a KV cache in generation (forward_step)."""
@@ -291,6 +298,7 @@ def forward(params, tokens, m, dtype=jnp.float32, remat="none", constrain=lambda
     return linear(x, head)  # (B, T, V)
 
 
+# exercise: z_loss
 def cross_entropy(logits, labels, z_loss=0.0):
     """Mean cross-entropy over labels != IGNORE_INDEX, in fp32, plus z_loss · mean(logsumexp²)
     (OLMo 2/3 use 1e-5). Returns (loss, ce, z). Labels are already shifted (shift_labels)."""
@@ -357,6 +365,7 @@ def new_cache(m, B, S, dtype=jnp.float32):
             for C in sizes]
 
 
+# exercise: kv_cache
 def cached_attention(p, x, cos, sin, cache, pos, window, m):
     """x (B, T, D) at positions pos..pos+T-1 attends to the cache and to itself; returns (y, new cache)."""
     B, T, _ = x.shape

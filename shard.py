@@ -1,9 +1,10 @@
-"""Device meshes and shardings. The model never sees any of this: train.py asks here how to lay out the
-params, the optimizer state and the batch, and jit (GSPMD) inserts the communication. The torch
-backend's equivalent (torchrun processes, FSDP2's fully_shard) is the section before the plan.
+"""Device meshes and shardings: this file only lays things out. The model never sees any of this:
+train.py asks here how to lay out the params, the optimizer state and the batch, and jit (GSPMD)
+inserts the communication. The torch backend's equivalent (torchrun processes, FSDP2's fully_shard)
+is the second half. (The ahead-of-time plan, which compiles the train step for a mesh you do not
+have, is `python train.py plan`, next to the step it compiles.)
 
     python shard.py configs/olmo3-7b.toml --mesh.data=1 --mesh.fsdp=-1   # the mesh and each parameter's layout here
-    python shard.py plan configs/olmo3-7b.toml --mesh data=1,fsdp=256,tensor=1 --batch 512 --seq 8192
 
 The mesh has three axes, ("data", "fsdp", "tensor"). The batch is split over data × fsdp; parameters
 are split by the logical axes the parameter table gives each dimension, through RULES:
@@ -12,14 +13,11 @@ are split by the logical axes the parameter table gives each dimension, through 
     layers -> not split (the scan walks over it)
 """
 
-import argparse
 import math
 import os
 import sys
-import time
 
 import jax
-import jax.numpy as jnp
 import torch
 import torch.distributed as dist
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
@@ -55,6 +53,7 @@ def make_mesh(mesh_cfg, devices=None):
     return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
 
 
+# exercise: fsdp_rules
 def spec_for(name, param, mesh_sizes):
     """PartitionSpec of one parameter from its logical axes; every split must divide its dimension."""
     out = []
@@ -122,17 +121,28 @@ def check_batch(global_batch, micro_batch, dp, where):
     return per_rank, micro, per_rank // micro
 
 
-def layout_table(mesh, table, dtype_bytes=4):
-    """One line per parameter: spec and bytes per device (params only; AdamW adds 2x that)."""
-    shardings = param_shardings(mesh, table)
+def layout_table(table, split, dtype_bytes=4):
+    """One line per parameter: how it is split and its bytes per device (params only; AdamW adds 2x that).
+    split(name, param) -> (where, the fraction of the tensor one device holds)."""
     lines, total = [], 0
     for name, p in table.items():
-        spec = shardings[name].spec
-        per_dev = math.prod(p.shape) * dtype_bytes // math.prod(mesh.shape[a] for a in spec if a)
+        where, fraction = split(name, p)
+        per_dev = int(math.prod(p.shape) * dtype_bytes * fraction)
         total += per_dev
-        lines.append(f"{name:<42} {str(tuple(spec)):<34} {per_dev / 2**20:>10.2f} MiB/device")
+        lines.append(f"{name:<42} {where:<34} {per_dev / 2**20:>10.2f} MiB/device")
     lines.append(f"{'params in all':<42} {'':<34} {total / 2**30:>10.3f} GiB/device (+2x for AdamW moments)")
     return lines
+
+
+def jax_layout(mesh, table):
+    """layout_table for a JAX mesh: each parameter's PartitionSpec."""
+    shardings = param_shardings(mesh, table)
+
+    def split(name, p):
+        spec = shardings[name].spec
+        return str(tuple(spec)), 1 / math.prod(mesh.shape[a] for a in spec if a)
+
+    return layout_table(table, split)
 
 
 def describe(mesh):
@@ -187,23 +197,20 @@ def torch_shard(net, mesh_cfg, world, device):
     return net
 
 
-def torch_layout_table(mesh_cfg, world, table, dtype_bytes=4):
-    """layout_table's torch twin: FSDP2 splits the rows of every tensor (each layer's, for stacked ones)."""
+def torch_layout(mesh_cfg, world, table):
+    """layout_table for the torch backend: FSDP2 splits the rows of every tensor (each layer's, for stacked ones)."""
     if mesh_cfg.tensor != 1:
         raise ValueError(f"mesh.tensor={mesh_cfg.tensor}: the torch backend shards with FSDP2 only (mesh.data x mesh.fsdp); "
                          "tensor parallelism is the JAX backend's")
     data, fsdp, _ = mesh_shape(mesh_cfg, world)
-    lines, total = [], 0
-    for name, p in table.items():
+
+    def split(name, p):
         rows = p.shape[1] if name.startswith("layers.") else p.shape[0]
-        per_dev = math.prod(p.shape) * dtype_bytes * (-(-rows // fsdp)) // rows
-        total += per_dev
         where = f"rows over fsdp={fsdp}" + (" per layer" if name.startswith("layers.") else "") if fsdp > 1 else "whole"
-        lines.append(f"{name:<42} {where:<34} {per_dev / 2**20:>10.2f} MiB/device")
-    lines.append(f"{'params in all':<42} {'':<34} {total / 2**30:>10.3f} GiB/device (+2x for AdamW moments)")
-    lines.append(f"torch {torch.__version__}: {world} process(es), mesh data={data} x fsdp={fsdp}"
-                 + (" (FSDP2)" if world > 1 else ""))
-    return lines
+        return where, -(-rows // fsdp) / rows  # torch.chunk's ceil(rows / fsdp) rows on the first ranks
+
+    return layout_table(table, split) + [f"torch {torch.__version__}: {world} process(es), mesh data={data} x fsdp={fsdp}"
+                                         + (" (FSDP2)" if world > 1 else "")]
 
 
 def is_dtensor(t):
@@ -252,71 +259,8 @@ def torch_barrier():
         dist.barrier()
 
 
-# --- the plan: compile the real train step ahead of time for a mesh we do not have ------------------
-
-HBM_GIB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32, "a100": 80, "h100": 80, "h200": 141, "b200": 180}
-
-
-def plan(argv):
-    """python shard.py plan CONFIG.toml... --mesh data=D,fsdp=F,tensor=T --batch B --seq T [--device h100]
-    [--topology v5p:8x8x4] [--section.key=value ...]"""
-    ap = argparse.ArgumentParser(prog="shard.py plan", description=plan.__doc__)
-    ap.add_argument("configs", nargs="+")
-    ap.add_argument("--mesh", required=True, help="data=D,fsdp=F,tensor=T")
-    ap.add_argument("--batch", type=int, required=True, help="instances per step (global)")
-    ap.add_argument("--seq", type=int, required=True)
-    ap.add_argument("--device", default="h100", choices=sorted(HBM_GIB), help="whose memory to compare against")
-    ap.add_argument("--topology", default=None, help="with libtpu installed: compile for this TPU topology, e.g. v5p:8x8x4")
-    args, extra = ap.parse_known_args(argv)  # extra: --section.key=value config overrides
-    sizes = dict(part.split("=") for part in args.mesh.split(","))
-    overrides = [f"--mesh.{k}={v}" for k, v in sizes.items()] + [f"--data.global_batch={args.batch}", f"--data.seq_len={args.seq}"]
-    cfg = load_config(args.configs + extra + overrides)
-    n = math.prod(int(v) for v in sizes.values())
-    if args.topology:
-        from jax.experimental import topologies
-        devices = topologies.get_topology_desc(args.topology, "tpu").devices
-        device, hbm = args.topology.split(":")[0], HBM_GIB[args.topology.split(":")[0]]
-        caveat = f"TPU compiler for {args.topology} (libtpu): its own memory figures"
-    else:
-        jax.config.update("jax_num_cpu_devices", n)  # must happen before anything touches a backend
-        devices, device, hbm = jax.devices(), args.device, HBM_GIB[args.device]
-        caveat = ("CPU compiler on fake devices: it lowers gradient reductions as all-reduce, not reduce-scatter, "
-                  "so 'temporary' over-states what a TPU/GPU needs; params and optimizer state are exact")
-    import train  # here, not at the top: train.py imports this file
-    mesh = make_mesh(cfg.mesh, devices[:n])
-    m, tc = cfg.model, cfg.train
-    _, micro, accum = check_batch(args.batch, tc.micro_batch, dp_size(mesh), mesh_where(mesh))
-    p_sh, o_sh, h_sh = train.state_shardings(mesh, m)
-    table = model.param_table(m)
-    abstract = lambda shape, dtype, sh: jax.ShapeDtypeStruct(shape, dtype, sharding=sh)  # noqa: E731
-    params = {k: abstract(p.shape, jnp.float32, p_sh[k]) for k, p in table.items()}
-    opt = dict(m=params, v=params, count=abstract((), jnp.int32, o_sh["count"]))
-    hist = jax.tree.map(lambda x: abstract(x.shape, x.dtype, h_sh), train.new_history())
-    batch = abstract((accum, args.batch // accum, args.seq), jnp.int32, batch_sharding(mesh))
-    t0 = time.perf_counter()
-    compiled = train.make_train_step(cfg, mesh).lower(params, opt, hist, batch, jnp.float32(1e-4)).compile()
-    seconds = time.perf_counter() - t0
-    mem = compiled.memory_analysis()
-    per_dev = lambda tree: sum(math.prod(s.sharding.shard_shape(s.shape)) * s.dtype.itemsize for s in jax.tree.leaves(tree))  # noqa: E731
-    p_bytes, o_bytes = per_dev(params), per_dev(opt)
-    temp = mem.temp_size_in_bytes
-    total = p_bytes + o_bytes + per_dev(batch) + temp
-    gib = lambda b: f"{b / 2**30:8.2f} GiB"  # noqa: E731
-    print(f"{cfg.model.family} {model.count_params(m) / 1e9:.2f}B params, mesh {dict(mesh.shape)} ({n} devices), "
-          f"batch {args.batch} x {args.seq} tokens, {accum} micro-batch(es) of {micro} per rank, "
-          f"remat={tc.remat}, compute {tc.compute_dtype}; compiled in {seconds:.0f} s")
-    print(f"  params            {gib(p_bytes)} per device (fp32)")
-    print(f"  optimizer state   {gib(o_bytes)} per device (AdamW m, v)")
-    print(f"  gradients + activations + workspace (XLA temporary) {gib(temp)}")
-    print(f"  total             {gib(total)} of {hbm} GiB ({device}): {'fits' if total <= hbm * 2**30 else 'does NOT fit'}")
-    print(f"  ({caveat})")
-
-
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["plan"]:
-        plan(sys.argv[2:])
-    else:
-        cfg = load_config(sys.argv[1:])
-        mesh = make_mesh(cfg.mesh)
-        print(describe(mesh))
-        print("\n".join(layout_table(mesh, model.param_table(cfg.model))))
+    cfg = load_config(sys.argv[1:])
+    mesh = make_mesh(cfg.mesh)
+    print(describe(mesh))
+    print("\n".join(jax_layout(mesh, model.param_table(cfg.model))))

@@ -53,6 +53,7 @@ SKIP_WINDOW, SKIP_MIN, SKIP_SIGMA = 128, 64, 6.0  # OLMo-core SkipStepAdamW defa
 
 # --- learning rate and AdamW (pure functions) ---------------------------------------------------
 
+# exercise: lr_schedule
 def lr_at(step, tc, tokens_per_step, total_steps):
     """OLMo's schedules (OLMo-core scheduler.py). `step` counts from 1, as OLMo-core's global_step."""
     t = step * (tokens_per_step if tc.units == "tokens" else 1)
@@ -72,6 +73,7 @@ def lr_at(step, tc, tokens_per_step, total_steps):
     return floor + (lr - floor) * (1 + math.cos(math.pi * (t - W + (T - W)) / (2 * (T - W)))) / 2
 
 
+# exercise: adamw
 def adamw(params, grads, opt, lr, tc, decay):
     """Decoupled AdamW in the same operation order as torch.optim.AdamW: decay, then the bias-corrected step."""
     count = opt["count"] + 1
@@ -102,6 +104,7 @@ def new_history():
                 n=jnp.zeros((), jnp.int32))
 
 
+# exercise: skip_step
 def is_outlier(history, loss, grad_norm):
     """OLMo-core SkipStepAdamW: a 6σ outlier in loss or grad norm, once 64 steps of history exist.
     jnp, so the JAX step runs it inside jit and the torch step calls it eagerly on the host."""
@@ -317,7 +320,7 @@ class JaxBackend:
         self.new_optimizer = jax.jit(new_optimizer, out_shardings=self.opt_sh)
 
     def describe(self):
-        return "\n".join(shard.layout_table(self.mesh, model.param_table(self.cfg.model))) + "\n" + shard.describe(self.mesh)
+        return "\n".join(shard.jax_layout(self.mesh, model.param_table(self.cfg.model))) + "\n" + shard.describe(self.mesh)
 
     def barrier(self, name="barrier"):
         if self.processes > 1:
@@ -382,6 +385,64 @@ class JaxBackend:
         return jax.device_get(self.params)
 
 
+# --- the ahead-of-time plan: compile this step for a mesh we do not have --------------------------
+
+HBM_GIB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32, "a100": 80, "h100": 80, "h200": 141, "b200": 180}
+
+
+def plan(argv):
+    """python train.py plan CONFIG.toml... --mesh data=D,fsdp=F,tensor=T --batch B --seq T [--device h100]
+    [--topology v5p:8x8x4] [--section.key=value ...]: make_train_step compiled for that mesh, and its
+    memory per device read off the compiler (memory_analysis), against the device's HBM."""
+    import argparse
+    ap = argparse.ArgumentParser(prog="train.py plan", description=plan.__doc__)
+    ap.add_argument("configs", nargs="+")
+    ap.add_argument("--mesh", required=True, help="data=D,fsdp=F,tensor=T")
+    ap.add_argument("--batch", type=int, required=True, help="instances per step (global)")
+    ap.add_argument("--seq", type=int, required=True)
+    ap.add_argument("--device", default="h100", choices=sorted(HBM_GIB), help="whose memory to compare against")
+    ap.add_argument("--topology", default=None, help="with libtpu installed: compile for this TPU topology, e.g. v5p:8x8x4")
+    args, extra = ap.parse_known_args(argv)  # extra: --section.key=value config overrides
+    sizes = dict(part.split("=") for part in args.mesh.split(","))
+    cfg = load_config(args.configs + extra + [f"--mesh.{k}={v}" for k, v in sizes.items()]
+                      + [f"--data.global_batch={args.batch}", f"--data.seq_len={args.seq}"])
+    n = math.prod(int(v) for v in sizes.values())
+    if args.topology:
+        from jax.experimental import topologies
+        devices = topologies.get_topology_desc(args.topology, "tpu").devices
+        device = args.topology.split(":")[0]
+        caveat = f"TPU compiler for {args.topology} (libtpu): its own memory figures"
+    else:
+        jax.config.update("jax_num_cpu_devices", n)  # must happen before anything touches a backend
+        devices, device = jax.devices(), args.device
+        caveat = ("CPU compiler on fake devices: it lowers gradient reductions as all-reduce, not reduce-scatter, "
+                  "so 'temporary' over-states what a TPU/GPU needs; params and optimizer state are exact")
+    mesh = shard.make_mesh(cfg.mesh, devices[:n])
+    m, tc = cfg.model, cfg.train
+    _, micro, accum = shard.check_batch(args.batch, tc.micro_batch, shard.dp_size(mesh), shard.mesh_where(mesh))
+    p_sh, o_sh, h_sh = state_shardings(mesh, m)
+    abstract = lambda shape, dtype, sh: jax.ShapeDtypeStruct(shape, dtype, sharding=sh)  # noqa: E731
+    params = {k: abstract(p.shape, jnp.float32, p_sh[k]) for k, p in model.param_table(m).items()}
+    opt = dict(m=params, v=params, count=abstract((), jnp.int32, o_sh["count"]))
+    hist = jax.tree.map(lambda x: abstract(x.shape, x.dtype, h_sh), new_history())
+    batch = abstract((accum, args.batch // accum, args.seq), jnp.int32, shard.batch_sharding(mesh))
+    t0 = time.perf_counter()
+    compiled = make_train_step(cfg, mesh).lower(params, opt, hist, batch, jnp.float32(1e-4)).compile()
+    seconds = time.perf_counter() - t0
+    per_dev = lambda tree: sum(math.prod(s.sharding.shard_shape(s.shape)) * s.dtype.itemsize for s in jax.tree.leaves(tree))  # noqa: E731
+    p_bytes, o_bytes, temp = per_dev(params), per_dev(opt), compiled.memory_analysis().temp_size_in_bytes
+    total, hbm = p_bytes + o_bytes + per_dev(batch) + temp, HBM_GIB[device]
+    gib = lambda b: f"{b / 2**30:8.2f} GiB"  # noqa: E731
+    print(f"{m.family} {model.count_params(m) / 1e9:.2f}B params, mesh {dict(mesh.shape)} ({n} devices), "
+          f"batch {args.batch} x {args.seq} tokens, {accum} micro-batch(es) of {micro} per rank, "
+          f"remat={tc.remat}, compute {tc.compute_dtype}; compiled in {seconds:.0f} s")
+    print(f"  params            {gib(p_bytes)} per device (fp32)")
+    print(f"  optimizer state   {gib(o_bytes)} per device (AdamW m, v)")
+    print(f"  gradients + activations + workspace (XLA temporary) {gib(temp)}")
+    print(f"  total             {gib(total)} of {hbm} GiB ({device}): {'fits' if total <= hbm * 2**30 else 'does NOT fit'}")
+    print(f"  ({caveat})")
+
+
 # --- the PyTorch backend: model.py's nn.Module, torch.optim.AdamW, FSDP2 under torchrun ----------
 
 class TorchBackend:
@@ -400,7 +461,7 @@ class TorchBackend:
                                                                   f"{self.processes} torch process(es)")
         with torch.device("meta"):  # no memory until the weights are sharded: each rank allocates its piece
             net = model.OLMo(m)
-        self.layout = shard.torch_layout_table(cfg.mesh, self.processes, model.param_table(m))  # checks the mesh
+        self.layout = shard.torch_layout(cfg.mesh, self.processes, model.param_table(m))  # checks the mesh
         net = shard.torch_shard(net, cfg.mesh, self.processes, self.device)
         net.to_empty(device=self.device)
         with torch.no_grad():
@@ -524,7 +585,131 @@ class TorchBackend:
         return model.stack_layers({n: shard.torch_full(p).detach().cpu().numpy() for n, p in self.named.items()}, self.cfg.model)
 
 
-# --- main ---------------------------------------------------------------------------------------
+# --- main: one run, in the sections below -------------------------------------------------------
+
+def open_data(cfg):
+    """(training instances, held-out instances or None, the dataset's tokenizer or None)."""
+    dc = cfg.data
+    instances = data.open_instances(dc.path, dc.seq_len, dc.seed)
+    if not Path(dc.path).is_dir():  # a mix file or a bare token file: no tokenizer, no held-out split
+        return instances, None, None
+    info = data.load_dataset_info(dc.path)
+    if info["vocab_size"] > cfg.model.vocab_size:
+        raise ConfigError(f"{dc.path} was tokenized with {info['vocab_size']} ids but model.vocab_size={cfg.model.vocab_size}")
+    held_files = data.dataset_files(dc.path, "heldout")
+    heldout = None
+    if held_files and sum(f.tokens for f in held_files) >= dc.seq_len:
+        heldout = data.Instances([("heldout", held_files, None)], dc.seq_len)
+    return instances, heldout, data.dataset_tokenizer(dc.path)
+
+
+def restore(backend, cfg):
+    """Resume this run from its latest checkpoint, or start a stage from train.init_from, or initialise.
+    Returns (the checkpoint resumed or None, the step to start after, the loader's position)."""
+    dc, tc = cfg.data, cfg.train
+    ckpt = latest_checkpoint(tc.run_dir)
+    if ckpt:
+        meta, has_opt = backend.load(ckpt, with_optimizer=True, with_history=True)
+        if not has_opt:
+            raise ValueError(f"{ckpt}: no optimizer.safetensors, cannot resume")
+        was = {k: meta["config"]["data"][k] for k in ("path", "seq_len", "global_batch", "seed")}
+        if was != {k: getattr(dc, k) for k in was}:
+            raise ConfigError(f"{ckpt} was trained with data {was}; resuming needs the same data settings "
+                              "(to change them, start a new stage: train.init_from)")
+        print(f"resuming {ckpt} at step {meta['step']} (written by the {meta['config']['train'].get('backend', 'jax')} backend)")
+        return ckpt, meta["step"], meta["data"]["step"]
+    if tc.init_from:
+        backend.load(tc.init_from, with_optimizer=tc.load_optimizer, with_history=False)
+        print(f"new stage from {tc.init_from}: its params{' and AdamW moments' if tc.load_optimizer else ''}, step 0")
+    else:
+        backend.init(tc.init_seed)
+    return None, 0, 0
+
+
+def print_run(cfg, backend, instances, heldout, loader):
+    """What this run is: the config, params by group, the batch arithmetic, the layout, the data."""
+    m, dc = cfg.model, cfg.data
+    groups = {}
+    for name, p in model.param_table(m).items():
+        group = name.split(".")[1] if name.startswith("layers.") else name.split(".")[0]
+        groups[group] = groups.get(group, 0) + math.prod(p.shape)
+    print(describe(cfg))
+    print(f"params {model.count_params(m):,}: " + ", ".join(f"{g} {n:,}" for g, n in groups.items()))
+    print(f"tokens/step {dc.global_batch * dc.seq_len:,} = global_batch {dc.global_batch} x seq_len {dc.seq_len}; "
+          f"{backend.world} data-parallel rank(s) x {backend.accum} micro-batch(es) of {backend.micro}; "
+          f"FLOPs/token {model.flops_per_token(m, dc.seq_len) / 1e6:,.1f}M")
+    print(backend.describe())
+    peak = backend.peak
+    print(f"backend {cfg.train.backend}; peak {'%.0f TFLOP/s per device' % (peak / 1e12) if peak else 'unknown: MFU n/a'}")
+    print(f"data: {instances.n:,} instances of {dc.seq_len}, {loader.batches_per_epoch:,} steps per epoch"
+          + (f"; held-out {heldout.n:,} instances" if heldout else "; no held-out split"))
+
+
+def held_out_eval(backend, heldout, dc, token_bytes, batches):
+    """Loss (nats/token) and bits per byte on the held-out split, first `batches` batches (0 = all)."""
+    if heldout is None:
+        return {}
+    n_batches = min(heldout.n // dc.global_batch, batches or heldout.n)
+    P = backend.per_rank
+    rows = np.concatenate([np.arange(r * P, (r + 1) * P) for r in backend.ranks])  # this process's
+    nats = count = n_bytes = 0
+    for b in range(n_batches):
+        tokens = np.stack([heldout.read(b * dc.global_batch + i) for i in range(dc.global_batch)]).astype(np.int32)
+        s, n = backend.eval(tokens[rows])
+        nats, count = nats + s, count + n
+        if token_bytes is not None:
+            n_bytes += int(token_bytes[tokens[:, 1:]].sum())
+    return dict(eval_loss=nats / count, eval_bpb=evaluate.bits_per_byte(nats, n_bytes) if n_bytes else None)
+
+
+def in_loop_tasks(cfg, tok, backend):
+    """eval.py's tasks as OLMo's in-loop ICL evals: read, rendered and tokenized once here, scored at each
+    eval by task_eval. None when eval.tasks is empty (or the run has several processes)."""
+    ec = cfg.eval
+    if not ec.tasks:
+        return None
+    names = [n.strip() for n in ec.tasks.split(",") if n.strip()]
+    unknown = [n for n in names if n not in evaluate.TASKS]
+    if unknown:
+        raise ConfigError(f"eval.tasks={ec.tasks!r}: unknown {unknown}; known: {', '.join(evaluate.TASKS)}")
+    if tok is None:
+        raise ConfigError(f"eval.tasks needs a tokenizer, and data.path={cfg.data.path!r} is not a folder from `data.py prepare`")
+    if backend.processes > 1:
+        print("eval.tasks: skipped (in-loop tasks run in single-process runs; use `eval.py tasks` on a checkpoint)")
+        return None
+    tasks = evaluate.prepare_tasks(names, ec.tasks_data, tok, ec.tasks_norm, ec.tasks_limit)
+    print("in-loop tasks: " + ", ".join(f"{n} ({len(t['items'])} docs)" for n, t in tasks["tasks"].items())
+          + f", {ec.tasks_norm} prompts and normalisation")
+    return tasks
+
+
+def task_eval(backend, tasks, cfg):
+    """{<task>_acc: accuracy}, scored on a host copy of the params by the JAX forward (for the torch
+    backend too, on JAX's CPU); the scorer is compiled once and later evals only swap the params."""
+    if tasks is None:
+        return {}
+    params = backend.host_params()
+    if "scorer" not in tasks:
+        tasks["scorer"] = evaluate.Scorer(cfg.model, params, "jax", cfg.train.compute_dtype)
+    tasks["scorer"].params = params
+    return {f"{name}_acc": r["acc"] for name, r in evaluate.score_tasks(tasks["scorer"], tasks).items()}
+
+
+def log(record, metrics_path, write):
+    """One metrics.jsonl line, and its aligned line on the screen."""
+    if "loss" in record:
+        mfu = f"{100 * record['mfu']:.1f}%" if record["mfu"] is not None else "n/a"
+        write(f"step {record['step']:>6} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | grad norm "
+              f"{record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s | MFU {mfu}"
+              + (" | SKIPPED" if record["skipped"] else "")
+              + (f" | held-out bpb {record['eval_bpb']:.3f}" if record.get("eval_bpb") else ""))
+    accs = [f"{k[:-4]} {100 * v:.1f}%" for k, v in record.items() if k.endswith("_acc")]
+    if accs:
+        write(f"step {record['step']:>6} | " + " | ".join(accs))
+    if metrics_path is not None:
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
 
 def main(argv):
     # --- config and devices
@@ -538,123 +723,30 @@ def main(argv):
         sys.stdout = open(os.devnull, "w")
 
     # --- data
-    instances = data.open_instances(dc.path, dc.seq_len, dc.seed)
-    tok, heldout = None, None
-    if Path(dc.path).is_dir():
-        info = data.load_dataset_info(dc.path)
-        if info["vocab_size"] > m.vocab_size:
-            raise ConfigError(f"{dc.path} was tokenized with {info['vocab_size']} ids but model.vocab_size={m.vocab_size}")
-        tok = data.dataset_tokenizer(dc.path)
-        held_files = data.dataset_files(dc.path, "heldout")
-        if held_files and sum(f.tokens for f in held_files) >= dc.seq_len:
-            heldout = data.Instances([("heldout", held_files, None)], dc.seq_len)
+    instances, heldout, tok = open_data(cfg)
+    token_bytes = evaluate.token_bytes(tok) if tok else None
     tokens_per_step = dc.global_batch * dc.seq_len
 
     # --- params: resume this run, or start a stage from another checkpoint, or initialise
-    ckpt, start, loader_pos = latest_checkpoint(run_dir), 0, 0
-    if ckpt:
-        meta, has_opt = backend.load(ckpt, with_optimizer=True, with_history=True)
-        if not has_opt:
-            raise ValueError(f"{ckpt}: no optimizer.safetensors, cannot resume")
-        start, loader_pos = meta["step"], meta["data"]["step"]
-        was = {k: meta["config"]["data"][k] for k in ("path", "seq_len", "global_batch", "seed")}
-        if was != {k: getattr(dc, k) for k in was}:
-            raise ConfigError(f"{ckpt} was trained with data {was}; resuming needs the same data settings "
-                              "(to change them, start a new stage: train.init_from)")
-        print(f"resuming {ckpt} at step {start}" + (f" (written by the {meta['config']['train'].get('backend', 'jax')} backend)"))
-    elif tc.init_from:
-        backend.load(tc.init_from, with_optimizer=tc.load_optimizer, with_history=False)
-        print(f"new stage from {tc.init_from}: its params{' and AdamW moments' if tc.load_optimizer else ''}, step 0")
-    else:
-        backend.init(tc.init_seed)
+    last_saved, start, loader_pos = restore(backend, cfg)
     loader = data.Loader(instances, dc.global_batch, dc.seed, world=backend.world, ranks=backend.ranks,
                          start_step=loader_pos, vocab_size=m.vocab_size)
     if lead:
         save_json(cfg, run_dir / "config.json")
-
-    # --- what this run is
-    table = model.param_table(m)
-    groups = {}
-    for name, p in table.items():
-        group = name.split(".")[0] if not name.startswith("layers.") else name.split(".")[1]
-        groups[group] = groups.get(group, 0) + math.prod(p.shape)
-    flops, peak = model.flops_per_token(m, dc.seq_len), backend.peak
-    print(describe(cfg))
-    print(f"params {model.count_params(m):,}: " + ", ".join(f"{g} {n:,}" for g, n in groups.items()))
-    print(f"tokens/step {tokens_per_step:,} = global_batch {dc.global_batch} x seq_len {dc.seq_len}; "
-          f"{backend.world} data-parallel rank(s) x {backend.accum} micro-batch(es) of {backend.micro}; "
-          f"FLOPs/token {flops / 1e6:,.1f}M")
-    print(backend.describe())
-    print(f"backend {tc.backend}; peak {'%.0f TFLOP/s per device' % (peak / 1e12) if peak else 'unknown: MFU n/a'}")
-    print(f"data: {instances.n:,} instances of {dc.seq_len}, {loader.batches_per_epoch:,} steps per epoch"
-          + (f"; held-out {heldout.n:,} instances" if heldout else "; no held-out split"))
-    token_bytes = evaluate.token_bytes(tok) if tok else None
-
-    def held_out_eval(batches):
-        """Loss (nats/token) and bits per byte on the held-out split, first `batches` batches (0 = all)."""
-        if heldout is None:
-            return None
-        n_batches = heldout.n // dc.global_batch
-        n_batches = min(n_batches, batches) if batches else n_batches
-        P = backend.per_rank
-        rows = np.concatenate([np.arange(r * P, (r + 1) * P) for r in backend.ranks])  # this process's
-        nats = count = n_bytes = 0
-        for b in range(n_batches):
-            tokens = np.stack([heldout.read(b * dc.global_batch + i) for i in range(dc.global_batch)]).astype(np.int32)
-            s, n = backend.eval(tokens[rows])
-            nats, count = nats + s, count + n
-            if token_bytes is not None:
-                n_bytes += int(token_bytes[tokens[:, 1:]].sum())
-        return dict(eval_loss=nats / count, eval_bpb=evaluate.bits_per_byte(nats, n_bytes) if n_bytes else None)
-
-    # --- in-loop downstream tasks (eval.py tasks, as OLMo's in-loop ICL evals): read, rendered and
-    # tokenized once here; scored at each eval on a full host copy of the params by the JAX forward
-    # (for the torch backend too, on JAX's CPU), so one process only, like the sample at the end.
-    task_requests, scorer = None, None
-    if ec.tasks:
-        names = [n.strip() for n in ec.tasks.split(",") if n.strip()]
-        unknown = [n for n in names if n not in evaluate.TASKS]
-        if unknown:
-            raise ConfigError(f"eval.tasks={ec.tasks!r}: unknown {unknown}; known: {', '.join(evaluate.TASKS)}")
-        if tok is None:
-            raise ConfigError(f"eval.tasks needs a tokenizer, and data.path={dc.path!r} is not a folder from `data.py prepare`")
-        if backend.processes > 1:
-            print("eval.tasks: skipped (in-loop tasks run in single-process runs; use `eval.py tasks` on a checkpoint)")
-        else:
-            task_requests = evaluate.prepare_tasks(names, ec.tasks_data, tok, ec.tasks_norm, ec.tasks_limit)
-            print("in-loop tasks: " + ", ".join(f"{n} ({len(t['items'])} docs)" for n, t in task_requests["tasks"].items())
-                  + f", {ec.tasks_norm} prompts and normalisation")
-
-    def task_eval():
-        """{<task>_acc: accuracy} on the in-loop tasks ({} when there are none)."""
-        nonlocal scorer
-        if task_requests is None:
-            return {}
-        params = backend.host_params()
-        if scorer is None:  # compiled once; later evals only swap the params
-            scorer = evaluate.Scorer(m, params, "jax", tc.compute_dtype)
-        scorer.params = params
-        return {f"{name}_acc": r["acc"] for name, r in evaluate.score_tasks(scorer, task_requests).items()}
-
-    def task_line(step, record):
-        accs = [f"{k[:-4]} {100 * v:.1f}%" for k, v in record.items() if k.endswith("_acc")]
-        return f"step {step:>6} | " + " | ".join(accs) if accs else None
+    print_run(cfg, backend, instances, heldout, loader)
+    tasks = in_loop_tasks(cfg, tok, backend)
 
     # --- stop cleanly on SIGTERM / Ctrl-C: finish the step, save, exit
     stop = {"signal": None}
-
-    def on_signal(signum, _frame):
-        stop["signal"] = signal.Signals(signum).name
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: stop.update(signal=signal.Signals(signum).name))
 
     # --- the loop
-    metrics_path = run_dir / "metrics.jsonl"
+    metrics_path = run_dir / "metrics.jsonl" if lead else None
     if lead and metrics_path.exists():  # drop lines a crashed run logged after its last checkpoint
         kept = [ln for ln in metrics_path.read_text().splitlines() if json.loads(ln)["step"] <= start]
         metrics_path.write_text("".join(ln + "\n" for ln in kept))
-    last_saved = ckpt
+    flops, peak = model.flops_per_token(m, dc.seq_len), backend.peak
     batches = iter(loader)
     bar = tqdm(range(start + 1, tc.steps + 1), initial=start, total=tc.steps, desc="train", dynamic_ncols=True,
                disable=not lead)
@@ -667,7 +759,7 @@ def main(argv):
         if not math.isfinite(out["loss"]) and not tc.skip_step:
             raise FloatingPointError(f"loss is {out['loss']} at step {step}; last good checkpoint: {last_saved or 'none'} "
                                      "(the update was not applied; lower train.lr or set train.skip_step=true)")
-        record = None
+        record = {}
         if step % tc.log_every == 0 or step == tc.steps:
             tps = len(window) * tokens_per_step / (time.perf_counter() - t_last)
             record = dict(step=step, loss=sum(window) / len(window), ce=out["ce"], lr=lr, grad_norm=out["grad_norm"],
@@ -675,18 +767,11 @@ def main(argv):
                           tokens=step * tokens_per_step)
             t_last, window = time.perf_counter(), []
         if ec.every and step % ec.every == 0 and step != tc.steps:
-            record = {**(record or dict(step=step)), **(held_out_eval(ec.batches) or {}), **task_eval()}
+            record = {"step": step, **record, **held_out_eval(backend, heldout, dc, token_bytes, ec.batches),
+                      **task_eval(backend, tasks, cfg)}
             t_last = time.perf_counter()  # tokens/s measures training only
         if record and lead:
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-            if "loss" in record:
-                mfu = f"{100 * record['mfu']:.1f}%" if record["mfu"] is not None else "n/a"
-                line = (f"step {step:>6} | loss {record['loss']:.4f} | lr {lr:.2e} | grad norm {record['grad_norm']:.3f} | "
-                        f"{record['tokens_per_s']:,.0f} tok/s | MFU {mfu}" + (" | SKIPPED" if out["skipped"] else ""))
-                bar.write(line + (f" | held-out bpb {record['eval_bpb']:.3f}" if record.get("eval_bpb") else ""))
-            if task_line(step, record):
-                bar.write(task_line(step, record))
+            log(record, metrics_path, bar.write)
         if step % tc.checkpoint_every == 0 or step == tc.steps or stop["signal"]:  # every process writes its pieces
             last_saved = save_checkpoint(run_dir, step, backend, cfg, loader.state())
         if stop["signal"]:
@@ -696,22 +781,20 @@ def main(argv):
     bar.close()
 
     # --- the end: held-out bits per byte against a unigram model, downstream tasks, the plot, a sample
-    final = held_out_eval(0) or {}
+    final = held_out_eval(backend, heldout, dc, token_bytes, 0)
     if final and lead:
         line = f"held-out loss {final['eval_loss']:.4f} nats/token"
         if final["eval_bpb"] is not None:
-            uni = unigram_bpb(instances, heldout, token_bytes, m.vocab_size)
-            line += f", {final['eval_bpb']:.4f} bits/byte (a unigram model of the training tokens: {uni:.4f})"
-            final["unigram_bpb"] = uni
+            final["unigram_bpb"] = unigram_bpb(instances, heldout, token_bytes, m.vocab_size)
+            line += f", {final['eval_bpb']:.4f} bits/byte (a unigram model of the training tokens: {final['unigram_bpb']:.4f})"
         print(line)
-    final.update(task_eval())
-    if task_line(tc.steps, final):
-        print(task_line(tc.steps, final))
-    if final and lead:
-        (run_dir / "final.json").write_text(json.dumps(dict(step=tc.steps, **final), indent=1) + "\n")
+    final.update(task_eval(backend, tasks, cfg))
     if lead:
+        log(dict(step=tc.steps, **{k: v for k, v in final.items() if k.endswith("_acc")}), None, print)
+        if final:
+            (run_dir / "final.json").write_text(json.dumps(dict(step=tc.steps, **final), indent=1) + "\n")
         plot([run_dir], run_dir / "loss.png")
-    print(f"checkpoint {last_saved}; metrics {metrics_path}; plot {run_dir / 'loss.png'}")
+    print(f"checkpoint {last_saved}; metrics {run_dir / 'metrics.jsonl'}; plot {run_dir / 'loss.png'}")
     if ec.prompt and tok is not None and backend.processes == 1:  # (the sampler wants every weight on one host)
         ids = tok.enc.encode(ec.prompt, allowed_special="all")
         new, _ = evaluate.generate(backend.host_params(), m, ids, ec.sample_tokens, temperature=ec.temperature,
@@ -742,41 +825,39 @@ def plot(run_dirs, out):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    curves = []
-    for d in run_dirs:
+    many = len(run_dirs) > 1
+    fig, axes = plt.subplots(2 if many else 1, 1, figsize=(8, 7 if many else 5), sharex=True, squeeze=False,
+                             height_ratios=[2, 1] if many else None)
+    first, diffs = None, []
+    for i, d in enumerate(run_dirs):
         rows = [json.loads(ln) for ln in (Path(d) / "metrics.jsonl").read_text().splitlines()]
+        if (Path(d) / "final.json").is_file():
+            rows.append(json.loads((Path(d) / "final.json").read_text()))
+        loss = {r["step"]: r["loss"] for r in rows if "loss" in r}
         held = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
-        final = Path(d) / "final.json"
-        if final.is_file():
-            held.append((json.loads(final.read_text())["step"], json.loads(final.read_text())["eval_loss"]))
-        curves.append((dict((r["step"], r["loss"]) for r in rows if "loss" in r), held))
-    fig, axes = plt.subplots(2 if len(run_dirs) > 1 else 1, 1, figsize=(8, 7 if len(run_dirs) > 1 else 5),
-                             sharex=True, squeeze=False, height_ratios=[2, 1] if len(run_dirs) > 1 else None)
-    ax = axes[0, 0]
-    for i, (d, (train, held)) in enumerate(zip(run_dirs, curves)):
-        if train:
-            ax.plot(list(train), list(train.values()), color=f"C{i}", label=f"{Path(d).name} train", lw=1.5 if i else 2.5)
+        name = Path(d).name
+        if loss:
+            axes[0, 0].plot(list(loss), list(loss.values()), color=f"C{i}", label=f"{name} train", lw=1.5 if i else 2.5)
         if held:
-            ax.plot(*zip(*held), "--o", color=f"C{i}", markersize=3, label=f"{Path(d).name} held-out")
-    ax.set_ylabel("loss (nats/token)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    diffs = []
-    for i, (d, (train, _)) in enumerate(zip(run_dirs[1:], curves[1:]), start=1):
-        first = curves[0][0]
-        common = sorted(set(first) & set(train))
+            axes[0, 0].plot(*zip(*held), "--o", color=f"C{i}", markersize=3, label=f"{name} held-out")
+        if first is None:
+            first = loss
+            continue
+        common = sorted(set(first) & set(loss))
         if not common:
             continue
-        rel = [abs(train[s] - first[s]) / abs(first[s]) for s in common]
+        rel = [abs(loss[s] - first[s]) / abs(first[s]) for s in common]
         axes[1, 0].semilogy(common, [max(r, 1e-9) for r in rel], color=f"C{i}", lw=1,
-                            label=f"|{Path(d).name} - {Path(run_dirs[0]).name}| / {Path(run_dirs[0]).name}")
+                            label=f"|{name} - {Path(run_dirs[0]).name}| / {Path(run_dirs[0]).name}")
         j = max(range(len(common)), key=rel.__getitem__)
-        diffs.append(dict(run=str(d), steps=len(common), step=common[j], diff=abs(train[common[j]] - first[common[j]]),
+        diffs.append(dict(run=str(d), steps=len(common), step=common[j], diff=abs(loss[common[j]] - first[common[j]]),
                           rel=rel[j]))
-    if len(run_dirs) > 1:
+    axes[0, 0].set_ylabel("loss (nats/token)")
+    if many:
         axes[1, 0].set_ylabel("relative difference")
-        axes[1, 0].grid(alpha=0.3)
-        axes[1, 0].legend(fontsize=8)
+    for ax in axes[:, 0]:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
     axes[-1, 0].set_xlabel("step")
     fig.tight_layout()
     fig.savefig(out, dpi=100)
@@ -850,6 +931,8 @@ if __name__ == "__main__":
             print(f"{d['run']} vs {args[1]}: largest per-step loss difference {d['diff']:.3g} "
                   f"({d['rel']:.2g} relative) at step {d['step']}, over {d['steps']} common steps")
         print(f"wrote {out}")
+    elif args[:1] == ["plan"]:
+        plan(args[1:])
     elif "--bench" in args:
         bench([a for a in args if a != "--bench"])
     else:

@@ -78,7 +78,7 @@ def test_remat_policies_compute_the_same_gradients():
 
 
 def test_plan_compiles_for_a_simulated_mesh():
-    r = subprocess.run([sys.executable, "shard.py", "plan", "configs/tiny.toml", "--mesh", "data=2,fsdp=2,tensor=2",
+    r = subprocess.run([sys.executable, "train.py", "plan", "configs/tiny.toml", "--mesh", "data=2,fsdp=2,tensor=2",
                         "--batch", "16", "--seq", "128", "--device", "v5e"], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "(8 devices)" in r.stdout and "of 16 GiB (v5e): fits" in r.stdout and "optimizer state" in r.stdout

@@ -1,0 +1,402 @@
+"""Regenerate every measured or derived table in README.md and docs/*.md, in place.
+
+    python tests/tables.py                  # all of them (what `make tables` runs; the slow ones take minutes)
+    python tests/tables.py configs parity   # only these
+    python tests/tables.py --list           # the names, and where each block is
+
+A generated block in the markdown is everything between `<!-- table:NAME -->` and `<!-- /table -->`;
+nothing outside the markers is touched. Each block shows the command that made its numbers (a `$`
+line, or a sentence beside the table), so a reader can run it again. A block whose inputs are not
+here (no `make demo` run, no ../shared, no libtpu) is left as it is and reported; a command that
+fails leaves its block alone too, and the script exits non-zero at the end.
+
+    seconds  configs, paramtable, corpus, demo, parity, check   (configs, model.py, data/, runs/tiny/, transformers)
+    minutes  bench, bench_bf16, databench, eval_tasks, eval_bpb, generate, plan, plan_tpu (libtpu only)
+    longest  curves, curves_lr3e-3: five 300-step training runs from scratch under runs/tables/, and the PNGs
+"""
+
+import json
+import math
+import os
+import re
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from configs import load_config, load_json  # noqa: E402
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+BLOCK = re.compile(r"(<!-- table:([\w.-]+) -->\n)(.*?)(<!-- /table -->)", re.S)
+OVERLAYS = {"olmo3-long-context": "olmo3-7b"}  # an overlay file is shown stacked on this config
+TINY = load_config([str(ROOT / "configs/tiny.toml")])
+SHARED = ROOT.parent / "shared"
+
+
+class Skip(Exception):
+    """The block's inputs are not here; leave it as it is."""
+
+
+def run(cmd, env=None):
+    """Run a shown command (`python ...` means this interpreter) in the repo root; (stdout, stderr)."""
+    argv = [sys.executable if a == "python" else a for a in shlex.split(cmd)]
+    p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    if p.returncode:
+        raise RuntimeError(f"`{cmd}` exited {p.returncode}:\n{p.stderr[-3000:]}")
+    return p.stdout, p.stderr
+
+
+def shown(cmd):
+    """A code block: the command, then what it printed."""
+    out, _ = run(cmd)
+    out = "".join(c if c.isprintable() or c == "\n" else repr(c)[1:-1] for c in out.rstrip())  # e.g. a sample's \x1f
+    return f"```\n$ {cmd}\n{out}\n```\n"
+
+
+def needs(*paths):
+    for p in paths:
+        if not Path(p).exists():
+            raise Skip(f"{Path(p).relative_to(ROOT) if Path(p).is_relative_to(ROOT) else p} is missing")
+
+
+def demo_checkpoint():
+    """runs/tiny/step_N, the newest checkpoint of the `make demo` run (relative to the repo root)."""
+    run_dir = Path(TINY.train.run_dir)
+    needs(ROOT / run_dir / "latest")
+    return f"{run_dir}/{(ROOT / run_dir / 'latest').read_text().strip()}"
+
+
+# --- fast: from the configs and the files of a `make demo` run ------------------------------------
+
+def config_rows():
+    """(name, ModelConfig) for every configs/*.toml, overlays stacked on their base, by family and size."""
+    import model
+    rows = []
+    for path in sorted((ROOT / "configs").glob("*.toml")):
+        files = [OVERLAYS[path.stem], path.stem] if path.stem in OVERLAYS else [path.stem]
+        rows.append((" + ".join(files), load_config([str(ROOT / f"configs/{f}.toml") for f in files]).model))
+    return sorted(rows, key=lambda r: (r[1].family, model.count_params(r[1]), r[0]))
+
+
+def attention_kind(m):
+    if m.sliding_window == 0 or "S" not in m.layer_pattern:
+        return "full"
+    return f"{m.layer_pattern}, W {m.sliding_window}" + (f", YaRN ×{m.yarn_factor:g}" if m.yarn_factor else "")
+
+
+def config_columns():
+    import model
+    return [("family", lambda m: m.family), ("params", lambda m: f"{model.count_params(m):,}"),
+            ("L", lambda m: m.n_layers), ("D", lambda m: m.d_model), ("N", lambda m: m.n_heads),
+            ("K", lambda m: m.n_kv_heads), ("H", lambda m: m.head_dim), ("F", lambda m: m.mlp_hidden),
+            ("attention", attention_kind), ("V", lambda m: m.vocab_size), ("T", lambda m: m.max_seq_len),
+            ("FLOPs/token", lambda m: si(model.flops_per_token(m)))]
+
+
+def si(x):
+    return f"{x / 1e9:.3g} G" if x >= 1e9 else f"{x / 1e6:.3g} M"
+
+
+def configs():
+    cols = config_columns()
+    lines = ["| config | " + " | ".join(h for h, _ in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for name, m in config_rows():
+        lines.append(f"| `{name}` | " + " | ".join(str(f(m)) for _, f in cols) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def paramtable():
+    out, _ = run("python model.py configs/olmo3-7b.toml")
+    return "```\n$ python model.py configs/olmo3-7b.toml   # (the config dump above the table left out)\n" \
+        + out[out.index("name "):].rstrip() + "\n```\n"
+
+
+def corpus():
+    import numpy as np
+    d = ROOT / TINY.data.path
+    needs(d / "prepare.json")
+    info = json.loads((d / "prepare.json").read_text())
+    names = [Path(s["path"]).stem for s in info["sources"]]
+    held = sorted({names[int(src)] for f in sorted((d / "heldout").glob("*.docs.npy"))
+                   for src in np.load(f, allow_pickle=False)[:, 1]})
+    tr, ho = info["splits"]["train"], info["splits"].get("heldout", dict(documents=0, tokens=0))
+    lines = [f"From `{TINY.data.path}/prepare.json` (written by `make demo`'s `data.py prepare`):", "",
+             f"- {len(names)} documents, {sum(s['bytes'] for s in info['sources']) / 1e6:.1f} MB of text, "
+             f"tokenized with `{info['tokenizer']}` ({info['vocab_size']} ids, {info['dtype']} files)",
+             f"- training: {tr['tokens']:,} tokens in {tr['documents']} documents",
+             f"- held out ({info['heldout_fraction']:g}): {ho['tokens']:,} tokens in {ho['documents']} documents: "
+             + ", ".join(held)]
+    if info.get("decontamination"):
+        dc = info["decontamination"]
+        lines.append(f"- decontamination against {dc['eval_documents']} eval documents ({dc['paragraphs']} "
+                     f"paragraphs, {dc['ngrams']:,} n-grams): {dc['dropped']} training documents dropped")
+    if info.get("skipped"):
+        lines.append(f"- skipped: {info['skipped']}")
+    return "\n".join(lines) + "\n"
+
+
+def demo():
+    run_dir = Path(TINY.train.run_dir)
+    needs(ROOT / run_dir / "final.json", ROOT / run_dir / "metrics.jsonl")
+    cfg = load_json(ROOT / run_dir / "config.json")  # the run's own config, whatever tiny.toml says now
+    final = json.loads((ROOT / run_dir / "final.json").read_text())
+    logged = [r for r in map(json.loads, (ROOT / run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    per_step = cfg.data.global_batch * cfg.data.seq_len
+    tps = statistics.median(r["tokens_per_s"] for r in logged)
+    first, last = logged[0], logged[-1]
+    lines = [f"From `{run_dir}/final.json` and `metrics.jsonl` (written by `make demo`):", "",
+             "| what | value |", "|---|---|",
+             f"| steps × tokens/step | {final['step']} × {per_step:,} |",
+             f"| training loss, first → last log line | {first['loss']:.3f} (step {first['step']}) → "
+             f"{last['loss']:.3f} (step {last['step']}) nats/token |",
+             f"| training speed, median log line | {tps:,.0f} tokens/s "
+             f"(≈ {final['step'] * per_step / tps / 60:.1f} min of steps) |",
+             f"| held-out loss | {final['eval_loss']:.4f} nats/token |"]
+    if final.get("eval_bpb") is not None:
+        lines.append(f"| held-out bits per byte | **{final['eval_bpb']:.3f}** |")
+    if final.get("unigram_bpb") is not None:
+        lines.append(f"| a unigram model of the training tokens | {final['unigram_bpb']:.3f} bits per byte |")
+    # The sample train.py printed at its end: the same call (prompt, length, temperature, seed) on the saved weights.
+    ec = cfg.eval
+    sample = shown(f"python eval.py generate {demo_checkpoint()} --prompt {shlex.quote(ec.prompt)} "
+                   f"--max-new {ec.sample_tokens} --temperature {ec.temperature:g} --seed {cfg.train.init_seed}")
+    return "\n".join(lines) + "\n\nThe sample at the end of the run, drawn again from the checkpoint:\n\n" + sample
+
+
+# --- seconds: parity with transformers, KL against transformers ----------------------------
+
+def parity():
+    """tests/parity_report.py's relative differences, one row per test variant (tests/common.py)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from common import VARIANTS
+    out, _ = run("python tests/parity_report.py")
+    rel = {}
+    for name, dtype, pair, r in re.findall(r"^(\w+)\s+(float32|bfloat16)\s+(\S+)\s+\S+\s+(\S+)", out, re.M):
+        rel[name, dtype, pair] = float(r)
+    pairs = [(d, p) for d in ("float32", "bfloat16") for p in ("jax-torch", "jax-hf", "torch-hf")]
+    lines = ["| variant | " + " | ".join(f"{'fp32' if d == 'float32' else 'bf16'} {p.replace('-', ' vs ')}"
+                                       for d, p in pairs) + " |", "|---" * (len(pairs) + 1) + "|"]
+    for name, v in sorted(VARIANTS.items()):
+        feats = [f for f, on in [("tied", v.get("tie_embeddings")), ("clip_qkv", v.get("clip_qkv")),
+                                 ("GQA", v.get("n_kv_heads", v["n_heads"]) < v["n_heads"]),
+                                 (f"head_dim {v.get('head_dim')}", v.get("head_dim")),
+                                 ("SWA", v.get("sliding_window")), ("YaRN", v.get("yarn_factor"))] if on]
+        cells = [f"{rel[name, d, p]:.1e}" if rel[name, d, p] else "0" for d, p in pairs]
+        lines.append(f"| {name} ({', '.join(feats)}) | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def check():
+    ckpt = demo_checkpoint()
+    held = sorted((ROOT / TINY.data.path / "heldout").glob("part-*.bin"))
+    if not held:
+        raise Skip(f"no held-out token file under {TINY.data.path}/heldout")
+    tokens = held[0].relative_to(ROOT)
+    return shown(f"python convert.py check jax:{ckpt} hf:{ckpt} --tokens {tokens} --seq-len {TINY.data.seq_len} "
+                 f"--rows 64 --dtype bfloat16")
+
+
+# --- slow: benchmarks, evaluations, ahead-of-time plans, training curves --------------------------
+
+def bench():
+    return shown("python train.py configs/tiny.toml --bench")
+
+
+def bench_bf16():
+    return shown("python train.py configs/tiny.toml --bench --train.compute_dtype=bfloat16")
+
+
+def databench():
+    return shown("python data.py bench")
+
+
+def eval_tasks():
+    needs(SHARED / "evaldata")
+    return shown(f"python eval.py tasks {demo_checkpoint()} --data ../shared/evaldata")
+
+
+def eval_bpb():
+    ckpt = demo_checkpoint()
+    files = sorted((SHARED / "evaldata/paloma_sample").glob("*.jsonl.gz"))
+    if not files:
+        raise Skip("../shared/evaldata/paloma_sample/*.jsonl.gz is missing")
+    return shown(f"python eval.py bpb {ckpt} " + " ".join(f"../shared/evaldata/paloma_sample/{f.name}" for f in files))
+
+
+def generate():
+    ckpt = demo_checkpoint()
+    prompt = "It is a truth universally acknowledged"
+    base = [sys.executable, "eval.py", "generate", ckpt, "--prompt", prompt, "--max-new", "100"]
+    speed, texts = {}, {}
+    for backend in ("jax", "torch"):
+        for dtype in ("float32", "bfloat16"):
+            for cache in (True, False):
+                p = subprocess.run(base + ["--backend", backend, "--dtype", dtype] + ([] if cache else ["--no-cache"]),
+                                   cwd=ROOT, capture_output=True, text=True, check=True)
+                found = re.search(r"at ([\d,.]+) tokens/s", p.stderr).group(1)
+                speed[backend, dtype, cache] = f"{float(found.replace(',', '')):,.0f}"
+                texts[backend, dtype, cache] = p.stdout
+    cols = [(b, d) for b in ("jax", "torch") for d in ("float32", "bfloat16")]
+    name = lambda b, d: f"{'JAX' if b == 'jax' else 'torch'} {'fp32' if d == 'float32' else 'bf16'}"  # noqa: E731
+    lines = [f'`python eval.py generate {ckpt} --prompt "{prompt}" --max-new 100 --backend B --dtype D [--no-cache]` '
+             "(greedy; the median step's tokens/s, after compiling):", "",
+             "| | " + " | ".join(name(b, d) for b, d in cols) + " |", "|---" * (len(cols) + 1) + "|",
+             "| KV cache | " + " | ".join(speed[b, d, True] for b, d in cols) + " |",
+             "| no cache (the whole sequence each token) | "
+             + " | ".join(speed[b, d, False] for b, d in cols) + " |", ""]
+    ref = texts["jax", "float32", True]
+    same = [f"{name(b, d)}{'' if c else ' no cache'}" for (b, d, c), t in texts.items() if t == ref]
+    lines.append(f"The same 100 greedy tokens as JAX fp32 with the cache: {', '.join(same)}.")
+    return "\n".join(lines) + "\n"
+
+
+PLAN_ROWS = [  # (config, batch, mesh, device, micro-batch, remat): Olmo 3's batches at sequence 8192
+    ("olmo3-7b", 512, "data=1,fsdp=256,tensor=1", "v5p", 2, "block"),
+    ("olmo3-7b", 512, "data=8,fsdp=8,tensor=1", "h100", 2, "block"),
+    ("olmo3-7b", 512, "data=8,fsdp=8,tensor=1", "h100", 2, "none"),
+    ("olmo3-32b", 1024, "data=1,fsdp=256,tensor=1", "v5p", 2, "block"),
+    ("olmo3-32b", 1024, "data=1,fsdp=64,tensor=4", "h200", 4, "block"),
+]
+
+
+def plan_command(config, batch, mesh, device, micro, remat, topology=None):
+    where = f"--topology {topology}" if topology else f"--device {device}"
+    return (f"python train.py plan configs/{config}.toml --mesh {mesh} --batch {batch} --seq 8192 {where} "
+            f"--train.compute_dtype=bfloat16 --train.remat={remat} --train.micro_batch={micro}")
+
+
+def plan_table(rows, topology=None):
+    def number(pattern, text):
+        found = re.search(pattern, text)
+        if not found:
+            raise RuntimeError(f"train.py plan printed no {pattern!r}:\n{text}")
+        return found.group(1)
+
+    lines = ["| model | batch × 8192 | mesh (data × fsdp × tensor) | device | micro-batch (steps) | remat | "
+             "params + AdamW / device | XLA temporaries / device | total | fits? | compile |",
+             "|---" * 11 + "|"]
+    for row in rows:
+        config, batch, mesh, device, micro, remat = row
+        out, _ = run(plan_command(*row, topology=topology))
+        p, o = float(number(r"params\s+([\d.]+) GiB", out)), float(number(r"optimizer state\s+([\d.]+) GiB", out))
+        temp, total = float(number(r"temporary\)?\s+([\d.]+) GiB", out)), float(number(r"total\s+([\d.]+) GiB", out))
+        hbm, accum = number(r"of (\d+) GiB", out), number(r"(\d+) micro-batch", out)
+        seconds = number(r"compiled in (\d+) s", out)
+        sizes = " × ".join(part.split("=")[1] for part in mesh.split(","))
+        lines.append(f"| {config} | {batch} | {sizes} | {math.prod(int(s) for s in sizes.split(' × '))} × {device} "
+                     f"({hbm} GiB) | {micro} ({accum}) | {remat} | {p + o:.2f} GiB | {temp:.1f} GiB | "
+                     f"{total:.1f} GiB | "
+                     f"{'fits' if 'NOT' not in out else 'does not fit'} | {seconds} s |")
+    return "\n".join(lines) + "\n"
+
+
+def plan():
+    template = plan_command("MODEL", "BATCH", "MESH", "DEVICE", "M", "REMAT")
+    return f"Each row is `{template}` on this machine's CPU compiler (fake devices):\n\n" + plan_table(PLAN_ROWS)
+
+
+def plan_tpu():
+    import importlib.util
+    if importlib.util.find_spec("libtpu") is None:
+        raise Skip('libtpu is not installed (pip install "jax[tpu]"; not a project dependency)')
+    rows = [r for r in PLAN_ROWS if r[3] == "v5p"]
+    return ("The v5p rows again with `--topology v5p:8x8x4` (the TPU compiler, through libtpu):\n\n"
+            + plan_table(rows, topology="v5p:8x8x4"))
+
+
+def train_runs(runs, steps, extra):
+    """Train each (run_dir, flags, env) from scratch; per-step relative loss differences of each from the first."""
+    for run_dir, flags, env in runs:
+        shutil.rmtree(ROOT / run_dir, ignore_errors=True)  # a leftover run would resume instead of training
+        run(f"python train.py configs/tiny.toml --train.steps={steps} --train.log_every=1 --eval.every=100 "
+            f"--train.run_dir={run_dir} {extra} {flags}".strip(), env)
+    losses = [{r["step"]: r["loss"] for r in map(json.loads, (ROOT / d / "metrics.jsonl").read_text().splitlines())
+               if "loss" in r} for d, _, _ in runs]
+    finals = [json.loads((ROOT / d / "final.json").read_text()) for d, _, _ in runs]
+    rel = [[abs(other[s] - losses[0][s]) / abs(losses[0][s]) for s in sorted(losses[0])] for other in losses[1:]]
+    return rel, finals
+
+
+def curves():
+    runs = [("runs/tables/jax", "", None), ("runs/tables/torch", "--train.backend=torch", None)]
+    rel, finals = train_runs(runs, 300, "--train.lr=1e-3")
+    run("python train.py plot runs/tables/jax runs/tables/torch")
+    shutil.copy(ROOT / "runs/tables/jax/loss.png", ROOT / "docs/jax-vs-torch-lr1e-3.png")
+    cmds = "\n".join(f"python train.py configs/tiny.toml --train.steps=300 --train.lr=1e-3 --train.log_every=1 "
+                     f"--eval.every=100 --train.run_dir={d} {f}".rstrip() for d, f, _ in runs)
+    plot = "python train.py plot runs/tables/jax runs/tables/torch   # -> docs/jax-vs-torch-lr1e-3.png"
+    return (f"```\n{cmds}\n{plot}\n```\n\n"
+            f"The torch loss equals JAX's at every step to **{max(rel[0]):.1e} relative at worst, "
+            f"{statistics.mean(rel[0]):.1e} on average**; held-out bits per byte after 300 steps "
+            f"{finals[0]['eval_bpb']:.5f} (JAX) and {finals[1]['eval_bpb']:.5f} (torch).\n")
+
+
+def curves_lr3e_3():
+    two = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    runs = [("runs/tables/jax3", "", None), ("runs/tables/torch3", "--train.backend=torch", None),
+            ("runs/tables/jax3-2dev", "--mesh.data=2", two)]
+    rel, _ = train_runs(runs, 300, "")
+    run("python train.py plot runs/tables/jax3 runs/tables/torch3 runs/tables/jax3-2dev")
+    shutil.copy(ROOT / "runs/tables/jax3/loss.png", ROOT / "docs/jax-vs-torch-lr3e-3.png")
+    return (f"The same three runs at the tiny config's own `lr={TINY.train.lr:g}`: torch, and JAX with `--mesh.data=2` "
+            f"under `XLA_FLAGS=--xla_force_host_platform_device_count=2`, each against JAX on one device "
+            f"(`python train.py plot runs/tables/jax3 runs/tables/torch3 runs/tables/jax3-2dev`). Over the first "
+            f"25 steps torch is within {max(rel[0][:25]):.1e} relative; over all 300, torch wanders up to "
+            f"{max(rel[0]):.1e} (mean {statistics.mean(rel[0]):.1e}) and two devices up to {max(rel[1]):.1e} "
+            f"(mean {statistics.mean(rel[1]):.1e}).\n")
+
+
+TABLES = {"configs": configs, "paramtable": paramtable, "corpus": corpus, "demo": demo, "parity": parity,
+          "check": check, "bench": bench, "bench_bf16": bench_bf16, "databench": databench, "eval_tasks": eval_tasks,
+          "eval_bpb": eval_bpb, "generate": generate, "plan": plan, "plan_tpu": plan_tpu, "curves": curves,
+          "curves_lr3e-3": curves_lr3e_3}
+
+
+def blocks():
+    """{name: [markdown files that hold a block of it]}"""
+    found = {}
+    for path in DOCS:
+        for match in BLOCK.finditer(path.read_text()):
+            found.setdefault(match.group(2), []).append(path)
+    return found
+
+
+def main(argv):
+    where = blocks()
+    if argv == ["--list"]:
+        for name in TABLES:
+            print(f"{name:<14} {', '.join(str(p.relative_to(ROOT)) for p in where.get(name, [])) or '(no block)'}")
+        return 0
+    unknown = [n for n in argv + list(where) if n not in TABLES]
+    if unknown:
+        sys.exit(f"unknown table {unknown[0]!r} (in the command line or a <!-- table:... --> marker); "
+                 f"known: {', '.join(TABLES)}")
+    failed = []
+    for name in argv or list(TABLES):
+        if name not in where:
+            print(f"{name}: no <!-- table:{name} --> block in README.md or docs/*.md")
+            continue
+        try:
+            text = TABLES[name]()
+        except Skip as e:
+            print(f"{name}: left as it is ({e})")
+            continue
+        except Exception as e:  # report, keep the old block, go on with the others
+            print(f"{name}: FAILED, left as it is: {type(e).__name__}: {e}")
+            failed.append(name)
+            continue
+        for path in where[name]:
+            old = path.read_text()
+            new = BLOCK.sub(lambda m: m.group(1) + text + m.group(4) if m.group(2) == name else m.group(0), old)
+            path.write_text(new)
+            print(f"{name}: {'updated' if new != old else 'unchanged'} in {path.relative_to(ROOT)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
