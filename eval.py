@@ -7,35 +7,20 @@
     python eval.py generate CKPT --prompt TEXT [--max-new 64] [--temperature 0.8 --top-k 50 --top-p 0.95]
                                  [--backend jax|torch] [--no-cache]
 
-CKPT is one of our checkpoint directories (an HF model directory; train.py's step_N/ also holds
-nanolmo.json). The tokenizer comes from --tokenizer SPEC ("dolma2" or a .tiktoken ranks file), else
-from the dataset named in CKPT/nanolmo.json, else dolma2 when the model's ids are dolma2's. bpb and
-tasks also take --backend jax|torch, --dtype float32|bfloat16 and --batch-tokens N.
-
-bpb scores each document on its own in non-overlapping windows of the model's max_seq_len, the first
-one starting from EOS (catwalk's rolling windows, which Paloma used), and reports per domain
-(`subdomain`/`domain`, else `source`, else the file name) nats summed over bytes, then the macro
-average over domains. tasks reads DIR laid out like ../shared/evaldata (hf_validation/<task>.validation.jsonl,
-original/<task>/...), renders OLMES's prompt strings (--norm olmes) or the lm-eval v0.3 ones the OLMo
-paper's Catwalk used (--norm catwalk), scores every option, and reports accuracy under that paper's
-normalisation per task, with every other normalisation in the JSON.
-
-generate is greedy at temperature 0, samples otherwise (top-k, top-p), and stops at EOS; with the KV
-cache (model.forward_step) the prompt runs once and each new token is one position through the layers.
-
-logits: IN.npy holds integer token ids (B, T); OUT.npy gets float32 logits (B, T, V), V being the
-checkpoint's vocabulary. Both backends compute the same function (tests/test_hf.py holds them to it).
+CKPT: one of our checkpoint directories (HF layout). Its tokenizer: --tokenizer SPEC ("dolma2" or a .tiktoken
+file), else the dataset in CKPT/nanolmo.json, else dolma2 if the ids are dolma2's. bpb and tasks also take
+--backend, --dtype, --batch-tokens N. generate never emits ids past the tokenizer's; logits are float32 (B, T, V),
+the same in both backends (tests/test_hf.py). More in docs/evaluation.md.
 """
 
 import argparse
-import gzip
+import itertools
 import json
 import math
 import re
 import sys
 import time
-from collections import defaultdict
-from dataclasses import dataclass
+from collections import defaultdict, namedtuple
 from pathlib import Path
 
 import numpy as np
@@ -46,29 +31,34 @@ import data
 import model
 
 
-def logits(d, tokens, backend="jax", dtype="float32", source="tokens"):
-    m, params = convert.load_hf(d)
-    tokens = model.check_tokens(tokens, m, source)
+def _backend(m, backend, dtype, fn):
+    """load(params) -> net (device arrays, or an nn.Module), run(net, tokens (B, T), *more) -> numpy fn(xp,
+    float32 logits (B, T, V), tokens, *more). JAX jits fn with the forward, so the logits stay on the device."""
     if backend == "jax":
         import jax
         import jax.numpy as jnp
-        run = jax.jit(lambda p, t: model.forward(p, t, m, jnp.dtype(dtype)))
-        return np.asarray(run(params, jnp.asarray(tokens)).astype(jnp.float32))
+        jit = jax.jit(lambda p, t, *a: fn(jnp, model.forward(p, t, m, jnp.dtype(dtype)).astype(jnp.float32), t, *a))
+        return jax.device_put, lambda net, t, *a: jax.tree.map(np.asarray, jit(net, np.asarray(t, np.int32), *a))
     import torch
-    with torch.no_grad():
-        out = model.torch_model(m, params)(torch.from_numpy(tokens.astype(np.int64)), getattr(torch, dtype))
-    return out.float().numpy()
+
+    @torch.no_grad()
+    def run(net, t, *a):
+        t = np.asarray(t, np.int64)
+        return fn(np, net(torch.from_numpy(t), getattr(torch, dtype)).float().numpy(), t, *a)
+    return lambda params: model.torch_model(m, params).eval(), run
+
+
+def logits(d, tokens, backend="jax", dtype="float32", source="tokens"):
+    m, params = convert.load_hf(d)
+    load, run = _backend(m, backend, dtype, lambda xp, x, t: x)
+    return run(load(params), model.check_tokens(tokens, m, source))
 
 
 def token_bytes(tok):
-    """UTF-8 bytes each token id stands for; special tokens (EOS, PAD) stand for none. Bits per byte
-    divide a loss by these, so models with different tokenizers compare (Paloma's measure)."""
+    """UTF-8 bytes per token id, none for specials (EOS, PAD): bits per byte compare across tokenizers."""
     special = set(tok.enc.special_tokens_set)
-    out = np.zeros(tok.vocab_size, np.int64)
-    for i in range(tok.vocab_size):
-        piece = tok.enc.decode_single_token_bytes(i)
-        out[i] = 0 if piece.decode("utf-8", "replace") in special else len(piece)
-    return out
+    pieces = [tok.enc.decode_single_token_bytes(i) for i in range(tok.vocab_size)]
+    return np.array([0 if p.decode("utf-8", "replace") in special else len(p) for p in pieces], np.int64)
 
 
 def bits_per_byte(nats, n_bytes):
@@ -103,60 +93,31 @@ def checkpoint_tokenizer(ckpt, m, spec=None):
 
 
 def encode(tok, text):
-    # No EOS and no BOS: OLMo adds neither to eval text. Special-token strings in the text become their
-    # ids, as HF's tokenizer (and data.py) does.
+    # No EOS or BOS (OLMo adds neither to eval text); special-token strings become their ids, as in HF and data.py.
     return tok.enc.encode(text, allowed_special="all")
 
 
 # --- scoring: log p(continuation | context) for many requests --------------------------------------
-# A request is (context ids, continuation ids). Its model input is the row (ctx + cont)[:-1], left-
-# truncated to max_seq_len as OLMo does, and its score the sum of log p over the continuation positions.
-#
-# Shared contexts, computed once. The forward is causal, so a row that is a prefix of another row
-# gets exactly the same logits inside the longer row's forward. We sort the distinct rows; a row's
-# extensions then follow it directly, so one backward pass over the sorted list finds for each row
-# the longest row it is a prefix of (its "host"). What this buys: options of one token (BoolQ's
-# " yes"/" no", many unconditional "Answer:" requests) all read off the one forward of their context,
-# and identical requests are computed once. Multi-token options that differ in their first token
-# still each run their context again: sharing those needs a KV cache (prefill once, extend each
-# option), which this file does not use for scoring.
-#
-# The only target a hosted request needs that its host row does not itself predict is its last
-# continuation token (at its last position the host predicts its own next token). So each row
-# carries up to J extra (position, token) queries; a host with more is simply run again.
+# A request is (context ids, continuation ids); its model input is the row (ctx + cont)[:-1], left-truncated
+# to max_seq_len as OLMo does, and its score the sum of log p over the continuation positions.
+# Shared contexts run once: the forward is causal, so a row that is a prefix of another gets the same logits
+# inside the longer one's forward, and in the sorted distinct rows a row's extensions follow it: one backward
+# pass finds each row's "host", the longest row it is a prefix of. So one-token options (BoolQ's " yes"/" no",
+# many "Answer:" requests) read off their context's forward and identical requests run once (options that
+# differ in their first token still each run their context). A host does not predict a hosted request's last
+# token itself: each row carries up to J such extra (position, token) queries; a host with more runs again.
 
 J = 8  # extra (position, token) queries per row
 
 
-def _bucket(n, cap):
-    """Padded length: the next power of two (at least 16), capped at max_seq_len, so jit compiles a
-    handful of shapes instead of one per length."""
-    return min(max(16, 1 << (n - 1).bit_length()), cap)
-
-
-def _score_jax(params, tokens, qpos, qtok, m, dtype):
-    """tokens (B, T); qpos, qtok (B, J) -> own (B, T): log p(tokens[:, t+1] | <= t) (the last column is
-    meaningless), extra (B, J): log p(qtok | <= qpos). fp32 log-softmax, whatever the compute dtype."""
-    import jax
-    import jax.numpy as jnp
-    logits = model.forward(params, tokens, m, dtype).astype(jnp.float32)         # (B, T, V)
-    lse = jax.nn.logsumexp(logits, axis=-1)                                     # (B, T)
-    nxt = jnp.roll(tokens, -1, axis=1)                                          # (B, T)
-    own = jnp.take_along_axis(logits, nxt[..., None], axis=-1)[..., 0] - lse    # (B, T)
-    b = jnp.arange(tokens.shape[0])[:, None]
+def _score(xp, logits, tokens, qpos, qtok):
+    """float32 logits (B, T, V), tokens (B, T); qpos, qtok (B, J) -> own (B, T): log p(tokens[:, t+1] | <= t)
+    (the last column is meaningless), extra (B, J): log p(qtok | <= qpos). For _backend: xp is numpy or jnp."""
+    mx = logits.max(-1, keepdims=True)                                          # (B, T, 1)
+    lse = (mx + xp.log(xp.exp(logits - mx).sum(-1, keepdims=True)))[..., 0]     # (B, T)
+    own = xp.take_along_axis(logits, xp.roll(tokens, -1, 1)[..., None], -1)[..., 0] - lse
+    b = xp.arange(tokens.shape[0])[:, None]
     return own, logits[b, qpos, qtok] - lse[b, qpos]                           # (B, T), (B, J)
-
-
-def _score_torch(net, tokens, qpos, qtok, dtype):
-    import torch
-    with torch.no_grad():
-        t = torch.from_numpy(tokens.astype(np.int64))
-        logits = net(t, dtype).float()                                          # (B, T, V)
-        lse = torch.logsumexp(logits, dim=-1)                                   # (B, T)
-        own = logits.gather(-1, torch.roll(t, -1, dims=1)[..., None])[..., 0] - lse
-        b = torch.arange(t.shape[0])[:, None]
-        qp, qt = torch.from_numpy(qpos.astype(np.int64)), torch.from_numpy(qtok.astype(np.int64))
-        return own.numpy(), (logits[b, qp, qt] - lse[b, qp]).numpy()
 
 
 class Scorer:
@@ -167,124 +128,83 @@ class Scorer:
         if backend not in ("jax", "torch") or dtype not in ("float32", "bfloat16"):
             raise ValueError(f"backend {backend!r} / dtype {dtype!r}: expected jax|torch and float32|bfloat16")
         self.m, self.params, self.backend, self.dtype, self.batch_tokens = m, params, backend, dtype, batch_tokens
-        self.tokens = self.padded = 0      # real and padded positions run, for tokens/s
-        self.requests = self.rows = 0      # requests asked for, rows run (fewer: shared prefixes)
-        self.seconds = 0.0
-        if backend == "jax":
-            import jax
-            import jax.numpy as jnp
-            self._jit = jax.jit(lambda p, t, qp, qt: _score_jax(p, t, qp, qt, m, jnp.dtype(dtype)))
-        self._net = self._net_for = None
-
-    def _run(self, tokens, qpos, qtok):
-        if self._net_for is not self.params:  # params moved to the device (or into a module) once per set
-            if self.backend == "jax":
-                import jax
-                self._net = jax.device_put(self.params)
-            else:
-                self._net = model.torch_model(self.m, self.params).eval()
-            self._net_for = self.params
-        if self.backend == "jax":
-            own, extra = self._jit(self._net, tokens, qpos, qtok)
-            return np.asarray(own), np.asarray(extra)
-        import torch
-        return _score_torch(self._net, tokens, qpos, qtok, getattr(torch, self.dtype))
+        # positions run (real, padded) for tokens/s; requests asked for, rows run (fewer: shared prefixes)
+        self.tokens = self.padded = self.requests = self.rows = 0
+        self.seconds, self._net_for = 0.0, None
+        self._load, self._score = _backend(m, backend, dtype, _score)
 
     def loglikelihoods(self, requests, desc="score"):
-        """[(context ids, continuation ids)] -> (log-likelihoods float64 (R,), scored tokens int64 (R,)).
-        An empty context becomes [EOS] (catwalk); a continuation longer than max_seq_len keeps its last
-        max_seq_len tokens scored (the first ones would have no context left)."""
+        """[(context ids, continuation ids)] -> (log-likelihoods float64 (R,), scored tokens int64 (R,)). An empty
+        context becomes [EOS] (catwalk); of a continuation longer than max_seq_len, the last max_seq_len count."""
         L, eos, V = self.m.max_seq_len, self.m.eos_token_id, self.m.vocab_size
         rows_in, finals, n_pred = [], [], []
         for i, (ctx, cont) in enumerate(requests):
             if len(cont) == 0:
                 raise ValueError(f"request {i}: empty continuation, nothing to score")
-            keep = ([*ctx] or [eos]) + [*cont]
-            keep = keep[-(L + 1):]                    # (ctx + cont[:-1])[-L:] as the input, like OLMo
+            keep = (([*ctx] or [eos]) + [*cont])[-(L + 1):]  # (ctx + cont[:-1])[-L:] as the input, like OLMo
+            if not 0 <= min(keep) <= max(keep) < V:
+                raise ValueError(f"request {i}: token id {min(keep) if min(keep) < 0 else max(keep)} is out of range "
+                                 f"for vocab_size={V}")
             rows_in.append(tuple(keep[:-1]))
             finals.append(keep[-1])
             n_pred.append(min(len(cont), len(keep) - 1))
-        if requests:
-            hi = max(max(max(r, default=0) for r in rows_in), max(finals))
-            lo = min(min(min(r, default=0) for r in rows_in), min(finals))
-            if hi >= V or lo < 0:
-                raise ValueError(f"token id {hi if hi >= V else lo} is out of range for vocab_size={V}")
-
-        # hosts: for each distinct row, the longest row it is a prefix of
-        order = sorted(set(rows_in))
-        host = {}
-        for i in range(len(order) - 1, -1, -1):
-            r, nxt = order[i], order[i + 1] if i + 1 < len(order) else None
-            host[r] = host[nxt] if nxt is not None and nxt[:len(r)] == r else r
-        rows, slot, open_row, where = [], {}, {}, []  # rows: [host tokens, [(pos, tok), ...]]
+        host, last = {}, None  # for each distinct row, the longest row it is a prefix of
+        for r in sorted(set(rows_in), reverse=True):
+            host[r] = host[last] if last and last[:len(r)] == r else r
+            last = r
+        queries = defaultdict(dict)  # host -> its distinct extra (position, token) queries, as dict keys
         for r, tok in zip(rows_in, finals):
-            h = host[r]
-            key = (h, len(r) - 1, tok)
-            if key not in slot:
-                k = open_row.get(h)
-                if k is None or len(rows[k][1]) == J:
-                    k = open_row[h] = len(rows)
-                    rows.append((h, []))
-                slot[key] = (k, len(rows[k][1]))
-                rows[k][1].append(key[1:])
-            where.append(slot[key])
+            queries[host[r]][len(r) - 1, tok] = None
+        rows = [(h, [*qs][i:i + J]) for h, qs in queries.items() for i in range(0, len(qs), J)]  # up to J queries each
         self.requests, self.rows = self.requests + len(requests), self.rows + len(rows)
-
-        # batches of equal bucketed length, longest first; B fixed per length so each shape compiles once
-        own_cs, extra = [None] * len(rows), [None] * len(rows)
-        by_len = sorted(range(len(rows)), key=lambda k: -len(rows[k][0]))
-        batches, i = [], 0
-        while i < len(by_len):
-            T = _bucket(len(rows[by_len[i]][0]), L)
-            B = max(1, self.batch_tokens // T)
-            batch = [k for k in by_len[i:i + B] if _bucket(len(rows[k][0]), L) == T]
-            batches.append((T, B, batch))
-            i += len(batch)
+        # Batches of equal bucketed length (the next power of two, at least 16, at most L: jit compiles a few
+        # shapes, not one per length), longest first; B fixed per length, so each shape compiles once.
+        bucket = lambda r: min(max(16, 1 << (len(r[0]) - 1).bit_length()), L)  # noqa: E731
+        batches, own_cs, extra = [], {}, {}  # own_cs[host]: cumulated log p of its own next tokens
+        for T, rs in itertools.groupby(sorted(rows, key=lambda r: -len(r[0])), key=bucket):
+            rs, B = list(rs), max(1, self.batch_tokens // T)
+            batches += [(T, B, rs[i:i + B]) for i in range(0, len(rs), B)]
         t0 = time.perf_counter()
         for T, B, batch in tqdm(batches, desc=desc, leave=False, disable=True if len(batches) < 4 else None):
-            tokens = np.full((B, T), eos, np.int32)
-            qpos, qtok = np.zeros((B, J), np.int32), np.zeros((B, J), np.int32)
-            for b, k in enumerate(batch):
-                tokens[b, :len(rows[k][0])] = rows[k][0]
-                for j, (p, t) in enumerate(rows[k][1]):
-                    qpos[b, j], qtok[b, j] = p, t
-            own, ex = self._run(tokens, qpos, qtok)
-            for b, k in enumerate(batch):
-                own_cs[k] = np.concatenate([[0.0], np.cumsum(own[b, :len(rows[k][0])], dtype=np.float64)])
-                extra[k] = ex[b].astype(np.float64)
-                self.tokens += len(rows[k][0])
+            tokens, q = np.full((B, T), eos, np.int32), np.zeros((2, B, J), np.int32)  # q: (positions, tokens)
+            for b, (h, qs) in enumerate(batch):
+                tokens[b, :len(h)] = h
+                q[:, b, :len(qs)] = np.transpose(qs)
+            if self._net_for is not self.params:  # params moved to the device (or into a module) once per set
+                self._net, self._net_for = self._load(self.params), self.params
+            own, ex = self._score(self._net, tokens, *q)
+            for b, (h, qs) in enumerate(batch):
+                own_cs[h] = np.concatenate([[0.0], np.cumsum(own[b, :len(h)], dtype=np.float64)])
+                extra.update(((h, *x), float(e)) for x, e in zip(qs, ex[b]))
+                self.tokens += len(h)
             self.padded += B * T
         self.seconds += time.perf_counter() - t0
-
-        ll = np.zeros(len(requests), np.float64)
-        for i, (r, (k, j)) in enumerate(zip(rows_in, where)):
-            # positions len(r)-n .. len(r)-2 read the host's own next tokens; the last one is an extra query
-            ll[i] = own_cs[k][len(r) - 1] - own_cs[k][len(r) - n_pred[i]] + extra[k][j]
-        return ll, np.asarray(n_pred, np.int64)
-
-
-def load_model(ckpt, backend, dtype, batch_tokens, tokenizer=None):
-    m, params = convert.load_hf(ckpt)
-    return Scorer(m, params, backend, dtype, batch_tokens), checkpoint_tokenizer(ckpt, m, tokenizer)
+        # positions len(r)-n .. len(r)-2 read the host's own next tokens; the last one is an extra query
+        ll = [own_cs[host[r]][len(r) - 1] - own_cs[host[r]][len(r) - n] + extra[host[r], len(r) - 1, tok]
+              for r, tok, n in zip(rows_in, finals, n_pred)]
+        return np.asarray(ll, np.float64), np.asarray(n_pred, np.int64)
 
 
 # --- bits per byte, as Paloma -------------------------------------------------------------------
 
 def rolling_windows(t, L, prefix):
-    """lm-eval's get_rolling_token_windows(context_len=1) followed by make_disjoint_window, which catwalk
-    uses for Paloma: [(context, continuation)] predicting every token of t exactly once. The first window
-    predicts t[0:L] from [prefix] + t[0:L-1]; each later full window predicts the next L tokens from one
-    carried-over token; the last, shorter window takes as many earlier tokens as fit in L as context
-    (they are not scored again)."""
-    if not t:
-        return []
-    first = min(L, len(t))
-    out, done = [([prefix], t[:first])], first
+    """lm-eval's get_rolling_token_windows(context_len=1) + make_disjoint_window (catwalk's, for Paloma): [(context,
+    continuation)] predicting each token of t once: t[0:L] from [prefix] + t[0:L-1], then L tokens from one carried-
+    over token; the last, shorter window takes as many earlier tokens as fit in L as (unscored) context."""
+    out, done = [], 0
     while done < len(t):
         end = done + min(len(t) - done, L)
-        out.append((t[end - L - 1:done], t[done:end]))
+        out.append(([prefix] if done == 0 else t[end - L - 1:done], t[done:end]))
         done = end
     return out
+
+
+def _json_lines(path):  # (file:line, record) per non-empty line of a .jsonl / .jsonl.gz file
+    for lineno, raw in data.read_records(path):
+        try:
+            yield f"{path}:{lineno}", json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}:{lineno}: invalid JSON ({e})") from None
 
 
 def read_documents(paths, limit=0):
@@ -295,13 +215,9 @@ def read_documents(paths, limit=0):
         if not path.is_file() or not path.name.endswith((".jsonl", ".jsonl.gz")):
             raise FileNotFoundError(f"{path}: expected a .jsonl or .jsonl.gz file of documents")
         stem = path.name.removesuffix(".gz").removesuffix(".jsonl")
-        for lineno, raw in data.read_records(path):
-            try:
-                rec = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({e})") from None
+        for at, rec in _json_lines(path):
             if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
-                raise ValueError(f"{path}:{lineno}: no string 'text' field")
+                raise ValueError(f"{at}: no string 'text' field")
             text = data.fix_surrogates(rec["text"])[0]
             if not text:
                 empty += 1
@@ -314,33 +230,21 @@ def read_documents(paths, limit=0):
 
 
 def bpb(scorer, tok, docs):
-    """Per domain: documents, tokens, bytes, nats (summed: a micro-average over bytes within the domain,
-    catwalk's PerplexityMetrics), bits per byte and per-token perplexity; then the macro average over
-    domains (Paloma's headline), per source when there are several."""
-    L, eos = scorer.m.max_seq_len, scorer.m.eos_token_id
-    requests, owner = [], []
-    for d, (_, _, text) in enumerate(docs):
-        windows = rolling_windows(encode(tok, text), L, eos)
-        requests += windows
-        owner += [d] * len(windows)
-    ll, n = scorer.loglikelihoods(requests, "bpb windows")
-    stats = defaultdict(lambda: dict(docs=0, tokens=0, bytes=0, nats=0.0))
-    per_doc = np.zeros(len(docs))
-    np.add.at(per_doc, np.asarray(owner, np.int64), ll)
-    tokens = np.zeros(len(docs), np.int64)
-    np.add.at(tokens, np.asarray(owner, np.int64), n)
-    for d, (domain, source, text) in enumerate(docs):
-        s = stats[(source, domain)]
-        s["docs"] += 1
-        s["tokens"] += int(tokens[d])
-        s["bytes"] += len(text.encode("utf-8"))
-        s["nats"] -= float(per_doc[d])
+    """Per domain: docs, tokens, bytes, nats (summed: catwalk's PerplexityMetrics micro-averages bytes within
+    it), bits per byte, per-token perplexity; then the macro average over domains (Paloma's headline)."""
+    windows = [rolling_windows(encode(tok, text), scorer.m.max_seq_len, scorer.m.eos_token_id) for *_, text in docs]
+    ll, n = scorer.loglikelihoods([w for ws in windows for w in ws], "bpb windows")
+    cut = np.cumsum([len(ws) for ws in windows])[:-1]  # where each document's windows start
+    stats = defaultdict(lambda: np.zeros(4))  # (source, domain) -> docs, tokens, bytes, nats
+    for (domain, source, text), lls, ns in zip(docs, np.split(ll, cut), np.split(n, cut)):
+        stats[source, domain] += [1, ns.sum(), len(text.encode("utf-8")), -lls.sum()]
     domains = {}
-    for (source, domain), s in sorted(stats.items()):
-        s.update(source=source, bpb=bits_per_byte(s["nats"], s["bytes"]), ppl_token=math.exp(s["nats"] / s["tokens"]))
+    for (source, domain), v in sorted(stats.items()):
+        s = dict(source=source, docs=int(v[0]), tokens=int(v[1]), bytes=int(v[2]), nats=float(v[3]))
+        s.update(bpb=bits_per_byte(s["nats"], s["bytes"]), ppl_token=math.exp(s["nats"] / s["tokens"]))
         domains[domain if domain == source else f"{source}/{domain}"] = s
-    sources = sorted({s["source"] for s in domains.values()})
-    macro = {src: float(np.mean([s["bpb"] for s in domains.values() if s["source"] == src])) for src in sources}
+    macro = {src: float(np.mean([s["bpb"] for s in domains.values() if s["source"] == src]))
+             for src in sorted({source for source, _ in stats})}
     total = {k: sum(s[k] for s in domains.values()) for k in ("docs", "tokens", "bytes", "nats")}
     return dict(domains=domains, macro_bpb=float(np.mean([s["bpb"] for s in domains.values()])),
                 macro_bpb_per_source=macro, micro_bpb=bits_per_byte(total["nats"], total["bytes"]), **total)
@@ -349,8 +253,8 @@ def bpb(scorer, tok, docs):
 def print_bpb(res):
     w = max([len(k) for k in res["domains"]] + [12])
     print(f"{'domain':<{w}} {'docs':>6} {'tokens':>9} {'bytes':>10} {'bits/byte':>9} {'ppl/token':>10}")
-    for name, s in res["domains"].items():
-        print(f"{name:<{w}} {s['docs']:>6} {s['tokens']:>9,} {s['bytes']:>10,} {s['bpb']:>9.4f} {s['ppl_token']:>10.2f}")
+    for k, s in res["domains"].items():
+        print(f"{k:<{w}} {s['docs']:>6} {s['tokens']:>9,} {s['bytes']:>10,} {s['bpb']:>9.4f} {s['ppl_token']:>10.2f}")
     if len(res["macro_bpb_per_source"]) > 1:
         for src, v in res["macro_bpb_per_source"].items():
             print(f"{'macro ' + src:<{w}} {'':>6} {'':>9} {'':>10} {v:>9.4f}")
@@ -369,8 +273,7 @@ def _field(rec, name, kind, at):
 
 
 def _index(label, n, at, name="label"):
-    """An option index from an int or a numeric string (HellaSwag's label is a string in HF files, an int
-    in the original jsonl)."""
+    # an int or a numeric string (HellaSwag's label is a string in HF files, an int in the original jsonl)
     try:
         i = int(label)
     except (TypeError, ValueError):
@@ -408,11 +311,11 @@ def read_boolq(rec, at):
 
 
 def read_hellaswag(rec, at):
-    """The original jsonl or HF rows (activity_label, ctx_a, ctx_b, endings, label), or an OLMES request
-    dump's doc (query and choices already preprocessed, gold)."""
+    """Original/HF rows (activity_label, ctx_a, ctx_b, endings, label) or an OLMES dump's (query, choices, gold)."""
     if "query" in rec:
         choices = _field(rec, "choices", list, at)
-        return dict(query=_field(rec, "query", str, at), choices=choices, gold=_index(rec.get("gold"), len(choices), at, "gold"))
+        return dict(query=_field(rec, "query", str, at), choices=choices,
+                    gold=_index(rec.get("gold"), len(choices), at, "gold"))
     endings = _field(rec, "endings", list, at)
     return dict(activity_label=_field(rec, "activity_label", str, at), ctx_a=_field(rec, "ctx_a", str, at),
                 ctx_b=_field(rec, "ctx_b", str, at), endings=endings, gold=_index(rec.get("label"), len(endings), at))
@@ -441,9 +344,8 @@ def read_winogrande(rec, at):
 
 
 def read_rows(path):
-    """(where, record) per row of .jsonl/.jsonl.gz, a JSON array (.json, SciQ's original files), or an
-    OLMES request dump (one doc per doc_id below 1000000). Labels kept in a sibling NAME-labels.lst
-    (PIQA, WinoGrande originals) are joined in as `label`/`answer`."""
+    """(where, record) per row of .jsonl(.gz), a JSON array (.json: SciQ's original) or an OLMES request dump (its
+    docs); labels in a sibling NAME-labels.lst (PIQA, WinoGrande originals) are joined in as `label`/`answer`."""
     path = Path(path)
     if path.name.endswith(".json"):
         rows = json.loads(path.read_text())
@@ -451,7 +353,13 @@ def read_rows(path):
             raise ValueError(f"{path}: expected a JSON array of rows")
         out = [(f"{path}[{i}]", r) for i, r in enumerate(rows)]
     else:
-        out = _read_lines(path)
+        out = list(_json_lines(path))
+    if path.name.endswith(".requests.jsonl.gz"):  # a dump: one line per option; keep each doc once
+        docs = {}
+        for at, r in out:
+            if r.get("doc_id", 0) < 1_000_000:
+                docs.setdefault(r.get("doc_id"), (at, r.get("doc")))
+        out = list(docs.values())
     for at, rec in out:
         if not isinstance(rec, dict):
             raise ValueError(f"{at}: expected a JSON object, got {type(rec).__name__}")
@@ -466,42 +374,23 @@ def read_rows(path):
     return out
 
 
-def _read_lines(path):
-    out, seen = [], set()
-    opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
-            if path.name.endswith(".requests.jsonl.gz"):  # a dump: one line per option; keep each doc once
-                if rec.get("doc_id", 0) >= 1_000_000 or rec.get("doc_id") in seen:
-                    continue
-                seen.add(rec.get("doc_id"))
-                rec = rec.get("doc")
-            out.append((f"{path}:{lineno}", rec))
-    return out
-
-
-# Where each task's rows are found under --data DIR: the first file that exists wins. BoolQ prefers the
-# original file because it has the titles OLMES prompts with; HellaSwag falls back to OLMES's dump,
-# the only HellaSwag rows in ../shared (a Random(1234) sample of 1000 validation docs).
+# Where each task's rows are under --data DIR: the first file that exists (HF: its Hugging Face export). BoolQ
+# prefers the original, whose titles OLMES prompts with; HellaSwag falls back to OLMES's dumps, the only
+# HellaSwag rows in ../shared (a Random(1234) sample of 1000 validation docs).
+HF = "hf_validation/{task}.validation.jsonl"
 TASKS = {  # name: (reader, files, Catwalk's normalisation (the OLMo paper), OLMES v0.1's)
-    "arc_easy": (read_choice, ["hf_validation/arc_easy.validation.jsonl", "original/arc_easy/ARC-Easy-Dev.jsonl"], "pmi", "per_char"),
-    "arc_challenge": (read_choice, ["hf_validation/arc_challenge.validation.jsonl", "original/arc_challenge/ARC-Challenge-Dev.jsonl"], "pmi", "pmi"),
-    "boolq": (read_boolq, ["original/boolq/dev.jsonl", "hf_validation/boolq.validation.jsonl"], "raw", "raw"),
-    "hellaswag": (read_hellaswag, ["hf_validation/hellaswag.validation.jsonl", "original/hellaswag/hellaswag_val.jsonl",
+    "arc_easy": (read_choice, [HF, "original/arc_easy/ARC-Easy-Dev.jsonl"], "pmi", "per_char"),
+    "arc_challenge": (read_choice, [HF, "original/arc_challenge/ARC-Challenge-Dev.jsonl"], "pmi", "pmi"),
+    "boolq": (read_boolq, ["original/boolq/dev.jsonl", HF], "raw", "raw"),
+    "hellaswag": (read_hellaswag, [HF, "original/hellaswag/hellaswag_val.jsonl",
                                    "olmes_requests/hellaswag_rc_0shot.requests.jsonl.gz",
                                    "olmes_requests/hellaswag_rc_5shot.requests.jsonl.gz"], "per_token", "per_char"),
-    "openbookqa": (read_choice, ["hf_validation/openbookqa.validation.jsonl", "original/openbookqa/Main/dev.jsonl"], "pmi", "pmi"),
-    "piqa": (read_piqa, ["hf_validation/piqa.validation.jsonl", "original/piqa/valid.jsonl"], "per_token", "per_char"),
+    "openbookqa": (read_choice, [HF, "original/openbookqa/Main/dev.jsonl"], "pmi", "pmi"),
+    "piqa": (read_piqa, [HF, "original/piqa/valid.jsonl"], "per_token", "per_char"),
     # SciQ is not in OLMES v0.1; oe-eval's rc dump and the OLMo paper both score it raw, so we do too.
-    "sciq": (read_sciq, ["hf_validation/sciq.validation.jsonl", "original/sciq/valid.json"], "raw", "raw"),
+    "sciq": (read_sciq, [HF, "original/sciq/valid.json"], "raw", "raw"),
     # WinoGrande: both options share one continuation, so every normalisation gives the same answer.
-    "winogrande": (read_winogrande, ["hf_validation/winogrande.validation.jsonl", "original/winogrande/dev.jsonl"], "per_token", "raw"),
+    "winogrande": (read_winogrande, [HF, "original/winogrande/dev.jsonl"], "per_token", "raw"),
 }
 NORMS = ("raw", "per_token", "per_char", "pmi")
 
@@ -510,20 +399,18 @@ def load_task(name, root, limit=0):
     """(docs, path): the first `limit` (0 = all) rows of a task under `root`, read into plain fields."""
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; known: {', '.join(TASKS)}")
-    reader, files = TASKS[name][:2]
-    found = [Path(root) / f for f in files if (Path(root) / f).is_file()]
+    reader, files = TASKS[name][0], [Path(root) / f.format(task=name) for f in TASKS[name][1]]
+    found = [f for f in files if f.is_file()]
     if not found:
-        raise FileNotFoundError(f"{name}: none of {', '.join(str(Path(root) / f) for f in files)} exists")
-    rows = read_rows(found[0])
-    return [reader(rec, at) for at, rec in rows[:limit or None]], found[0]
+        raise FileNotFoundError(f"{name}: none of {', '.join(map(str, files))} exists")
+    return [reader(rec, at) for at, rec in read_rows(found[0])[:limit or None]], found[0]
 
 
 # --- the eight tasks: prompts (OLMES, and the lm-eval v0.3 ones Catwalk used) ------------------------
 
 def preprocess(text, style="olmes"):
-    """HellaSwag's cleaner: WikiHow rows carry [title]/[header]/[step] marks. OLMES also turns the ".. " that
-    " [title]" -> ". " leaves after a full stop into ". " (none of the 1000 docs in its dump has one, nor its
-    5-shot context); lm-eval v0.3 (Catwalk) and OLMo's in-loop code do not."""
+    """HellaSwag's cleaner of WikiHow's [title]/[header]/[step] marks. OLMES also turns the ".. " that " [title]"
+    leaves after a full stop into ". " (no doc in its dump has one); lm-eval v0.3 and OLMo's in-loop code do not."""
     text = text.strip().replace(" [title]", ". ")
     text = re.sub("\\[.*?\\]", "", text).replace("  ", " ")
     return re.sub(r"\.\. ", ". ", text) if style == "olmes" else text
@@ -534,14 +421,16 @@ def preprocess(text, style="olmes"):
 HELLASWAG_SHOTS = [
     ("Health", "[header] How to cope with suicidal thoughts [title] Put off any plans. [step] Promise yourself that "
      "you'll wait 48 hours before doing anything. Remember, thoughts don't have the power to force you to act.", "",
-     "Sometimes extreme pain can distort our perception. Waiting before taking action will give your mind time to clear."),
+     "Sometimes extreme pain can distort our perception. Waiting before taking action will give your mind time to "
+     "clear."),
     ("Education and Communications", "[header] How to make a liquid into a solid [title] Place a small open container "
      "of water in the freezer compartment of a class or home refrigerator. [title] Leave the water there for several "
      "hours or overnight. [title] Remove from the freezer and note what has occurred.", "",
      "[step] Water changes state from liquid to solid when it reaches a temperature of 0 degrees celsius, or 32 "
      "degrees fahrenheit. This is a simple example of changing from liquid to solid, or freezing."),
-    ("Baking cookies", "A female chef in white uniform shows a stack of baking pans in a large kitchen presenting them. "
-     "The pans are filled with pastries and loaded into the oven.", "a knife", "is used to cut cylinder shaped dough into rounds."),
+    ("Baking cookies", "A female chef in white uniform shows a stack of baking pans in a large kitchen presenting "
+     "them. The pans are filled with pastries and loaded into the oven.", "a knife",
+     "is used to cut cylinder shaped dough into rounds."),
     ("Starting a campfire", "He takes his lighter and lights the newspaper in several places to start the fire. The "
      "bonfire starts burning and continues to burn.", "he", "adds a few more twigs to keep the flames burning."),
     ("Finance and Business", "[header] How to write a method statement [title] Prepare to write by conducting a risk "
@@ -553,12 +442,8 @@ HELLASWAG_SHOTS = [
 ]
 
 
-@dataclass
-class Item:
-    contexts: list        # one per option (WinoGrande's differ; elsewhere all the same)
-    continuations: list   # one per option (WinoGrande's are all the same)
-    gold: int
-    uncond: bool = True   # also score each continuation after "Answer:" (for PMI)
+# A context and a continuation per option; uncond: also score each continuation after "Answer:" (for PMI).
+Item = namedtuple("Item", "contexts continuations gold uncond", defaults=[True])
 
 
 UNCOND = "Answer:"  # catwalk's MultipleChoiceTask.unconditioned_prompt(); oe-eval's doc_id >= 1000000 requests
@@ -601,14 +486,14 @@ def render(task, doc, style="olmes", shots=0):
         # Partial scoring (Trinh & Le): each option completes the text before the blank; the shared rest is scored.
         s = doc["sentence"]
         i = s.index("_")
-        return Item([s[:i] + doc["option1"], s[:i] + doc["option2"]], [" " + s[i + 1:].strip()] * 2, doc["gold"], uncond=False)
+        return Item([s[:i] + doc["option1"], s[:i] + doc["option2"]], [" " + s[i + 1:].strip()] * 2, doc["gold"],
+                    uncond=False)
     raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
 
 
 def requests_of(item):
     """The (context, continuation) strings of one Item: its options, then each option after "Answer:"."""
-    cond = list(zip(item.contexts, item.continuations))
-    return cond + ([(UNCOND, c) for c in item.continuations] if item.uncond else [])
+    return [*zip(item.contexts, item.continuations), *((UNCOND, c) for c in item.continuations if item.uncond)]
 
 
 # --- the eight tasks: scoring and the normalisations ------------------------------------------------
@@ -618,40 +503,26 @@ def prepare_tasks(names, root, tok, style="olmes", limit=0):
     and continuation are tokenized separately, as OLMo and catwalk do: " yes" stays one token."""
     if style not in ("olmes", "catwalk"):
         raise ValueError(f"norm {style!r}: expected olmes or catwalk")
-    tasks, pairs, index, cache = {}, [], {}, {}
-
-    def tokenized(text):  # each distinct string is tokenized once
-        if text not in cache:
-            cache[text] = encode(tok, text)
-        return cache[text]
-
+    tasks, index = {}, {}  # index: each distinct (context, continuation) pair -> its number, in first-seen order
     for name in names:
         docs, path = load_task(name, root, limit)
         items = [render(name, d, style) for d in docs]
-        refs = []
-        for item in items:
-            ids = []
-            for pair in requests_of(item):
-                if pair not in index:
-                    index[pair] = len(pairs)
-                    pairs.append(pair)
-                ids.append(index[pair])
-            refs.append(ids)
+        refs = [[index.setdefault(pair, len(index)) for pair in requests_of(item)] for item in items]
         tasks[name] = dict(items=items, refs=refs, path=str(path))
-    return dict(tasks=tasks, pairs=pairs, ids=[(tokenized(c), tokenized(x)) for c, x in pairs], style=style)
+    ids = {s: encode(tok, s) for s in {s for pair in index for s in pair}}  # each distinct string tokenized once
+    return dict(tasks=tasks, pairs=list(index), ids=[(ids[c], ids[x]) for c, x in index], style=style)
 
 
 def score_tasks(scorer, prep):
-    """Per task: accuracy under every normalisation (raw, per_token, per_char = LL / len(continuation)
-    with its leading space as catwalk and OLMES, pmi = LL(cont | ctx) - LL(cont | "Answer:"), a difference,
-    not OLMo's in-loop ratio), the paper's choice as `acc`, the gold continuation's bits per byte (OLMo's
-    in-loop bpb), chance and the always-the-same-option majority baseline. Ties go to the first option."""
+    """Per task: accuracy under each normalisation (per_char: LL / len(continuation), its leading space in, as
+    catwalk and OLMES; pmi: LL(cont | ctx) - LL(cont | "Answer:"), not OLMo's in-loop ratio), `acc` under the
+    paper's choice, the gold's bits per byte (OLMo's in-loop bpb), chance, majority (always one option index).
+    Ties go to the first option."""
     ll, ntok = scorer.loglikelihoods(prep["ids"], "tasks")
     out = {}
     for name, t in prep["tasks"].items():
-        correct = {k: 0 for k in NORMS}
-        golds, chance, gold_bpb = [], [], []
-        for item, refs in zip(t["items"], t["refs"]):
+        correct, gold_bpb, items = dict.fromkeys(NORMS, 0), [], t["items"]
+        for item, refs in zip(items, t["refs"]):
             K = len(item.continuations)
             cond, unc = np.asarray(refs[:K]), np.asarray(refs[K:])
             n_chars = np.array([len(c) for c in item.continuations], np.float64)
@@ -659,14 +530,12 @@ def score_tasks(scorer, prep):
                          pmi=ll[cond] - ll[unc] if len(unc) else ll[cond])
             for k in NORMS:
                 correct[k] += int(np.argmax(score[k]) == item.gold)  # np.argmax: the first of equal maxima
-            golds.append(item.gold)
-            chance.append(1 / K)
             gold_bpb.append(bits_per_byte(-ll[cond[item.gold]], len(item.continuations[item.gold].encode("utf-8"))))
-        n = len(t["items"])
-        norm = TASKS[name][2 if prep["style"] == "catwalk" else 3]
+        n, norm = len(items), TASKS[name][2 if prep["style"] == "catwalk" else 3]
         accs = {k: correct[k] / n for k in NORMS}
         out[name] = dict(docs=n, norm=norm, acc=accs[norm], accs=accs, bpb=float(np.mean(gold_bpb)),
-                         chance=float(np.mean(chance)), majority=float(np.bincount(golds).max() / n), file=t["path"])
+                         chance=float(np.mean([1 / len(i.continuations) for i in items])),
+                         majority=float(np.bincount([i.gold for i in items]).max() / n), file=t["path"])
     return out
 
 
@@ -675,7 +544,8 @@ def print_tasks(res, style):
           + " ".join(f"{k:>9}" for k in NORMS) + f" {'gold bpb':>8}")
     for name, r in res.items():
         print(f"{name:<14} {r['docs']:>5} {r['norm']:>9} {100 * r['acc']:>6.1f} {100 * r['chance']:>6.1f} "
-              f"{100 * r['majority']:>6.1f} | " + " ".join(f"{100 * r['accs'][k]:>9.1f}" for k in NORMS) + f" {r['bpb']:>8.3f}")
+              f"{100 * r['majority']:>6.1f} | " + " ".join(f"{100 * r['accs'][k]:>9.1f}" for k in NORMS)
+              + f" {r['bpb']:>8.3f}")
     if len(res) > 1:
         mean = lambda k: 100 * np.mean([r[k] for r in res.values()])  # noqa: E731
         print(f"{'average':<14} {'':>5} {style:>9} {mean('acc'):>6.1f} {mean('chance'):>6.1f} {mean('majority'):>6.1f}")
@@ -684,9 +554,9 @@ def print_tasks(res, style):
 # --- generation ---------------------------------------------------------------------------------
 
 def pick(logits, temperature=0.0, top_k=0, top_p=1.0, rng=None):
-    """The next token from logits (V,): the argmax at temperature 0 (ties: the lowest id); otherwise a
-    draw from softmax(logits / temperature) over the top_k most likely (0 = all), cut to the smallest
-    set whose probability reaches top_p. On the host in float64, so both backends draw alike."""
+    """The next token from logits (V,): the argmax at temperature 0 (ties: the lowest id), else a draw from
+    softmax(logits / temperature) over the top_k most likely (0 = all) cut to the smallest set reaching top_p.
+    On the host in float64, so both backends draw alike."""
     logits = np.asarray(logits, np.float64)
     if temperature == 0:
         return int(np.argmax(logits))
@@ -699,42 +569,50 @@ def pick(logits, temperature=0.0, top_k=0, top_p=1.0, rng=None):
 
 
 def generate(params, m, prompt_ids, n_new, backend="jax", dtype="float32", temperature=0.0, top_k=0, top_p=1.0,
-             eos=None, seed=0, cache=True):
-    """Up to n_new tokens after prompt_ids (stopping after `eos`), and timings. With the cache, the prompt
-    runs once (prefill) and each new token is one position through every layer; without it, every token
-    re-reads the whole sequence (the reference the cache is tested against)."""
+             eos=None, seed=0, cache=True, tokenizer_size=None):
+    """Up to n_new tokens after prompt_ids (stopping after `eos`), and timings. With the cache the prompt runs
+    once (prefill), then each token is one position through every layer; without it every token re-reads the
+    whole sequence (the reference the cache is tested against). Ids >= tokenizer_size are never picked."""
     prompt = [int(t) for t in prompt_ids] or [m.eos_token_id]  # an empty prompt starts from EOS
     if len(prompt) >= m.max_seq_len:
         raise ValueError(f"the prompt has {len(prompt)} tokens; max_seq_len={m.max_seq_len} leaves no room to generate")
     if len(prompt) + n_new > m.max_seq_len:
-        print(f"warning: stopping at max_seq_len={m.max_seq_len}: {m.max_seq_len - len(prompt)} new tokens, not {n_new}",
-              file=sys.stderr)
+        print(f"warning: stopping at max_seq_len={m.max_seq_len}: {m.max_seq_len - len(prompt)} new tokens, "
+              f"not {n_new}", file=sys.stderr)
     S = min(len(prompt) + n_new, m.max_seq_len)
     model.check_tokens(np.asarray([prompt]), m, "prompt")
-    rng = np.random.default_rng(seed)
-    run = (_jax_steps if backend == "jax" else _torch_steps)(params, m, S, dtype, cache)
+    rng, run = np.random.default_rng(seed), _steps(params, m, S, backend, dtype, cache)
     ids, t0 = list(prompt), time.perf_counter()
     logits = run(ids, 0)  # (V,) after the prompt
     times = [time.perf_counter() - t0]
     for _ in range(n_new):
-        ids.append(pick(logits, temperature, top_k, top_p, rng))
+        # A padded vocabulary's rows past the tokenizer cannot be decoded: cut off (as if -inf) before picking.
+        ids.append(pick(logits[:tokenizer_size], temperature, top_k, top_p, rng))
         if ids[-1] == eos or len(ids) == S:
             break
         t0 = time.perf_counter()
         logits = run(ids, len(ids) - 1)
         times.append(time.perf_counter() - t0)
     # The median step, so that compiling (the first call of each shape in JAX) does not count.
-    return ids[len(prompt):], dict(prompt=len(prompt), prefill_s=times[0], step_s=float(np.median(times[1:] or [np.nan])))
+    step_s = float(np.median(times[1:] or [np.nan]))
+    return ids[len(prompt):], dict(prompt=len(prompt), prefill_s=times[0], step_s=step_s)
 
 
-def _jax_steps(params, m, S, dtype, cache):
+def _steps(params, m, S, backend, dtype, cache):
     """run(ids, n): the logits (V,) that follow ids, given that ids[:n] were seen by earlier calls."""
+    if not cache:  # the whole sequence, read at its last position; in JAX a fixed (1, S) buffer, so one compile
+        load, last = _backend(m, backend, dtype, lambda xp, x, t, n: x[0, n - 1])
+        net, pad = load(params), S if backend == "jax" else 0
+        return lambda ids, _: last(net, [ids + [0] * (pad - len(ids))], len(ids))
+    if backend == "torch":
+        import torch
+        net, dt = model.torch_model(m, params).eval(), getattr(torch, dtype)
+        kv = net.new_cache(1, S, dt)
+        step = torch.no_grad()(lambda ids, n: net.forward_step(torch.tensor([ids[n:]]), n, kv, dt))
+        return lambda ids, n: step(ids, n)[0, -1].float().numpy()
     import jax
     import jax.numpy as jnp
     params = {k: jnp.asarray(v) for k, v in params.items()}
-    if not cache:  # one compiled forward over a fixed (1, S) buffer, read at the last filled position
-        full = jax.jit(lambda p, t, n: model.forward(p, t, m, jnp.dtype(dtype))[0, n - 1].astype(jnp.float32))
-        return lambda ids, _: np.asarray(full(params, jnp.asarray([ids + [0] * (S - len(ids))], jnp.int32), len(ids)))
     # Compiled twice: once for the prompt's length, once for one token. The cache is donated, so XLA
     # updates it in place rather than copying every layer's keys each token.
     step = jax.jit(lambda p, t, pos, c: model.forward_step(p, t, pos, c, m, jnp.dtype(dtype)), donate_argnums=3)
@@ -743,106 +621,76 @@ def _jax_steps(params, m, S, dtype, cache):
     def run(ids, n):
         logits, state["cache"] = step(params, jnp.asarray([ids[n:]], jnp.int32), jnp.int32(n), state["cache"])
         return np.asarray(logits[0, -1].astype(jnp.float32))
-
-    return run
-
-
-def _torch_steps(params, m, S, dtype, cache):
-    import torch
-    net, dt = model.torch_model(m, params).eval(), getattr(torch, dtype)
-    kv = net.new_cache(1, S, dt)
-
-    @torch.no_grad()
-    def run(ids, n):
-        if not cache:
-            return net(torch.tensor([ids]), dt)[0, -1].float().numpy()
-        return net.forward_step(torch.tensor([ids[n:]]), n, kv, dt)[0, -1].float().numpy()
-
     return run
 
 
 # --- command line -------------------------------------------------------------------------------
 
-def _model_args(p):
-    p.add_argument("ckpt", help="our checkpoint directory (HF layout: config.json + model.safetensors)")
-    p.add_argument("--tokenizer", help="'dolma2' or a .tiktoken ranks file (default: from CKPT/nanolmo.json, else dolma2)")
-    p.add_argument("--backend", choices=["jax", "torch"], default="jax")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--batch-tokens", type=int, default=8192, help="padded tokens per forward")
-    p.add_argument("--out", help="write the results here as JSON")
-
-
-def _speed(scorer):
-    return (f"{scorer.requests:,} requests in {scorer.rows:,} rows (shared prefixes run once); "
-            f"scored {scorer.tokens:,} tokens ({scorer.padded:,} with padding) in {scorer.seconds:.1f}s: "
-            f"{scorer.tokens / max(scorer.seconds, 1e-9):,.0f} tokens/s ({scorer.backend}, {scorer.dtype})")
-
-
 def main(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
-    lg = sub.add_parser("logits", help="logits of an HF-format model directory on given tokens")
+    run = argparse.ArgumentParser(add_help=False)  # what every command takes
+    run.add_argument("--backend", choices=["jax", "torch"], default="jax")
+    run.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ck = argparse.ArgumentParser(add_help=False, parents=[run])  # and the commands that read a checkpoint
+    ck.add_argument("ckpt", help="our checkpoint directory (HF layout: config.json + model.safetensors)")
+    ck.add_argument("--tokenizer", help="'dolma2' or a .tiktoken file (default: CKPT/nanolmo.json's, else dolma2)")
+    sc = argparse.ArgumentParser(add_help=False, parents=[ck])  # and the scoring ones
+    sc.add_argument("--batch-tokens", type=int, default=8192, help="padded tokens per forward")
+    sc.add_argument("--limit", type=int, default=0, help="first N documents (of each task); 0 = all")
+    sc.add_argument("--out", help="write the results here as JSON")
+    lg = sub.add_parser("logits", parents=[run], help="logits of an HF-format model directory on given tokens")
     lg.add_argument("dir")
     lg.add_argument("--tokens", required=True, help=".npy of int token ids, shape (B, T)")
     lg.add_argument("--out", required=True, help=".npy to write float32 logits (B, T, V) to")
-    lg.add_argument("--backend", choices=["jax", "torch"], default="jax")
-    lg.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    bp = sub.add_parser("bpb", help="bits per byte per domain of JSON-lines documents, as Paloma")
-    _model_args(bp)
+    bp = sub.add_parser("bpb", parents=[sc], help="bits per byte per domain of JSON-lines documents, as Paloma")
     bp.add_argument("files", nargs="+", help=".jsonl / .jsonl.gz, one {'text': ...} per line")
-    bp.add_argument("--limit", type=int, default=0, help="first N documents only (0 = all)")
-    tk = sub.add_parser("tasks", help="zero-shot multiple-choice accuracy on the OLMo paper's eight tasks")
-    _model_args(tk)
+    tk = sub.add_parser("tasks", parents=[sc], help="zero-shot multiple choice on the OLMo paper's eight tasks")
     tk.add_argument("--tasks", default=",".join(TASKS), help="comma list of " + ", ".join(TASKS))
     tk.add_argument("--data", default="../shared/evaldata", help="folder with hf_validation/ and/or original/")
-    tk.add_argument("--limit", type=int, default=0, help="first N documents of each task (0 = all)")
     tk.add_argument("--norm", choices=["olmes", "catwalk"], default="olmes",
                     help="prompts and per-task normalisation: OLMES v0.1's, or the OLMo paper's (Catwalk)")
-    gen = sub.add_parser("generate", help="continue a prompt, with a KV cache")
-    gen.add_argument("ckpt")
+    gen = sub.add_parser("generate", parents=[ck], help="continue a prompt, with a KV cache")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-new", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=0, help="0 = no cut")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--backend", choices=["jax", "torch"], default="jax")
-    gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    gen.add_argument("--tokenizer", default=None, help="'dolma2' or a ranks file; default: the checkpoint's")
     gen.add_argument("--no-cache", action="store_true", help="recompute the whole sequence for every token")
     args = ap.parse_args(argv)
-
+    if args.command == "logits":
+        out = logits(args.dir, np.load(args.tokens, allow_pickle=False), args.backend, args.dtype, args.tokens)
+        np.save(args.out, out.astype(np.float32))
+        print(f"wrote {args.out}: {out.shape} float32 ({args.backend}, {args.dtype} compute)")
+        return
+    m, params = convert.load_hf(args.ckpt)
+    tok = checkpoint_tokenizer(args.ckpt, m, args.tokenizer)
     if args.command == "generate":
-        m, params = convert.load_hf(args.ckpt)
-        tok = checkpoint_tokenizer(args.ckpt, m, args.tokenizer)
         new, t = generate(params, m, encode(tok, args.prompt), args.max_new, args.backend, args.dtype,
-                          args.temperature, args.top_k, args.top_p, m.eos_token_id, args.seed, not args.no_cache)
+                          args.temperature, args.top_k, args.top_p, m.eos_token_id, args.seed, not args.no_cache,
+                          tokenizer_size=tok.vocab_size)
         print(args.prompt + tok.decode(new))
         print(f"({t['prompt']} prompt tokens, then {len(new)} new ones at {1 / t['step_s']:,.1f} tokens/s (the median "
               f"step); {args.backend}, {args.dtype}, {'no cache' if args.no_cache else 'KV cache'})", file=sys.stderr)
         return
-    if args.command == "logits":
-        tokens = np.load(args.tokens, allow_pickle=False)
-        out = logits(args.dir, tokens, args.backend, args.dtype, args.tokens)
-        np.save(args.out, out.astype(np.float32))
-        print(f"wrote {args.out}: {out.shape} float32 ({args.backend}, {args.dtype} compute)")
-        return
-    scorer, tok = load_model(args.ckpt, args.backend, args.dtype, args.batch_tokens, args.tokenizer)
-    print(f"{args.ckpt}: {scorer.m.family}, max_seq_len {scorer.m.max_seq_len}; tokenizer {tok.name}")
+    s = Scorer(m, params, args.backend, args.dtype, args.batch_tokens)
+    print(f"{args.ckpt}: {m.family}, max_seq_len {m.max_seq_len}; tokenizer {tok.name}")
     if args.command == "bpb":
         docs, empty = read_documents(args.files, args.limit)
         if not docs:
             raise ValueError(f"no documents with text in {', '.join(args.files)}")
-        res = dict(checkpoint=args.ckpt, files=args.files, max_seq_len=scorer.m.max_seq_len, empty_skipped=empty,
-                   **bpb(scorer, tok, docs))
+        res = dict(checkpoint=args.ckpt, files=args.files, max_seq_len=m.max_seq_len, empty_skipped=empty,
+                   **bpb(s, tok, docs))
         print_bpb(res)
     else:
-        names = [n.strip() for n in args.tasks.split(",") if n.strip()]
-        prep = prepare_tasks(names, args.data, tok, args.norm, args.limit)
-        res = dict(checkpoint=args.ckpt, norm=args.norm, limit=args.limit, tasks=score_tasks(scorer, prep))
+        prep = prepare_tasks([n.strip() for n in args.tasks.split(",") if n.strip()], args.data, tok, args.norm,
+                             args.limit)
+        res = dict(checkpoint=args.ckpt, norm=args.norm, limit=args.limit, tasks=score_tasks(s, prep))
         print_tasks(res["tasks"], args.norm)
-    print(_speed(scorer))
-    res["tokens_per_s"] = scorer.tokens / max(scorer.seconds, 1e-9)
+    res["tokens_per_s"] = tps = s.tokens / max(s.seconds, 1e-9)
+    print(f"{s.requests:,} requests in {s.rows:,} rows (shared prefixes run once); scored {s.tokens:,} tokens "
+          f"({s.padded:,} with padding) in {s.seconds:.1f}s: {tps:,.0f} tokens/s ({args.backend}, {args.dtype})")
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
         print(f"wrote {args.out}")

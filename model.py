@@ -293,9 +293,13 @@ def forward(params, tokens, m, dtype=jnp.float32, remat="none", constrain=lambda
         return constrain(layer(p, x, cos, sin, w)), None
 
     x, _ = jax.lax.scan(step, x, (layers, window, inv_freq, rope_scale))
+    return unembed(params, x, m)
+
+
+def unembed(params, x, m):
+    """The final norm and the head: x (B, T, D) -> (B, T, V)."""
     x = layer_norm(x, m.norm_eps) if m.family == "olmo1" else rms_norm(x, params["norm.weight"], m.norm_eps)
-    head = params["embed_tokens.weight" if m.tie_embeddings else "lm_head.weight"]
-    return linear(x, head)  # (B, T, V)
+    return linear(x, params["embed_tokens.weight" if m.tie_embeddings else "lm_head.weight"])
 
 
 # exercise: z_loss
@@ -405,9 +409,7 @@ def forward_step(params, tokens, pos, cache, m, dtype=jnp.float32):
 
         x = block(p, x, attn, m)
         new.append(out["cache"])
-    x = layer_norm(x, m.norm_eps) if m.family == "olmo1" else rms_norm(x, params["norm.weight"], m.norm_eps)
-    head = params["embed_tokens.weight" if m.tie_embeddings else "lm_head.weight"]
-    return linear(x, head), new  # (B, T, V)
+    return unembed(params, x, m), new
 
 
 # === PyTorch =====================================================================================
@@ -584,9 +586,13 @@ class OLMo(nn.Module):
                 x = checkpoint(layer, x, cos, sin, w, use_reentrant=False)
             else:
                 x = layer(x, cos, sin, w, remat_mlp=remat == "mlp")
+        return self.unembed(x, dtype)
+
+    def unembed(self, x, dtype):
+        """The final norm and the head: x (B, T, D) -> (B, T, V)."""
         x = layer_norm_torch(x, self.m.norm_eps) if self.m.family == "olmo1" else self.norm(x)
         head = self.embed_tokens.weight if self.m.tie_embeddings else self.lm_head.weight
-        return F_.linear(x, head.to(dtype))  # (B, T, V)
+        return F_.linear(x, head.to(dtype))
 
     def new_cache(self, B, S, dtype=torch.float32):
         """As the JAX new_cache, in SDPA's layout: per layer k and v (B, K, C, H)."""
@@ -603,23 +609,7 @@ class OLMo(nn.Module):
         for layer, c, w, f, s in zip(self.layers, cache, self.windows, self.inv_freq, self.rope_scale):
             cos, sin = rope_cos_sin_torch(positions, f, s)
             x = layer.cached(x, cos, sin, c, pos, w)
-        x = layer_norm_torch(x, self.m.norm_eps) if self.m.family == "olmo1" else self.norm(x)
-        head = self.embed_tokens.weight if self.m.tie_embeddings else self.lm_head.weight
-        return F_.linear(x, head.to(dtype))  # (B, T, V)
-
-    @torch.no_grad()
-    def reset_parameters(self, generator=None):
-        """Init from the same table as init_params (the same distributions; not the same draws)."""
-        own = dict(self.named_parameters())
-        for name, p in param_table(self.m).items():
-            per_layer = name.startswith("layers.")
-            targets = [own[f"layers.{i}.{name[len('layers.'):]}"] for i in range(self.m.n_layers)] if per_layer else [own[name]]
-            stds = p.std if isinstance(p.std, tuple) else [p.std] * len(targets)
-            for w, std in zip(targets, stds):
-                if std is None:
-                    w.fill_(1.0)
-                else:
-                    nn.init.trunc_normal_(w, 0.0, std, -3 * std, 3 * std, generator=generator)
+        return self.unembed(x, dtype)
 
 
 def cross_entropy_torch(logits, labels, z_loss=0.0):
@@ -635,12 +625,10 @@ def cross_entropy_torch(logits, labels, z_loss=0.0):
 
 
 def torch_model(m, params=None):
-    """An OLMo module holding `params` (stacked, any array type), or freshly initialised ones."""
+    """An OLMo module holding `params` (stacked, any array type), or init_params' draws (seed 0)."""
+    params = init_params(m, jax.random.PRNGKey(0)) if params is None else params
     model = OLMo(m)
-    if params is None:
-        model.reset_parameters()
-    else:
-        model.load_state_dict({k: torch.from_numpy(np.array(v, np.float32)) for k, v in unstack_layers(params).items()})
+    model.load_state_dict({k: torch.from_numpy(np.array(v, np.float32)) for k, v in unstack_layers(params).items()})
     return model
 
 

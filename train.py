@@ -119,6 +119,10 @@ def is_outlier(history, loss, grad_norm):
     return (n >= SKIP_MIN) & (outlier(loss, history["loss"]) | outlier(grad_norm, history["grad_norm"]))
 
 
+def saved_history(meta):
+    return {k: jnp.asarray(v, jnp.int32 if k == "n" else jnp.float32) for k, v in meta["history"].items()}
+
+
 def push_history(history, loss, grad_norm):
     slot = history["n"] % SKIP_WINDOW
     return dict(loss=history["loss"].at[slot].set(loss), grad_norm=history["grad_norm"].at[slot].set(grad_norm),
@@ -337,16 +341,13 @@ class JaxBackend:
         """Params (and moments, history) from a checkpoint; returns (meta, whether moments were there)."""
         state, views, meta = open_checkpoint(path, self.cfg.model, with_optimizer)
         table = model.param_table(self.cfg.model)
-        self.params = {k: read_sharded(state, k, "", p.shape, self.param_sh[k]) for k, p in table.items()}
-        if views is None:
-            self.opt = self.new_optimizer(self.params)
-        else:
-            self.opt = dict(m={k: read_sharded(views, k, "exp_avg.", p.shape, self.param_sh[k]) for k, p in table.items()},
-                            v={k: read_sharded(views, k, "exp_avg_sq.", p.shape, self.param_sh[k]) for k, p in table.items()},
-                            count=jax.device_put(jnp.asarray(int(views["step"]), jnp.int32), self.opt_sh["count"]))
+        read = lambda src, prefix: {k: read_sharded(src, k, prefix, p.shape, self.param_sh[k]) for k, p in table.items()}  # noqa: E731
+        self.params = read(state, "")
+        self.opt = self.new_optimizer(self.params) if views is None else dict(
+            m=read(views, "exp_avg."), v=read(views, "exp_avg_sq."),
+            count=jax.device_put(jnp.asarray(int(views["step"]), jnp.int32), self.opt_sh["count"]))
         if with_history:
-            history = {k: jnp.asarray(v, jnp.int32 if k == "n" else jnp.float32) for k, v in meta["history"].items()}
-            self.history = jax.device_put(history, self.history["n"].sharding)
+            self.history = jax.device_put(saved_history(meta), self.history["n"].sharding)
         return meta, views is not None
 
     def step(self, tokens, lr):
@@ -518,14 +519,13 @@ class TorchBackend:
                 for n, p in self.named.items():
                     self.optim.state[p].update({key: moments[n], "step": torch.tensor(float(views["step"]))})
         if with_history:
-            self.history = {k: jnp.asarray(v, jnp.int32 if k == "n" else jnp.float32) for k, v in meta["history"].items()}
+            self.history = saved_history(meta)
         return meta, views is not None
 
     def step(self, tokens, lr):
         """tokens (B_rank, T): this rank's instances, cut into micro-batches; the same sums as the JAX step."""
         tc = self.cfg.train
-        x = torch.from_numpy(tokens.astype(np.int64)).to(self.device)                     # (B_rank, T)
-        y = torch.from_numpy(model.shift_labels(tokens).astype(np.int64)).to(self.device)  # (B_rank, T)
+        x, y = self._inputs(tokens)  # (B_rank, T) each
         n_total = shard.torch_sum((y != model.IGNORE_INDEX).sum()).clamp(min=1)  # over the global batch, as OLMo-core
         sums = torch.zeros(2, device=self.device)  # loss, ce
         for a in range(self.accum):
@@ -555,10 +555,13 @@ class TorchBackend:
         self.history = push_history(self.history, loss, grad_norm)
         return dict(loss=loss, ce=ce, grad_norm=grad_norm, skipped=not ok)
 
+    def _inputs(self, tokens):
+        """Tokens and their next-token labels as int64 tensors on this rank's device."""
+        return [torch.from_numpy(a.astype(np.int64)).to(self.device) for a in (tokens, model.shift_labels(tokens))]
+
     @torch.no_grad()
     def eval(self, tokens):
-        x = torch.from_numpy(tokens.astype(np.int64)).to(self.device)
-        y = torch.from_numpy(model.shift_labels(tokens).astype(np.int64)).to(self.device)
+        x, y = self._inputs(tokens)
         n = (y != model.IGNORE_INDEX).sum()
         nats = model.cross_entropy_torch(self.net(x, self.dtype), y)[1].double() * n
         s, n = shard.torch_sum(torch.stack([nats, n.double()])).tolist()
@@ -798,7 +801,7 @@ def main(argv):
     if ec.prompt and tok is not None and backend.processes == 1:  # (the sampler wants every weight on one host)
         ids = tok.enc.encode(ec.prompt, allowed_special="all")
         new, _ = evaluate.generate(backend.host_params(), m, ids, ec.sample_tokens, temperature=ec.temperature,
-                                   eos=m.eos_token_id, seed=tc.init_seed)
+                                   eos=m.eos_token_id, seed=tc.init_seed, tokenizer_size=tok.vocab_size)
         print(f"sample: {ec.prompt}{tok.decode(new)!r}")
 
 
@@ -890,12 +893,9 @@ def bench(argv, steps=10):
         run = build({**to_dict(cfg), "train": {**to_dict(cfg)["train"], "compile": compiled}})
         backend = backend_cls(run)
         backend.init(0)
-        if backend_cls is JaxBackend:
-            label = f"nanolmo JAX ({jax.devices()[0].platform}, {tc.compute_dtype})"
-        else:
-            label = f"nanolmo torch {'compiled' if compiled else 'eager'} ({backend.device.type}, {tc.compute_dtype})"
-        rows.append((label, timed(lambda: backend.step(tokens, tc.lr)), backend.peak, backend.n_devices))
-
+        label = (f"nanolmo JAX ({jax.devices()[0].platform}" if backend_cls is JaxBackend else
+                 f"nanolmo torch {'compiled' if compiled else 'eager'} ({backend.device.type}")
+        rows.append((f"{label}, {tc.compute_dtype})", timed(lambda: backend.step(tokens, tc.lr)), backend.peak, backend.n_devices))
 
     try:
         import transformers

@@ -1,22 +1,21 @@
-"""The config schema and its loader: dataclass defaults, then TOML files merged left to right, then
-dotted `--section.key=value` overrides, each checked against the field's type.
+"""The config schema and its loader: dataclass defaults, then TOML files (only what differs from the
+defaults, under `[section]` headers) merged left to right, then dotted `--section.key=value` overrides.
 
     python model.py configs/olmo2-7b.toml                    # a released shape
     python model.py configs/tiny.toml --model.n_layers=8     # a file plus an override
 
-A TOML file holds only what differs from the defaults below, under `[section]` headers. An
-unknown section or key is an error that names the file (or the flag) and suggests a close match.
-Derived values (head_dim, n_kv_heads, mlp_hidden, the YaRN attention factor) are filled in one
-place, `ModelConfig.__post_init__`, which remembers the formula so `describe()` can print it.
+Each value is checked against its field's type; an unknown section or key names the file (or flag) and
+suggests a close match. Derived values (head_dim, n_kv_heads, mlp_hidden, the YaRN attention factor) are
+filled in one place, `ModelConfig.__post_init__`, with the formula `describe()` prints.
 Standard library only: every other file imports this one.
 """
 
 import dataclasses
 import difflib
+import functools
 import json
 import math
 import tomllib
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,7 +24,10 @@ class ConfigError(ValueError):
     """A config that cannot be right: the message names the source, the field and the value."""
 
 
-FAMILIES = {"olmo1", "olmo2", "olmo3"}
+def _need(cfg, ok, name, why):
+    """Unless ok, raise 'section.name=value: why' (the section from the class: ModelConfig -> model)."""
+    if not ok:
+        raise ConfigError(f"{type(cfg).__name__.removesuffix('Config').lower()}.{name}={getattr(cfg, name)!r}: {why}")
 
 
 @dataclass
@@ -59,58 +61,47 @@ class ModelConfig:
     pad_token_id: int = 100277    # dolma2's <|pad|>
 
     def __post_init__(self):
-        self.derived = {}  # name -> formula, for describe(); not a field, so not saved
-        if self.n_kv_heads == 0:
-            self.n_kv_heads = self.n_heads
-            self.derived["n_kv_heads"] = "n_heads"
-        if self.head_dim == 0 and self.n_heads > 0:
-            self.head_dim = self.d_model // self.n_heads
-            self.derived["head_dim"] = "d_model / n_heads"
-        if self.mlp_hidden == 0:
-            # OLMo-core TransformerConfig.llama_like: int(8·D/3) rounded up to a multiple of 256.
-            self.mlp_hidden = 256 * math.ceil(int(8 * self.d_model / 3) / 256)
-            self.derived["mlp_hidden"] = "256·ceil(int(8·d_model/3) / 256)"
-        if self.yarn_factor and self.yarn_attention_factor == 0:
-            self.yarn_attention_factor = 0.1 * math.log(self.yarn_factor) + 1.0
-            self.derived["yarn_attention_factor"] = "0.1·ln(yarn_factor) + 1"
-        self.validate()
-
-    def validate(self):
-        def bad(name, why):
-            raise ConfigError(f"model.{name}={getattr(self, name)!r}: {why}")
-
-        if self.family not in FAMILIES:
-            bad("family", f"must be one of {sorted(FAMILIES)}")
-        for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_hidden", "vocab_size", "max_seq_len"):
-            if getattr(self, name) <= 0:
-                bad(name, "must be positive")
-        if self.n_heads % self.n_kv_heads:
-            bad("n_kv_heads", f"n_heads={self.n_heads} must be a multiple of n_kv_heads (each kv head serves n_heads/n_kv_heads query heads)")
-        if self.head_dim % 2:
-            bad("head_dim", "must be even: RoPE rotates pairs of dimensions")
-        if not self.layer_pattern or set(self.layer_pattern) - {"S", "F"}:
-            bad("layer_pattern", "must be a string of S (sliding window) and F (full attention), e.g. 'SSSF'")
-        if self.n_layers % len(self.layer_pattern):
-            bad("layer_pattern", f"its length {len(self.layer_pattern)} must divide n_layers={self.n_layers}")
-        if ("S" in self.layer_pattern) != (self.sliding_window > 0):
-            bad("sliding_window", f"layer_pattern={self.layer_pattern!r} needs sliding_window > 0 exactly when it has an S layer")
-        if self.sliding_window < 0:
-            bad("sliding_window", "must be >= 0")
-        if self.family != "olmo3" and (self.sliding_window or self.yarn_factor):
-            bad("family", "sliding windows and YaRN need family 'olmo3' (HF Olmo3ForCausalLM)")
-        if self.clip_qkv and self.family != "olmo1":
-            bad("clip_qkv", "only OLMo 1 clamps q, k, v (HF Olmo2/Olmo3 have no clip_qkv)")
-        if self.clip_qkv < 0:
-            bad("clip_qkv", "must be >= 0 (0 = off)")
-        if self.family == "olmo1" and self.norm_eps != 1e-5:
-            bad("norm_eps", "OLMo 1's LayerNorm eps is 1e-5 (HF OlmoLayerNorm hard-codes it)")
-        if self.yarn_factor and self.yarn_factor <= 1:
-            bad("yarn_factor", "must be > 1 (or 0 for no YaRN)")
-        if self.init not in ("normal", "mitchell"):
-            bad("init", "must be 'normal' (OLMo 2/3) or 'mitchell' (OLMo 1)")
+        # A derived value fills a field left at 0 and keeps its formula for describe() (`derived` is not a field,
+        # so not saved). mlp_hidden: OLMo-core's TransformerConfig.llama_like rule.
+        self.derived = {}
+        for name, value, formula in [
+            ("n_kv_heads", self.n_heads, "n_heads"),
+            ("head_dim", self.d_model // self.n_heads if self.n_heads > 0 else 0, "d_model / n_heads"),
+            ("mlp_hidden", 256 * math.ceil(int(8 * self.d_model / 3) / 256), "256·ceil(int(8·d_model/3) / 256)"),
+            ("yarn_attention_factor", 0.1 * math.log(self.yarn_factor) + 1 if self.yarn_factor > 0 else 0.0,
+             "0.1·ln(yarn_factor) + 1"),
+        ]:
+            if getattr(self, name) == 0 and value:
+                setattr(self, name, value)
+                self.derived[name] = formula
+        # The checks, in order: each may rely on those above it (n_kv_heads > 0 before n_heads % n_kv_heads).
+        need, pattern = functools.partial(_need, self), self.layer_pattern
+        need(self.family in ("olmo1", "olmo2", "olmo3"), "family", "must be one of ['olmo1', 'olmo2', 'olmo3']")
+        for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_hidden", "vocab_size",
+                     "max_seq_len"):
+            need(getattr(self, name) > 0, name, "must be positive")
+        need(self.n_heads % self.n_kv_heads == 0, "n_kv_heads", f"n_heads={self.n_heads} must be a multiple of "
+             "n_kv_heads (each kv head serves n_heads/n_kv_heads query heads)")
+        need(self.head_dim % 2 == 0, "head_dim", "must be even: RoPE rotates pairs of dimensions")
+        need(pattern and not set(pattern) - {"S", "F"}, "layer_pattern",
+             "must be a string of S (sliding window) and F (full attention), e.g. 'SSSF'")
+        need(self.n_layers % len(pattern) == 0, "layer_pattern",
+             f"its length {len(pattern)} must divide n_layers={self.n_layers}")
+        need(("S" in pattern) == (self.sliding_window > 0), "sliding_window",
+             f"layer_pattern={pattern!r} needs sliding_window > 0 exactly when it has an S layer")
+        need(self.sliding_window >= 0, "sliding_window", "must be >= 0")
+        need(self.family == "olmo3" or not (self.sliding_window or self.yarn_factor), "family",
+             "sliding windows and YaRN need family 'olmo3' (HF Olmo3ForCausalLM)")
+        need(not self.clip_qkv or self.family == "olmo1", "clip_qkv",
+             "only OLMo 1 clamps q, k, v (HF Olmo2/Olmo3 have no clip_qkv)")
+        need(self.clip_qkv >= 0, "clip_qkv", "must be >= 0 (0 = off)")
+        need(self.family != "olmo1" or self.norm_eps == 1e-5, "norm_eps",
+             "OLMo 1's LayerNorm eps is 1e-5 (HF OlmoLayerNorm hard-codes it)")
+        need(not self.yarn_factor or self.yarn_factor > 1, "yarn_factor", "must be > 1 (or 0 for no YaRN)")
+        need(self.init in ("normal", "mitchell"), "init", "must be 'normal' (OLMo 2/3) or 'mitchell' (OLMo 1)")
         for name in ("eos_token_id", "pad_token_id"):
-            if not 0 <= getattr(self, name) < self.vocab_size:
-                bad(name, f"must be a token id below vocab_size={self.vocab_size}")
+            need(0 <= getattr(self, name) < self.vocab_size, name,
+                 f"must be a token id below vocab_size={self.vocab_size}")
 
     def layer_types(self):
         """Per-layer "S"/"F", the pattern repeated to n_layers."""
@@ -126,8 +117,7 @@ class DataConfig:
 
     def __post_init__(self):
         for name in ("seq_len", "global_batch"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"data.{name}={getattr(self, name)}: must be positive")
+            _need(self, getattr(self, name) > 0, name, "must be positive")
 
 
 @dataclass
@@ -140,8 +130,8 @@ class MeshConfig:
 
     def __post_init__(self):
         for name in ("data", "fsdp", "tensor"):
-            if getattr(self, name) == 0 or getattr(self, name) < -1:
-                raise ConfigError(f"mesh.{name}={getattr(self, name)}: a positive number of devices, or -1 for the rest")
+            _need(self, getattr(self, name) > 0 or getattr(self, name) == -1, name,
+                  "a positive number of devices, or -1 for the rest")
 
 
 @dataclass
@@ -152,7 +142,7 @@ class TrainConfig:
     steps: int = 1000             # optimizer steps in this stage
     micro_batch: int = 0          # instances per device per forward/backward; 0 = all of them (no accumulation)
     compute_dtype: str = "float32"  # float32 | bfloat16 (params and optimizer state stay fp32)
-    remat: str = "none"           # activation checkpointing: none | block (recompute each layer) | mlp (OLMo 3 mid-training)
+    remat: str = "none"           # activation checkpointing: none | block (each layer) | mlp (OLMo 3 mid-training)
     init_seed: int = 0
     init_from: str = ""           # start a new stage from this checkpoint: its params (and moments), step 0
     load_optimizer: bool = True   # with init_from: also take its AdamW moments (OLMo 3 mid-training does)
@@ -175,16 +165,14 @@ class TrainConfig:
     keep: int = 2                 # checkpoints kept (the newest)
 
     def __post_init__(self):
-        choices = dict(backend=("jax", "torch"), compute_dtype=("float32", "bfloat16"), remat=("none", "block", "mlp"), schedule=("cosine", "linear", "half_cosine", "constant"),
-                       units=("steps", "tokens"))
+        choices = dict(backend=["jax", "torch"], compute_dtype=["float32", "bfloat16"], remat=["none", "block", "mlp"],
+                       schedule=["cosine", "linear", "half_cosine", "constant"], units=["steps", "tokens"])
         for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ConfigError(f"train.{name}={getattr(self, name)!r}: must be one of {list(allowed)}")
+            _need(self, getattr(self, name) in allowed, name, f"must be one of {allowed}")
         for name in ("steps", "log_every", "checkpoint_every", "keep"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"train.{name}={getattr(self, name)}: must be positive")
-        if self.micro_batch < 0 or self.warmup < 0 or self.t_max < 0:
-            raise ConfigError("train.micro_batch, train.warmup and train.t_max must be >= 0")
+            _need(self, getattr(self, name) > 0, name, "must be positive")
+        for name in ("micro_batch", "warmup", "t_max"):
+            _need(self, getattr(self, name) >= 0, name, "must be >= 0")
 
 
 @dataclass
@@ -202,10 +190,8 @@ class EvalConfig:
     tasks_norm: str = "olmes"     # olmes | catwalk: prompts and per-task normalisation (eval.py tasks --norm)
 
     def __post_init__(self):
-        if self.tasks_norm not in ("olmes", "catwalk"):
-            raise ConfigError(f"eval.tasks_norm={self.tasks_norm!r}: must be one of ['olmes', 'catwalk']")
-        if self.tasks_limit < 0:
-            raise ConfigError(f"eval.tasks_limit={self.tasks_limit}: must be >= 0 (0 = all)")
+        _need(self, self.tasks_norm in ("olmes", "catwalk"), "tasks_norm", "must be one of ['olmes', 'catwalk']")
+        _need(self, self.tasks_limit >= 0, "tasks_limit", "must be >= 0 (0 = all)")
 
 
 @dataclass
@@ -219,82 +205,66 @@ class Config:
 
 # --- loading -------------------------------------------------------------------------------------
 
-def _sections():
-    return {f.name: f.type for f in dataclasses.fields(Config)}
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}  # "model" -> ModelConfig, ...
 
 
 def _check(section, key, value, source):
     """Type-check one value against the dataclass field; return it (ints widen to float)."""
-    sections = _sections()
-    if section not in sections:
-        hint = difflib.get_close_matches(section, sections, n=1)
+    if section not in SECTIONS:
+        hint = difflib.get_close_matches(section, SECTIONS, n=1)
         raise ConfigError(f"{source}: unknown section [{section}]" + (f" (did you mean [{hint[0]}]?)" if hint else ""))
-    cls = sections[section]
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    if key not in names:
-        hint = difflib.get_close_matches(key, names, n=1)
-        raise ConfigError(f"{source}: unknown key {section}.{key}" + (f" (did you mean {section}.{hint[0]}?)" if hint else ""))
-    want = hints[key]
-    if want is float and type(value) is int:
-        value = float(value)
+    types = {f.name: f.type for f in dataclasses.fields(SECTIONS[section])}
+    if key not in types:
+        hint = difflib.get_close_matches(key, types, n=1)
+        raise ConfigError(f"{source}: unknown key {section}.{key}"
+                          + (f" (did you mean {section}.{hint[0]}?)" if hint else ""))
+    want = types[key]
+    value = float(value) if want is float and type(value) is int else value
     if type(value) is not want:  # exact: a bool is not an int here, an int is not a str
         raise ConfigError(f"{source}: {section}.{key}={value!r} is {type(value).__name__}, expected {want.__name__}")
     return value
 
 
-def _parse_override(arg):
-    """'--model.d_model=512' -> ('model', 'd_model', 512). Values follow TOML; a bare word is a string."""
-    body = arg[2:]
-    if "=" not in body or "." not in body.split("=", 1)[0]:
-        raise ConfigError(f"{arg}: overrides look like --section.key=value, e.g. --model.n_layers=8")
-    dotted, raw = body.split("=", 1)
-    section, key = dotted.split(".", 1)
-    try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw
-    return section, key, value
-
-
 def load_config(argv):
-    """Build a Config from TOML paths and --section.key=value overrides, in the order given."""
-    merged, sources = {}, []
+    """Build a Config from TOML paths and --section.key=value overrides (values follow TOML; a bare word is
+    a string), in the order given. An error names the argument it comes from."""
+    merged = {}
     for arg in argv:
         if arg.startswith("--"):
-            section, key, value = _parse_override(arg)
-            merged.setdefault(section, {})[key] = _check(section, key, value, arg)
-            sources.append(arg)
-            continue
-        path = Path(arg)
-        if not path.is_file():
+            dotted, eq, raw = arg[2:].partition("=")
+            if not eq or "." not in dotted:
+                raise ConfigError(f"{arg}: overrides look like --section.key=value, e.g. --model.n_layers=8")
+            try:
+                value = tomllib.loads(f"v = {raw}")["v"]
+            except tomllib.TOMLDecodeError:
+                value = raw
+            section, key = dotted.split(".", 1)
+            data = {section: {key: value}}
+        elif not Path(arg).is_file():
             raise ConfigError(f"config file {arg} not found")
-        try:
-            data = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{arg}: not valid TOML: {e}") from e
+        else:
+            try:
+                data = tomllib.loads(Path(arg).read_text())
+            except tomllib.TOMLDecodeError as e:
+                raise ConfigError(f"{arg}: not valid TOML: {e}") from e
         for section, table in data.items():
             if not isinstance(table, dict):
                 raise ConfigError(f"{arg}: top-level key {section!r} must sit under a [section] header such as [model]")
             for key, value in table.items():
                 merged.setdefault(section, {})[key] = _check(section, key, value, arg)
-        sources.append(arg)
-    return build(merged, " + ".join(sources) or "defaults")
+    return build(merged, " + ".join(argv) or "defaults")
 
 
 def build(merged, source="config"):
-    """Config from {section: {key: value}}; errors from validation name the sources."""
-    for section, table in merged.items():
-        for key, value in table.items():
-            _check(section, key, value, source)
+    """Config from {section: {key: value}}; errors name the sources."""
+    merged = {s: {k: _check(s, k, v, source) for k, v in table.items()} for s, table in merged.items()}
     try:
-        return Config(**{s: cls(**merged.get(s, {})) for s, cls in _sections().items()})
+        return Config(**{s: cls(**merged.get(s, {})) for s, cls in SECTIONS.items()})
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
 
 
-def to_dict(cfg):
-    return dataclasses.asdict(cfg)
+to_dict = dataclasses.asdict  # the config as plain {section: {key: value}}
 
 
 def save_json(cfg, path):
@@ -309,10 +279,8 @@ def load_json(path):
 def describe(cfg):
     """The resolved config as aligned lines, derived values with their formula."""
     lines = []
-    for section in _sections():
-        sub = getattr(cfg, section)
-        for f in dataclasses.fields(sub):
-            value = getattr(sub, f.name)
-            formula = getattr(sub, "derived", {}).get(f.name)
-            lines.append(f"{section}.{f.name:<26} {value!r}" + (f"    = {formula}" if formula else ""))
+    for section in SECTIONS:
+        derived = getattr(getattr(cfg, section), "derived", {})
+        for key, value in to_dict(getattr(cfg, section)).items():
+            lines.append(f"{section}.{key:<26} {value!r}" + (f"    = {derived[key]}" if key in derived else ""))
     return "\n".join(lines)

@@ -48,7 +48,10 @@ def setup(tmp_path_factory):
     for i, p in enumerate(paras):
         (docs / f"{i:03d}.txt").write_text(p * 3)
     data.save_ranks(data.train_bpe([(ROOT / "LICENSE").read_text()], 384), root / "bpe.tiktoken")
-    data.prepare([docs], root / "data", str(root / "bpe.tiktoken"), heldout=0.1, workers=1, quiet=True)
+    # Held out by a hash of the text: 0.2 holds out 5 of these 33 documents (0.1 would hold out none),
+    # so the training tests run their held-out eval too.
+    report = data.prepare([docs], root / "data", str(root / "bpe.tiktoken"), heldout=0.2, workers=1, quiet=True)
+    assert report["splits"]["heldout"]["documents"] > 0
     toml = root / "small.toml"
     toml.write_text(SMALL.replace("[data]\n", f'[data]\npath = "{root / "data"}"\n'))
     return root, toml

@@ -203,6 +203,30 @@ def test_olmo_core_checkpoints(layout, tmp_path):
     assert rel(hf_logits(net, toks), ours(params, m, toks)) < 1e-5
 
 
+@pytest.fixture(scope="module")
+def olmo_core_files(tmp_path_factory):
+    """Files OLMo-core 3.0.0 itself wrote (its Trainer, Checkpointer and unshard_checkpoint), with its model's
+    logits: tests/fixtures/olmo_core/make_fixture.py says how they were made."""
+    import tarfile
+    d = tmp_path_factory.mktemp("olmo_core")
+    with tarfile.open(ROOT / "tests/fixtures/olmo_core/olmo_core_3.0.0.tar.xz") as tar:
+        tar.extractall(d, filter="data")
+    return d
+
+
+@pytest.mark.parametrize("form", ["step2", "step2/model_and_optim", "unsharded/model.pt", "unsharded/model.safetensors"])
+def test_real_olmo_core_checkpoints(form, olmo_core_files, tmp_path):
+    """Each form OLMo-core writes converts, and our model on the result gives OLMo-core's own logits."""
+    d = olmo_core_files
+    config = d / "step2/config.json" if form.startswith("unsharded") else None  # unshard_checkpoint writes none
+    s = convert.open_source(d / form, config)
+    assert (s.kind, s.m.family, s.m.layer_types(), s.m.sliding_window) == ("olmo_core", "olmo3", "SSF", 4)
+    convert.convert(d / form, tmp_path / "ours", config=config)
+    m, params = loaded(tmp_path / "ours")
+    toks = np.load(d / "tokens.npy")
+    assert rel(ours(params, m, toks), np.load(d / "logits.npy")) < 1e-5
+
+
 # --- release directories: trimmed vocabulary, shards, tokenizer files --------------------------------
 
 @pytest.fixture(scope="module")

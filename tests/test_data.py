@@ -1,6 +1,7 @@
 """data.py: tokenizers against their references, prepare's outputs and errors, and OLMo-core's order."""
 import gzip
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -123,9 +124,9 @@ def test_prepare_outputs_metadata_and_index(tmp_path, bpe):
     assert r["splits"]["train"]["documents"] + r["splits"]["heldout"]["documents"] == 60
     assert 3 <= r["splits"]["heldout"]["documents"] <= 25  # 20% of 60 by hash
     assert train[0].dtype == np.uint16 and r["dtype"] == "uint16"
-    # Held out exactly the documents whose id hash falls below the fraction.
+    # Held out exactly the documents whose text hash falls below the fraction.
     names = {f"doc{i:03d}.txt" for i in range(60)}
-    want_held = {n for n in names if data.heldout_score(n) < 0.2}
+    want_held = {n for n in names if data.heldout_score((docs / n).read_text()) < 0.2}
     got_held = {Path(held[0].sources[s]).name for s in held[0].docs[:, 1]}
     assert got_held == want_held
     # Every document decodes back to its source text followed by EOS.
@@ -357,12 +358,26 @@ def test_cli_inspect_and_verify(tmp_path, bpe, capsys):
     data.main(["verify", str(tmp_path / "out"), "--seq-len", "32", "--global-batch", "4", "--seed", "1"])
     assert capsys.readouterr().out.startswith("ok: ")
     # A held-out document copied into training is a violation verify must report.
-    held = data.dataset_files(tmp_path / "out", "heldout")[0]
-    assert len(held.docs)
-    leak = tmp_path / "leak"
-    write_docs(leak, 12)
-    src = Path(held.sources[held.docs[0, 1]])
-    (leak / "copy.txt").write_text(src.read_text())
-    data.prepare([leak], tmp_path / "leaky", str(bpe), heldout=0.2, workers=1, quiet=True)
-    with pytest.raises(SystemExit, match="verify failed: .*identical copy in training"):
-        data.main(["verify", str(tmp_path / "leaky"), "--seq-len", "32", "--global-batch", "4", "--seed", "1"])
+    out = tmp_path / "out"
+    assert len(data.dataset_files(out, "heldout")[0].docs)
+    for suffix in (".bin", ".json", ".docs.npy"):
+        shutil.copy(out / f"heldout/part-00000{suffix}", out / f"train/part-00001{suffix}")
+    with pytest.raises(SystemExit, match=r"verify failed: .*identical copy in training, e\.g\. .*doc\d+\.txt:0"):
+        data.main(["verify", str(out), "--seq-len", "32", "--global-batch", "4", "--seed", "1"])
+
+
+def test_duplicates_under_different_ids_verify(tmp_path, bpe, capsys):
+    # BoolQ-like data: one passage under several ids, and a .txt copy under a third id; held out by id hash,
+    # the copies landed on both sides and prepare's own output failed verify.
+    (tmp_path / "in").mkdir()
+    with open(tmp_path / "in/qa.jsonl", "w") as f:
+        for i in range(60):
+            for q in range(3):
+                f.write(json.dumps({"id": f"q{i}-{q}", "text": PARAGRAPHS[i % len(PARAGRAPHS)] + f" {i}"}) + "\n")
+    for i in range(20):
+        (tmp_path / f"in/copy{i}.txt").write_text(PARAGRAPHS[i % len(PARAGRAPHS)] + f" {i}")
+    r = data.prepare([tmp_path / "in"], tmp_path / "out", str(bpe), heldout=0.3, workers=1, quiet=True)
+    assert r["splits"]["train"]["documents"] + r["splits"]["heldout"]["documents"] == 200
+    assert r["splits"]["heldout"]["documents"] >= 20
+    data.main(["verify", str(tmp_path / "out"), "--seq-len", "32", "--global-batch", "4", "--seed", "1"])
+    assert capsys.readouterr().out.startswith("ok: ")

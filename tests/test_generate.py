@@ -1,4 +1,5 @@
 """Generation: the KV cache against the plain forward in both backends, the sampler, the command line."""
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 import convert
+import data
 import eval as evaluate
 import model
 from common import random_params, variant
@@ -82,3 +84,28 @@ def test_generate_command(setup, tmp_path):
     r = subprocess.run(cmd[:4] + ["--prompt", "x" * 400, "--tokenizer", str(root / "bpe.tiktoken")], cwd=ROOT,
                        capture_output=True, text=True)
     assert r.returncode and "max_seq_len=32 leaves no room" in r.stderr
+
+
+def test_padding_ids_are_never_generated(setup, tmp_path, capsys):
+    """A padded vocabulary (OLMo's embedding has 100352 rows, its tokenizer 100278 ids): the head's padding
+    rows are +-10 times the real rows, so a padding id beats every real one at every step. Greedy and
+    sampled, in both backends and from the command line, only ids the tokenizer can decode come out."""
+    root, toml = setup
+    tok = data.load_tokenizer(str(root / "bpe.tiktoken"))
+    n = tok.vocab_size
+    m = dataclasses.replace(load_config([str(toml)]).model, vocab_size=3 * n)
+    params = random_params(m, seed=4)
+    head = params["lm_head.weight"]
+    head[n:] = np.concatenate([10 * head[:n], -10 * head[:n]])
+    ids = tok.enc.encode("Licensed under")
+    for backend in ("jax", "torch"):
+        assert max(evaluate.generate(params, m, ids, 12, backend)[0]) >= n  # without the tokenizer's size
+        for temperature, top_k, top_p in [(0.0, 0, 1.0), (1.0, 0, 1.0), (1.0, 5, 0.9)]:
+            new, _ = evaluate.generate(params, m, ids, 12, backend, temperature=temperature, top_k=top_k, top_p=top_p,
+                                       tokenizer_size=n)
+            assert len(new) == 12 and max(new) < n, (backend, temperature, new)
+            tok.decode(new)
+    convert.save_hf(tmp_path / "ckpt", m, params)
+    evaluate.main(["generate", str(tmp_path / "ckpt"), "--prompt", "Licensed under", "--max-new", "12",
+                   "--tokenizer", str(root / "bpe.tiktoken"), "--temperature", "1.0"])
+    assert capsys.readouterr().out.startswith("Licensed under")
