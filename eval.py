@@ -16,7 +16,6 @@ the same in both backends (tests/test_hf.py). More in docs/evaluation.md.
 import argparse
 import itertools
 import json
-import math
 import re
 import sys
 import time
@@ -48,12 +47,6 @@ def _backend(m, backend, dtype, fn):
     return lambda params: model.torch_model(m, params).eval(), run
 
 
-def logits(d, tokens, backend="jax", dtype="float32", source="tokens"):
-    m, params = convert.load_hf(d)
-    load, run = _backend(m, backend, dtype, lambda xp, x, t: x)
-    return run(load(params), model.check_tokens(tokens, m, source))
-
-
 def token_bytes(tok):
     """UTF-8 bytes per token id, none for specials (EOS, PAD): bits per byte compare across tokenizers."""
     special = set(tok.enc.special_tokens_set)
@@ -65,22 +58,30 @@ def bits_per_byte(nats, n_bytes):
     return nats / (np.log(2) * n_bytes) if n_bytes else float("nan")
 
 
+def unigram_bpb(instances, heldout, token_bytes, V):
+    """Bits per byte of the best context-free model: training-token frequencies (add-one smoothed)."""
+    counts = np.ones(V, np.float64)
+    for f in instances.files:
+        counts += np.bincount(np.asarray(f.array()[: f.tokens // instances.seq_len * instances.seq_len]), minlength=V)[:V]
+    logp = np.log(counts / counts.sum())
+    nats = n_bytes = 0.0
+    for f in heldout.files:
+        a = np.asarray(f.array()[: f.tokens // heldout.seq_len * heldout.seq_len]).reshape(-1, heldout.seq_len)[:, 1:]
+        nats -= logp[a].sum()
+        n_bytes += token_bytes[a].sum()
+    return bits_per_byte(nats, n_bytes)
+
+
 # --- checkpoints and tokenizers -------------------------------------------------------------------
 
-DOLMA2_EOS, DOLMA2_IDS = 100257, 100278
-
-
 def checkpoint_tokenizer(ckpt, m, spec=None):
-    """--tokenizer SPEC, else the dataset named in CKPT/nanolmo.json, else dolma2 when the model's ids are
-    dolma2's. The tokenizer must fit the model's vocabulary and share its EOS (the empty-context token)."""
+    """CKPT's tokenizer (see the module docstring). It must fit the model's ids and share its EOS, the empty context."""
     meta = Path(ckpt) / "nanolmo.json"
     dataset = json.loads(meta.read_text())["config"]["data"]["path"] if meta.is_file() else None
-    if spec:
-        tok = data.load_tokenizer(spec)
-    elif dataset and (Path(dataset) / "prepare.json").is_file():
+    if not spec and dataset and (Path(dataset) / "prepare.json").is_file():
         tok = data.dataset_tokenizer(dataset)
-    elif m.eos_token_id == DOLMA2_EOS and m.vocab_size >= DOLMA2_IDS:
-        tok = data.load_tokenizer("dolma2")
+    elif spec or m.eos_token_id == data.DOLMA2_ADDED["<|endoftext|>"] and m.vocab_size > data.DOLMA2_ADDED["<|pad|>"]:
+        tok = data.load_tokenizer(spec or "dolma2")
     else:
         why = (f"{meta} names data.path={dataset!r}, which is not a prepared folder from here" if dataset
                else f"{ckpt} has no nanolmo.json")
@@ -98,14 +99,12 @@ def encode(tok, text):
 
 
 # --- scoring: log p(continuation | context) for many requests --------------------------------------
-# A request is (context ids, continuation ids); its model input is the row (ctx + cont)[:-1], left-truncated
-# to max_seq_len as OLMo does, and its score the sum of log p over the continuation positions.
-# Shared contexts run once: the forward is causal, so a row that is a prefix of another gets the same logits
-# inside the longer one's forward, and in the sorted distinct rows a row's extensions follow it: one backward
-# pass finds each row's "host", the longest row it is a prefix of. So one-token options (BoolQ's " yes"/" no",
-# many "Answer:" requests) read off their context's forward and identical requests run once (options that
-# differ in their first token still each run their context). A host does not predict a hosted request's last
-# token itself: each row carries up to J such extra (position, token) queries; a host with more runs again.
+# A request is (context ids, continuation ids); its model input is the row (ctx + cont)[:-1], left-truncated to
+# max_seq_len as OLMo does; its score, the summed log p of the continuation. The forward is causal, so a row that is
+# a prefix of another gets the same logits inside the longer one's forward: each distinct row runs only in its
+# "host", the longest row it is a prefix of (in sorted order, a row's extensions follow it). So one-token options
+# (BoolQ's " yes"/" no", "Answer:" requests) read off their context's forward. A host does not predict a hosted
+# row's last token itself: each row carries up to J such extra (position, token) queries; a host with more runs again.
 
 J = 8  # extra (position, token) queries per row
 
@@ -129,31 +128,27 @@ class Scorer:
             raise ValueError(f"backend {backend!r} / dtype {dtype!r}: expected jax|torch and float32|bfloat16")
         self.m, self.params, self.backend, self.dtype, self.batch_tokens = m, params, backend, dtype, batch_tokens
         # positions run (real, padded) for tokens/s; requests asked for, rows run (fewer: shared prefixes)
-        self.tokens = self.padded = self.requests = self.rows = 0
-        self.seconds, self._net_for = 0.0, None
+        self.tokens = self.padded = self.requests = self.rows = self.seconds = 0
+        self._net_for = None
         self._load, self._score = _backend(m, backend, dtype, _score)
 
     def loglikelihoods(self, requests, desc="score"):
         """[(context ids, continuation ids)] -> (log-likelihoods float64 (R,), scored tokens int64 (R,)). An empty
         context becomes [EOS] (catwalk); of a continuation longer than max_seq_len, the last max_seq_len count."""
         L, eos, V = self.m.max_seq_len, self.m.eos_token_id, self.m.vocab_size
-        rows_in, finals, n_pred = [], [], []
+        reqs = []  # (row, its final token, tokens scored)
         for i, (ctx, cont) in enumerate(requests):
-            if len(cont) == 0:
-                raise ValueError(f"request {i}: empty continuation, nothing to score")
             keep = (([*ctx] or [eos]) + [*cont])[-(L + 1):]  # (ctx + cont[:-1])[-L:] as the input, like OLMo
-            if not 0 <= min(keep) <= max(keep) < V:
-                raise ValueError(f"request {i}: token id {min(keep) if min(keep) < 0 else max(keep)} is out of range "
-                                 f"for vocab_size={V}")
-            rows_in.append(tuple(keep[:-1]))
-            finals.append(keep[-1])
-            n_pred.append(min(len(cont), len(keep) - 1))
+            if len(cont) == 0 or not 0 <= min(keep) <= max(keep) < V:
+                bad = f"token id {min(keep) if min(keep) < 0 else max(keep)} is out of range for vocab_size={V}"
+                raise ValueError(f"request {i}: " + (bad if len(cont) else "empty continuation, nothing to score"))
+            reqs.append((tuple(keep[:-1]), keep[-1], min(len(cont), len(keep) - 1)))
         host, last = {}, None  # for each distinct row, the longest row it is a prefix of
-        for r in sorted(set(rows_in), reverse=True):
+        for r in sorted({r for r, *_ in reqs}, reverse=True):
             host[r] = host[last] if last and last[:len(r)] == r else r
             last = r
         queries = defaultdict(dict)  # host -> its distinct extra (position, token) queries, as dict keys
-        for r, tok in zip(rows_in, finals):
+        for r, tok, _ in reqs:
             queries[host[r]][len(r) - 1, tok] = None
         rows = [(h, [*qs][i:i + J]) for h, qs in queries.items() for i in range(0, len(qs), J)]  # up to J queries each
         self.requests, self.rows = self.requests + len(requests), self.rows + len(rows)
@@ -176,13 +171,12 @@ class Scorer:
             for b, (h, qs) in enumerate(batch):
                 own_cs[h] = np.concatenate([[0.0], np.cumsum(own[b, :len(h)], dtype=np.float64)])
                 extra.update(((h, *x), float(e)) for x, e in zip(qs, ex[b]))
-                self.tokens += len(h)
-            self.padded += B * T
+            self.tokens, self.padded = self.tokens + sum(len(h) for h, _ in batch), self.padded + B * T
         self.seconds += time.perf_counter() - t0
         # positions len(r)-n .. len(r)-2 read the host's own next tokens; the last one is an extra query
         ll = [own_cs[host[r]][len(r) - 1] - own_cs[host[r]][len(r) - n] + extra[host[r], len(r) - 1, tok]
-              for r, tok, n in zip(rows_in, finals, n_pred)]
-        return np.asarray(ll, np.float64), np.asarray(n_pred, np.int64)
+              for r, tok, n in reqs]
+        return np.asarray(ll, np.float64), np.asarray([n for *_, n in reqs], np.int64)
 
 
 # --- bits per byte, as Paloma -------------------------------------------------------------------
@@ -216,14 +210,10 @@ def read_documents(paths, limit=0):
             raise FileNotFoundError(f"{path}: expected a .jsonl or .jsonl.gz file of documents")
         stem = path.name.removesuffix(".gz").removesuffix(".jsonl")
         for at, rec in _json_lines(path):
-            if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
-                raise ValueError(f"{at}: no string 'text' field")
-            text = data.fix_surrogates(rec["text"])[0]
-            if not text:
-                empty += 1
-                continue
-            source = str(rec.get("source") or stem)
-            docs.append((str(rec.get("subdomain") or rec.get("domain") or source), source, text))
+            text, source = data.fix_surrogates(_field(rec, "text", str, at))[0], str(rec.get("source") or stem)
+            if text:
+                docs.append((str(rec.get("subdomain") or rec.get("domain") or source), source, text))
+            empty += not text
             if limit and len(docs) == limit:
                 return docs, empty
     return docs, empty
@@ -241,7 +231,7 @@ def bpb(scorer, tok, docs):
     domains = {}
     for (source, domain), v in sorted(stats.items()):
         s = dict(source=source, docs=int(v[0]), tokens=int(v[1]), bytes=int(v[2]), nats=float(v[3]))
-        s.update(bpb=bits_per_byte(s["nats"], s["bytes"]), ppl_token=math.exp(s["nats"] / s["tokens"]))
+        s.update(bpb=bits_per_byte(s["nats"], s["bytes"]), ppl_token=float(np.exp(s["nats"] / s["tokens"])))
         domains[domain if domain == source else f"{source}/{domain}"] = s
     macro = {src: float(np.mean([s["bpb"] for s in domains.values() if s["source"] == src]))
              for src in sorted({source for source, _ in stats})}
@@ -274,13 +264,9 @@ def _field(rec, name, kind, at):
 
 def _index(label, n, at, name="label"):
     # an int or a numeric string (HellaSwag's label is a string in HF files, an int in the original jsonl)
-    try:
-        i = int(label)
-    except (TypeError, ValueError):
-        i = -1
-    if isinstance(label, bool) or not 0 <= i < n:
+    if isinstance(label, bool) or str(label).strip() not in map(str, range(n)):
         raise ValueError(f"{at}: {name} {label!r} is not an option index 0..{n - 1}")
-    return i
+    return int(label)
 
 
 def read_choice(rec, at):
@@ -305,9 +291,8 @@ def read_choice(rec, at):
 
 def read_boolq(rec, at):
     """HF boolq (question, passage, answer; no title) or the original dev.jsonl (the same plus title)."""
-    title = rec.get("title")
     return dict(question=_field(rec, "question", str, at), passage=_field(rec, "passage", str, at),
-                title=title if isinstance(title, str) and title else None, answer=_field(rec, "answer", bool, at))
+                title=rec.get("title") or None, answer=_field(rec, "answer", bool, at))  # only the original has titles
 
 
 def read_hellaswag(rec, at):
@@ -322,8 +307,7 @@ def read_hellaswag(rec, at):
 
 
 def read_piqa(rec, at):
-    return dict(goal=_field(rec, "goal", str, at), sol1=_field(rec, "sol1", str, at), sol2=_field(rec, "sol2", str, at),
-                gold=_index(rec.get("label"), 2, at))
+    return dict({k: _field(rec, k, str, at) for k in ("goal", "sol1", "sol2")}, gold=_index(rec.get("label"), 2, at))
 
 
 def read_sciq(rec, at):
@@ -339,8 +323,7 @@ def read_winogrande(rec, at):
     answer = rec.get("answer")
     if str(answer) not in ("1", "2") or isinstance(answer, bool):
         raise ValueError(f"{at}: answer {answer!r}; expected '1' or '2'")
-    return dict(sentence=sentence, option1=_field(rec, "option1", str, at), option2=_field(rec, "option2", str, at),
-                gold=int(answer) - 1)
+    return dict({k: _field(rec, k, str, at) for k in ("option1", "option2")}, sentence=sentence, gold=int(answer) - 1)
 
 
 def read_rows(path):
@@ -354,12 +337,8 @@ def read_rows(path):
         out = [(f"{path}[{i}]", r) for i, r in enumerate(rows)]
     else:
         out = list(_json_lines(path))
-    if path.name.endswith(".requests.jsonl.gz"):  # a dump: one line per option; keep each doc once
-        docs = {}
-        for at, r in out:
-            if r.get("doc_id", 0) < 1_000_000:
-                docs.setdefault(r.get("doc_id"), (at, r.get("doc")))
-        out = list(docs.values())
+    if path.name.endswith(".requests.jsonl.gz"):  # a dump: one line per option; each doc once, first-seen order
+        out = list({r["doc_id"]: (at, r["doc"]) for at, r in out if r["doc_id"] < 1_000_000}.values())
     for at, rec in out:
         if not isinstance(rec, dict):
             raise ValueError(f"{at}: expected a JSON object, got {type(rec).__name__}")
@@ -444,8 +423,6 @@ HELLASWAG_SHOTS = [
 
 # A context and a continuation per option; uncond: also score each continuation after "Answer:" (for PMI).
 Item = namedtuple("Item", "contexts continuations gold uncond", defaults=[True])
-
-
 UNCOND = "Answer:"  # catwalk's MultipleChoiceTask.unconditioned_prompt(); oe-eval's doc_id >= 1000000 requests
 
 
@@ -462,18 +439,14 @@ def render(task, doc, style="olmes", shots=0):
         # The original/super_glue passage is "Title -- text"; HF's boolq has no title, and we do not invent one.
         passage = f"{doc['title']} -- {doc['passage']}" if doc["title"] else doc["passage"]
         ctx = f"{passage}\nQuestion: {doc['question']}?\nAnswer:"
-        if style == "catwalk":  # super_glue's label order: 0 = no (matters only for ties)
-            return Item([ctx] * 2, [" no", " yes"], int(doc["answer"]))
-        return Item([ctx] * 2, [" yes", " no"], 0 if doc["answer"] else 1)
+        options = [" no", " yes"] if style == "catwalk" else [" yes", " no"]  # catwalk: super_glue's order (for ties)
+        return Item([ctx] * 2, options, options.index(" yes" if doc["answer"] else " no"))
     if task == "hellaswag":
-        if "query" in doc:
-            query, choices = doc["query"], doc["choices"]
-        else:
-            query = preprocess(doc["activity_label"] + ": " + doc["ctx_a"] + " " + doc["ctx_b"].capitalize(), style)
-            choices = [preprocess(e, style) for e in doc["endings"]]
-        if shots:  # each shot is its query and gold ending; "\n\n" between shots and before the question
-            query = "\n\n".join(preprocess(f"{a}: {x} {b.capitalize()}", style) + " " + preprocess(e, style)
-                                for a, x, b, e in HELLASWAG_SHOTS[:shots]) + "\n\n" + query
+        ask = lambda a, x, b: preprocess(f"{a}: {x} {b.capitalize()}", style)  # noqa: E731
+        query = doc["query"] if "query" in doc else ask(doc["activity_label"], doc["ctx_a"], doc["ctx_b"])
+        choices = doc["choices"] if "query" in doc else [preprocess(e, style) for e in doc["endings"]]
+        shown = [ask(a, x, b) + " " + preprocess(e, style) for a, x, b, e in HELLASWAG_SHOTS[:shots]]  # + gold ending
+        query = "\n\n".join(shown + [query])  # "\n\n" between the shots and before the question
         return Item([query] * len(choices), [" " + c for c in choices], doc["gold"])
     if task == "piqa":
         ctx = f"{'Question' if style == 'catwalk' else 'Goal'}: {doc['goal']}\nAnswer:"
@@ -484,10 +457,8 @@ def render(task, doc, style="olmes", shots=0):
         return Item([ctx] * 4, [" " + o for o in doc["options"]], 3)
     if task == "winogrande":
         # Partial scoring (Trinh & Le): each option completes the text before the blank; the shared rest is scored.
-        s = doc["sentence"]
-        i = s.index("_")
-        return Item([s[:i] + doc["option1"], s[:i] + doc["option2"]], [" " + s[i + 1:].strip()] * 2, doc["gold"],
-                    uncond=False)
+        before, after = doc["sentence"].split("_")
+        return Item([before + doc["option1"], before + doc["option2"]], [" " + after.strip()] * 2, doc["gold"], False)
     raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
 
 
@@ -514,25 +485,22 @@ def prepare_tasks(names, root, tok, style="olmes", limit=0):
 
 
 def score_tasks(scorer, prep):
-    """Per task: accuracy under each normalisation (per_char: LL / len(continuation), its leading space in, as
-    catwalk and OLMES; pmi: LL(cont | ctx) - LL(cont | "Answer:"), not OLMo's in-loop ratio), `acc` under the
-    paper's choice, the gold's bits per byte (OLMo's in-loop bpb), chance, majority (always one option index).
-    Ties go to the first option."""
+    """Per task: accuracy per normalisation (per_char: LL / len(continuation), its leading space in, as catwalk and
+    OLMES; pmi: LL(cont | ctx) - LL(cont | "Answer:"), not OLMo's in-loop ratio), `acc` under the paper's choice, the
+    gold's bits per byte (OLMo's in-loop bpb), chance, majority (always one option index). Ties: the first option."""
     ll, ntok = scorer.loglikelihoods(prep["ids"], "tasks")
     out = {}
     for name, t in prep["tasks"].items():
-        correct, gold_bpb, items = dict.fromkeys(NORMS, 0), [], t["items"]
+        hits, gold_bpb, items = [], [], t["items"]  # hits: per item, per normalisation, whether it picked the gold
         for item, refs in zip(items, t["refs"]):
             K = len(item.continuations)
-            cond, unc = np.asarray(refs[:K]), np.asarray(refs[K:])
-            n_chars = np.array([len(c) for c in item.continuations], np.float64)
-            score = dict(raw=ll[cond], per_token=ll[cond] / ntok[cond], per_char=ll[cond] / n_chars,
-                         pmi=ll[cond] - ll[unc] if len(unc) else ll[cond])
-            for k in NORMS:
-                correct[k] += int(np.argmax(score[k]) == item.gold)  # np.argmax: the first of equal maxima
-            gold_bpb.append(bits_per_byte(-ll[cond[item.gold]], len(item.continuations[item.gold].encode("utf-8"))))
+            lc, unc = ll[refs[:K]], refs[K:]  # lc: LL(cont | ctx) per option
+            score = dict(raw=lc, per_token=lc / ntok[refs[:K]], per_char=lc / [len(c) for c in item.continuations],
+                         pmi=lc - ll[unc] if unc else lc)
+            hits.append([np.argmax(score[k]) == item.gold for k in NORMS])  # np.argmax: the first of equal maxima
+            gold_bpb.append(bits_per_byte(-lc[item.gold], len(item.continuations[item.gold].encode("utf-8"))))
         n, norm = len(items), TASKS[name][2 if prep["style"] == "catwalk" else 3]
-        accs = {k: correct[k] / n for k in NORMS}
+        accs = dict(zip(NORMS, np.mean(hits, 0).tolist()))
         out[name] = dict(docs=n, norm=norm, acc=accs[norm], accs=accs, bpb=float(np.mean(gold_bpb)),
                          chance=float(np.mean([1 / len(i.continuations) for i in items])),
                          majority=float(np.bincount([i.gold for i in items]).max() / n), file=t["path"])
@@ -582,20 +550,18 @@ def generate(params, m, prompt_ids, n_new, backend="jax", dtype="float32", tempe
     S = min(len(prompt) + n_new, m.max_seq_len)
     model.check_tokens(np.asarray([prompt]), m, "prompt")
     rng, run = np.random.default_rng(seed), _steps(params, m, S, backend, dtype, cache)
-    ids, t0 = list(prompt), time.perf_counter()
-    logits = run(ids, 0)  # (V,) after the prompt
-    times = [time.perf_counter() - t0]
-    for _ in range(n_new):
+    ids, times = list(prompt), []
+    for i in range(n_new):
+        t0 = time.perf_counter()
+        logits = run(ids, len(ids) - 1 if i else 0)  # (V,): the first call runs the whole prompt
+        times.append(time.perf_counter() - t0)
         # A padded vocabulary's rows past the tokenizer cannot be decoded: cut off (as if -inf) before picking.
         ids.append(pick(logits[:tokenizer_size], temperature, top_k, top_p, rng))
         if ids[-1] == eos or len(ids) == S:
             break
-        t0 = time.perf_counter()
-        logits = run(ids, len(ids) - 1)
-        times.append(time.perf_counter() - t0)
     # The median step, so that compiling (the first call of each shape in JAX) does not count.
     step_s = float(np.median(times[1:] or [np.nan]))
-    return ids[len(prompt):], dict(prompt=len(prompt), prefill_s=times[0], step_s=step_s)
+    return ids[len(prompt):], dict(prompt=len(prompt), prefill_s=(times or [np.nan])[0], step_s=step_s)
 
 
 def _steps(params, m, S, backend, dtype, cache):
@@ -640,7 +606,7 @@ def main(argv):
     sc.add_argument("--limit", type=int, default=0, help="first N documents (of each task); 0 = all")
     sc.add_argument("--out", help="write the results here as JSON")
     lg = sub.add_parser("logits", parents=[run], help="logits of an HF-format model directory on given tokens")
-    lg.add_argument("dir")
+    lg.add_argument("ckpt", metavar="DIR")
     lg.add_argument("--tokens", required=True, help=".npy of int token ids, shape (B, T)")
     lg.add_argument("--out", required=True, help=".npy to write float32 logits (B, T, V) to")
     bp = sub.add_parser("bpb", parents=[sc], help="bits per byte per domain of JSON-lines documents, as Paloma")
@@ -648,23 +614,22 @@ def main(argv):
     tk = sub.add_parser("tasks", parents=[sc], help="zero-shot multiple choice on the OLMo paper's eight tasks")
     tk.add_argument("--tasks", default=",".join(TASKS), help="comma list of " + ", ".join(TASKS))
     tk.add_argument("--data", default="../shared/evaldata", help="folder with hf_validation/ and/or original/")
-    tk.add_argument("--norm", choices=["olmes", "catwalk"], default="olmes",
-                    help="prompts and per-task normalisation: OLMES v0.1's, or the OLMo paper's (Catwalk)")
+    tk.add_argument("--norm", choices=["olmes", "catwalk"], default="olmes", help="OLMES v0.1's prompts, or Catwalk's")
     gen = sub.add_parser("generate", parents=[ck], help="continue a prompt, with a KV cache")
     gen.add_argument("--prompt", required=True)
-    gen.add_argument("--max-new", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--top-k", type=int, default=0, help="0 = no cut")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=0)
+    for flag, kind, default, why in [("--max-new", int, 64, None), ("--temperature", float, 0.0, "0 = greedy"),
+                                     ("--top-k", int, 0, "0 = no cut"), ("--top-p", float, 1.0, None),
+                                     ("--seed", int, 0, None)]:
+        gen.add_argument(flag, type=kind, default=default, help=why)
     gen.add_argument("--no-cache", action="store_true", help="recompute the whole sequence for every token")
     args = ap.parse_args(argv)
-    if args.command == "logits":
-        out = logits(args.dir, np.load(args.tokens, allow_pickle=False), args.backend, args.dtype, args.tokens)
-        np.save(args.out, out.astype(np.float32))
-        print(f"wrote {args.out}: {out.shape} float32 ({args.backend}, {args.dtype} compute)")
-        return
     m, params = convert.load_hf(args.ckpt)
+    if args.command == "logits":
+        load, forward = _backend(m, args.backend, args.dtype, lambda xp, x, t: x)
+        out = forward(load(params), model.check_tokens(np.load(args.tokens, allow_pickle=False), m, args.tokens))
+        np.save(args.out, out)
+        print(f"wrote {args.out}: {out.shape} {out.dtype} ({args.backend}, {args.dtype} compute)")
+        return
     tok = checkpoint_tokenizer(args.ckpt, m, args.tokenizer)
     if args.command == "generate":
         new, t = generate(params, m, encode(tok, args.prompt), args.max_new, args.backend, args.dtype,
@@ -684,8 +649,7 @@ def main(argv):
                    **bpb(s, tok, docs))
         print_bpb(res)
     else:
-        prep = prepare_tasks([n.strip() for n in args.tasks.split(",") if n.strip()], args.data, tok, args.norm,
-                             args.limit)
+        prep = prepare_tasks(args.tasks.replace(",", " ").split(), args.data, tok, args.norm, args.limit)
         res = dict(checkpoint=args.ckpt, norm=args.norm, limit=args.limit, tasks=score_tasks(s, prep))
         print_tasks(res["tasks"], args.norm)
     res["tokens_per_s"] = tps = s.tokens / max(s.seconds, 1e-9)

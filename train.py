@@ -19,6 +19,7 @@ position, skip-step history). `latest` names the newest complete one; a rerun co
 either backend.
 """
 
+import importlib.util
 import json
 import math
 import os
@@ -242,7 +243,6 @@ def make_train_step(cfg, mesh):
     m, tc = cfg.model, cfg.train
     dtype = jnp.dtype(tc.compute_dtype)
     decay = {k: p.decay and tc.weight_decay > 0 for k, p in model.param_table(m).items()}
-
     constrain = shard.residual_constraint(mesh)
 
     def micro_loss(params, tokens, labels, n_total):
@@ -365,12 +365,9 @@ class JaxBackend:
 
     def pieces(self, kind):
         """(file name, index, numpy) for replica 0 of every shard this process holds."""
-        if kind == "model.":
-            arrays = [(k, v, "model.") for k, v in self.params.items()]
-        else:
-            arrays = ([(k, v, "exp_avg.") for k, v in self.opt["m"].items()] + [(k, v, "exp_avg_sq.") for k, v in self.opt["v"].items()]
-                      + [("step", self.opt["count"], "")])
-        for name, a, prefix in arrays:
+        trees = [("model.", self.params)] if kind == "model." else [("exp_avg.", self.opt["m"]), ("exp_avg_sq.", self.opt["v"]),
+                                                                   ("", {"step": self.opt["count"]})]
+        for name, a, prefix in [(k, v, prefix) for prefix, tree in trees for k, v in tree.items()]:
             files = stored(name, a.shape, prefix)
             for sh in a.addressable_shards:
                 if sh.replica_id:
@@ -599,10 +596,9 @@ def open_data(cfg):
     info = data.load_dataset_info(dc.path)
     if info["vocab_size"] > cfg.model.vocab_size:
         raise ConfigError(f"{dc.path} was tokenized with {info['vocab_size']} ids but model.vocab_size={cfg.model.vocab_size}")
-    held_files = data.dataset_files(dc.path, "heldout")
-    heldout = None
-    if held_files and sum(f.tokens for f in held_files) >= dc.seq_len:
-        heldout = data.Instances([("heldout", held_files, None)], dc.seq_len)
+    held = data.dataset_files(dc.path, "heldout")
+    enough = held and sum(f.tokens for f in held) >= dc.seq_len  # one instance at least
+    heldout = data.Instances([("heldout", held, None)], dc.seq_len) if enough else None
     return instances, heldout, data.dataset_tokenizer(dc.path)
 
 
@@ -632,18 +628,13 @@ def restore(backend, cfg):
 def print_run(cfg, backend, instances, heldout, loader):
     """What this run is: the config, params by group, the batch arithmetic, the layout, the data."""
     m, dc = cfg.model, cfg.data
-    groups = {}
-    for name, p in model.param_table(m).items():
-        group = name.split(".")[1] if name.startswith("layers.") else name.split(".")[0]
-        groups[group] = groups.get(group, 0) + math.prod(p.shape)
     print(describe(cfg))
-    print(f"params {model.count_params(m):,}: " + ", ".join(f"{g} {n:,}" for g, n in groups.items()))
+    print(f"params {model.count_params(m):,} (by tensor: python model.py CONFIG)")
     print(f"tokens/step {dc.global_batch * dc.seq_len:,} = global_batch {dc.global_batch} x seq_len {dc.seq_len}; "
           f"{backend.world} data-parallel rank(s) x {backend.accum} micro-batch(es) of {backend.micro}; "
           f"FLOPs/token {model.flops_per_token(m, dc.seq_len) / 1e6:,.1f}M")
     print(backend.describe())
-    peak = backend.peak
-    print(f"backend {cfg.train.backend}; peak {'%.0f TFLOP/s per device' % (peak / 1e12) if peak else 'unknown: MFU n/a'}")
+    print(f"backend {cfg.train.backend}; peak " + (f"{backend.peak / 1e12:.0f} TFLOP/s per device" if backend.peak else "unknown: MFU n/a"))
     print(f"data: {instances.n:,} instances of {dc.seq_len}, {loader.batches_per_epoch:,} steps per epoch"
           + (f"; held-out {heldout.n:,} instances" if heldout else "; no held-out split"))
 
@@ -671,10 +662,7 @@ def in_loop_tasks(cfg, tok, backend):
     ec = cfg.eval
     if not ec.tasks:
         return None
-    names = [n.strip() for n in ec.tasks.split(",") if n.strip()]
-    unknown = [n for n in names if n not in evaluate.TASKS]
-    if unknown:
-        raise ConfigError(f"eval.tasks={ec.tasks!r}: unknown {unknown}; known: {', '.join(evaluate.TASKS)}")
+    names = ec.tasks.replace(",", " ").split()  # an unknown name: eval.load_task says which are known
     if tok is None:
         raise ConfigError(f"eval.tasks needs a tokenizer, and data.path={cfg.data.path!r} is not a folder from `data.py prepare`")
     if backend.processes > 1:
@@ -788,7 +776,7 @@ def main(argv):
     if final and lead:
         line = f"held-out loss {final['eval_loss']:.4f} nats/token"
         if final["eval_bpb"] is not None:
-            final["unigram_bpb"] = unigram_bpb(instances, heldout, token_bytes, m.vocab_size)
+            final["unigram_bpb"] = evaluate.unigram_bpb(instances, heldout, token_bytes, m.vocab_size)
             line += f", {final['eval_bpb']:.4f} bits/byte (a unigram model of the training tokens: {final['unigram_bpb']:.4f})"
         print(line)
     final.update(task_eval(backend, tasks, cfg))
@@ -805,56 +793,33 @@ def main(argv):
         print(f"sample: {ec.prompt}{tok.decode(new)!r}")
 
 
-def unigram_bpb(instances, heldout, token_bytes, V):
-    """Bits per byte of the best context-free model: training-token frequencies (add-one smoothed)."""
-    counts = np.ones(V, np.float64)
-    for f in instances.files:
-        counts += np.bincount(np.asarray(f.array()[: f.tokens // instances.seq_len * instances.seq_len]), minlength=V)[:V]
-    logp = np.log(counts / counts.sum())
-    nats = n_bytes = 0.0
-    for f in heldout.files:
-        a = np.asarray(f.array()[: f.tokens // heldout.seq_len * heldout.seq_len]).reshape(-1, heldout.seq_len)[:, 1:]
-        nats -= logp[a].sum()
-        n_bytes += token_bytes[a].sum()
-    return evaluate.bits_per_byte(nats, n_bytes)
-
-
 # --- plot ---------------------------------------------------------------------------------------
 
 def plot(run_dirs, out):
     """Training loss (and held-out loss, dashed) against steps, one colour per run. With several runs, a
     second panel shows each one's per-step relative difference from the first, and the largest of each
     is returned (over the steps both logged)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # (imported here: a second or more, and only plots need it)
     many = len(run_dirs) > 1
     fig, axes = plt.subplots(2 if many else 1, 1, figsize=(8, 7 if many else 5), sharex=True, squeeze=False,
                              height_ratios=[2, 1] if many else None)
-    first, diffs = None, []
-    for i, d in enumerate(run_dirs):
-        rows = [json.loads(ln) for ln in (Path(d) / "metrics.jsonl").read_text().splitlines()]
-        if (Path(d) / "final.json").is_file():
-            rows.append(json.loads((Path(d) / "final.json").read_text()))
+    first, diffs, ref = None, [], Path(run_dirs[0]).name
+    for i, d in enumerate(map(Path, run_dirs)):
+        rows = [json.loads(ln) for ln in (d / "metrics.jsonl").read_text().splitlines()]
+        rows += [json.loads((d / "final.json").read_text())] if (d / "final.json").is_file() else []
         loss = {r["step"]: r["loss"] for r in rows if "loss" in r}
         held = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
-        name = Path(d).name
-        if loss:
-            axes[0, 0].plot(list(loss), list(loss.values()), color=f"C{i}", label=f"{name} train", lw=1.5 if i else 2.5)
+        axes[0, 0].plot(list(loss), list(loss.values()), color=f"C{i}", label=f"{d.name} train", lw=1.5 if i else 2.5)
         if held:
-            axes[0, 0].plot(*zip(*held), "--o", color=f"C{i}", markersize=3, label=f"{name} held-out")
-        if first is None:
-            first = loss
-            continue
-        common = sorted(set(first) & set(loss))
-        if not common:
-            continue
-        rel = [abs(loss[s] - first[s]) / abs(first[s]) for s in common]
-        axes[1, 0].semilogy(common, [max(r, 1e-9) for r in rel], color=f"C{i}", lw=1,
-                            label=f"|{name} - {Path(run_dirs[0]).name}| / {Path(run_dirs[0]).name}")
-        j = max(range(len(common)), key=rel.__getitem__)
-        diffs.append(dict(run=str(d), steps=len(common), step=common[j], diff=abs(loss[common[j]] - first[common[j]]),
-                          rel=rel[j]))
+            axes[0, 0].plot(*zip(*held), "--o", color=f"C{i}", markersize=3, label=f"{d.name} held-out")
+        first = loss if first is None else first
+        common = sorted(set(first) & set(loss)) if i else []
+        if common:
+            rel = [abs(loss[s] - first[s]) / abs(first[s]) for s in common]
+            axes[1, 0].semilogy(common, [max(r, 1e-9) for r in rel], color=f"C{i}", lw=1, label=f"|{d.name} - {ref}| / {ref}")
+            j = max(range(len(common)), key=rel.__getitem__)
+            diffs.append(dict(run=str(d), steps=len(common), step=common[j], diff=abs(loss[common[j]] - first[common[j]]),
+                              rel=rel[j]))
     axes[0, 0].set_ylabel("loss (nats/token)")
     if many:
         axes[1, 0].set_ylabel("relative difference")
@@ -897,14 +862,10 @@ def bench(argv, steps=10):
                  f"nanolmo torch {'compiled' if compiled else 'eager'} ({backend.device.type}")
         rows.append((f"{label}, {tc.compute_dtype})", timed(lambda: backend.step(tokens, tc.lr)), backend.peak, backend.n_devices))
 
-    try:
+    if importlib.util.find_spec("transformers"):  # a test extra: without it the table has no reference row
         import transformers
-    except ImportError:
-        transformers = None  # a test extra; the table simply has no reference row
-    if transformers is not None:
         hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**{
-            k: v for k, v in convert.config_to_hf(m).items() if k != "architectures"}))
-        hf.train()
+            k: v for k, v in convert.config_to_hf(m).items() if k != "architectures"}))  # (in train mode)
         optim = torch.optim.AdamW(hf.parameters(), lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps, weight_decay=tc.weight_decay)
         ids = torch.from_numpy(tokens.astype(np.int64))
 

@@ -4,10 +4,9 @@ defaults, under `[section]` headers) merged left to right, then dotted `--sectio
     python model.py configs/olmo2-7b.toml                    # a released shape
     python model.py configs/tiny.toml --model.n_layers=8     # a file plus an override
 
-Each value is checked against its field's type; an unknown section or key names the file (or flag) and
-suggests a close match. Derived values (head_dim, n_kv_heads, mlp_hidden, the YaRN attention factor) are
-filled in one place, `ModelConfig.__post_init__`, with the formula `describe()` prints.
-Standard library only: every other file imports this one.
+Each value is checked against its field's type; an unknown section or key names the file (or flag) and suggests
+a close match. Derived values (head_dim, n_kv_heads, mlp_hidden, the YaRN attention factor) are filled in one
+place, `ModelConfig.__post_init__`, with the formula `describe()` prints. Standard library only: all import it.
 """
 
 import dataclasses
@@ -15,6 +14,7 @@ import difflib
 import functools
 import json
 import math
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +28,20 @@ def _need(cfg, ok, name, why):
     """Unless ok, raise 'section.name=value: why' (the section from the class: ModelConfig -> model)."""
     if not ok:
         raise ConfigError(f"{type(cfg).__name__.removesuffix('Config').lower()}.{name}={getattr(cfg, name)!r}: {why}")
+
+
+def _checks(positive="", nonneg="", devices="", **choices):
+    """A __post_init__ that checks single fields: each named one is > 0, >= 0, a device count, or in its list."""
+    table = [(n, lambda v: v > 0, "must be positive") for n in positive.split()]
+    table += [(n, lambda v: v >= 0, "must be >= 0") for n in nonneg.split()]
+    table += [(n, lambda v: v > 0 or v == -1, "a positive number of devices, or -1 for the rest")
+              for n in devices.split()]
+    table += [(n, lambda v, a=a: v in a, f"must be one of {a}") for n, a in choices.items()]
+
+    def check(cfg):
+        for name, ok, why in table:
+            _need(cfg, ok(getattr(cfg, name)), name, why)
+    return check
 
 
 @dataclass
@@ -76,10 +90,8 @@ class ModelConfig:
                 self.derived[name] = formula
         # The checks, in order: each may rely on those above it (n_kv_heads > 0 before n_heads % n_kv_heads).
         need, pattern = functools.partial(_need, self), self.layer_pattern
-        need(self.family in ("olmo1", "olmo2", "olmo3"), "family", "must be one of ['olmo1', 'olmo2', 'olmo3']")
-        for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_hidden", "vocab_size",
-                     "max_seq_len"):
-            need(getattr(self, name) > 0, name, "must be positive")
+        _checks(positive="d_model n_layers n_heads n_kv_heads head_dim mlp_hidden vocab_size max_seq_len",
+                nonneg="sliding_window clip_qkv", family=["olmo1", "olmo2", "olmo3"], init=["normal", "mitchell"])(self)
         need(self.n_heads % self.n_kv_heads == 0, "n_kv_heads", f"n_heads={self.n_heads} must be a multiple of "
              "n_kv_heads (each kv head serves n_heads/n_kv_heads query heads)")
         need(self.head_dim % 2 == 0, "head_dim", "must be even: RoPE rotates pairs of dimensions")
@@ -89,16 +101,12 @@ class ModelConfig:
              f"its length {len(pattern)} must divide n_layers={self.n_layers}")
         need(("S" in pattern) == (self.sliding_window > 0), "sliding_window",
              f"layer_pattern={pattern!r} needs sliding_window > 0 exactly when it has an S layer")
-        need(self.sliding_window >= 0, "sliding_window", "must be >= 0")
         need(self.family == "olmo3" or not (self.sliding_window or self.yarn_factor), "family",
              "sliding windows and YaRN need family 'olmo3' (HF Olmo3ForCausalLM)")
-        need(not self.clip_qkv or self.family == "olmo1", "clip_qkv",
-             "only OLMo 1 clamps q, k, v (HF Olmo2/Olmo3 have no clip_qkv)")
-        need(self.clip_qkv >= 0, "clip_qkv", "must be >= 0 (0 = off)")
+        need(not self.clip_qkv or self.family == "olmo1", "clip_qkv", "only OLMo 1 clamps q, k, v (HF Olmo2/3 do not)")
         need(self.family != "olmo1" or self.norm_eps == 1e-5, "norm_eps",
              "OLMo 1's LayerNorm eps is 1e-5 (HF OlmoLayerNorm hard-codes it)")
         need(not self.yarn_factor or self.yarn_factor > 1, "yarn_factor", "must be > 1 (or 0 for no YaRN)")
-        need(self.init in ("normal", "mitchell"), "init", "must be 'normal' (OLMo 2/3) or 'mitchell' (OLMo 1)")
         for name in ("eos_token_id", "pad_token_id"):
             need(0 <= getattr(self, name) < self.vocab_size, name,
                  f"must be a token id below vocab_size={self.vocab_size}")
@@ -114,10 +122,7 @@ class DataConfig:
     seq_len: int = 256            # T: tokens per instance
     global_batch: int = 16        # G: instances per optimizer step, over all devices
     seed: int = 0                 # the order: epoch e shuffles with PCG64(seed + e), as OLMo-core
-
-    def __post_init__(self):
-        for name in ("seq_len", "global_batch"):
-            _need(self, getattr(self, name) > 0, name, "must be positive")
+    __post_init__ = _checks(positive="seq_len global_batch")
 
 
 @dataclass
@@ -127,11 +132,7 @@ class MeshConfig:
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
-
-    def __post_init__(self):
-        for name in ("data", "fsdp", "tensor"):
-            _need(self, getattr(self, name) > 0 or getattr(self, name) == -1, name,
-                  "a positive number of devices, or -1 for the rest")
+    __post_init__ = _checks(devices="data fsdp tensor")
 
 
 @dataclass
@@ -163,16 +164,9 @@ class TrainConfig:
     log_every: int = 10
     checkpoint_every: int = 500
     keep: int = 2                 # checkpoints kept (the newest)
-
-    def __post_init__(self):
-        choices = dict(backend=["jax", "torch"], compute_dtype=["float32", "bfloat16"], remat=["none", "block", "mlp"],
-                       schedule=["cosine", "linear", "half_cosine", "constant"], units=["steps", "tokens"])
-        for name, allowed in choices.items():
-            _need(self, getattr(self, name) in allowed, name, f"must be one of {allowed}")
-        for name in ("steps", "log_every", "checkpoint_every", "keep"):
-            _need(self, getattr(self, name) > 0, name, "must be positive")
-        for name in ("micro_batch", "warmup", "t_max"):
-            _need(self, getattr(self, name) >= 0, name, "must be >= 0")
+    __post_init__ = _checks(positive="steps log_every checkpoint_every keep", nonneg="micro_batch warmup t_max",
+                            backend=["jax", "torch"], compute_dtype=["float32", "bfloat16"], units=["steps", "tokens"],
+                            remat=["none", "block", "mlp"], schedule=["cosine", "linear", "half_cosine", "constant"])
 
 
 @dataclass
@@ -188,10 +182,7 @@ class EvalConfig:
     tasks_data: str = "../shared/evaldata"  # a folder laid out like ../shared/evaldata (eval.py tasks --data)
     tasks_limit: int = 100        # the first N documents of each task; 0 = all
     tasks_norm: str = "olmes"     # olmes | catwalk: prompts and per-task normalisation (eval.py tasks --norm)
-
-    def __post_init__(self):
-        _need(self, self.tasks_norm in ("olmes", "catwalk"), "tasks_norm", "must be one of ['olmes', 'catwalk']")
-        _need(self, self.tasks_limit >= 0, "tasks_limit", "must be >= 0 (0 = all)")
+    __post_init__ = _checks(nonneg="tasks_limit", tasks_norm=["olmes", "catwalk"])
 
 
 @dataclass
@@ -226,20 +217,17 @@ def _check(section, key, value, source):
 
 
 def load_config(argv):
-    """Build a Config from TOML paths and --section.key=value overrides (values follow TOML; a bare word is
-    a string), in the order given. An error names the argument it comes from."""
+    """A Config from TOML paths and --section.key=value overrides (TOML values), in order; errors name the argument."""
     merged = {}
     for arg in argv:
         if arg.startswith("--"):
             dotted, eq, raw = arg[2:].partition("=")
-            if not eq or "." not in dotted:
+            if not eq or not re.fullmatch(r"\w+\.\w+", dotted, re.ASCII):
                 raise ConfigError(f"{arg}: overrides look like --section.key=value, e.g. --model.n_layers=8")
-            try:
-                value = tomllib.loads(f"v = {raw}")["v"]
-            except tomllib.TOMLDecodeError:
-                value = raw
-            section, key = dotted.split(".", 1)
-            data = {section: {key: value}}
+            try:  # a dotted TOML key is {section: {key: value}}
+                data = tomllib.loads(f"{dotted} = {raw}")
+            except tomllib.TOMLDecodeError:  # a bare word is a string
+                data = tomllib.loads(f"{dotted} = {json.dumps(raw)}")
         elif not Path(arg).is_file():
             raise ConfigError(f"config file {arg} not found")
         else:
