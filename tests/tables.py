@@ -12,7 +12,7 @@ fails leaves its block alone too, and the script exits non-zero at the end.
 
     seconds  configs, paramtable, corpus, demo, parity, check   (configs, model.py, data/, runs/tiny/, transformers)
     minutes  bench, bench_bf16, databench, eval_tasks, eval_bpb, generate, plan, plan_tpu (libtpu only)
-    longest  curves, curves_lr3e-3: five 300-step training runs from scratch under runs/tables/, and the PNGs
+    longest  curves, curves_own_lr: five 300-step training runs from scratch under runs/tables/, and the PNGs
 """
 
 import json
@@ -336,13 +336,13 @@ def curves():
             f"{finals[0]['eval_bpb']:.5f} (JAX) and {finals[1]['eval_bpb']:.5f} (torch).\n")
 
 
-def curves_lr3e_3():
+def curves_own_lr():
     two = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     runs = [("runs/tables/jax3", "", None), ("runs/tables/torch3", "--train.backend=torch", None),
             ("runs/tables/jax3-2dev", "--mesh.data=2", two)]
     rel, _ = train_runs(runs, 300, "")
     run("python train.py plot runs/tables/jax3 runs/tables/torch3 runs/tables/jax3-2dev")
-    shutil.copy(ROOT / "runs/tables/jax3/loss.png", ROOT / "docs/jax-vs-torch-lr3e-3.png")
+    shutil.copy(ROOT / "runs/tables/jax3/loss.png", ROOT / "docs/jax-vs-torch-own-lr.png")
     return (f"The same three runs at the tiny config's own `lr={TINY.train.lr:g}`: torch, and JAX with `--mesh.data=2` "
             f"under `XLA_FLAGS=--xla_force_host_platform_device_count=2`, each against JAX on one device "
             f"(`python train.py plot runs/tables/jax3 runs/tables/torch3 runs/tables/jax3-2dev`). Over the first "
@@ -354,7 +354,7 @@ def curves_lr3e_3():
 TABLES = {"configs": configs, "paramtable": paramtable, "corpus": corpus, "demo": demo, "parity": parity,
           "check": check, "bench": bench, "bench_bf16": bench_bf16, "databench": databench, "eval_tasks": eval_tasks,
           "eval_bpb": eval_bpb, "generate": generate, "plan": plan, "plan_tpu": plan_tpu, "curves": curves,
-          "curves_lr3e-3": curves_lr3e_3}
+          "curves_own_lr": curves_own_lr}
 
 
 def blocks():
