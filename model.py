@@ -12,10 +12,9 @@ H head dim.
 The three families in one picture (HF names):
     OLMo 1:   x = x + o_proj(attn(LN(x)));        x = x + down(silu(gate(LN(x))) * up(LN(x)))
     OLMo 2/3: x = x + post_attention_layernorm(o_proj(attn(x)));  x = x + post_feedforward_layernorm(mlp(x))
-LN is LayerNorm with no weight or bias; OLMo 2/3 use RMSNorm with a weight, and QK-norm over the
-full projected width (before the split into heads). OLMo 3 adds sliding-window layers (3 sliding :
-1 full) and YaRN on the full layers. Params are always fp32; `dtype` is the compute dtype, and
-norms, RoPE, softmax and the loss run in fp32 whatever it is.
+LN is LayerNorm with no weight or bias; OLMo 2/3 use RMSNorm with a weight, and QK-norm over the full projected
+width (before the split into heads). OLMo 3 adds sliding-window layers (3 sliding : 1 full) and YaRN on the full
+layers. Params are always fp32; `dtype` is the compute dtype; norms, RoPE, softmax and the loss run in fp32.
 """
 
 import math
@@ -87,36 +86,29 @@ def count_params(m):
 
 def flops_per_token(m, T=None):
     """Training FLOPs per token (forward + backward), OLMo-core's convention: 6 per weight that is a
-    matmul (everything but the embedding lookup; a tied head still does its V·D matmul), plus
-    12·N·H per key each query attends to, per layer. Keys: T on full layers (causal masking is not
-    discounted, as usual), min(W, T) on sliding layers."""
+    matmul (all but the embedding lookup; a tied head still does its V·D matmul), plus 12·N·H per key
+    each query attends to, per layer: T on full layers (causal masking not discounted), min(W, T) on sliding."""
     T = T or m.max_seq_len
     matmul = count_params(m) - (0 if m.tie_embeddings else m.vocab_size * m.d_model)
     keys = sum(min(m.sliding_window, T) if kind == "S" else T for kind in m.layer_types())
     return 6 * matmul + 12 * m.n_heads * m.head_dim * keys
 
 
+def layer_name(name, i):  # "layers.mlp.up_proj.weight", 3 -> "layers.3.mlp.up_proj.weight"
+    return name.replace("layers.", f"layers.{i}.", 1)
+
+
 def stack_layers(state, m):
-    """Unstacked state dict ("layers.3.mlp.up_proj.weight") -> stacked params ("layers.mlp.up_proj.weight",
-    leading L). The only place the two layouts meet; numpy in and out (torch tensors are converted)."""
-    out = {}
-    for name in param_table(m):
-        if name.startswith("layers."):
-            rest = name[len("layers."):]
-            out[name] = np.stack([np.asarray(state[f"layers.{i}.{rest}"]) for i in range(m.n_layers)])
-        else:
-            out[name] = np.asarray(state[name])
-    return out
+    """Per-layer state dict (numpy or torch) -> stacked params (leading L), numpy; unstack_layers is the inverse."""
+    return {name: np.stack([np.asarray(state[layer_name(name, i)]) for i in range(m.n_layers)])
+            if name.startswith("layers.") else np.asarray(state[name]) for name in param_table(m)}
 
 
 def unstack_layers(params):
     out = {}
     for name, value in params.items():
-        if name.startswith("layers."):
-            rest = name[len("layers."):]
-            out.update({f"layers.{i}.{rest}": np.asarray(v) for i, v in enumerate(value)})
-        else:
-            out[name] = np.asarray(value)
+        out.update({layer_name(name, i): np.asarray(v) for i, v in enumerate(value)} if name.startswith("layers.")
+                   else {name: np.asarray(value)})
     return out
 
 
@@ -130,9 +122,7 @@ def layer_arrays(m):
     # last bit for some i, which at position 65536 moves the angle by ~1e-2 rad.
     pos_freqs = m.rope_theta ** (torch.arange(0, H, 2, dtype=torch.float32, device="cpu") / H)
     plain = (1.0 / pos_freqs).numpy()
-    full, full_scale = plain, 1.0
-    if m.yarn_factor:
-        full, full_scale = yarn_inv_freq(m, pos_freqs), m.yarn_attention_factor
+    full, full_scale = (yarn_inv_freq(m, pos_freqs), m.yarn_attention_factor) if m.yarn_factor else (plain, 1.0)
     kinds = m.layer_types()
     window = np.array([m.sliding_window if k == "S" else 0 for k in kinds], np.int32)
     inv_freq = np.stack([plain if k == "S" else full for k in kinds]).astype(np.float32)
@@ -141,20 +131,18 @@ def layer_arrays(m):
 
 
 def yarn_inv_freq(m, pos_freqs):
-    """YaRN (HF _compute_yarn_parameters, OLMo-core YaRNRoPEScalingConfig): dimensions that turn more
-    than beta_fast times over the original context keep their frequency, those that turn fewer than
-    beta_slow times are divided by `factor`, and a linear ramp blends the ones in between. Same fp32
-    operations in the same order as HF, so the frequencies are bit-identical."""
+    """YaRN (HF _compute_yarn_parameters, OLMo-core YaRNRoPEScalingConfig): dimensions that turn more than beta_fast
+    times over the original context keep their frequency, those that turn fewer than beta_slow times are divided by
+    `factor`, a linear ramp blends those between. HF's fp32 operations in HF's order: bit-identical frequencies."""
     H, theta, ctx = m.head_dim, m.rope_theta, m.yarn_original_max_seq_len
 
     def dim_for(rotations):  # the dimension index whose wavelength fits `rotations` times into ctx
         return H * math.log(ctx / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
     low = max(math.floor(dim_for(m.yarn_beta_fast)), 0)
     high = min(math.ceil(dim_for(m.yarn_beta_slow)), H - 1)
     if low == high:
         high += 0.001  # HF's guard against dividing by zero
-    ramp = ((torch.arange(H // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(H // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
     keep = 1 - ramp  # 1 = extrapolate (frequency unchanged), 0 = interpolate (divided by factor)
     inv = (1.0 / (m.yarn_factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
     return inv.numpy()
@@ -211,10 +199,10 @@ def attention_mask(T, window, first=0, rows=None):
 
 # exercise: gqa
 def attend(q, k, v, window, scale):
-    """Softmax attention, q (B, T, N, H), k and v (B, T, K, H) -> (B, T, N, H). GQA: query head n reads kv
-    head n // (N/K), as HF repeat_kv; the softmax runs in fp32 inside dot_product_attention. Past Q_BLOCK
-    positions the queries go in blocks, each recomputed in the backward pass, so the (N, T, T) scores
-    never exist in full (at T=8192 they would be 8 GiB per instance per layer). Same numbers either way."""
+    """Softmax attention, q (B, T, N, H), k and v (B, T, K, H) -> (B, T, N, H). GQA: query head n reads kv head
+    n // (N/K) (HF repeat_kv); fp32 softmax in dot_product_attention. Past Q_BLOCK positions queries go in blocks,
+    each recomputed in the backward pass, so the (N, T, T) scores (8 GiB per instance per layer at T=8192) never
+    exist in full. Same numbers either way."""
     T = q.shape[1]
     if T <= Q_BLOCK or T % Q_BLOCK:
         return jax.nn.dot_product_attention(q, k, v, mask=attention_mask(T, window)[None, None], scale=scale)
@@ -273,14 +261,12 @@ def block(p, x, attn, m, ffn=mlp):
 
 
 def forward(params, tokens, m, dtype=jnp.float32, remat="none", constrain=lambda x: x):
-    """tokens (B, T) int -> logits (B, T, V) in `dtype`. Ids must be < V: JAX clamps silently, so callers
-    check (check_tokens) before they get here. `remat` trades compute for memory in training: "block"
-    keeps only each layer's input for the backward pass, "mlp" recomputes just the MLPs. `constrain` is
-    applied to the residual stream (B, T, D) after every layer; shard.py passes one that pins its layout."""
-    B, T = tokens.shape
+    """tokens (B, T) int -> logits (B, T, V) in `dtype`. Ids must be < V: JAX clamps silently, so callers check
+    (check_tokens) first. `remat` trades compute for memory: "block" keeps only each layer's input for the backward
+    pass, "mlp" recomputes just the MLPs. `constrain` (shard.py's pins the layout) follows every layer (B, T, D)."""
     x = constrain(params["embed_tokens.weight"][tokens].astype(dtype))  # (B, T, D)
     window, inv_freq, rope_scale = layer_arrays(m)
-    positions = jnp.arange(T)
+    positions = jnp.arange(tokens.shape[1])
     layers = {name[len("layers."):]: w for name, w in params.items() if name.startswith("layers.")}
 
     ffn = jax.checkpoint(mlp) if remat == "mlp" else mlp
@@ -321,23 +307,21 @@ def loss_fn(params, tokens, labels, m, dtype=jnp.float32, z_loss=0.0, remat="non
 
 
 def init_params(m, key, names=None):
-    """fp32 params from the table: truncated normal at +-3σ (per-layer σ where the table says so), norms at 1.
-    `names` draws only those, with the same values as the full draw (the torch backend takes one at a time)."""
+    """fp32, truncated normal at +-3σ, norms at 1. `names` (torch takes one at a time): just those, same values."""
     params = {}
     for k, (name, p) in zip(jax.random.split(key, len(param_table(m))), param_table(m).items()):
         if names is not None and name not in names:
             continue
         if p.std is None:
             params[name] = jnp.ones(p.shape, jnp.float32)
-            continue
-        std = jnp.asarray(p.std, jnp.float32).reshape((-1,) + (1,) * (len(p.shape) - 1)) if isinstance(p.std, tuple) else p.std
-        params[name] = jax.random.truncated_normal(k, -3.0, 3.0, p.shape, jnp.float32) * std
+        else:  # a per-layer std (a tuple) broadcasts along the leading L axis; a float one everywhere
+            std = jnp.asarray(p.std, jnp.float32).reshape((-1,) + (1,) * (len(p.shape) - 1))
+            params[name] = jax.random.truncated_normal(k, -3.0, 3.0, p.shape, jnp.float32) * std
     return params
 
 
 def shift_labels(tokens):
-    """Next-token labels: tokens[..., 1:] with IGNORE_INDEX at the end (OLMo-core get_labels). Works on
-    numpy arrays (giving numpy) and inside jit."""
+    """Next-token labels: tokens[..., 1:] then IGNORE_INDEX (OLMo-core get_labels). numpy in, numpy out; jit-safe."""
     xp = np if isinstance(tokens, np.ndarray) else jnp
     return xp.concatenate([tokens[..., 1:], xp.full_like(tokens[..., :1], IGNORE_INDEX)], axis=-1)
 
@@ -350,30 +334,28 @@ def check_tokens(tokens, m, source="tokens"):
         bad = tokens.max() if tokens.max() >= m.vocab_size else tokens.min()
         raise ValueError(f"{source}: token id {bad} is out of range for vocab_size={m.vocab_size}")
     if tokens.shape[1] > m.max_seq_len:
-        print(f"warning: {source} has {tokens.shape[1]} positions, more than max_seq_len={m.max_seq_len}", file=sys.stderr)
+        print(f"warning: {source} has {tokens.shape[1]} positions, more than max_seq_len={m.max_seq_len}",
+              file=sys.stderr)
     return tokens
 
 
 # --- generation: the same layers over a KV cache --------------------------------------------------
-# Each layer keeps the keys and values it has seen, RoPE already applied, in a ring of C slots: position
-# p sits in slot p % C. Full layers have C = the longest sequence asked for; sliding-window layers have
-# C = their window, so they keep only the keys they can still attend to. forward_step takes T new
-# tokens at positions pos..pos+T-1: the prompt in one call (pos = 0), then one token per call. The
-# layers are a Python loop here, not a scan, because the caches of sliding and full layers differ in size.
+# Each layer keeps the keys and values it has seen, RoPE already applied, in a ring of C slots: position p sits in
+# slot p % C. Full layers have C = the longest sequence asked for; sliding-window layers have C = their window, so
+# they keep only the keys they can still attend to. forward_step takes T new tokens at positions pos..pos+T-1: the
+# prompt in one call (pos = 0), then one token per call. The layers are a Python loop here, not a scan, because
+# the caches of sliding and full layers differ in size.
 
 def new_cache(m, B, S, dtype=jnp.float32):
     """Empty caches for B sequences of up to S positions: per layer k and v (B, C, K, H)."""
-    window = layer_arrays(m)[0]
-    sizes = [min(int(w), S) if w else S for w in window]
-    return [dict(k=jnp.zeros((B, C, m.n_kv_heads, m.head_dim), dtype), v=jnp.zeros((B, C, m.n_kv_heads, m.head_dim), dtype))
-            for C in sizes]
+    sizes = [min(int(w), S) if w else S for w in layer_arrays(m)[0]]
+    return [{n: jnp.zeros((B, C, m.n_kv_heads, m.head_dim), dtype) for n in "kv"} for C in sizes]
 
 
 # exercise: kv_cache
 def cached_attention(p, x, cos, sin, cache, pos, window, m):
     """x (B, T, D) at positions pos..pos+T-1 attends to the cache and to itself; returns (y, new cache)."""
-    B, T, _ = x.shape
-    C = cache["k"].shape[1]
+    (B, T, _), C = x.shape, cache["k"].shape[1]
     q, k, v = project_qkv(p, x, cos, sin, m)                      # (B, T, N, H), (B, T, K, H) x2
     held = (pos - 1) - ((pos - 1 - jnp.arange(C)) % C)            # the position in each slot (< 0: empty)
     key_pos = jnp.concatenate([held, pos + jnp.arange(T)])        # (C + T,)
@@ -393,22 +375,20 @@ def cached_attention(p, x, cos, sin, cache, pos, window, m):
 def forward_step(params, tokens, pos, cache, m, dtype=jnp.float32):
     """tokens (B, T) at positions pos..pos+T-1 -> (logits (B, T, V), new cache). Over a whole sequence
     from pos = 0 it gives forward's logits."""
-    T = tokens.shape[1]
     x = params["embed_tokens.weight"][tokens].astype(dtype)  # (B, T, D)
     window, inv_freq, rope_scale = layer_arrays(m)
-    positions = pos + jnp.arange(T)
+    positions = pos + jnp.arange(tokens.shape[1])
     new = []
     for i in range(m.n_layers):
         p = {name[len("layers."):]: w[i] for name, w in params.items() if name.startswith("layers.")}
         cos, sin = rope_cos_sin(positions, inv_freq[i], rope_scale[i])
-        out = {}
 
-        def attn(h):
-            y, out["cache"] = cached_attention(p, h, cos, sin, cache[i], pos, int(window[i]), m)
+        def attn(h):  # block calls it once; the layer's updated cache goes to `new`
+            y, c = cached_attention(p, h, cos, sin, cache[i], pos, int(window[i]), m)
+            new.append(c)
             return y
 
         x = block(p, x, attn, m)
-        new.append(out["cache"])
     return unembed(params, x, m), new
 
 
@@ -454,12 +434,6 @@ def rope_torch(x, cos, sin):
     return (x32 * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
 
 
-def attention_mask_torch(T, window, device):
-    i = torch.arange(T, device=device)[:, None]
-    j = torch.arange(T, device=device)[None, :]
-    return (j <= i) & ((window == 0) | (i - j < window))
-
-
 class Attention(nn.Module):
     def __init__(self, m):
         super().__init__()
@@ -488,15 +462,15 @@ class Attention(nn.Module):
         q, k, v = self.project(x, cos, sin)
         # Full layers ask for is_causal, which lets SDPA pick a flash kernel on GPUs; sliding-window
         # layers pass their band as a boolean mask (SDPA's memory-efficient kernel takes masks).
-        mask = attention_mask_torch(T, window, x.device) if window else None
+        i = torch.arange(T, device=x.device)[:, None]  # query positions; i.T are the key positions
+        mask = (i.T <= i) & (i - i.T < window) if window else None  # the JAX attention_mask's band
         y = F_.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=not window,
                                             scale=m.head_dim ** -0.5, enable_gqa=True)   # (B, N, T, H)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, m.n_heads * m.head_dim))      # (B, T, D)
 
     def cached(self, x, cos, sin, cache, pos, window):
         """As the JAX cached_attention; the cache (k, v: (B, K, C, H)) is updated in place."""
-        m, (B, T, _) = self.m, x.shape
-        C = cache["k"].shape[2]
+        m, (B, T, _), C = self.m, x.shape, cache["k"].shape[2]
         q, k, v = self.project(x, cos, sin)
         slot = torch.arange(C, device=x.device)
         held = (pos - 1) - torch.remainder(pos - 1 - slot, C)   # the position in each slot (< 0: empty)
@@ -563,10 +537,10 @@ class OLMo(nn.Module):
             self.norm = RMSNorm(m.d_model, m.norm_eps)
         if not m.tie_embeddings:
             self.lm_head = Linear(m.d_model, m.vocab_size)
-        window, inv_freq, rope_scale = layer_arrays(m)
-        self.windows = [int(w) for w in window]
-        self.register_buffer("inv_freq", torch.from_numpy(inv_freq), persistent=False)      # (L, H/2)
-        self.register_buffer("rope_scale", torch.from_numpy(rope_scale), persistent=False)  # (L,)
+        self.windows = [int(w) for w in layer_arrays(m)[0]]
+        self.register_buffer("inv_freq", torch.empty(m.n_layers, m.head_dim // 2), persistent=False)  # (L, H/2)
+        self.register_buffer("rope_scale", torch.empty(m.n_layers), persistent=False)                 # (L,)
+        self.reset_buffers()
 
     def reset_buffers(self):
         """Refill the RoPE buffers, after a model built on the meta device is given real storage (to_empty)."""
@@ -575,17 +549,13 @@ class OLMo(nn.Module):
         self.rope_scale.copy_(torch.from_numpy(rope_scale))
 
     def forward(self, tokens, dtype=torch.float32, remat="none"):
-        """tokens (B, T) long -> logits (B, T, V) in `dtype`. `remat` as in the JAX forward: "block"
-        keeps only each layer's input for the backward pass, "mlp" recomputes just the MLPs."""
-        T = tokens.shape[1]
+        """tokens (B, T) long -> logits (B, T, V) in `dtype`; `remat` ("none", "block", "mlp") as in the JAX forward."""
         x = self.embed_tokens(tokens).to(dtype)  # (B, T, D)
-        positions = torch.arange(T, device=tokens.device)
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
         for layer, w, f, s in zip(self.layers, self.windows, self.inv_freq, self.rope_scale):
             cos, sin = rope_cos_sin_torch(positions, f, s)
-            if remat == "block":
-                x = checkpoint(layer, x, cos, sin, w, use_reentrant=False)
-            else:
-                x = layer(x, cos, sin, w, remat_mlp=remat == "mlp")
+            run = partial(checkpoint, layer, use_reentrant=False) if remat == "block" else layer
+            x = run(x, cos, sin, w, remat == "mlp")  # remat_mlp
         return self.unembed(x, dtype)
 
     def unembed(self, x, dtype):
@@ -596,16 +566,14 @@ class OLMo(nn.Module):
 
     def new_cache(self, B, S, dtype=torch.float32):
         """As the JAX new_cache, in SDPA's layout: per layer k and v (B, K, C, H)."""
-        shape = lambda C: (B, self.m.n_kv_heads, C, self.m.head_dim)  # noqa: E731
-        dev = self.embed_tokens.weight.device
-        return [dict(k=torch.zeros(shape(min(w, S) if w else S), dtype=dtype, device=dev),
-                     v=torch.zeros(shape(min(w, S) if w else S), dtype=dtype, device=dev)) for w in self.windows]
+        sizes, dev = [min(w, S) if w else S for w in self.windows], self.embed_tokens.weight.device
+        return [{n: torch.zeros(B, self.m.n_kv_heads, C, self.m.head_dim, dtype=dtype, device=dev) for n in "kv"}
+                for C in sizes]
 
     def forward_step(self, tokens, pos, cache, dtype=torch.float32):
-        """As the JAX forward_step: tokens (B, T) at positions pos.. -> logits (B, T, V); the cache is updated in place."""
-        T = tokens.shape[1]
+        """As the JAX forward_step, returning only the logits (B, T, V): the cache is updated in place."""
         x = self.embed_tokens(tokens).to(dtype)  # (B, T, D)
-        positions = pos + torch.arange(T, device=tokens.device)
+        positions = pos + torch.arange(tokens.shape[1], device=tokens.device)
         for layer, c, w, f, s in zip(self.layers, cache, self.windows, self.inv_freq, self.rope_scale):
             cos, sin = rope_cos_sin_torch(positions, f, s)
             x = layer.cached(x, cos, sin, c, pos, w)
@@ -635,14 +603,12 @@ def torch_model(m, params=None):
 # --- command line -------------------------------------------------------------------------------
 
 def print_table(m):
-    table = param_table(m)
     print(f"{'name':<42} {'shape':<19} {'count':>14}  {'logical axes':<26} init")
-    for name, p in table.items():
+    for name, p in param_table(m).items():
         std = p.std if not isinstance(p.std, tuple) else f"{p.std[0]:.4g}..{p.std[-1]:.4g}"  # per layer
         init = "ones" if p.std is None else f"trunc N(0, {std:.4g})" if isinstance(std, float) else f"trunc N(0, {std})"
         print(f"{name:<42} {str(p.shape):<19} {math.prod(p.shape):>14,}  {', '.join(p.axes):<26} {init}")
-    T = m.max_seq_len
-    print(f"FLOPs/token (train, T={T}): {flops_per_token(m):,} ({flops_per_token(m) / 1e9:.2f} GFLOP)")
+    print(f"FLOPs/token (train, T={m.max_seq_len}): {flops_per_token(m):,} ({flops_per_token(m) / 1e9:.2f} GFLOP)")
     print(f"total_params={count_params(m)}")
 
 
@@ -663,10 +629,8 @@ def check(m, B=2, T=64):
 
 
 def main(argv):
-    args = [a for a in argv if a != "--check"]
-    cfg = load_config(args)
-    print(describe(cfg))
-    print()
+    cfg = load_config([a for a in argv if a != "--check"])
+    print(describe(cfg), end="\n\n")
     if "--check" in argv:
         check(cfg.model)
     print_table(cfg.model)

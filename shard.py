@@ -48,9 +48,8 @@ def mesh_shape(mesh_cfg, n_devices):
 
 def make_mesh(mesh_cfg, devices=None):
     devices = jax.devices() if devices is None else devices
-    shape = mesh_shape(mesh_cfg, len(devices))
     # Auto axes: shardings go in through jit's in/out_shardings (jax.make_mesh defaults to Explicit).
-    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+    return jax.make_mesh(mesh_shape(mesh_cfg, len(devices)), AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
 
 
 # exercise: fsdp_rules
@@ -58,14 +57,11 @@ def spec_for(name, param, mesh_sizes):
     """PartitionSpec of one parameter from its logical axes; every split must divide its dimension."""
     out = []
     for dim, logical in zip(param.shape, param.axes):
-        axis = RULES[logical]
-        if axis is not None and mesh_sizes[axis] > 1:
-            if dim % mesh_sizes[axis]:
-                raise ValueError(f"{name}: dimension '{logical}' of size {dim} does not divide over mesh axis "
-                                 f"'{axis}' of size {mesh_sizes[axis]}")
-            out.append(axis)
-        else:
-            out.append(None)
+        axis = RULES[logical] if RULES[logical] and mesh_sizes[RULES[logical]] > 1 else None  # size 1: unsplit
+        if axis and dim % mesh_sizes[axis]:
+            raise ValueError(f"{name}: dimension '{logical}' of size {dim} does not divide over mesh axis "
+                             f"'{axis}' of size {mesh_sizes[axis]}")
+        out.append(axis)
     return P(*out)
 
 
@@ -110,8 +106,7 @@ def local_ranks(mesh):
 
 
 def check_batch(global_batch, micro_batch, dp, where):
-    """Instances per rank and micro-batches per step, for `dp` data-parallel ranks; errors before anything
-    compiles. `where` says where the ranks come from, for the message."""
+    """(instances per rank, micro-batch, micro-batches per step) for `dp` ranks (`where`: whence, for errors)."""
     if global_batch % dp:
         raise ValueError(f"data.global_batch={global_batch} does not divide over the {dp} data-parallel ranks ({where})")
     per_rank = global_batch // dp
@@ -136,12 +131,8 @@ def layout_table(table, split, dtype_bytes=4):
 
 def jax_layout(mesh, table):
     """layout_table for a JAX mesh: each parameter's PartitionSpec."""
-    shardings = param_shardings(mesh, table)
-
-    def split(name, p):
-        spec = shardings[name].spec
-        return str(tuple(spec)), 1 / math.prod(mesh.shape[a] for a in spec if a)
-
+    specs = {name: tuple(sh.spec) for name, sh in param_shardings(mesh, table).items()}
+    split = lambda name, p: (str(specs[name]), 1 / math.prod(mesh.shape[a] for a in specs[name] if a))  # noqa: E731
     return layout_table(table, split)
 
 
@@ -162,27 +153,23 @@ def start_distributed():
 
 
 # --- PyTorch: torchrun processes and FSDP2 --------------------------------------------------------
-# The torch backend's layout. torchrun starts one process per device and sets RANK, WORLD_SIZE and
-# LOCAL_RANK; FSDP2's fully_shard splits every parameter's dim 0 over the ranks, gathers a block's
-# weights just before the block runs and reduce-scatters its gradients after. The mesh config means
-# what it means in JAX: data = replicas, fsdp = shards (both > 1 is HSDP); no tensor parallelism.
+# torchrun starts one process per device (RANK, WORLD_SIZE, LOCAL_RANK); FSDP2's fully_shard splits each parameter's
+# dim 0 over the ranks, gathers a block's weights just before it runs, reduce-scatters its gradients after. The mesh
+# config means what it does in JAX: data = replicas, fsdp = shards (both > 1 is HSDP); no tensor parallelism.
 
 def torch_start():
     """(rank, processes, device) of this process; under torchrun, join the others (nccl on GPUs, gloo on CPU)."""
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return rank, world, device
 
 
 def torch_shard(net, mesh_cfg, world, device):
-    """fully_shard each block, then the root (embedding, final norm, head), over a (data, fsdp) device mesh.
-    One process: the module as it is."""
+    """fully_shard each block, then the root (embedding, final norm, head), over a (data, fsdp) device mesh."""
     data, fsdp, _ = mesh_shape(mesh_cfg, world)
     if world == 1:
         return net
@@ -231,8 +218,7 @@ def torch_local(t):
         if placement.is_shard():
             n = t.shape[placement.dim]
             rows = -(-n // size)
-            start = min(at * rows, n)
-            idx[placement.dim] = slice(start, min(start + rows, n))
+            idx[placement.dim] = slice(min(at * rows, n), min((at + 1) * rows, n))
         elif at:
             writes = False
     expect = tuple(len(range(*s.indices(n))) for s, n in zip(idx, t.shape))

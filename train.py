@@ -12,11 +12,10 @@ Both backends read the same config, data loader, schedule and checkpoints; every
 loader and the checkpoint is one of two classes, JaxBackend and TorchBackend, with the same methods
 (init, load, step, eval, pieces for the checkpoint writer, host_params), so the loop has no `if backend`.
 
-A run directory holds config.json (the resolved config), metrics.jsonl (one line per logged step),
-loss.png, and checkpoints step_N/: Hugging Face model directories (config.json, model.safetensors)
-plus optimizer.safetensors (AdamW moments, same names) and nanolmo.json (config, step, data
-position, skip-step history). `latest` names the newest complete one; a rerun continues from it, in
-either backend.
+A run directory holds config.json (the resolved config), metrics.jsonl (one line per logged step), loss.png,
+and checkpoints step_N/: Hugging Face model directories (config.json, model.safetensors) plus
+optimizer.safetensors (AdamW moments, same names) and nanolmo.json (config, step, data position, skip-step
+history). `latest` names the newest complete one; a rerun continues from it, in either backend.
 """
 
 import importlib.util
@@ -90,10 +89,6 @@ def adamw(params, grads, opt, lr, tc, decay):
     return new_p, dict(m=new_m, v=new_v, count=count)
 
 
-def global_norm(tree):
-    return jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)))
-
-
 def new_optimizer(params):
     zeros = lambda: {k: jnp.zeros_like(v) for k, v in params.items()}  # noqa: E731  (two sets: both are donated)
     return dict(m=zeros(), v=zeros(), count=jnp.zeros((), jnp.int32))
@@ -136,8 +131,7 @@ def push_history(history, loss, grad_norm):
 # checkpoint written on one mesh (or by one backend) resumes on another and no host holds a whole array.
 
 def stored(name, shape, prefix):
-    """(file name, layer) per tensor a param is stored as: one per layer for stacked params (layer None
-    otherwise). prefix "model." means HF's model file names (convert.hf_name); moments take "exp_avg." etc."""
+    """[(stored name, layer or None)], one per layer if stacked; prefix "model." for HF names, or "exp_avg." etc."""
     rename = convert.hf_name if prefix == "model." else lambda n: prefix + n  # noqa: E731
     if name.startswith("layers."):
         return [(rename(f"layers.{i}.{name[len('layers.'):]}"), i) for i in range(shape[0])]
@@ -145,8 +139,7 @@ def stored(name, shape, prefix):
 
 
 def checkpoint_entries(m):
-    """{file name: (shape, dtype)} of model.safetensors and of optimizer.safetensors: fp32 everything,
-    from the parameter table, so both backends write the same files by construction."""
+    """{name: (shape, dtype)} of model.safetensors and optimizer.safetensors: both backends write these, in fp32."""
     shapes = convert.expected_tensors(m)  # unstacked names, as stored
     model_e = {convert.hf_name(n): (shape, np.float32) for n, shape in shapes.items()}
     opt_e = {prefix + n: (shape, np.float32) for prefix in ("exp_avg.", "exp_avg_sq.") for n, shape in shapes.items()}
@@ -154,39 +147,32 @@ def checkpoint_entries(m):
     return model_e, opt_e
 
 
-def write_tensors(path, entries, pieces, metadata, lead, barrier):
-    """The lead process sizes the file; then every process writes its pieces, (file name, index, numpy
-    array), through a writable memory map, and fsyncs."""
-    if lead:
-        convert.allocate_safetensors(path, entries, metadata)
-    barrier()
-    views, _ = convert.read_safetensors(path, writable=True)
-    for name, idx, value in pieces:
-        views[name][idx] = value
-    del views
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())  # the mapped pages, on disk
-    barrier()
-
-
 def save_checkpoint(run_dir, step, backend, cfg, loader_state):
-    """step_N.tmp/ -> fsync -> rename to step_N/ -> point `latest` at it -> drop the oldest beyond `keep`.
-    A crash at any moment leaves the previous complete checkpoint and `latest` as they were."""
+    """step_N.tmp/ -> fsync -> step_N/ -> `latest` -> drop those beyond `keep`; a crash leaves the last one whole."""
     run_dir, lead, barrier = Path(run_dir), backend.lead, backend.barrier
     final, tmp = run_dir / f"step_{step}", run_dir / f"step_{step}.tmp"
     if lead:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
-    model_e, opt_e = checkpoint_entries(cfg.model)
-    write_tensors(tmp / "model.safetensors", model_e, backend.pieces("model."), {"format": "pt"}, lead, barrier)
-    write_tensors(tmp / "optimizer.safetensors", opt_e, backend.pieces("optimizer"), {"format": "nanolmo"}, lead, barrier)
+    files = (("model.safetensors", "model.", "pt"), ("optimizer.safetensors", "optimizer", "nanolmo"))
+    for (fname, kind, fmt), entries in zip(files, checkpoint_entries(cfg.model)):
+        # The lead process sizes the file; then every process writes its pieces through a writable memory map.
+        if lead:
+            convert.allocate_safetensors(tmp / fname, entries, {"format": fmt})
+        barrier()
+        views, _ = convert.read_safetensors(tmp / fname, writable=True)
+        for name, idx, value in backend.pieces(kind):
+            views[name][idx] = value
+        del views
+        with open(tmp / fname, "rb+") as f:
+            os.fsync(f.fileno())  # the mapped pages, on disk
+        barrier()
     if lead:
-        (tmp / "config.json").write_text(json.dumps(convert.config_to_hf(cfg.model), indent=2) + "\n")
         meta = dict(step=step, config=to_dict(cfg), data=loader_state,
                     history={k: np.asarray(v).tolist() for k, v in backend.history.items()})
-        (tmp / "nanolmo.json").write_text(json.dumps(meta, indent=1) + "\n")
-        for f in ("config.json", "nanolmo.json"):
+        for f, obj, indent in (("config.json", convert.config_to_hf(cfg.model), 2), ("nanolmo.json", meta, 1)):
+            (tmp / f).write_text(json.dumps(obj, indent=indent) + "\n")
             with open(tmp / f, "rb") as fh:
                 os.fsync(fh.fileno())
         if final.exists():  # left by a run that crashed before updating `latest`: same step, redo it
@@ -212,8 +198,7 @@ def latest_checkpoint(run_dir):
 
 
 def open_checkpoint(path, m, with_optimizer=True):
-    """(model tensors, optimizer tensors or None, meta): memory maps by stored name, nothing read yet.
-    The checkpoint must hold the configured model; any HF OLMo directory with our config will do."""
+    """(model, optimizer or None, meta) memory maps by stored name; any HF OLMo dir of the configured model will do."""
     path = Path(path)
     saved_m, state = convert.open_hf(path)
     meta = json.loads((path / "nanolmo.json").read_text()) if (path / "nanolmo.json").is_file() else {}
@@ -261,10 +246,9 @@ def make_train_step(cfg, mesh):
             (loss, ce), g = jax.value_and_grad(micro_loss, has_aux=True)(params, *xs, n_total)
             return jax.tree.map(jnp.add, grads, g), (loss, ce)
 
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        grads, (losses, ces) = jax.lax.scan(accumulate, zeros, (tokens, labels))
+        grads, (losses, ces) = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), (tokens, labels))
         loss, ce = losses.sum(), ces.sum()
-        grad_norm = global_norm(grads)
+        grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
         if tc.clip:  # torch.nn.utils.clip_grad_norm_: scale by min(1, clip / (norm + 1e-6))
             grads = jax.tree.map(lambda g: g * jnp.minimum(1.0, tc.clip / (grad_norm + 1e-6)), grads)
         new_params, new_opt = adamw(params, grads, opt, lr, tc, decay)
@@ -307,8 +291,7 @@ def read_sharded(views, name, prefix, shape, sharding):
 
 
 class JaxBackend:
-    """Params, AdamW moments and skip-step history as global jax.Arrays laid out over the mesh; one jitted
-    step per optimizer step (all micro-batches inside it). Any number of processes (jax.distributed)."""
+    """State as global jax.Arrays over the mesh; one jitted step (micro-batches inside) per step; any processes."""
 
     def __init__(self, cfg):
         m, dc, tc = cfg.model, cfg.data, cfg.train
@@ -407,8 +390,7 @@ def plan(argv):
     n = math.prod(int(v) for v in sizes.values())
     if args.topology:
         from jax.experimental import topologies
-        devices = topologies.get_topology_desc(args.topology, "tpu").devices
-        device = args.topology.split(":")[0]
+        devices, device = topologies.get_topology_desc(args.topology, "tpu").devices, args.topology.split(":")[0]
         caveat = f"TPU compiler for {args.topology} (libtpu): its own memory figures"
     else:
         jax.config.update("jax_num_cpu_devices", n)  # must happen before anything touches a backend
@@ -444,9 +426,8 @@ def plan(argv):
 # --- the PyTorch backend: model.py's nn.Module, torch.optim.AdamW, FSDP2 under torchrun ----------
 
 class TorchBackend:
-    """The same training in PyTorch: one process per device, each rank's micro-batches run eagerly (or
-    torch.compile'd per block), gradients reduced by FSDP2, AdamW from torch itself. fp32 master weights;
-    model.py casts them to the compute dtype where they are used, as the JAX forward does."""
+    """The same training in PyTorch: one process per device, micro-batches eager (or torch.compile'd per block), FSDP2,
+    torch's AdamW. fp32 master weights, cast by model.py to the compute dtype where used, as in the JAX forward."""
 
     def __init__(self, cfg):
         m, dc, tc = cfg.model, cfg.data, cfg.train
@@ -492,8 +473,7 @@ class TorchBackend:
                 local.copy_(torch.from_numpy(np.array(source(n, idx), np.float32)))  # (a copy: memmaps are read-only)
 
     def init(self, seed):
-        """JAX's init_params, drawn on the host one tensor at a time: a torch run and a JAX run with the
-        same seed start from the same weights."""
+        """JAX's init_params, drawn on the host one tensor at a time: the same weights as a JAX run's with this seed."""
         m, key, cache = self.cfg.model, jax.random.PRNGKey(seed), {}
 
         def draw(n, idx):
@@ -501,8 +481,7 @@ class TorchBackend:
             if stacked not in cache:
                 cache.clear()  # one tensor in memory at a time
                 cache[stacked] = np.asarray(model.init_params(m, key, [stacked])[stacked])
-            value = cache[stacked]
-            return value[int(n.split(".")[1])][idx] if n.startswith("layers.") else value[idx]
+            return (cache[stacked][int(n.split(".")[1])] if n.startswith("layers.") else cache[stacked])[idx]
 
         self._fill(self.named, draw)
 
@@ -603,8 +582,7 @@ def open_data(cfg):
 
 
 def restore(backend, cfg):
-    """Resume this run from its latest checkpoint, or start a stage from train.init_from, or initialise.
-    Returns (the checkpoint resumed or None, the step to start after, the loader's position)."""
+    """Resume (latest), start a stage (train.init_from) or initialise -> (checkpoint or None, step, loader step)."""
     dc, tc = cfg.data, cfg.train
     ckpt = latest_checkpoint(tc.run_dir)
     if ckpt:
@@ -625,20 +603,6 @@ def restore(backend, cfg):
     return None, 0, 0
 
 
-def print_run(cfg, backend, instances, heldout, loader):
-    """What this run is: the config, params by group, the batch arithmetic, the layout, the data."""
-    m, dc = cfg.model, cfg.data
-    print(describe(cfg))
-    print(f"params {model.count_params(m):,} (by tensor: python model.py CONFIG)")
-    print(f"tokens/step {dc.global_batch * dc.seq_len:,} = global_batch {dc.global_batch} x seq_len {dc.seq_len}; "
-          f"{backend.world} data-parallel rank(s) x {backend.accum} micro-batch(es) of {backend.micro}; "
-          f"FLOPs/token {model.flops_per_token(m, dc.seq_len) / 1e6:,.1f}M")
-    print(backend.describe())
-    print(f"backend {cfg.train.backend}; peak " + (f"{backend.peak / 1e12:.0f} TFLOP/s per device" if backend.peak else "unknown: MFU n/a"))
-    print(f"data: {instances.n:,} instances of {dc.seq_len}, {loader.batches_per_epoch:,} steps per epoch"
-          + (f"; held-out {heldout.n:,} instances" if heldout else "; no held-out split"))
-
-
 def held_out_eval(backend, heldout, dc, token_bytes, batches):
     """Loss (nats/token) and bits per byte on the held-out split, first `batches` batches (0 = all)."""
     if heldout is None:
@@ -657,8 +621,7 @@ def held_out_eval(backend, heldout, dc, token_bytes, batches):
 
 
 def in_loop_tasks(cfg, tok, backend):
-    """eval.py's tasks as OLMo's in-loop ICL evals: read, rendered and tokenized once here, scored at each
-    eval by task_eval. None when eval.tasks is empty (or the run has several processes)."""
+    """eval.py's tasks as in-loop ICL evals, tokenized once; None without eval.tasks (or with several processes)."""
     ec = cfg.eval
     if not ec.tasks:
         return None
@@ -675,8 +638,7 @@ def in_loop_tasks(cfg, tok, backend):
 
 
 def task_eval(backend, tasks, cfg):
-    """{<task>_acc: accuracy}, scored on a host copy of the params by the JAX forward (for the torch
-    backend too, on JAX's CPU); the scorer is compiled once and later evals only swap the params."""
+    """{<task>_acc}: the JAX forward (on CPU for torch runs) on host params; compiled once, later evals swap params."""
     if tasks is None:
         return {}
     params = backend.host_params()
@@ -724,7 +686,16 @@ def main(argv):
                          start_step=loader_pos, vocab_size=m.vocab_size)
     if lead:
         save_json(cfg, run_dir / "config.json")
-    print_run(cfg, backend, instances, heldout, loader)
+    # what this run is: the config, params, the batch arithmetic, the layout, the data
+    print(describe(cfg))
+    print(f"params {model.count_params(m):,} (by tensor: python model.py CONFIG)")
+    print(f"tokens/step {tokens_per_step:,} = global_batch {dc.global_batch} x seq_len {dc.seq_len}; "
+          f"{backend.world} data-parallel rank(s) x {backend.accum} micro-batch(es) of {backend.micro}; "
+          f"FLOPs/token {model.flops_per_token(m, dc.seq_len) / 1e6:,.1f}M")
+    print(backend.describe())
+    print(f"backend {tc.backend}; peak " + (f"{backend.peak / 1e12:.0f} TFLOP/s per device" if backend.peak else "unknown: MFU n/a"))
+    print(f"data: {instances.n:,} instances of {dc.seq_len}, {loader.batches_per_epoch:,} steps per epoch"
+          + (f"; held-out {heldout.n:,} instances" if heldout else "; no held-out split"))
     tasks = in_loop_tasks(cfg, tok, backend)
 
     # --- stop cleanly on SIGTERM / Ctrl-C: finish the step, save, exit
@@ -738,12 +709,10 @@ def main(argv):
         kept = [ln for ln in metrics_path.read_text().splitlines() if json.loads(ln)["step"] <= start]
         metrics_path.write_text("".join(ln + "\n" for ln in kept))
     flops, peak = model.flops_per_token(m, dc.seq_len), backend.peak
-    batches = iter(loader)
     bar = tqdm(range(start + 1, tc.steps + 1), initial=start, total=tc.steps, desc="train", dynamic_ncols=True,
                disable=not lead)
     t_last, window = time.perf_counter(), []  # window: losses since the last log line, averaged into it
-    for step in bar:
-        _, tokens = next(batches)
+    for step, (_, tokens) in zip(bar, loader):
         lr = lr_at(step, tc, tokens_per_step, tc.steps)
         out = backend.step(tokens, lr)
         window.append(out["loss"])
@@ -796,9 +765,8 @@ def main(argv):
 # --- plot ---------------------------------------------------------------------------------------
 
 def plot(run_dirs, out):
-    """Training loss (and held-out loss, dashed) against steps, one colour per run. With several runs, a
-    second panel shows each one's per-step relative difference from the first, and the largest of each
-    is returned (over the steps both logged)."""
+    """Training loss (held-out dashed) against steps, one colour per run. With several runs, a second panel shows
+    each one's per-step relative difference from the first; returns the largest of each (over common steps)."""
     import matplotlib.pyplot as plt  # (imported here: a second or more, and only plots need it)
     many = len(run_dirs) > 1
     fig, axes = plt.subplots(2 if many else 1, 1, figsize=(8, 7 if many else 5), sharex=True, squeeze=False,
@@ -836,12 +804,10 @@ def plot(run_dirs, out):
 # --- bench --------------------------------------------------------------------------------------
 
 def bench(argv, steps=10):
-    """A few train steps of the configured model and batch in each backend, in one process: JAX, torch
-    eager, torch compiled, and transformers' OlmoForCausalLM with torch.optim.AdamW when it is installed.
-    Each runs 2 steps (compile, warm-up) before the clock starts."""
+    """A few train steps of the configured model and batch, in one process: JAX, torch eager, torch compiled, and
+    transformers' OlmoForCausalLM + torch.optim.AdamW if installed; each after 2 untimed steps (compile, warm-up)."""
     cfg = load_config(argv)
-    m, dc, tc = cfg.model, cfg.data, cfg.train
-    B, T = dc.global_batch, dc.seq_len
+    m, tc, B, T = cfg.model, cfg.train, cfg.data.global_batch, cfg.data.seq_len
     tokens = np.random.default_rng(0).integers(0, m.vocab_size, (B, T)).astype(np.int32)
     flops = model.flops_per_token(m, T)
 
@@ -855,8 +821,7 @@ def bench(argv, steps=10):
 
     rows = []
     for backend_cls, compiled in ((JaxBackend, True), (TorchBackend, False), (TorchBackend, True)):
-        run = build({**to_dict(cfg), "train": {**to_dict(cfg)["train"], "compile": compiled}})
-        backend = backend_cls(run)
+        backend = backend_cls(build({**to_dict(cfg), "train": {**to_dict(cfg)["train"], "compile": compiled}}))
         backend.init(0)
         label = (f"nanolmo JAX ({jax.devices()[0].platform}" if backend_cls is JaxBackend else
                  f"nanolmo torch {'compiled' if compiled else 'eager'} ({backend.device.type}")
