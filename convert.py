@@ -96,7 +96,8 @@ def allocate_safetensors(path, entries, metadata=None):
         f.truncate(8 + len(blob) + offset)
 
 
-def _fsync(path):
+def fsync(path):
+    """A written (or memory-mapped) file's bytes, on disk: before a rename makes it the one readers find."""
     with open(path, "rb+") as f:
         os.fsync(f.fileno())
 
@@ -111,7 +112,7 @@ def write_safetensors(path, tensors, metadata=None, progress=lambda nbytes: None
         views[k][...] = t.load().astype(t.dtype, copy=False)
         progress(views[k].nbytes)
     del views
-    _fsync(tmp)
+    fsync(tmp)
     os.replace(tmp, path)
 
 
@@ -475,13 +476,13 @@ OLMO_NAMES = {
     "mlp.down_proj.weight": "ff_out.weight", "self_attn.q_norm.weight": "q_norm.weight",
     "self_attn.k_norm.weight": "k_norm.weight", "post_attention_layernorm.weight": "attn_norm.weight",
     "post_feedforward_layernorm.weight": "ff_norm.weight"}
-OLMO_CORE_NAMES = {  # OLMo-core (olmo_core/nn/hf/convert.py's table, reversed) -> ours, per layer
-    "attention.w_q.weight": "self_attn.q_proj.weight", "attention.w_k.weight": "self_attn.k_proj.weight",
-    "attention.w_v.weight": "self_attn.v_proj.weight", "attention.w_out.weight": "self_attn.o_proj.weight",
-    "attention.q_norm.weight": "self_attn.q_norm.weight", "attention.k_norm.weight": "self_attn.k_norm.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight", "attention_norm.weight": "post_attention_layernorm.weight",
-    "feed_forward_norm.weight": "post_feedforward_layernorm.weight"}
+OLMO_CORE_NAMES = {  # ours -> OLMo-core's per layer (the pairs of olmo_core/nn/hf/convert.py's table)
+    "self_attn.q_proj.weight": "attention.w_q.weight", "self_attn.k_proj.weight": "attention.w_k.weight",
+    "self_attn.v_proj.weight": "attention.w_v.weight", "self_attn.o_proj.weight": "attention.w_out.weight",
+    "self_attn.q_norm.weight": "attention.q_norm.weight", "self_attn.k_norm.weight": "attention.k_norm.weight",
+    "mlp.gate_proj.weight": "feed_forward.w1.weight", "mlp.up_proj.weight": "feed_forward.w3.weight",
+    "mlp.down_proj.weight": "feed_forward.w2.weight", "post_attention_layernorm.weight": "attention_norm.weight",
+    "post_feedforward_layernorm.weight": "feed_forward_norm.weight"}
 HF_WEIGHTS = HF_SAFETENSORS + ["pytorch_model.bin.index.json", "pytorch_model.bin"]
 # kind -> (config reader, weight files in the order looked for, names: (block prefix, per-layer names ours -> theirs,
 # the rest ours -> theirs), or None where they are ours)
@@ -493,7 +494,7 @@ FORMATS = {
     "hf_olmo": (config_from_olmo, HF_WEIGHTS, OLMO),
     "olmo": (config_from_olmo, ["model.safetensors", "model.pt"], OLMO),
     "olmo_core": (config_from_olmo_core, ["model_and_optim", "model.safetensors", "model.pt"], (
-        "blocks.{}.", {ours: theirs for theirs, ours in OLMO_CORE_NAMES.items()},
+        "blocks.{}.", OLMO_CORE_NAMES,
         {"embed_tokens.weight": "embeddings.weight", "norm.weight": "lm_head.norm.weight",
          "lm_head.weight": "lm_head.w_out.weight"}))}
 
@@ -595,7 +596,7 @@ def write_checkpoint(out, m, tensors, dtype=None, files=None, shard_bytes=None):
                 write_safetensors(tmp / fname, {k: tensors[k] for k in keys}, {"format": "pt"}, bar.update)
         for name, text in files.items():
             (tmp / name).write_text(text)
-            _fsync(tmp / name)
+            fsync(tmp / name)
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

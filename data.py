@@ -297,8 +297,10 @@ class PartWriter:
             self.close()
             self.part += 1
             self.path = self.dir / f"part-{self.part:05d}.bin"
-            self.f, self.n, self.docs = open(self.path, "wb"), 0, []
-        self.f.write(ids.astype(self.dtype.newbyteorder("<")).tobytes())
+            self.f, self.sha, self.n, self.docs = open(self.path, "wb"), hashlib.sha256(), 0, []
+        blob = ids.astype(self.dtype.newbyteorder("<")).tobytes()
+        self.f.write(blob)
+        self.sha.update(blob)  # hashed as written: no second read of a part that may be gigabytes
         self.docs.append((self.n, src, lineno))
         self.n += len(ids)
         self.documents += 1
@@ -309,7 +311,7 @@ class PartWriter:
             return
         self.f.close()
         np.save(self.path.with_suffix(".docs.npy"), np.array(self.docs, np.int64).reshape(-1, 3))
-        meta = dict(tokens=self.n, documents=len(self.docs), dtype=self.dtype.name, sha256=_sha256(self.path),
+        meta = dict(tokens=self.n, documents=len(self.docs), dtype=self.dtype.name, sha256=self.sha.hexdigest(),
                     tokenizer=Path(self.tok.name).name, vocab_size=self.tok.vocab_size, eos_token_id=self.tok.eos_id)
         self.path.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
         self.f = None

@@ -57,7 +57,8 @@ def spec_for(name, param, mesh_sizes):
     """PartitionSpec of one parameter from its logical axes; every split must divide its dimension."""
     out = []
     for dim, logical in zip(param.shape, param.axes):
-        axis = RULES[logical] if RULES[logical] and mesh_sizes[RULES[logical]] > 1 else None  # size 1: unsplit
+        axis = RULES[logical]
+        axis = axis if axis and mesh_sizes[axis] > 1 else None  # a mesh axis of size 1 splits nothing
         if axis and dim % mesh_sizes[axis]:
             raise ValueError(f"{name}: dimension '{logical}' of size {dim} does not divide over mesh axis "
                              f"'{axis}' of size {mesh_sizes[axis]}")

@@ -134,7 +134,7 @@ def stored(name, shape, prefix):
     """[(stored name, layer or None)], one per layer if stacked; prefix "model." for HF names, or "exp_avg." etc."""
     rename = convert.hf_name if prefix == "model." else lambda n: prefix + n  # noqa: E731
     if name.startswith("layers."):
-        return [(rename(f"layers.{i}.{name[len('layers.'):]}"), i) for i in range(shape[0])]
+        return [(rename(model.layer_name(name, i)), i) for i in range(shape[0])]
     return [(rename(name), None)]
 
 
@@ -165,16 +165,14 @@ def save_checkpoint(run_dir, step, backend, cfg, loader_state):
         for name, idx, value in backend.pieces(kind):
             views[name][idx] = value
         del views
-        with open(tmp / fname, "rb+") as f:
-            os.fsync(f.fileno())  # the mapped pages, on disk
+        convert.fsync(tmp / fname)  # the mapped pages, on disk
         barrier()
     if lead:
         meta = dict(step=step, config=to_dict(cfg), data=loader_state,
                     history={k: np.asarray(v).tolist() for k, v in backend.history.items()})
         for f, obj, indent in (("config.json", convert.config_to_hf(cfg.model), 2), ("nanolmo.json", meta, 1)):
             (tmp / f).write_text(json.dumps(obj, indent=indent) + "\n")
-            with open(tmp / f, "rb") as fh:
-                os.fsync(fh.fileno())
+            convert.fsync(tmp / f)
         if final.exists():  # left by a run that crashed before updating `latest`: same step, redo it
             shutil.rmtree(final)
         os.replace(tmp, final)

@@ -121,13 +121,12 @@ def olmo_core_config(m):
 
 def olmo_core_state(m, params):
     s = model.unstack_layers(params)
-    back = {v: k for k, v in convert.OLMO_CORE_NAMES.items()}
     sd = {"embeddings.weight": s["embed_tokens.weight"], "lm_head.norm.weight": s["norm.weight"],
           "lm_head.w_out.weight": s["lm_head.weight"]}
     for k, v in s.items():
         if k.startswith("layers."):
             _, i, rest = k.split(".", 2)
-            sd[f"blocks.{i}.{back[rest]}"] = v
+            sd[f"blocks.{i}.{convert.OLMO_CORE_NAMES[rest]}"] = v
     return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in sd.items()}
 
 
