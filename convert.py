@@ -5,7 +5,6 @@ DESIGN §3) and back out as a release-style HF directory; `check` measures how c
     python convert.py SRC OUT --to-hf [--tokenizer dolma2] [--shard-size 5]  # -> a release-style HF directory
     python convert.py check jax:OUT hf:SRC --tokens TOKENS [--seq-len 8192] [--rows 1] [--dtype bfloat16]
     python convert.py soup RUN_A/step_N RUN_B/step_N RUN_C/step_N --out SOUP
-    python convert.py tokenizer tokenizer.json --out my.tiktoken         # HF byte-level BPE -> ranks for data.py
     python convert.py info SRC                                           # what the converter reads from SRC
 
 SRC formats, told apart by their files (`info` says which it saw):
@@ -630,13 +629,12 @@ def convert(src, out, to_hf=False, dtype=None, tokenizer=None, config=None, shar
     return s, m
 
 
-# --- tokenizers: tiktoken ranks <-> HF tokenizer.json ---------------------------------------------
+# --- tokenizers: tiktoken ranks -> HF tokenizer.json ----------------------------------------------
 
 # GPT-2's byte -> printable character map, which byte-level BPE vocabularies are written in.
 _KEPT = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
 BYTE_CHARS = {**{b: chr(b) for b in _KEPT},
               **{b: chr(256 + i) for i, b in enumerate(b for b in range(256) if b not in _KEPT)}}
-CHAR_BYTES = {c: b for b, c in BYTE_CHARS.items()}
 
 
 def hf_tokenizer_files(tok, max_len):
@@ -680,65 +678,6 @@ def hf_tokenizer_files(tok, max_len):
     return {"tokenizer.json": json.dumps(tj, ensure_ascii=False) + "\n",
             "tokenizer_config.json": json.dumps(cfg, indent=2, ensure_ascii=False) + "\n",
             "special_tokens_map.json": json.dumps(specials, indent=2) + "\n"}
-
-
-def tiktoken_from_hf(path):
-    """An HF byte-level BPE tokenizer.json -> (ranks {bytes: id}, added {text: id}, the lone Split's regex or None).
-    tiktoken merges the lowest-ranked pair, HF the earliest merge: they agree exactly when merge results' ids rise
-    in merge order, every multi-byte token is some merge's result and ids are 0..n-1; else an error says where."""
-    tj = json.loads(Path(path).read_text(encoding="utf-8"))
-    bpe, pre = tj.get("model") or {}, tj.get("pre_tokenizer") or {}
-    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
-    if bpe.get("type") != "BPE" or not any(s.get("type") == "ByteLevel" for s in steps):
-        raise ValueError(f"{path}: not a byte-level BPE tokenizer (model {bpe.get('type')}, "
-                         f"pre-tokenizer {pre.get('type')})")
-    added = {a["content"]: a["id"] for a in tj.get("added_tokens", [])}  # matched in text before BPE runs
-    try:
-        ids = set(added.values())
-        ranks = {bytes(CHAR_BYTES[c] for c in t): i for t, i in bpe["vocab"].items() if i not in ids}
-    except KeyError as e:
-        raise ValueError(f"{path}: vocabulary character {e.args[0]!r} is not a byte-level character") from None
-    if sorted(ranks.values()) != list(range(len(ranks))):
-        raise ValueError(f"{path}: vocabulary ids, added tokens left out, are not 0..{len(ranks) - 1} "
-                         "(tiktoken ranks and data.py's specials-after-ranks layout need that)")
-    missing = [b for b in range(256) if bytes([b]) not in ranks]
-    if missing:
-        raise ValueError(f"{path}: bytes {missing[:5]} have no token: tiktoken needs all 256")
-    made, last = set(), -1
-    for n, mg in enumerate(bpe.get("merges", [])):
-        a, b = mg.split(" ") if isinstance(mg, str) else mg
-        t = bytes(CHAR_BYTES[c] for c in a + b)
-        if t not in ranks or t in made:
-            raise ValueError(f"{path}: merge {n} ({a!r}, {b!r}) makes {'no' if t not in ranks else 'a second'} "
-                             "vocabulary entry")
-        if ranks[t] <= last:
-            raise ValueError(f"{path}: merge {n} ({a!r}, {b!r}) makes id {ranks[t]}, after a merge that made id "
-                             f"{last}: ids do not follow merge order, so tiktoken's ranks would tokenize differently")
-        made.add(t)
-        last = ranks[t]
-    stray = sorted(r for t, r in ranks.items() if len(t) > 1 and t not in made)
-    if stray:
-        raise ValueError(f"{path}: id {stray[0]} is a multi-byte token no merge makes: tiktoken could still produce it")
-    splits = [s for s in steps if s.get("type") == "Split"]
-    lone = len(splits) == 1 and len(steps) == 2 and not tj.get("normalizer")
-    return ranks, added, splits[0]["pattern"].get("Regex") if lone else None
-
-
-def tokenizer_to_ranks(path, out):
-    """tokenizer.json -> a ranks file for data.py's load_tokenizer, which implies the dolma2 pre-tokenizer and
-    <|endoftext|>, <|pad|> right after the ranks: a tokenizer.json that differs is an error, not a silent change."""
-    import data
-    ranks, added, pattern = tiktoken_from_hf(path)
-    if pattern != data.PATTERN:
-        raise ValueError(f"{path}: pre-tokenizer {pattern!r} (with any normalizer) is not data.py's dolma2 split; "
-                         "data.py's ranks files always split with that one")
-    want = {s: len(ranks) + i for i, s in enumerate(data.BPE_SPECIALS)}
-    if added != want:
-        hint = " (this is dolma2's layout: use --tokenizer dolma2)" if added == data.DOLMA2_ADDED else ""
-        raise ValueError(f"{path}: added tokens {dict(list(added.items())[:4])}{'...' if len(added) > 4 else ''} "
-                         f"are not data.py's ranks-file convention {want}{hint}")
-    data.save_ranks(ranks, out)
-    return data.load_tokenizer(str(out))
 
 
 # --- soups: the average of checkpoints ------------------------------------------------------------
@@ -847,7 +786,7 @@ def check(a, b, tokens, dtype="float32"):
 
 def main(argv):
     import argparse
-    cmd = argv[0] if argv and argv[0] in ("check", "soup", "tokenizer", "info") else "convert"
+    cmd = argv[0] if argv and argv[0] in ("check", "soup", "info") else "convert"
     ap = argparse.ArgumentParser(prog=f"convert.py{'' if cmd == 'convert' else ' ' + cmd}",
                                  description=__doc__ if cmd == "convert" else __doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -871,9 +810,6 @@ def main(argv):
     elif cmd == "soup":
         arg("ckpts", nargs="+")
         arg("--out", required=True)
-    elif cmd == "tokenizer":
-        arg("tokenizer_json")
-        arg("--out", required=True, help="a tiktoken ranks file for data.py --tokenizer")
     a = ap.parse_args(argv if cmd == "convert" else argv[1:])
 
     if cmd == "convert":
@@ -885,9 +821,6 @@ def main(argv):
     elif cmd == "soup":
         soup(a.ckpts, a.out)
         print(f"{a.out}: the average of {len(a.ckpts)} checkpoints")
-    elif cmd == "tokenizer":
-        tok = tokenizer_to_ranks(a.tokenizer_json, a.out)
-        print(f"{a.out}: {tok.vocab_size - 2} ranks + <|endoftext|> {tok.eos_id}, <|pad|> {tok.pad_id}")
     else:
         from configs import Config, describe
         s = open_source(a.src, a.config)

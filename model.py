@@ -468,29 +468,6 @@ class Attention(nn.Module):
                                             scale=m.head_dim ** -0.5, enable_gqa=True)   # (B, N, T, H)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, m.n_heads * m.head_dim))      # (B, T, D)
 
-    def cached(self, x, cos, sin, cache, pos, window):
-        """As the JAX cached_attention; the cache (k, v: (B, K, C, H)) is updated in place."""
-        m, (B, T, _), C = self.m, x.shape, cache["k"].shape[2]
-        q, k, v = self.project(x, cos, sin)
-        slot = torch.arange(C, device=x.device)
-        held = (pos - 1) - torch.remainder(pos - 1 - slot, C)   # the position in each slot (< 0: empty)
-        key_pos = torch.cat([held, pos + torch.arange(T, device=x.device)])
-        q_pos = (pos + torch.arange(T, device=x.device))[:, None]
-        mask = (key_pos >= 0) & (key_pos <= q_pos) & ((window == 0) | (q_pos - key_pos < window))  # (T, C + T)
-        keys = torch.cat([cache["k"], k.to(cache["k"].dtype)], dim=2).to(q.dtype)    # (B, K, C + T, H)
-        values = torch.cat([cache["v"], v.to(cache["v"].dtype)], dim=2).to(q.dtype)  # (B, K, C + T, H)
-        # Plain softmax attention in fp32, GQA as query groups: SDPA's CPU kernel took ~0.7 ms per call for a
-        # single query against a mask (torch 2.13), more than the rest of the layer.
-        qg = q.float().view(B, m.n_kv_heads, m.n_heads // m.n_kv_heads, T, m.head_dim)     # (B, K, N/K, T, H)
-        scores = torch.einsum("bkgth,bksh->bkgts", qg, keys.float()) * m.head_dim ** -0.5  # (B, K, N/K, T, C + T)
-        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
-        y = torch.einsum("bkgts,bksh->bkgth", probs, values.float()).reshape(B, m.n_heads, T, m.head_dim).to(q.dtype)
-        first = max(0, T - C)
-        slots = torch.remainder(pos + torch.arange(first, T, device=x.device), C)
-        cache["k"].index_copy_(2, slots, k[:, :, first:].to(cache["k"].dtype))
-        cache["v"].index_copy_(2, slots, v[:, :, first:].to(cache["v"].dtype))
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, m.n_heads * m.head_dim))  # (B, T, D)
-
 
 class MLP(nn.Module):
     def __init__(self, m):
@@ -512,18 +489,12 @@ class Block(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(m.d_model, m.norm_eps)
 
     def forward(self, x, cos, sin, window, remat_mlp=False):
+        """The JAX `block`."""
         ffn = partial(checkpoint, self.mlp, use_reentrant=False) if remat_mlp else self.mlp
-        return self.residual(x, lambda h: self.self_attn(h, cos, sin, window), ffn)
-
-    def cached(self, x, cos, sin, cache, pos, window):
-        return self.residual(x, lambda h: self.self_attn.cached(h, cos, sin, cache, pos, window), self.mlp)
-
-    def residual(self, x, attn, ffn):
-        """The JAX `block`: attn(h) is the attention sublayer, over the sequence or over a cache."""
         if self.m.family == "olmo1":
-            x = x + attn(layer_norm_torch(x, self.m.norm_eps))
+            x = x + self.self_attn(layer_norm_torch(x, self.m.norm_eps), cos, sin, window)
             return x + ffn(layer_norm_torch(x, self.m.norm_eps))
-        x = x + self.post_attention_layernorm(attn(x))
+        x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, window))
         return x + self.post_feedforward_layernorm(ffn(x))
 
 
@@ -563,21 +534,6 @@ class OLMo(nn.Module):
         x = layer_norm_torch(x, self.m.norm_eps) if self.m.family == "olmo1" else self.norm(x)
         head = self.embed_tokens.weight if self.m.tie_embeddings else self.lm_head.weight
         return F_.linear(x, head.to(dtype))
-
-    def new_cache(self, B, S, dtype=torch.float32):
-        """As the JAX new_cache, in SDPA's layout: per layer k and v (B, K, C, H)."""
-        sizes, dev = [min(w, S) if w else S for w in self.windows], self.embed_tokens.weight.device
-        return [{n: torch.zeros(B, self.m.n_kv_heads, C, self.m.head_dim, dtype=dtype, device=dev) for n in "kv"}
-                for C in sizes]
-
-    def forward_step(self, tokens, pos, cache, dtype=torch.float32):
-        """As the JAX forward_step, returning only the logits (B, T, V): the cache is updated in place."""
-        x = self.embed_tokens(tokens).to(dtype)  # (B, T, D)
-        positions = pos + torch.arange(tokens.shape[1], device=tokens.device)
-        for layer, c, w, f, s in zip(self.layers, cache, self.windows, self.inv_freq, self.rope_scale):
-            cos, sin = rope_cos_sin_torch(positions, f, s)
-            x = layer.cached(x, cos, sin, c, pos, w)
-        return self.unembed(x, dtype)
 
 
 def cross_entropy_torch(logits, labels, z_loss=0.0):

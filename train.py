@@ -4,18 +4,18 @@
     python train.py configs/tiny.toml --train.steps=50 --train.run_dir=runs/x   # rerun the same command to resume
     python train.py configs/tiny.toml --train.backend=torch              # the same run with model.py's nn.Module
     torchrun --nproc_per_node=8 train.py configs/olmo2-1b.toml --train.backend=torch --mesh.data=1 --mesh.fsdp=-1
-    python train.py configs/tiny.toml --bench                            # tokens/s and MFU: JAX, torch eager and compiled
-    python train.py configs/tiny.toml --eval.tasks=arc_easy,piqa --eval.tasks_limit=100   # + zero-shot tasks (eval.py) in-loop
+    python train.py configs/tiny.toml --bench                            # tokens/s, MFU: JAX, torch eager, compiled
+    python train.py configs/tiny.toml --eval.tasks=arc_easy,piqa --eval.tasks_limit=100   # + in-loop tasks (eval.py)
     python train.py plot runs/a runs/b                                   # overlay loss curves -> runs/a/loss.png
+    python train.py plan configs/olmo3-32b.toml --mesh data=1,fsdp=256,tensor=1 --batch 1024 --seq 8192   # memory
 
 Both backends read the same config, data loader, schedule and checkpoints; everything between the
 loader and the checkpoint is one of two classes, JaxBackend and TorchBackend, with the same methods
 (init, load, step, eval, pieces for the checkpoint writer, host_params), so the loop has no `if backend`.
 
-A run directory holds config.json (the resolved config), metrics.jsonl (one line per logged step), loss.png,
-and checkpoints step_N/: Hugging Face model directories (config.json, model.safetensors) plus
-optimizer.safetensors (AdamW moments, same names) and nanolmo.json (config, step, data position, skip-step
-history). `latest` names the newest complete one; a rerun continues from it, in either backend.
+A run directory holds config.json (the resolved config), metrics.jsonl (a line per logged step), loss.png and
+checkpoints step_N/: HF model directories (config.json, model.safetensors) + optimizer.safetensors (AdamW moments,
+same names) + nanolmo.json (config, step, data position, skip-step history); `latest` names the newest whole one.
 """
 
 import importlib.util
@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+from jax.experimental import multihost_utils, topologies
 from tqdm import tqdm
 
 import convert
@@ -40,7 +41,7 @@ import data
 import eval as evaluate
 import model
 import shard
-from configs import ConfigError, Config, build, describe, load_config, save_json, to_dict
+from configs import ConfigError, build, describe, load_config, save_json, to_dict
 
 # Dense bf16 peak FLOP/s per device, from the vendors' spec sheets. Unknown devices (CPUs) get no MFU.
 PEAK_FLOPS = {
@@ -56,8 +57,8 @@ SKIP_WINDOW, SKIP_MIN, SKIP_SIGMA = 128, 64, 6.0  # OLMo-core SkipStepAdamW defa
 # exercise: lr_schedule
 def lr_at(step, tc, tokens_per_step, total_steps):
     """OLMo's schedules (OLMo-core scheduler.py). `step` counts from 1, as OLMo-core's global_step."""
-    t = step * (tokens_per_step if tc.units == "tokens" else 1)
-    T = tc.t_max or total_steps * (tokens_per_step if tc.units == "tokens" else 1)
+    unit = tokens_per_step if tc.units == "tokens" else 1
+    t, T = step * unit, tc.t_max or total_steps * unit
     W, lr, floor = tc.warmup, tc.lr, tc.alpha_f * tc.lr
     if t < W:
         return tc.warmup_min_lr + (lr - tc.warmup_min_lr) * t / W
@@ -95,7 +96,6 @@ def new_optimizer(params):
 
 
 def new_history():
-    """The last SKIP_WINDOW losses and grad norms, for OLMo 3's skip-step rule."""
     return dict(loss=jnp.zeros(SKIP_WINDOW, jnp.float32), grad_norm=jnp.zeros(SKIP_WINDOW, jnp.float32),
                 n=jnp.zeros((), jnp.int32))
 
@@ -115,10 +115,6 @@ def is_outlier(history, loss, grad_norm):
     return (n >= SKIP_MIN) & (outlier(loss, history["loss"]) | outlier(grad_norm, history["grad_norm"]))
 
 
-def saved_history(meta):
-    return {k: jnp.asarray(v, jnp.int32 if k == "n" else jnp.float32) for k, v in meta["history"].items()}
-
-
 def push_history(history, loss, grad_norm):
     slot = history["n"] % SKIP_WINDOW
     return dict(loss=history["loss"].at[slot].set(loss), grad_norm=history["grad_norm"].at[slot].set(grad_norm),
@@ -130,12 +126,12 @@ def push_history(history, loss, grad_norm):
 # writes the pieces it holds into the shared files, and a restore reads only the slices it needs, so a
 # checkpoint written on one mesh (or by one backend) resumes on another and no host holds a whole array.
 
-def stored(name, shape, prefix):
-    """[(stored name, layer or None)], one per layer if stacked; prefix "model." for HF names, or "exp_avg." etc."""
+def stored(name, shape, prefix, idx):
+    """[(stored name, index)] that slice idx of a param covers, one per layer if stacked; prefix "model.": HF names."""
     rename = convert.hf_name if prefix == "model." else lambda n: prefix + n  # noqa: E731
-    if name.startswith("layers."):
-        return [(rename(model.layer_name(name, i)), i) for i in range(shape[0])]
-    return [(rename(name), None)]
+    if not name.startswith("layers."):
+        return [(rename(name), idx)]
+    return [(rename(model.layer_name(name, i)), idx[1:]) for i in range(*idx[0].indices(shape[0]))]
 
 
 def checkpoint_entries(m):
@@ -187,10 +183,8 @@ def save_checkpoint(run_dir, step, backend, cfg, loader_state):
 
 def latest_checkpoint(run_dir):
     pointer = Path(run_dir) / "latest"
-    if not pointer.is_file():
-        return None
-    path = Path(run_dir) / pointer.read_text().strip()
-    if not (path / "nanolmo.json").is_file():
+    path = pointer.parent / pointer.read_text().strip() if pointer.is_file() else None
+    if path and not (path / "nanolmo.json").is_file():
         raise FileNotFoundError(f"{pointer} names {path.name}, which is not a complete checkpoint (no nanolmo.json)")
     return path
 
@@ -201,7 +195,7 @@ def open_checkpoint(path, m, with_optimizer=True):
     saved_m, state = convert.open_hf(path)
     meta = json.loads((path / "nanolmo.json").read_text()) if (path / "nanolmo.json").is_file() else {}
     theirs = build({"model": meta["config"]["model"]}).model if meta else saved_m
-    diff = [f"{k}: {getattr(theirs, k)!r} there, {getattr(m, k)!r} here" for k in to_dict(Config(model=m))["model"]
+    diff = [f"{k}: {getattr(theirs, k)!r} there, {getattr(m, k)!r} here" for k in to_dict(m)
             if k not in ("init", "init_std") and getattr(theirs, k) != getattr(m, k)]
     if diff:
         raise ConfigError(f"{path} holds a different model ({'; '.join(diff)})")
@@ -217,16 +211,14 @@ def open_checkpoint(path, m, with_optimizer=True):
 # --- the JAX backend: one jitted step over a device mesh -----------------------------------------
 
 def state_shardings(mesh, m):
-    """Params (by the table's logical axes), AdamW state (the same), skip-step history (replicated)."""
     p = shard.param_shardings(mesh, model.param_table(m))
     return p, dict(m=p, v=p, count=shard.replicated(mesh)), shard.replicated(mesh)
 
 
 def make_train_step(cfg, mesh):
     m, tc = cfg.model, cfg.train
-    dtype = jnp.dtype(tc.compute_dtype)
+    dtype, constrain = jnp.dtype(tc.compute_dtype), shard.residual_constraint(mesh)
     decay = {k: p.decay and tc.weight_decay > 0 for k, p in model.param_table(m).items()}
-    constrain = shard.residual_constraint(mesh)
 
     def micro_loss(params, tokens, labels, n_total):
         logits = model.forward(params, tokens, m, dtype, tc.remat, constrain)
@@ -263,54 +255,28 @@ def make_train_step(cfg, mesh):
                    out_shardings=(p, o, h, shard.replicated(mesh)), donate_argnums=(0, 1, 2))
 
 
-def make_eval_step(cfg, mesh):
-    """Summed cross-entropy (nats) and the tokens it covers, for one batch (B, T)."""
-    m = cfg.model
-
-    def step(params, tokens):
-        labels = model.shift_labels(tokens)
-        logits = model.forward(params, tokens, m, jnp.dtype(cfg.train.compute_dtype), constrain=shard.residual_constraint(mesh))
-        n = (labels != model.IGNORE_INDEX).sum()
-        return model.cross_entropy(logits, labels)[1] * n, n
-
-    return jax.jit(step, in_shardings=(state_shardings(mesh, m)[0], shard.instance_sharding(mesh)))
-
-
-def read_sharded(views, name, prefix, shape, sharding):
-    """One array, each device's slice read straight from the stored tensors (fp32 whatever they hold)."""
-    files = stored(name, shape, prefix)
-
-    def read(idx):
-        if not name.startswith("layers."):
-            return np.asarray(views[files[0][0]][idx], np.float32)
-        return np.stack([np.asarray(views[files[i][0]][idx[1:]], np.float32) for i in range(*idx[0].indices(shape[0]))])
-
-    return jax.make_array_from_callback(shape, sharding, read)
-
-
 class JaxBackend:
     """State as global jax.Arrays over the mesh; one jitted step (micro-batches inside) per step; any processes."""
 
     def __init__(self, cfg):
-        m, dc, tc = cfg.model, cfg.data, cfg.train
+        m = cfg.model
         shard.start_distributed()
         self.cfg, self.lead, self.processes = cfg, jax.process_index() == 0, jax.process_count()
         self.mesh = mesh = shard.make_mesh(cfg.mesh)
         self.n_devices, self.world, self.ranks = mesh.devices.size, shard.dp_size(mesh), shard.local_ranks(mesh)
-        self.per_rank, self.micro, self.accum = shard.check_batch(dc.global_batch, tc.micro_batch, self.world, shard.mesh_where(mesh))
+        _, self.micro, self.accum = shard.check_batch(cfg.data.global_batch, cfg.train.micro_batch, self.world,
+                                                      shard.mesh_where(mesh))
         self.param_sh, self.opt_sh, hist_sh = state_shardings(mesh, m)  # checks every split divides before anything compiles
+        self.layout = shard.jax_layout(mesh, model.param_table(m)) + [shard.describe(mesh)]  # lines for the log
         self.peak = PEAK_FLOPS.get(jax.devices()[0].device_kind)
         self.history = jax.device_put(new_history(), hist_sh)
-        self.train_step, self.eval_step = make_train_step(cfg, mesh), make_eval_step(cfg, mesh)
+        self.train_step = make_train_step(cfg, mesh)
+        self.eval_step = jax.jit(self._eval_step, in_shardings=(self.param_sh, shard.instance_sharding(mesh)))
         self.new_optimizer = jax.jit(new_optimizer, out_shardings=self.opt_sh)
 
-    def describe(self):
-        return "\n".join(shard.jax_layout(self.mesh, model.param_table(self.cfg.model))) + "\n" + shard.describe(self.mesh)
-
-    def barrier(self, name="barrier"):
+    def barrier(self):
         if self.processes > 1:
-            from jax.experimental import multihost_utils
-            multihost_utils.sync_global_devices(name)
+            multihost_utils.sync_global_devices("barrier")
 
     def init(self, seed):
         """Initialised where it lives: each device draws only its own shard."""
@@ -318,18 +284,22 @@ class JaxBackend:
         self.params = jax.jit(lambda key: model.init_params(m, key), out_shardings=self.param_sh)(jax.random.PRNGKey(seed))
         self.opt = self.new_optimizer(self.params)
 
-    def load(self, path, with_optimizer, with_history):
-        """Params (and moments, history) from a checkpoint; returns (meta, whether moments were there)."""
-        state, views, meta = open_checkpoint(path, self.cfg.model, with_optimizer)
-        table = model.param_table(self.cfg.model)
-        read = lambda src, prefix: {k: read_sharded(src, k, prefix, p.shape, self.param_sh[k]) for k, p in table.items()}  # noqa: E731
-        self.params = read(state, "")
+    def load(self, state, views):
+        self.params = self._read(state, "")
         self.opt = self.new_optimizer(self.params) if views is None else dict(
-            m=read(views, "exp_avg."), v=read(views, "exp_avg_sq."),
+            m=self._read(views, "exp_avg."), v=self._read(views, "exp_avg_sq."),
             count=jax.device_put(jnp.asarray(int(views["step"]), jnp.int32), self.opt_sh["count"]))
-        if with_history:
-            self.history = jax.device_put(saved_history(meta), self.history["n"].sharding)
-        return meta, views is not None
+
+    def _read(self, views, prefix):
+        """{name: global array}, each device's slice read straight from the stored tensors (fp32 whatever they hold)."""
+        table = model.param_table(self.cfg.model)
+
+        def read(name, idx):
+            parts = [np.asarray(views[f][i], np.float32) for f, i in stored(name, table[name].shape, prefix, idx)]
+            return np.stack(parts) if name.startswith("layers.") else parts[0]
+
+        return {k: jax.make_array_from_callback(p.shape, self.param_sh[k], lambda idx, k=k: read(k, idx))
+                for k, p in table.items()}
 
     def step(self, tokens, lr):
         """tokens (B_local, T): this process's ranks' instances, rank-major."""
@@ -337,28 +307,33 @@ class JaxBackend:
         per = tokens.reshape(len(self.ranks), self.accum, self.micro, T).transpose(1, 0, 2, 3)  # micro-batch a of every rank
         batch = jax.make_array_from_process_local_data(shard.batch_sharding(self.mesh), per.reshape(self.accum, -1, T))
         self.params, self.opt, self.history, out = self.train_step(self.params, self.opt, self.history, batch, jnp.float32(lr))
-        return dict(loss=float(out["loss"]), ce=float(out["ce"]), grad_norm=float(out["grad_norm"]), skipped=bool(out["skipped"]))
+        return {k: v.item() for k, v in out.items()}  # python floats, and a bool for skipped
 
     def eval(self, tokens):
         """Summed nats and token count over every process's rows (B_local, T)."""
         s, n = self.eval_step(self.params, jax.make_array_from_process_local_data(shard.instance_sharding(self.mesh), tokens))
         return float(s), int(n)
 
+    def _eval_step(self, params, tokens):
+        """Summed cross-entropy (nats) and the tokens it covers, for one batch (B, T); jitted in __init__."""
+        labels = model.shift_labels(tokens)
+        logits = model.forward(params, tokens, self.cfg.model, jnp.dtype(self.cfg.train.compute_dtype),
+                               constrain=shard.residual_constraint(self.mesh))
+        n = (labels != model.IGNORE_INDEX).sum()
+        return model.cross_entropy(logits, labels)[1] * n, n
+
     def pieces(self, kind):
         """(file name, index, numpy) for replica 0 of every shard this process holds."""
-        trees = [("model.", self.params)] if kind == "model." else [("exp_avg.", self.opt["m"]), ("exp_avg_sq.", self.opt["v"]),
-                                                                   ("", {"step": self.opt["count"]})]
+        opt = [("exp_avg.", self.opt["m"]), ("exp_avg_sq.", self.opt["v"]), ("", {"step": self.opt["count"]})]
+        trees = [("model.", self.params)] if kind == "model." else opt
         for name, a, prefix in [(k, v, prefix) for prefix, tree in trees for k, v in tree.items()]:
-            files = stored(name, a.shape, prefix)
             for sh in a.addressable_shards:
                 if sh.replica_id:
                     continue  # another device holds the same values and writes them
-                value, idx = np.asarray(sh.data), sh.index
-                if name.startswith("layers."):
-                    for j, layer in enumerate(range(*idx[0].indices(a.shape[0]))):
-                        yield files[layer][0], idx[1:], value[j]
-                else:
-                    yield files[0][0], idx, value
+                value = np.asarray(sh.data)
+                values = value if name.startswith("layers.") else [value]  # one per stored tensor
+                for (fname, idx), v in zip(stored(name, a.shape, prefix, sh.index), values):
+                    yield fname, idx, v
 
     def host_params(self):
         return jax.device_get(self.params)
@@ -387,7 +362,6 @@ def plan(argv):
                       + [f"--data.global_batch={args.batch}", f"--data.seq_len={args.seq}"])
     n = math.prod(int(v) for v in sizes.values())
     if args.topology:
-        from jax.experimental import topologies
         devices, device = topologies.get_topology_desc(args.topology, "tpu").devices, args.topology.split(":")[0]
         caveat = f"TPU compiler for {args.topology} (libtpu): its own memory figures"
     else:
@@ -424,8 +398,7 @@ def plan(argv):
 # --- the PyTorch backend: model.py's nn.Module, torch.optim.AdamW, FSDP2 under torchrun ----------
 
 class TorchBackend:
-    """The same training in PyTorch: one process per device, micro-batches eager (or torch.compile'd per block), FSDP2,
-    torch's AdamW. fp32 master weights, cast by model.py to the compute dtype where used, as in the JAX forward."""
+    """One process per device; fp32 master weights, cast by model.py to the compute dtype where used, as in JAX."""
 
     def __init__(self, cfg):
         m, dc, tc = cfg.model, cfg.data, cfg.train
@@ -434,8 +407,8 @@ class TorchBackend:
         self.rank, self.processes, self.device = shard.torch_start()
         self.cfg, self.lead, self.ranks = cfg, self.rank == 0, [self.rank]
         self.n_devices = self.world = self.processes  # one device and one data-parallel rank per process
-        self.per_rank, self.micro, self.accum = shard.check_batch(dc.global_batch, tc.micro_batch, self.world,
-                                                                  f"{self.processes} torch process(es)")
+        _, self.micro, self.accum = shard.check_batch(dc.global_batch, tc.micro_batch, self.world,
+                                                      f"{self.processes} torch process(es)")
         with torch.device("meta"):  # no memory until the weights are sharded: each rank allocates its piece
             net = model.OLMo(m)
         self.layout = shard.torch_layout(cfg.mesh, self.processes, model.param_table(m))  # checks the mesh
@@ -455,13 +428,10 @@ class TorchBackend:
             lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps)
         self.history = new_history()  # on the host, read by is_outlier
         kind = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-        self.peak, self.kind = PEAK_FLOPS.get(kind), kind
+        self.peak = PEAK_FLOPS.get(kind)
+        self.layout[-1] += f" on {kind}" + (", torch.compile" if tc.compile else "")
 
-    def describe(self):
-        return "\n".join(self.layout) + f" on {self.kind}" + (", torch.compile" if self.cfg.train.compile else "")
-
-    def barrier(self, name="barrier"):
-        shard.torch_barrier()
+    barrier = staticmethod(shard.torch_barrier)
 
     def _fill(self, tensors, source):
         """Copy into each tensor the piece this rank holds, from source(unstacked name, index) -> numpy."""
@@ -483,8 +453,7 @@ class TorchBackend:
 
         self._fill(self.named, draw)
 
-    def load(self, path, with_optimizer, with_history):
-        state, views, meta = open_checkpoint(path, self.cfg.model, with_optimizer)
+    def load(self, state, views):
         self._fill(self.named, lambda n, idx: state[n][idx])
         if views is not None:  # AdamW's state, set before its first step so that it keeps ours
             for key in ("exp_avg", "exp_avg_sq"):
@@ -492,9 +461,6 @@ class TorchBackend:
                 self._fill(moments, lambda n, idx: views[f"{key}.{n}"][idx])
                 for n, p in self.named.items():
                     self.optim.state[p].update({key: moments[n], "step": torch.tensor(float(views["step"]))})
-        if with_history:
-            self.history = saved_history(meta)
-        return meta, views is not None
 
     def step(self, tokens, lr):
         """tokens (B_rank, T): this rank's instances, cut into micro-batches; the same sums as the JAX step."""
@@ -502,10 +468,9 @@ class TorchBackend:
         x, y = self._inputs(tokens)  # (B_rank, T) each
         n_total = shard.torch_sum((y != model.IGNORE_INDEX).sum()).clamp(min=1)  # over the global batch, as OLMo-core
         sums = torch.zeros(2, device=self.device)  # loss, ce
-        for a in range(self.accum):
+        for a, (xa, ya) in enumerate(zip(x.split(self.micro), y.split(self.micro))):
             if self.processes > 1:
                 self.net.set_requires_gradient_sync(a == self.accum - 1)  # reduce-scatter once, after the last
-            xa, ya = x[a * self.micro:(a + 1) * self.micro], y[a * self.micro:(a + 1) * self.micro]
             loss, ce, _ = model.cross_entropy_torch(self.net(xa, self.dtype, tc.remat), ya, tc.z_loss)
             share = (ya != model.IGNORE_INDEX).sum() / n_total
             # FSDP2 averages gradients over ranks; each rank's loss is already its share of the global
@@ -513,15 +478,14 @@ class TorchBackend:
             (loss * share * self.world).backward()
             sums += torch.stack([loss.detach(), ce.detach()]) * share
         loss, ce = shard.torch_sum(sums).tolist()
-        params = list(self.named.values())
-        norm = shard.torch_full(torch.nn.utils.get_total_norm([p.grad for p in params]))
+        norm = shard.torch_full(torch.nn.utils.get_total_norm([p.grad for p in self.named.values()]))
         grad_norm = float(norm)
         ok = math.isfinite(loss) and math.isfinite(grad_norm)
         if ok and tc.skip_step:
             ok = not bool(is_outlier(self.history, loss, grad_norm))
         if ok:
             if tc.clip:  # scale by min(1, clip / (norm + 1e-6)), as the JAX step
-                torch.nn.utils.clip_grads_with_norm_(params, tc.clip, norm)
+                torch.nn.utils.clip_grads_with_norm_(self.named.values(), tc.clip, norm)
             for group in self.optim.param_groups:
                 group["lr"] = lr
             self.optim.step()
@@ -529,8 +493,7 @@ class TorchBackend:
         self.history = push_history(self.history, loss, grad_norm)
         return dict(loss=loss, ce=ce, grad_norm=grad_norm, skipped=not ok)
 
-    def _inputs(self, tokens):
-        """Tokens and their next-token labels as int64 tensors on this rank's device."""
+    def _inputs(self, tokens):  # tokens and their next-token labels, int64 on this rank's device
         return [torch.from_numpy(a.astype(np.int64)).to(self.device) for a in (tokens, model.shift_labels(tokens))]
 
     @torch.no_grad()
@@ -542,20 +505,15 @@ class TorchBackend:
         return s, int(n)
 
     def pieces(self, kind):
-        """(file name, index, numpy) for the piece of every tensor this rank holds (first replica only)."""
-        step = 0
-        for n, p in self.named.items():
-            if kind == "model.":
-                tensors = [(convert.hf_name(n), p)]
-            else:
-                st = self.optim.state.get(p) or dict(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p), step=0)
-                tensors, step = [(f"{key}.{n}", st[key]) for key in ("exp_avg", "exp_avg_sq")], int(st["step"])
-            for fname, t in tensors:
+        for n, p in self.named.items():  # (AdamW has no state before its first step: zeros, then)
+            st = self.optim.state.get(p) or dict(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p), step=0)
+            moments = {f"{k}.{n}": st[k] for k in ("exp_avg", "exp_avg_sq")}
+            for fname, t in ({convert.hf_name(n): p} if kind == "model." else moments).items():
                 local, idx, writes = shard.torch_local(t)
                 if writes:
                     yield fname, idx, local.detach().cpu().numpy()
         if kind != "model." and self.lead:
-            yield "step", (), np.int32(step)
+            yield "step", (), np.int32(int(st["step"]))
 
     def host_params(self):
         """Stacked numpy params, gathered whole on every process."""
@@ -570,9 +528,8 @@ def open_data(cfg):
     instances = data.open_instances(dc.path, dc.seq_len, dc.seed)
     if not Path(dc.path).is_dir():  # a mix file or a bare token file: no tokenizer, no held-out split
         return instances, None, None
-    info = data.load_dataset_info(dc.path)
-    if info["vocab_size"] > cfg.model.vocab_size:
-        raise ConfigError(f"{dc.path} was tokenized with {info['vocab_size']} ids but model.vocab_size={cfg.model.vocab_size}")
+    if (V := data.load_dataset_info(dc.path)["vocab_size"]) > cfg.model.vocab_size:
+        raise ConfigError(f"{dc.path} was tokenized with {V} ids but model.vocab_size={cfg.model.vocab_size}")
     held = data.dataset_files(dc.path, "heldout")
     enough = held and sum(f.tokens for f in held) >= dc.seq_len  # one instance at least
     heldout = data.Instances([("heldout", held, None)], dc.seq_len) if enough else None
@@ -584,17 +541,20 @@ def restore(backend, cfg):
     dc, tc = cfg.data, cfg.train
     ckpt = latest_checkpoint(tc.run_dir)
     if ckpt:
-        meta, has_opt = backend.load(ckpt, with_optimizer=True, with_history=True)
-        if not has_opt:
+        state, views, meta = open_checkpoint(ckpt, cfg.model)
+        if views is None:
             raise ValueError(f"{ckpt}: no optimizer.safetensors, cannot resume")
         was = {k: meta["config"]["data"][k] for k in ("path", "seq_len", "global_batch", "seed")}
         if was != {k: getattr(dc, k) for k in was}:
             raise ConfigError(f"{ckpt} was trained with data {was}; resuming needs the same data settings "
                               "(to change them, start a new stage: train.init_from)")
+        backend.load(state, views)
+        saved = {k: jnp.asarray(v, backend.history[k].dtype) for k, v in meta["history"].items()}
+        backend.history = jax.device_put(saved, jax.tree.map(lambda a: a.sharding, backend.history))
         print(f"resuming {ckpt} at step {meta['step']} (written by the {meta['config']['train'].get('backend', 'jax')} backend)")
         return ckpt, meta["step"], meta["data"]["step"]
     if tc.init_from:
-        backend.load(tc.init_from, with_optimizer=tc.load_optimizer, with_history=False)
+        backend.load(*open_checkpoint(tc.init_from, cfg.model, tc.load_optimizer)[:2])  # (params, moments or None)
         print(f"new stage from {tc.init_from}: its params{' and AdamW moments' if tc.load_optimizer else ''}, step 0")
     else:
         backend.init(tc.init_seed)
@@ -605,11 +565,9 @@ def held_out_eval(backend, heldout, dc, token_bytes, batches):
     """Loss (nats/token) and bits per byte on the held-out split, first `batches` batches (0 = all)."""
     if heldout is None:
         return {}
-    n_batches = min(heldout.n // dc.global_batch, batches or heldout.n)
-    P = backend.per_rank
-    rows = np.concatenate([np.arange(r * P, (r + 1) * P) for r in backend.ranks])  # this process's
+    rows = np.arange(dc.global_batch).reshape(backend.world, -1)[backend.ranks].ravel()  # this process's ranks' rows
     nats = count = n_bytes = 0
-    for b in range(n_batches):
+    for b in range(min(heldout.n // dc.global_batch, batches or heldout.n)):
         tokens = np.stack([heldout.read(b * dc.global_batch + i) for i in range(dc.global_batch)]).astype(np.int32)
         s, n = backend.eval(tokens[rows])
         nats, count = nats + s, count + n
@@ -630,19 +588,17 @@ def in_loop_tasks(cfg, tok, backend):
         print("eval.tasks: skipped (in-loop tasks run in single-process runs; use `eval.py tasks` on a checkpoint)")
         return None
     tasks = evaluate.prepare_tasks(names, ec.tasks_data, tok, ec.tasks_norm, ec.tasks_limit)
+    tasks["scorer"] = evaluate.Scorer(cfg.model, None, "jax", cfg.train.compute_dtype)  # params: each eval's
     print("in-loop tasks: " + ", ".join(f"{n} ({len(t['items'])} docs)" for n, t in tasks["tasks"].items())
           + f", {ec.tasks_norm} prompts and normalisation")
     return tasks
 
 
-def task_eval(backend, tasks, cfg):
+def task_eval(backend, tasks):
     """{<task>_acc}: the JAX forward (on CPU for torch runs) on host params; compiled once, later evals swap params."""
     if tasks is None:
         return {}
-    params = backend.host_params()
-    if "scorer" not in tasks:
-        tasks["scorer"] = evaluate.Scorer(cfg.model, params, "jax", cfg.train.compute_dtype)
-    tasks["scorer"].params = params
+    tasks["scorer"].params = backend.host_params()
     return {f"{name}_acc": r["acc"] for name, r in evaluate.score_tasks(tasks["scorer"], tasks).items()}
 
 
@@ -676,7 +632,7 @@ def main(argv):
     # --- data
     instances, heldout, tok = open_data(cfg)
     token_bytes = evaluate.token_bytes(tok) if tok else None
-    tokens_per_step = dc.global_batch * dc.seq_len
+    tokens_per_step, flops = dc.global_batch * dc.seq_len, model.flops_per_token(m, dc.seq_len)
 
     # --- params: resume this run, or start a stage from another checkpoint, or initialise
     last_saved, start, loader_pos = restore(backend, cfg)
@@ -689,8 +645,8 @@ def main(argv):
     print(f"params {model.count_params(m):,} (by tensor: python model.py CONFIG)")
     print(f"tokens/step {tokens_per_step:,} = global_batch {dc.global_batch} x seq_len {dc.seq_len}; "
           f"{backend.world} data-parallel rank(s) x {backend.accum} micro-batch(es) of {backend.micro}; "
-          f"FLOPs/token {model.flops_per_token(m, dc.seq_len) / 1e6:,.1f}M")
-    print(backend.describe())
+          f"FLOPs/token {flops / 1e6:,.1f}M")
+    print("\n".join(backend.layout))
     print(f"backend {tc.backend}; peak " + (f"{backend.peak / 1e12:.0f} TFLOP/s per device" if backend.peak else "unknown: MFU n/a"))
     print(f"data: {instances.n:,} instances of {dc.seq_len}, {loader.batches_per_epoch:,} steps per epoch"
           + (f"; held-out {heldout.n:,} instances" if heldout else "; no held-out split"))
@@ -706,7 +662,6 @@ def main(argv):
     if lead and metrics_path.exists():  # drop lines a crashed run logged after its last checkpoint
         kept = [ln for ln in metrics_path.read_text().splitlines() if json.loads(ln)["step"] <= start]
         metrics_path.write_text("".join(ln + "\n" for ln in kept))
-    flops, peak = model.flops_per_token(m, dc.seq_len), backend.peak
     bar = tqdm(range(start + 1, tc.steps + 1), initial=start, total=tc.steps, desc="train", dynamic_ncols=True,
                disable=not lead)
     t_last, window = time.perf_counter(), []  # window: losses since the last log line, averaged into it
@@ -720,13 +675,13 @@ def main(argv):
         record = {}
         if step % tc.log_every == 0 or step == tc.steps:
             tps = len(window) * tokens_per_step / (time.perf_counter() - t_last)
+            mfu = flops * tps / (backend.peak * backend.n_devices) if backend.peak else None
             record = dict(step=step, loss=sum(window) / len(window), ce=out["ce"], lr=lr, grad_norm=out["grad_norm"],
-                          tokens_per_s=tps, skipped=out["skipped"], mfu=flops * tps / (peak * backend.n_devices) if peak else None,
-                          tokens=step * tokens_per_step)
+                          tokens_per_s=tps, skipped=out["skipped"], mfu=mfu, tokens=step * tokens_per_step)
             t_last, window = time.perf_counter(), []
         if ec.every and step % ec.every == 0 and step != tc.steps:
             record = {"step": step, **record, **held_out_eval(backend, heldout, dc, token_bytes, ec.batches),
-                      **task_eval(backend, tasks, cfg)}
+                      **task_eval(backend, tasks)}
             t_last = time.perf_counter()  # tokens/s measures training only
         if record and lead:
             log(record, metrics_path, bar.write)
@@ -746,9 +701,9 @@ def main(argv):
             final["unigram_bpb"] = evaluate.unigram_bpb(instances, heldout, token_bytes, m.vocab_size)
             line += f", {final['eval_bpb']:.4f} bits/byte (a unigram model of the training tokens: {final['unigram_bpb']:.4f})"
         print(line)
-    final.update(task_eval(backend, tasks, cfg))
+    final.update(task_eval(backend, tasks))
     if lead:
-        log(dict(step=tc.steps, **{k: v for k, v in final.items() if k.endswith("_acc")}), None, print)
+        log(dict(step=tc.steps, **final), None, print)  # (no "loss": the accuracies' line only)
         if final:
             (run_dir / "final.json").write_text(json.dumps(dict(step=tc.steps, **final), indent=1) + "\n")
         plot([run_dir], run_dir / "loss.png")
@@ -781,15 +736,13 @@ def plot(run_dirs, out):
         first = loss if first is None else first
         common = sorted(set(first) & set(loss)) if i else []
         if common:
-            rel = [abs(loss[s] - first[s]) / abs(first[s]) for s in common]
-            axes[1, 0].semilogy(common, [max(r, 1e-9) for r in rel], color=f"C{i}", lw=1, label=f"|{d.name} - {ref}| / {ref}")
-            j = max(range(len(common)), key=rel.__getitem__)
-            diffs.append(dict(run=str(d), steps=len(common), step=common[j], diff=abs(loss[common[j]] - first[common[j]]),
-                              rel=rel[j]))
-    axes[0, 0].set_ylabel("loss (nats/token)")
-    if many:
-        axes[1, 0].set_ylabel("relative difference")
-    for ax in axes[:, 0]:
+            rel = {s: abs(loss[s] - first[s]) / abs(first[s]) for s in common}
+            axes[1, 0].semilogy(common, [max(r, 1e-9) for r in rel.values()], color=f"C{i}", lw=1,
+                                label=f"|{d.name} - {ref}| / {ref}")
+            s = max(rel, key=rel.get)  # (the first, on a tie)
+            diffs.append(dict(run=str(d), steps=len(common), step=s, diff=abs(loss[s] - first[s]), rel=rel[s]))
+    for ax, label in zip(axes[:, 0], ("loss (nats/token)", "relative difference")):  # (one panel or two)
+        ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     axes[-1, 0].set_xlabel("step")
@@ -802,8 +755,7 @@ def plot(run_dirs, out):
 # --- bench --------------------------------------------------------------------------------------
 
 def bench(argv, steps=10):
-    """A few train steps of the configured model and batch, in one process: JAX, torch eager, torch compiled, and
-    transformers' OlmoForCausalLM + torch.optim.AdamW if installed; each after 2 untimed steps (compile, warm-up)."""
+    """Tokens/s of a few train steps of the configured model and batch, in one process, after 2 untimed (warm-up)."""
     cfg = load_config(argv)
     m, tc, B, T = cfg.model, cfg.train, cfg.data.global_batch, cfg.data.seq_len
     tokens = np.random.default_rng(0).integers(0, m.vocab_size, (B, T)).astype(np.int32)

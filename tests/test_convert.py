@@ -277,26 +277,6 @@ def test_dolma2_tokenizer_files(tmp_path):
         assert mine[key] == ref[key], key
     ref_vocab = {k: v for k, v in ref["model"]["vocab"].items() if v < 100256}
     assert mine["model"]["vocab"] == ref_vocab and mine["model"]["merges"] == ref["model"]["merges"]
-    # The other way: OLMo's own file gives back cl100k's ranks and dolma2's added tokens.
-    ranks, added, pattern = convert.tiktoken_from_hf(DOLMA2_JSON)
-    assert ranks == tok.enc._mergeable_ranks and added == data.DOLMA2_ADDED and pattern == data.PATTERN
-    with pytest.raises(ValueError, match="use --tokenizer dolma2"):
-        convert.tokenizer_to_ranks(DOLMA2_JSON, tmp_path / "x.tiktoken")
-    assert not (tmp_path / "x.tiktoken").exists()
-
-
-def test_tokenizer_json_to_ranks(small_bpe, tmp_path):
-    tok = data.load_tokenizer(str(small_bpe))
-    (tmp_path / "tokenizer.json").write_text(convert.hf_tokenizer_files(tok, 64)["tokenizer.json"])
-    back = convert.tokenizer_to_ranks(tmp_path / "tokenizer.json", tmp_path / "back.tiktoken")
-    assert back.enc._mergeable_ranks == tok.enc._mergeable_ranks and (back.eos_id, back.pad_id) == (tok.eos_id, tok.pad_id)
-    tj = json.loads((tmp_path / "tokenizer.json").read_text())
-    vocab = tj["model"]["vocab"]
-    a, b = tj["model"]["merges"][10].replace(" ", ""), tj["model"]["merges"][11].replace(" ", "")
-    vocab[a], vocab[b] = vocab[b], vocab[a]  # two merge results swap ids: no longer in merge order
-    (tmp_path / "swapped.json").write_text(json.dumps(tj))
-    with pytest.raises(ValueError, match="merge 11 .* ids do not follow merge order"):
-        convert.tiktoken_from_hf(tmp_path / "swapped.json")
 
 
 # --- soups, the conversion report --------------------------------------------------------------------
