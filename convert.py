@@ -38,7 +38,7 @@ import yaml
 from tqdm import tqdm
 
 import model
-from configs import ConfigError, ModelConfig
+from configs import ConfigError, ModelConfig, in_range, read_json, run_cli
 from model import param_table, stack_layers, unstack_layers
 
 # --- safetensors, read and written with numpy ---------------------------------------------------
@@ -92,13 +92,33 @@ def allocate_safetensors(path, entries, metadata=None):
     blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
     with open(path, "wb") as f:
         f.write(len(blob).to_bytes(8, "little") + blob)
-        f.truncate(8 + len(blob) + offset)
+        reserve(f, 8 + len(blob) + offset)
+
+
+def reserve(f, size):
+    """Grow open file f to `size` bytes with its disk blocks claimed now. A sparse file (truncate) would be
+    claimed page by page as a memory map fills it, and on a full disk the writer dies of SIGBUS, saying nothing;
+    claimed here, a full disk is an OSError naming the file and the bytes it needs, before anything is written."""
+    try:
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(f.fileno(), 0, size)
+        else:  # macOS: write the zeros
+            f.seek(0, os.SEEK_END)
+            while f.tell() < size:
+                f.write(bytes(min(size - f.tell(), 1 << 26)))
+    except OSError as e:
+        raise OSError(e.errno, f"{f.name}: cannot reserve {size:,} bytes ({os.strerror(e.errno)}); free space on "
+                      "its disk and rerun") from None
 
 
 def fsync(path):
-    """A written (or memory-mapped) file's bytes, on disk: before a rename makes it the one readers find."""
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
+    """A written (or memory-mapped) file's bytes, or a directory's entries (a rename in it), on disk: before a
+    rename makes a file the one readers find, and after it, so that a power cut cannot undo the rename."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_safetensors(path, tensors, metadata=None, progress=lambda nbytes: None):
@@ -113,6 +133,7 @@ def write_safetensors(path, tensors, metadata=None, progress=lambda nbytes: None
     del views
     fsync(tmp)
     os.replace(tmp, path)
+    fsync(path.parent)
 
 
 # --- HF config.json <-> ModelConfig --------------------------------------------------------------
@@ -234,7 +255,7 @@ def open_hf(d):
     d = Path(d)
     if not (d / "config.json").is_file():
         raise FileNotFoundError(f"{d / 'config.json'} not found: expected a Hugging Face model directory")
-    m = config_from_hf(json.loads((d / "config.json").read_text()), str(d / "config.json"))
+    m = config_from_hf(read_json(d / "config.json"), str(d / "config.json"))
     pickles = [p.name for p in [*d.glob("*.bin"), *d.glob("*.pt")]]
     if pickles and not any((d / n).is_file() for n in HF_SAFETENSORS):
         raise FileNotFoundError(f"{d}: no model.safetensors or its index ({', '.join(pickles)} are pickles, which we "
@@ -444,7 +465,7 @@ def _weights(d, names):
     for name in names:
         p = d / name
         if name.endswith(".index.json") and p.is_file():
-            files = sorted(set(json.loads(p.read_text())["weight_map"].values()))
+            files = sorted(set(read_json(p)["weight_map"].values()))
             for f in files:
                 if not (d / f).is_file():
                     raise FileNotFoundError(f"{p} names shard {f}, which is missing")
@@ -542,8 +563,11 @@ def detect(path, config=None):
         raise ValueError(f"{path}: not a checkpoint format I know: no config.json (HF, hf_olmo, OLMo-core) or "
                          f"config.yaml (old OLMo trainer); found {seen} (pass --config FILE if it lives elsewhere)")
     if cfg.suffix in (".yaml", ".yml"):  # yaml.safe_load: plain data only, no Python objects
-        return "olmo", d, cfg, yaml.safe_load(cfg.read_text())["model"]
-    c = json.loads(cfg.read_text())
+        try:
+            return "olmo", d, cfg, yaml.safe_load(cfg.read_text())["model"]
+        except (yaml.YAMLError, KeyError, TypeError) as e:
+            raise ConfigError(f"{cfg}: not the old trainer's config.yaml (not YAML, or no model: {e!r})") from None
+    c = read_json(cfg)
     kind = ("olmo_core" if isinstance(c.get("model"), dict) and "block" in c["model"] else "hf_olmo" if "d_model" in c
             else "hf" if c.get("model_type") in FAMILY_OF else None)
     if kind is None:
@@ -597,6 +621,7 @@ def write_checkpoint(out, m, tensors, dtype=None, files=None, shard_bytes=None):
             (tmp / name).write_text(text)
             fsync(tmp / name)
         os.replace(tmp, out)
+        fsync(out.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -705,7 +730,11 @@ def load_tokens(path, seq_len=None, rows=0):
     import data
     with open(path, "rb") as f:
         is_npy = f.read(6) == b"\x93NUMPY"
-    a = np.load(path, allow_pickle=False) if is_npy else data.open_token_file(path).array()
+    try:
+        a = np.load(path, allow_pickle=False) if is_npy else data.open_token_file(path).array()
+    except ValueError as e:  # an object array (its elements are pickles, never loaded), or a damaged file
+        raise ValueError(f"{path}: not a readable array of token ids ({e}); expected an integer .npy (int32, int64, "
+                         "uint16, uint32) or a token file") from None
     if a.ndim not in (1, 2) or not np.issubdtype(a.dtype, np.integer):
         raise ValueError(f"{path}: {a.dtype} values of shape {a.shape}; expected integer token ids, (T,) or (B, T)")
     T = seq_len or a.shape[-1] or 1
@@ -799,13 +828,14 @@ def main(argv):
         arg("--to-hf", action="store_true", help="a release-style HF directory (shards, tokenizer, generation config)")
         arg("--dtype", choices=dtypes, help="cast every tensor (default: keep each tensor's dtype)")
         arg("--tokenizer", help="with --to-hf: dolma2 or a ranks file (default: dolma2 if the checkpoint uses it)")
-        arg("--shard-size", type=float, default=5.0, help="with --to-hf: GiB per safetensors shard")
+        arg("--shard-size", type=in_range(float, 0, open_lo=True), default=5.0,
+            help="with --to-hf: GiB per safetensors shard")
     elif cmd == "check":
         arg("a", help="jax:DIR or torch:DIR (ours, any SRC format; a bare DIR is jax:DIR) or hf:DIR (transformers)")
         arg("b")
         arg("--tokens", required=True, help=".npy of ids, (B, T) or (N,); or a token file (ours, OLMo-core's uint32)")
-        arg("--seq-len", type=int, help="T: cut 1-D ids into rows of T (or truncate rows to T)")
-        arg("--rows", type=int, default=0, help="only the first N rows (0 = all)")
+        arg("--seq-len", type=in_range(int, 1), help="T: cut 1-D ids into rows of T (or truncate rows to T)")
+        arg("--rows", type=in_range(int, 0), default=0, help="only the first N rows (0 = all)")
         arg("--dtype", choices=dtypes, default="float32", help="compute dtype of both models")
     elif cmd == "soup":
         arg("ckpts", nargs="+")
@@ -830,4 +860,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_cli(main)

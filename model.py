@@ -30,7 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F_  # F is the MLP width in our notation
 from torch.utils.checkpoint import checkpoint
 
-from configs import ModelConfig, describe, load_config
+from configs import ModelConfig, describe, load_config, run_cli
 
 IGNORE_INDEX = -100  # labels equal to this contribute nothing to the loss (HF and OLMo-core use -100)
 Q_BLOCK = 1024  # JAX attention takes queries in blocks of this many when T is longer (see `attend`)
@@ -593,4 +593,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_cli(main)

@@ -15,7 +15,6 @@ are split by the logical axes the parameter table gives each dimension, through 
 
 import math
 import os
-import sys
 
 import jax
 import torch
@@ -23,7 +22,7 @@ import torch.distributed as dist
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import model
-from configs import load_config
+from configs import load_config, run_cli
 
 
 RULES = {"embed": "fsdp", "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor", "layers": None}
@@ -246,8 +245,12 @@ def torch_barrier():
         dist.barrier()
 
 
-if __name__ == "__main__":
-    cfg = load_config(sys.argv[1:])
+def main(argv):
+    cfg = load_config(argv)
     mesh = make_mesh(cfg.mesh)
     print(describe(mesh))
     print("\n".join(jax_layout(mesh, model.param_table(cfg.model))))
+
+
+if __name__ == "__main__":
+    run_cli(main)

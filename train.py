@@ -41,7 +41,7 @@ import data
 import eval as evaluate
 import model
 import shard
-from configs import ConfigError, build, describe, load_config, save_json, to_dict
+from configs import ConfigError, build, describe, load_config, read_json, run_cli, save_json, to_dict
 
 # Dense bf16 peak FLOP/s per device, from the vendors' spec sheets. Unknown devices (CPUs) get no MFU.
 PEAK_FLOPS = {
@@ -143,42 +143,74 @@ def checkpoint_entries(m):
     return model_e, opt_e
 
 
-def save_checkpoint(run_dir, step, backend, cfg, loader_state):
-    """step_N.tmp/ -> fsync -> step_N/ -> `latest` -> drop those beyond `keep`; a crash leaves the last one whole."""
+def save_checkpoint(run_dir, step, backend, cfg, loader_state, log_window):
+    """step_N.tmp/ -> fsync -> step_N/ -> `latest` -> drop those beyond `keep`; a crash leaves the last one whole.
+    log_window: the losses since the last log line, so that a resumed run's next line averages the same steps."""
     run_dir, lead, barrier = Path(run_dir), backend.lead, backend.barrier
     final, tmp = run_dir / f"step_{step}", run_dir / f"step_{step}.tmp"
-    if lead:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier()
-    files = (("model.safetensors", "model.", "pt"), ("optimizer.safetensors", "optimizer", "nanolmo"))
-    for (fname, kind, fmt), entries in zip(files, checkpoint_entries(cfg.model)):
-        # The lead process sizes the file; then every process writes its pieces through a writable memory map.
+    try:
         if lead:
-            convert.allocate_safetensors(tmp / fname, entries, {"format": fmt})
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
         barrier()
-        views, _ = convert.read_safetensors(tmp / fname, writable=True)
-        for name, idx, value in backend.pieces(kind):
-            views[name][idx] = value
-        del views
-        convert.fsync(tmp / fname)  # the mapped pages, on disk
-        barrier()
+        files = (("model.safetensors", "model.", "pt"), ("optimizer.safetensors", "optimizer", "nanolmo"))
+        for (fname, kind, fmt), entries in zip(files, checkpoint_entries(cfg.model)):
+            # The lead process sizes the file (its disk space claimed); every process writes its pieces through a
+            # writable memory map.
+            if lead:
+                convert.allocate_safetensors(tmp / fname, entries, {"format": fmt})
+            barrier()
+            views, _ = convert.read_safetensors(tmp / fname, writable=True)
+            for name, idx, value in backend.pieces(kind):
+                views[name][idx] = value
+            del views
+            convert.fsync(tmp / fname)  # the mapped pages, on disk
+            barrier()
+        if lead:
+            meta = dict(step=step, config=to_dict(cfg), data=loader_state, log_window=log_window,
+                        history={k: np.asarray(v).tolist() for k, v in backend.history.items()})
+            for f, obj, indent in (("config.json", convert.config_to_hf(cfg.model), 2), ("nanolmo.json", meta, 1)):
+                (tmp / f).write_text(json.dumps(obj, indent=indent) + "\n")
+                convert.fsync(tmp / f)
+    except BaseException as e:  # a full disk, or Ctrl-C: no half-written step_N.tmp stays behind
+        if lead:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise OSError(e.errno, f"checkpoint {final.name} not written ({e}); {tmp} removed, and {run_dir / 'latest'}"
+                          " still names the last whole checkpoint") from None
+        raise
     if lead:
-        meta = dict(step=step, config=to_dict(cfg), data=loader_state,
-                    history={k: np.asarray(v).tolist() for k, v in backend.history.items()})
-        for f, obj, indent in (("config.json", convert.config_to_hf(cfg.model), 2), ("nanolmo.json", meta, 1)):
-            (tmp / f).write_text(json.dumps(obj, indent=indent) + "\n")
-            convert.fsync(tmp / f)
         if final.exists():  # left by a run that crashed before updating `latest`: same step, redo it
-            shutil.rmtree(final)
+            discard(final)
         os.replace(tmp, final)
+        convert.fsync(run_dir)  # the rename itself, on disk
         (run_dir / "latest.tmp").write_text(final.name + "\n")
+        convert.fsync(run_dir / "latest.tmp")
         os.replace(run_dir / "latest.tmp", run_dir / "latest")
+        convert.fsync(run_dir)
         steps = sorted(int(p.name[5:]) for p in run_dir.glob("step_*") if p.name[5:].isdigit())
         for old in steps[:-cfg.train.keep]:
-            shutil.rmtree(run_dir / f"step_{old}")
+            discard(run_dir / f"step_{old}")
     barrier()
     return final
+
+
+def discard(path):
+    """Delete a checkpoint directory: renamed first (atomic), so a kill half-way through the delete leaves a
+    .trash folder, which the next start clears, never a half-deleted step_N that counts against `keep`."""
+    trash = path.with_name(path.name + ".trash")
+    os.replace(path, trash)
+    shutil.rmtree(trash)
+
+
+def clear_leftovers(run_dir):
+    """What killed runs leave: step_N.tmp (a save cut short) and step_N.trash (a delete cut short)."""
+    for p in [*run_dir.glob("step_*.tmp"), *run_dir.glob("step_*.trash"), *run_dir.glob("*.jsonl.tmp")]:
+        if p.is_dir():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+        print(f"removed {p}, left by a run that was killed")
 
 
 def latest_checkpoint(run_dir):
@@ -193,7 +225,8 @@ def open_checkpoint(path, m, with_optimizer=True):
     """(model, optimizer or None, meta) memory maps by stored name; any HF OLMo dir of the configured model will do."""
     path = Path(path)
     saved_m, state = convert.open_hf(path)
-    meta = json.loads((path / "nanolmo.json").read_text()) if (path / "nanolmo.json").is_file() else {}
+    fix = f"delete {path} (and fix {path.parent / 'latest'}) to go on from the checkpoint before it"
+    meta = read_json(path / "nanolmo.json", fix) if (path / "nanolmo.json").is_file() else {}
     theirs = build({"model": meta["config"]["model"]}).model if meta else saved_m
     diff = [f"{k}: {getattr(theirs, k)!r} there, {getattr(m, k)!r} here" for k in to_dict(m)
             if k not in ("init", "init_std") and getattr(theirs, k) != getattr(m, k)]
@@ -537,7 +570,8 @@ def open_data(cfg):
 
 
 def restore(backend, cfg):
-    """Resume (latest), start a stage (train.init_from) or initialise -> (checkpoint or None, step, loader step)."""
+    """Resume (latest), start a stage (train.init_from) or initialise -> (checkpoint or None, step, loader step,
+    the losses since the last log line)."""
     dc, tc = cfg.data, cfg.train
     ckpt = latest_checkpoint(tc.run_dir)
     if ckpt:
@@ -552,13 +586,13 @@ def restore(backend, cfg):
         saved = {k: jnp.asarray(v, backend.history[k].dtype) for k, v in meta["history"].items()}
         backend.history = jax.device_put(saved, jax.tree.map(lambda a: a.sharding, backend.history))
         print(f"resuming {ckpt} at step {meta['step']} (written by the {meta['config']['train'].get('backend', 'jax')} backend)")
-        return ckpt, meta["step"], meta["data"]["step"]
+        return ckpt, meta["step"], meta["data"]["step"], meta.get("log_window", [])
     if tc.init_from:
         backend.load(*open_checkpoint(tc.init_from, cfg.model, tc.load_optimizer)[:2])  # (params, moments or None)
         print(f"new stage from {tc.init_from}: its params{' and AdamW moments' if tc.load_optimizer else ''}, step 0")
     else:
         backend.init(tc.init_seed)
-    return None, 0, 0
+    return None, 0, 0, []
 
 
 def held_out_eval(backend, heldout, dc, token_bytes, batches):
@@ -618,16 +652,48 @@ def log(record, metrics_path, write):
             f.write(json.dumps(record) + "\n")
 
 
+def read_metrics(path):
+    """metrics.jsonl's records, and whether its last line was torn (cut by a kill or power cut during the
+    append: dropped, and said). A bad line anywhere else is an error: nothing writes one."""
+    lines, rows = path.read_text().splitlines() if path.exists() else [], []
+    for i, line in enumerate(lines, 1):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i < len(lines):
+                raise ValueError(f"{path}:{i}: not a JSON line (only the last can be torn by a crash)") from None
+            print(f"{path}: dropped its torn last line ({line[:40]!r}...), as a kill during its write leaves it")
+    return rows, len(rows) < len(lines)
+
+
+def trim_metrics(path, start):
+    """Keep the lines of steps <= start (a crashed run logged more than its checkpoint holds); rewritten only when
+    lines must go, through a temporary file and a rename, so that a kill during the rewrite loses nothing."""
+    rows, torn = read_metrics(path)
+    kept = [r for r in rows if r["step"] <= start]
+    if torn or len(kept) < len(rows):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        convert.fsync(tmp)
+        os.replace(tmp, path)
+        convert.fsync(path.parent)
+
+
 def main(argv):
     # --- config and devices
     cfg = load_config(argv)
     m, dc, tc, ec = cfg.model, cfg.data, cfg.train, cfg.eval
+    if dc.seq_len > m.max_seq_len:  # RoPE would go on, but past what the model (and its HF config) declares
+        raise ConfigError(f"data.seq_len={dc.seq_len} is longer than model.max_seq_len={m.max_seq_len} "
+                          "(HF max_position_embeddings): raise model.max_seq_len or shorten data.seq_len")
     run_dir = Path(tc.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     backend = (TorchBackend if tc.backend == "torch" else JaxBackend)(cfg)
     lead = backend.lead  # the one process that prints and writes files other than checkpoints
     if not lead:
         sys.stdout = open(os.devnull, "w")
+    else:
+        clear_leftovers(run_dir)
 
     # --- data
     instances, heldout, tok = open_data(cfg)
@@ -635,7 +701,7 @@ def main(argv):
     tokens_per_step, flops = dc.global_batch * dc.seq_len, model.flops_per_token(m, dc.seq_len)
 
     # --- params: resume this run, or start a stage from another checkpoint, or initialise
-    last_saved, start, loader_pos = restore(backend, cfg)
+    last_saved, start, loader_pos, window = restore(backend, cfg)  # window: losses since the last log line
     loader = data.Loader(instances, dc.global_batch, dc.seed, world=backend.world, ranks=backend.ranks,
                          start_step=loader_pos, vocab_size=m.vocab_size)
     if lead:
@@ -659,12 +725,11 @@ def main(argv):
 
     # --- the loop
     metrics_path = run_dir / "metrics.jsonl" if lead else None
-    if lead and metrics_path.exists():  # drop lines a crashed run logged after its last checkpoint
-        kept = [ln for ln in metrics_path.read_text().splitlines() if json.loads(ln)["step"] <= start]
-        metrics_path.write_text("".join(ln + "\n" for ln in kept))
+    if lead:
+        trim_metrics(metrics_path, start)
     bar = tqdm(range(start + 1, tc.steps + 1), initial=start, total=tc.steps, desc="train", dynamic_ncols=True,
                disable=not lead)
-    t_last, window = time.perf_counter(), []  # window: losses since the last log line, averaged into it
+    t_last = time.perf_counter()
     for step, (_, tokens) in zip(bar, loader):
         lr = lr_at(step, tc, tokens_per_step, tc.steps)
         out = backend.step(tokens, lr)
@@ -686,12 +751,15 @@ def main(argv):
         if record and lead:
             log(record, metrics_path, bar.write)
         if step % tc.checkpoint_every == 0 or step == tc.steps or stop["signal"]:  # every process writes its pieces
-            last_saved = save_checkpoint(run_dir, step, backend, cfg, loader.state())
+            last_saved = save_checkpoint(run_dir, step, backend, cfg, loader.state(), window)
         if stop["signal"]:
             bar.close()
             print(f"{stop['signal']}: saved {last_saved}; rerun the same command to continue")
             return
     bar.close()
+    # Saved: from here a signal stops the final eval, plot and sample at once (exit 130 or 143), not at their end.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     # --- the end: held-out bits per byte against a unigram model, downstream tasks, the plot, a sample
     final = held_out_eval(backend, heldout, dc, token_bytes, 0)
@@ -726,7 +794,7 @@ def plot(run_dirs, out):
                              height_ratios=[2, 1] if many else None)
     first, diffs, ref = None, [], Path(run_dirs[0]).name
     for i, d in enumerate(map(Path, run_dirs)):
-        rows = [json.loads(ln) for ln in (d / "metrics.jsonl").read_text().splitlines()]
+        rows = read_metrics(d / "metrics.jsonl")[0]
         rows += [json.loads((d / "final.json").read_text())] if (d / "final.json").is_file() else []
         loss = {r["step"]: r["loss"] for r in rows if "loss" in r}
         held = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
@@ -799,8 +867,7 @@ def bench(argv, steps=10):
     print(f"(B={B}, T={T}, {model.count_params(m):,} params, {steps} timed steps each, one process)")
 
 
-if __name__ == "__main__":
-    args = sys.argv[1:]
+def cli(args):
     if args[:1] == ["plot"]:
         out = Path(args[1]) / "loss.png"
         for d in plot(args[1:], out):
@@ -813,3 +880,7 @@ if __name__ == "__main__":
         bench([a for a in args if a != "--bench"])
     else:
         main(args)
+
+
+if __name__ == "__main__":
+    run_cli(cli)

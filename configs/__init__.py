@@ -9,12 +9,15 @@ a close match. Derived values (head_dim, n_kv_heads, mlp_hidden, the YaRN attent
 place, `ModelConfig.__post_init__`, with the formula `describe()` prints. Standard library only: all import it.
 """
 
+import argparse
 import dataclasses
 import difflib
 import functools
 import json
 import math
+import os
 import re
+import sys
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,10 +33,12 @@ def _need(cfg, ok, name, why):
         raise ConfigError(f"{type(cfg).__name__.removesuffix('Config').lower()}.{name}={getattr(cfg, name)!r}: {why}")
 
 
-def _checks(positive="", nonneg="", devices="", **choices):
-    """A __post_init__ that checks single fields: each named one is > 0, >= 0, a device count, or in its list."""
+def _checks(positive="", nonneg="", devices="", unit="", **choices):
+    """A __post_init__ that checks single fields: each named one is > 0, >= 0, a device count, in [0, 1), or in
+    its list. Every test is written so that a NaN (TOML's nan) fails it too."""
     table = [(n, lambda v: v > 0, "must be positive") for n in positive.split()]
     table += [(n, lambda v: v >= 0, "must be >= 0") for n in nonneg.split()]
+    table += [(n, lambda v: 0 <= v < 1, "must be in [0, 1)") for n in unit.split()]
     table += [(n, lambda v: v > 0 or v == -1, "a positive number of devices, or -1 for the rest")
               for n in devices.split()]
     table += [(n, lambda v, a=a: v in a, f"must be one of {a}") for n, a in choices.items()]
@@ -164,7 +169,8 @@ class TrainConfig:
     log_every: int = 10
     checkpoint_every: int = 500
     keep: int = 2                 # checkpoints kept (the newest)
-    __post_init__ = _checks(positive="steps log_every checkpoint_every keep", nonneg="micro_batch warmup t_max",
+    __post_init__ = _checks(positive="steps log_every checkpoint_every keep eps", unit="beta1 beta2",
+                            nonneg="micro_batch warmup t_max lr warmup_min_lr alpha_f weight_decay clip z_loss",
                             backend=["jax", "torch"], compute_dtype=["float32", "bfloat16"], units=["steps", "tokens"],
                             remat=["none", "block", "mlp"], schedule=["cosine", "linear", "half_cosine", "constant"])
 
@@ -182,7 +188,8 @@ class EvalConfig:
     tasks_data: str = "../shared/evaldata"  # a folder laid out like ../shared/evaldata (eval.py tasks --data)
     tasks_limit: int = 100        # the first N documents of each task; 0 = all
     tasks_norm: str = "olmes"     # olmes | catwalk: prompts and per-task normalisation (eval.py tasks --norm)
-    __post_init__ = _checks(nonneg="tasks_limit", tasks_norm=["olmes", "catwalk"])
+    __post_init__ = _checks(nonneg="every batches sample_tokens temperature tasks_limit",
+                            tasks_norm=["olmes", "catwalk"])
 
 
 @dataclass
@@ -261,7 +268,15 @@ def save_json(cfg, path):
 
 
 def load_json(path):
-    return build(json.loads(Path(path).read_text()), str(path))
+    return build(read_json(path), str(path))
+
+
+def read_json(path, fix="the file is damaged: restore it or write it again"):
+    """A JSON file's value; if it does not parse, an error that names the file and says what to do."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not valid JSON ({e}); {fix}") from None
 
 
 def describe(cfg):
@@ -272,3 +287,34 @@ def describe(cfg):
         for key, value in to_dict(getattr(cfg, section)).items():
             lines.append(f"{section}.{key:<26} {value!r}" + (f"    = {derived[key]}" if key in derived else ""))
     return "\n".join(lines)
+
+
+# --- command lines -------------------------------------------------------------------------------
+
+def run_cli(main, argv=None):
+    """Every script's entry point. The errors bad input raises (ValueError, which ConfigError is; OSError; a
+    non-finite loss) already name the file, field or value: print that one line, exit status 1. A traceback is
+    for bugs (any other exception), or for everything with NANOLMO_TRACEBACK=1."""
+    name = Path(main.__code__.co_filename).name
+    try:
+        return main(sys.argv[1:] if argv is None else argv)
+    except (ValueError, OSError, FloatingPointError) as e:
+        if os.environ.get("NANOLMO_TRACEBACK"):
+            raise
+        print(f"{name}: error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:  # Ctrl-C where nothing handles it: stop, as the shell expects (128 + SIGINT)
+        print(f"{name}: interrupted", file=sys.stderr)
+        sys.exit(130)
+
+
+def in_range(kind, lo, hi=math.inf, open_lo=False):
+    """An argparse type: a `kind` in [lo, hi] (or (lo, hi]); anything else is a usage error (exit status 2)."""
+    def parse(text):
+        v = kind(text)  # a ValueError here: argparse says "invalid int value"
+        if not ((lo < v) if open_lo else (lo <= v)) or not v <= hi:
+            need = f"{'>' if open_lo else '>='} {lo}" if hi == math.inf else f"in {'(' if open_lo else '['}{lo}, {hi}]"
+            raise argparse.ArgumentTypeError(f"{text}: must be {need}")
+        return v
+    parse.__name__ = kind.__name__
+    return parse

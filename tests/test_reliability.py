@@ -1,0 +1,275 @@
+"""Bad input and faults: every expected error is one line naming the file, field or value (exit 1; 2 for
+usage), and a full disk, a torn log or a kill at the worst moment leaves the last good checkpoint or dataset
+as it was. Runs are in this process (train.cli, as `python train.py` calls it) to keep them quick; kills are
+faults injected into the exact call (os.replace, shutil.rmtree, os.posix_fallocate), or a signal to ourselves."""
+import errno
+import gzip
+import hashlib
+import json
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import convert
+import data
+import eval as evaluate
+import train
+from configs import run_cli
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def own_signals():
+    """train.main installs SIGTERM / SIGINT handlers in this process: put pytest's back after each test."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+
+
+def fails(capsys, main, argv, status=1):
+    """Run a CLI's main as its script does; return its one-line error (asserting the exit status)."""
+    with pytest.raises(SystemExit) as e:
+        run_cli(main, [str(a) for a in argv])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == status, err
+    assert "Traceback" not in err
+    return err.splitlines()[-1]
+
+
+def train_run(toml, run_dir, *extra):
+    run_cli(train.cli, [str(toml), f"--train.run_dir={run_dir}", "--eval.prompt=", *extra])
+
+
+def stop_at(monkeypatch, step, sig=signal.SIGTERM):
+    """SIGTERM ourselves while step `step` runs, as a scheduler's preemption would."""
+    lr_at = train.lr_at
+
+    def lr(s, *a):
+        if s == step:
+            os.kill(os.getpid(), sig)
+        return lr_at(s, *a)
+    monkeypatch.setattr(train, "lr_at", lr)
+
+
+def digest(d):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(Path(d).iterdir()) if p.is_file()}
+
+
+def losses(run_dir):
+    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+@pytest.fixture(scope="module")
+def ckpt(setup, tmp_path_factory):
+    """A 2-step run's checkpoint, for the CLIs that read one."""
+    d = tmp_path_factory.mktemp("ckpt") / "run"
+    train_run(setup[1], d, "--train.steps=2")
+    return d / "step_2"
+
+
+# --- bad input: refused, one line, naming the field, file or value -------------------------------------------
+
+@pytest.mark.parametrize("override, says", [
+    ("--train.lr=-0.003", "train.lr=-0.003: must be >= 0"), ("--train.warmup_min_lr=-1e-4", "train.warmup_min_lr"),
+    ("--train.beta1=1.0", "train.beta1=1.0: must be in [0, 1)"), ("--train.beta2=-0.5", "train.beta2"),
+    ("--train.eps=0", "train.eps=0.0: must be positive"), ("--train.weight_decay=-0.1", "train.weight_decay"),
+    ("--train.clip=-1", "train.clip"), ("--train.z_loss=-1e-5", "train.z_loss"), ("--train.lr=nan", "train.lr=nan"),
+    ("--eval.temperature=-1", "eval.temperature"),
+    ("--data.seq_len=64", "data.seq_len=64 is longer than model.max_seq_len=32"),
+])
+def test_nonsense_settings_are_refused(setup, tmp_path, capsys, override, says):
+    line = fails(capsys, train.cli, [setup[1], f"--train.run_dir={tmp_path / 'run'}", "--train.steps=2", override])
+    assert line.startswith("train.py: error: ") and says in line
+    assert not list(tmp_path.glob("run/step_*"))  # nothing trained
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--step", "-1"], "argument --step: -1: must be >= 0"),
+    (["--step", "1", "--world", "2", "--rank", "2"], "--rank 2 is not below --world 2"),
+    (["--step", "1", "--world", "0"], "argument --world: 0: must be >= 1"),
+])
+def test_inspect_refuses_steps_and_ranks_out_of_range(setup, capsys, argv, says):
+    args = ["inspect", setup[0] / "data", "--seq-len", "32", "--global-batch", "8", "--seed", "0", *argv]
+    assert says in fails(capsys, data.main, args, status=2)
+
+
+@pytest.mark.parametrize("flag, value", [("--temperature", "-1"), ("--top-p", "0"), ("--top-p", "1.5"),
+                                         ("--top-k", "-1"), ("--max-new", "0")])
+def test_generate_refuses_sampling_settings_out_of_range(ckpt, capsys, flag, value):
+    line = fails(capsys, evaluate.main, ["generate", ckpt, "--prompt", "x", flag, value], status=2)
+    assert f"argument {flag}: {value}: must be" in line
+
+
+def test_damaged_json_names_the_file(setup, ckpt, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(ckpt.parent, run)
+    (run / "step_2" / "nanolmo.json").write_text('{"step": 2, "config": {')
+    before = digest(run / "step_2")
+    line = fails(capsys, train.cli, [setup[1], f"--train.run_dir={run}", "--train.steps=4", "--eval.prompt="])
+    assert f"{run / 'step_2' / 'nanolmo.json'}: not valid JSON" in line and f"delete {run / 'step_2'}" in line
+    assert digest(run / "step_2") == before and (run / "latest").read_text().strip() == "step_2"
+    ds = tmp_path / "ds"
+    shutil.copytree(setup[0] / "data", ds)
+    (ds / "prepare.json").write_text("{")
+    line = fails(capsys, data.main, ["inspect", ds, "--seq-len", "32", "--global-batch", "8", "--seed", "0",
+                                     "--step", "0"])
+    assert f"{ds / 'prepare.json'}: not valid JSON" in line and "rerun `data.py prepare`" in line
+
+
+def test_truncated_gzip_names_the_file_and_line(setup, ckpt, tmp_path, capsys):
+    docs = [json.dumps({"text": f"document {i}: " + "words and more words " * 30}) for i in range(400)]
+    whole = gzip.compress("\n".join(docs).encode())
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(whole[:len(whole) // 2])
+    out = tmp_path / "out"
+    line = fails(capsys, data.main, ["prepare", cut, "--out", out, "--tokenizer", setup[0] / "bpe.tiktoken"])
+    assert f"{cut}: unreadable after line" in line and "truncated or corrupt" in line
+    assert not out.exists() and not out.with_name("out.tmp").exists()
+    line = fails(capsys, evaluate.main, ["bpb", ckpt, cut])
+    assert f"{cut}: unreadable after line" in line
+
+
+def test_object_arrays_are_refused_by_name(ckpt, tmp_path, capsys):
+    bad = tmp_path / "tokens.npy"
+    np.save(bad, np.array([[1, 2], [3, None]], dtype=object), allow_pickle=True)
+    line = fails(capsys, convert.main, ["check", f"jax:{ckpt}", f"jax:{ckpt}", "--tokens", bad])
+    assert f"{bad}: not a readable array of token ids" in line and "int32, int64, uint16, uint32" in line
+
+
+# --- faults a run survives ----------------------------------------------------------------------------------
+
+def test_resumed_log_lines_equal_the_uninterrupted_run_off_the_boundary(setup, tmp_path, monkeypatch):
+    """The shipped config's logging (log_every 50), stopped at step 70: the rerun's step-100 line still
+    averages steps 51-100 (the losses since the last line travel in the checkpoint)."""
+    args = [str(ROOT / "configs/tiny.toml"), f"--data.path={setup[0] / 'data'}", "--train.steps=120", "--eval.every=0"]
+    train_run(args[0], tmp_path / "straight", *args[1:])
+    stop_at(monkeypatch, 70)
+    train_run(args[0], tmp_path / "cut", *args[1:])
+    assert (tmp_path / "cut" / "latest").read_text().strip() == "step_70"
+    monkeypatch.undo()
+    train_run(args[0], tmp_path / "cut", *args[1:])
+    assert losses(tmp_path / "cut") == losses(tmp_path / "straight") and list(losses(tmp_path / "cut")) == [50, 100, 120]
+
+
+def test_torn_metrics_line_is_dropped_and_the_run_goes_on(setup, tmp_path, monkeypatch, capsys):
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    train_run(setup[1], straight, "--train.steps=6")
+    stop_at(monkeypatch, 3)
+    train_run(setup[1], cut, "--train.steps=6")
+    monkeypatch.undo()
+    with open(cut / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "loss": 5.8')  # a kill during the append
+    capsys.readouterr()
+    train_run(setup[1], cut, "--train.steps=6")
+    assert "dropped its torn last line" in capsys.readouterr().out
+    assert losses(cut) == losses(straight)
+
+
+def test_kill_during_the_metrics_rewrite_loses_nothing(setup, tmp_path, monkeypatch):
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    train_run(setup[1], straight, "--train.steps=6")
+    stop_at(monkeypatch, 3)
+    train_run(setup[1], cut, "--train.steps=6")
+    monkeypatch.undo()
+    metrics = cut / "metrics.jsonl"
+    with open(metrics, "a") as f:  # as a run killed after logging steps 4 and 5, before checkpointing them
+        f.writelines(json.dumps({"step": s, "loss": 9.0}) + "\n" for s in (4, 5))
+    before, replace = metrics.read_bytes(), os.replace
+
+    def killed(src, dst):
+        if str(src).endswith("metrics.jsonl.tmp"):
+            raise KeyboardInterrupt  # the kill, between writing the new file and putting it in place
+        replace(src, dst)
+    monkeypatch.setattr(os, "replace", killed)
+    with pytest.raises(SystemExit) as e:
+        train_run(setup[1], cut, "--train.steps=6")
+    assert e.value.code == 130 and metrics.read_bytes() == before  # the whole history is still there
+    monkeypatch.undo()
+    train_run(setup[1], cut, "--train.steps=6")
+    assert losses(cut) == losses(straight) and not (cut / "metrics.jsonl.tmp").exists()
+    inode = metrics.stat().st_ino  # a rerun of the finished run has nothing to drop: the file is not rewritten
+    train_run(setup[1], cut, "--train.steps=6")
+    assert metrics.stat().st_ino == inode and losses(cut) == losses(straight)
+
+
+def test_kill_while_pruning_leaves_no_half_checkpoint(setup, tmp_path, monkeypatch, capsys):
+    run, rmtree = tmp_path / "run", shutil.rmtree
+
+    def killed(path, *a, **k):  # delete one file of the old checkpoint, then die
+        if str(path).endswith(".trash"):
+            next(Path(path).iterdir()).unlink()
+            raise KeyboardInterrupt
+        rmtree(path, *a, **k)
+    monkeypatch.setattr(shutil, "rmtree", killed)
+    with pytest.raises(SystemExit):
+        train_run(setup[1], run, "--train.steps=6", "--train.checkpoint_every=1", "--train.keep=2")
+    monkeypatch.undo()
+    assert sorted(p.name for p in run.glob("step_*")) == ["step_1.trash", "step_2", "step_3"]
+    train_run(setup[1], run, "--train.steps=6", "--train.checkpoint_every=1", "--train.keep=2")
+    assert "step_1.trash, left by a run that was killed" in capsys.readouterr().out
+    assert sorted(p.name for p in run.glob("step_*")) == ["step_5", "step_6"]
+
+
+def test_full_disk_keeps_the_last_checkpoint(setup, tmp_path, monkeypatch, capsys):
+    run = tmp_path / "run"
+    train_run(setup[1], run, "--train.steps=2")
+    before = digest(run / "step_2")
+
+    def full(fd, offset, size):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "posix_fallocate", full, raising=False)
+    line = fails(capsys, train.cli, [setup[1], f"--train.run_dir={run}", "--train.steps=4", "--eval.prompt="])
+    assert "checkpoint step_4 not written" in line and f"{run / 'step_4.tmp'}" in line and "bytes" in line
+    assert "No space left on device" in line and not (run / "step_4.tmp").exists()
+    assert digest(run / "step_2") == before and (run / "latest").read_text().strip() == "step_2"
+    # convert.py and data.py prepare: the same, and no partial output.
+    out = tmp_path / "converted"
+    line = fails(capsys, convert.main, [run / "step_2", out])
+    assert "cannot reserve" in line and not out.exists() and not out.with_name("converted.tmp").exists()
+    monkeypatch.undo()
+
+    def add(*a):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(data.PartWriter, "add", add)
+    ds = tmp_path / "ds"
+    line = fails(capsys, data.main, ["prepare", setup[0] / "docs", "--out", ds, "--tokenizer",
+                                     setup[0] / "bpe.tiktoken"])
+    assert f"{ds}: no space left" in line and not ds.exists() and not ds.with_name("ds.tmp").exists()
+
+
+def test_space_is_claimed_before_the_memory_map(tmp_path):
+    """The checkpoint file is not sparse: its blocks are allocated, so the map cannot meet a full disk."""
+    path = tmp_path / "x.safetensors"
+    convert.allocate_safetensors(path, {"w": ((1024, 1024), np.float32)})
+    assert path.stat().st_size > 4 * 2**20 and path.stat().st_blocks * 512 >= 4 * 2**20
+
+
+def test_renames_are_made_durable(setup, tmp_path, monkeypatch):
+    """latest.tmp is on disk before it is renamed, and the run directory after each rename."""
+    events, fsync, replace = [], convert.fsync, os.replace
+    monkeypatch.setattr(convert, "fsync", lambda p: events.append(("fsync", Path(p).name)) or fsync(p))
+    monkeypatch.setattr(os, "replace", lambda a, b: events.append(("replace", Path(a).name)) or replace(a, b))
+    run = tmp_path / "run"
+    train_run(setup[1], run, "--train.steps=1")
+    i = events.index(("replace", "latest.tmp"))
+    assert events[i - 1] == ("fsync", "latest.tmp") and events[i + 1] == ("fsync", "run")
+    j = events.index(("replace", "step_1.tmp"))
+    assert events[j + 1] == ("fsync", "run")
+
+
+def test_a_signal_during_the_final_eval_stops_the_run(setup, tmp_path, monkeypatch, capsys):
+    """Once the last checkpoint is saved, Ctrl-C stops the eval and plot (exit 130) instead of waiting them out."""
+    def plot(*a):
+        os.kill(os.getpid(), signal.SIGINT)
+        raise AssertionError("the signal was swallowed")
+    monkeypatch.setattr(train, "plot", plot)
+    run = tmp_path / "run"
+    assert "interrupted" in fails(capsys, train.cli, [setup[1], f"--train.run_dir={run}", "--train.steps=2",
+                                                      "--eval.prompt="], status=130)
+    assert (run / "latest").read_text().strip() == "step_2"
