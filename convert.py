@@ -112,13 +112,20 @@ def reserve(f, size):
 
 
 def fsync(path):
-    """A written (or memory-mapped) file's bytes, or a directory's entries (a rename in it), on disk: before a
-    rename makes a file the one readers find, and after it, so that a power cut cannot undo the rename."""
+    """A written (or memory-mapped) file's bytes, or a directory's entries, on disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def replace(tmp, path):
+    """os.replace made durable: tmp's bytes on disk before the rename makes it the one readers find, and the
+    directory after it, so that a power cut can neither show a half-written file nor undo the rename."""
+    fsync(tmp)
+    os.replace(tmp, path)
+    fsync(Path(path).parent)
 
 
 def write_safetensors(path, tensors, metadata=None, progress=lambda nbytes: None):
@@ -131,9 +138,7 @@ def write_safetensors(path, tensors, metadata=None, progress=lambda nbytes: None
         views[k][...] = t.load().astype(t.dtype, copy=False)
         progress(views[k].nbytes)
     del views
-    fsync(tmp)
-    os.replace(tmp, path)
-    fsync(path.parent)
+    replace(tmp, path)
 
 
 # --- HF config.json <-> ModelConfig --------------------------------------------------------------
@@ -620,8 +625,7 @@ def write_checkpoint(out, m, tensors, dtype=None, files=None, shard_bytes=None):
         for name, text in files.items():
             (tmp / name).write_text(text)
             fsync(tmp / name)
-        os.replace(tmp, out)
-        fsync(out.parent)
+        replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -182,12 +182,9 @@ def save_checkpoint(run_dir, step, backend, cfg, loader_state, log_window):
     if lead:
         if final.exists():  # left by a run that crashed before updating `latest`: same step, redo it
             discard(final)
-        os.replace(tmp, final)
-        convert.fsync(run_dir)  # the rename itself, on disk
+        convert.replace(tmp, final)
         (run_dir / "latest.tmp").write_text(final.name + "\n")
-        convert.fsync(run_dir / "latest.tmp")
-        os.replace(run_dir / "latest.tmp", run_dir / "latest")
-        convert.fsync(run_dir)
+        convert.replace(run_dir / "latest.tmp", run_dir / "latest")
         steps = sorted(int(p.name[5:]) for p in run_dir.glob("step_*") if p.name[5:].isdigit())
         for old in steps[:-cfg.train.keep]:
             discard(run_dir / f"step_{old}")
@@ -674,9 +671,7 @@ def trim_metrics(path, start):
     if torn or len(kept) < len(rows):
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        convert.fsync(tmp)
-        os.replace(tmp, path)
-        convert.fsync(path.parent)
+        convert.replace(tmp, path)
 
 
 def main(argv):
