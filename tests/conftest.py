@@ -1,11 +1,24 @@
 """Tests run from the repository root (`make test`); make the top-level scripts importable. The `setup`
 fixture (a small prepared dataset and a config file for it) serves test_train.py and test_torch.py."""
+import atexit
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# One XLA compilation cache for the session, shared by this process and every script a test starts (set
+# before anything imports jax): most tests compile the same small step functions again, and compiling is
+# half of a short run's time. Entries are keyed by the program, the flags and the jax version, so a hit
+# runs exactly what a fresh compile would.
+CACHE = tempfile.mkdtemp(prefix="nanolmo-xla-")
+atexit.register(shutil.rmtree, CACHE, ignore_errors=True)
+os.environ.update(JAX_COMPILATION_CACHE_DIR=CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                  JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
 sys.path.insert(0, str(ROOT))
 
 import data  # noqa: E402  (after the path is set)

@@ -142,19 +142,36 @@ def test_object_arrays_are_refused_by_name(ckpt, tmp_path, capsys):
     assert f"{bad}: not a readable array of token ids" in line and "int32, int64, uint16, uint32" in line
 
 
+def test_bad_runs(setup, tmp_path, capsys):
+    """A different model in the run directory, a truncated checkpoint, a loss gone to NaN: one line each."""
+    toml, d = setup[1], tmp_path / "run"
+    train_run(toml, d, "--train.steps=2")
+    line = fails(capsys, train.cli, [toml, f"--train.run_dir={d}", "--train.steps=4", "--model.n_layers=4"])
+    assert "holds a different model (n_layers: 2 there, 4 here)" in line
+    st = d / "step_2" / "model.safetensors"
+    st.write_bytes(st.read_bytes()[:-50])
+    line = fails(capsys, train.cli, [toml, f"--train.run_dir={d}", "--train.steps=4"])
+    assert "model.safetensors: tensor" in line and "truncated or corrupt" in line
+    wild = ["--train.steps=6", "--train.lr=1e30", "--train.warmup=0", "--train.clip=0", "--eval.prompt="]
+    line = fails(capsys, train.cli, [toml, f"--train.run_dir={tmp_path / 'nan'}", *wild, "--train.checkpoint_every=1"])
+    assert line.startswith("train.py: error: loss is nan at step") and "last good checkpoint: " in line and "/step_" in line
+    train_run(toml, tmp_path / "skip", *wild, "--train.skip_step=true")
+    assert any(json.loads(x)["skipped"] for x in (tmp_path / "skip/metrics.jsonl").read_text().splitlines())
+
+
 # --- faults a run survives ----------------------------------------------------------------------------------
 
 def test_resumed_log_lines_equal_the_uninterrupted_run_off_the_boundary(setup, tmp_path, monkeypatch):
-    """The shipped config's logging (log_every 50), stopped at step 70: the rerun's step-100 line still
-    averages steps 51-100 (the losses since the last line travel in the checkpoint)."""
-    args = [str(ROOT / "configs/tiny.toml"), f"--data.path={setup[0] / 'data'}", "--train.steps=120", "--eval.every=0"]
+    """The shipped config's logging (log_every 50), stopped at step 30: the rerun's step-50 line still averages
+    steps 1-50 (the losses since the last line travel in the checkpoint)."""
+    args = [str(ROOT / "configs/tiny.toml"), f"--data.path={setup[0] / 'data'}", "--train.steps=60", "--eval.every=0"]
     train_run(args[0], tmp_path / "straight", *args[1:])
-    stop_at(monkeypatch, 70)
+    stop_at(monkeypatch, 30)
     train_run(args[0], tmp_path / "cut", *args[1:])
-    assert (tmp_path / "cut" / "latest").read_text().strip() == "step_70"
+    assert (tmp_path / "cut" / "latest").read_text().strip() == "step_30"
     monkeypatch.undo()
     train_run(args[0], tmp_path / "cut", *args[1:])
-    assert losses(tmp_path / "cut") == losses(tmp_path / "straight") and list(losses(tmp_path / "cut")) == [50, 100, 120]
+    assert losses(tmp_path / "cut") == losses(tmp_path / "straight") and list(losses(tmp_path / "cut")) == [50, 60]
 
 
 def test_torn_metrics_line_is_dropped_and_the_run_goes_on(setup, tmp_path, monkeypatch, capsys):

@@ -2,6 +2,7 @@
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -214,37 +215,18 @@ def test_stage_from_a_checkpoint(setup, tmp_path):
     assert int(moments["step"]) == 4  # AdamW's own count continues; the stage's step restarted at 1
 
 
-def test_bad_runs(setup, tmp_path):
-    root, toml = setup
-    d = tmp_path / "run"
-    run(toml, d, "--train.steps=2")
-    r = run(toml, d, "--train.steps=4", "--model.n_layers=4", "--model.layer_pattern=SF", check=False)
-    assert r.returncode == 1 and "holds a different model (n_layers: 2 there, 4 here)" in r.stderr.splitlines()[-1]
-    st = d / "step_2" / "model.safetensors"
-    st.write_bytes(st.read_bytes()[:-50])
-    r = run(toml, d, "--train.steps=4", check=False)
-    assert r.returncode != 0 and "model.safetensors: tensor" in r.stderr and "truncated or corrupt" in r.stderr
-    r = run(toml, tmp_path / "nan", "--train.steps=6", "--train.lr=1e30", "--train.warmup=0", "--train.clip=0",
-            "--train.checkpoint_every=1", check=False)
-    assert r.returncode == 1 and "train.py: error: loss is nan at step" in r.stderr and "Traceback" not in r.stderr
-    assert "last good checkpoint: " in r.stderr and "step_" in r.stderr
-    r = run(toml, tmp_path / "skip", "--train.steps=6", "--train.lr=1e30", "--train.warmup=0", "--train.clip=0",
-            "--train.skip_step=true")
-    assert any(json.loads(x)["skipped"] for x in (tmp_path / "skip/metrics.jsonl").read_text().splitlines())
-
-
-
 def test_elastic_resume_on_other_meshes(setup, tmp_path):
     """8 devices (fsdp=8) for 4 steps, then on to 8 steps on 2 devices, or on 4 as a 2 x 2 (fsdp x tensor)
     mesh: the same step and data position, losses as an uninterrupted 8-device run."""
     root, toml = setup
     fsdp8 = ["--mesh.data=1", "--mesh.fsdp=8", "--train.t_max=8"]
-    straight = tmp_path / "straight"
+    straight, first = tmp_path / "straight", tmp_path / "first"
     run(toml, straight, "--train.steps=8", *fsdp8, env=devices(8))
+    run(toml, first, "--train.steps=4", *fsdp8, env=devices(8))
     for name, n, mesh in [("two", 2, ["--mesh.data=1", "--mesh.fsdp=2"]),
                           ("mixed", 4, ["--mesh.data=1", "--mesh.fsdp=2", "--mesh.tensor=2"])]:
         d = tmp_path / name
-        run(toml, d, "--train.steps=4", *fsdp8, env=devices(8))
+        shutil.copytree(first, d)  # (the run directory holds no absolute paths)
         r = run(toml, d, "--train.steps=8", "--train.t_max=8", *mesh, env=devices(n))
         assert f"resuming {d}/step_4 at step 4" in r.stdout and f"over {n} device(s)" in r.stdout
         a, b = losses(straight), losses(d)
