@@ -4,6 +4,7 @@ init, loss and the parameter/FLOP counts come first and serve both.
 
     python model.py configs/olmo2-7b.toml            # parameter table, FLOPs/token, total_params=...
     python model.py configs/tiny.toml --check        # also: init, forward in JAX and torch, compare
+    python model.py --attention-bench                # sliding against full layers: the time a window saves
 
 Notation (shape comments and einsum strings): B batch, T sequence, S key positions, D d_model,
 F MLP hidden (per SwiGLU branch), V vocab (embedding rows), L layers, N query heads, K kv heads,
@@ -19,13 +20,16 @@ layers. Params are always fp32; `dtype` is the compute dtype; norms, RoPE, softm
 
 import math
 import sys
+import warnings
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 import torch.nn as nn
 import torch.nn.functional as F_  # F is the MLP width in our notation
 from torch.utils.checkpoint import checkpoint
@@ -33,7 +37,7 @@ from torch.utils.checkpoint import checkpoint
 from configs import ModelConfig, describe, load_config, run_cli
 
 IGNORE_INDEX = -100  # labels equal to this contribute nothing to the loss (HF and OLMo-core use -100)
-Q_BLOCK = 1024  # JAX attention takes queries in blocks of this many when T is longer (see `attend`)
+Q_BLOCK = 256  # the XLA attention takes queries in blocks of this many when T is longer (see `attend`)
 
 
 # --- the parameter table -------------------------------------------------------------------------
@@ -151,8 +155,9 @@ def yarn_inv_freq(m, pos_freqs):
 # === JAX =========================================================================================
 
 def linear(x, w):
-    """x @ w.T with w (out, in) fp32, cast to the compute dtype at use."""
-    return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype))
+    """x @ w.T with w (out, in) fp32, cast to the compute dtype at use. The products are summed in fp32 and the
+    result cast back, as TPU and GPU matmul units do anyway (and on CPUs it is the fast bf16 path: AMX)."""
+    return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 # exercise: rmsnorm
@@ -189,32 +194,96 @@ def rope(x, cos, sin):
 
 
 # exercise: sliding_window
-def attention_mask(T, window, first=0, rows=None):
-    """(rows, T) bool for queries first..first+rows: causal, and on sliding layers only the last `window`
-    keys (the query's own included)."""
-    i = first + jnp.arange(T if rows is None else rows)[:, None]
-    j = jnp.arange(T)[None, :]
+def attention_mask(q_pos, k_pos, window):
+    """(rows, cols) bool, True where the query at q_pos[i] may read the key at k_pos[j]: causal, and on sliding
+    layers (window W > 0) only the last W keys, the query's own included."""
+    i, j = q_pos[:, None], k_pos[None, :]
     return (j <= i) & ((window == 0) | (i - j < window))
 
 
+def segment_ids(tokens, eos):
+    """(B, T) -> (B, T) int32 document ids: a document ends at (and includes) each EOS, as OLMo-core's doc_lens;
+    a trailing run without EOS (padding) is one more document. Positions are not restarted (Olmo 3 never did).
+    numpy in, numpy out; jit-safe."""
+    xp = np if isinstance(tokens, np.ndarray) else jnp
+    ends = (tokens == eos).astype(np.int32)
+    return xp.cumsum(ends, axis=-1, dtype=np.int32) - ends
+
+
 # exercise: gqa
-def attend(q, k, v, window, scale):
-    """Softmax attention, q (B, T, N, H), k and v (B, T, K, H) -> (B, T, N, H). GQA: query head n reads kv head
-    n // (N/K) (HF repeat_kv); fp32 softmax in dot_product_attention. Past Q_BLOCK positions queries go in blocks,
-    each recomputed in the backward pass, so the (N, T, T) scores (8 GiB per instance per layer at T=8192) never
-    exist in full. Same numbers either way."""
+def attend(q, k, v, window, scale, segments=None):
+    """Softmax attention on XLA (any device), q (B, T, N, H), k and v (B, T, K, H) -> (B, T, N, H). GQA: query head
+    n reads kv head n // (N/K) (HF repeat_kv). `window` is a Python int (0 = full causal), so only the work its mask
+    allows is built: queries go in blocks of Q_BLOCK, each against only the keys it can see (up to its own last
+    position; on sliding layers from W - 1 before its first), and work and memory grow with min(W, T), not T. With
+    several blocks each is recomputed in the backward pass, so no (N, Q_BLOCK, S) scores are kept for it.
+    segments (B, T) or None: queries read only keys of their own document. Softmax in fp32."""
     T = q.shape[1]
-    if T <= Q_BLOCK or T % Q_BLOCK:
-        return jax.nn.dot_product_attention(q, k, v, mask=attention_mask(T, window)[None, None], scale=scale)
+    step = min(T, Q_BLOCK)
+    piece = jax.checkpoint(attend_block, static_argnums=(5, 6, 7)) if T > step else attend_block
+    out = []
+    for first in range(0, T, step):
+        last, lo = min(first + step, T), max(0, first - window + 1) if window else 0
+        seg = None if segments is None else (segments[:, first:last], segments[:, lo:last])
+        out.append(piece(q[:, first:last], k[:, lo:last], v[:, lo:last], seg, scale, first, lo, window))
+    return jnp.concatenate(out, axis=1)
 
-    @jax.checkpoint
-    def block_of_queries(i):
-        qi = jax.lax.dynamic_slice_in_dim(q, i * Q_BLOCK, Q_BLOCK, axis=1)  # (B, Q_BLOCK, N, H)
-        mask = attention_mask(T, window, i * Q_BLOCK, Q_BLOCK)[None, None]
-        return jax.nn.dot_product_attention(qi, k, v, mask=mask, scale=scale)
 
-    y = jax.lax.map(block_of_queries, jnp.arange(T // Q_BLOCK))  # (T/Q_BLOCK, B, Q_BLOCK, N, H)
-    return jnp.moveaxis(y, 0, 1).reshape(q.shape)
+# exercise: gqa
+def attend_block(q, k, v, seg, scale, first, lo, window):
+    """Queries first.. against keys lo..: q (B, Tq, N, H), k and v (B, S, K, H) -> (B, Tq, N, H)."""
+    mask = attention_mask(first + jnp.arange(q.shape[1]), lo + jnp.arange(k.shape[1]), window)[None, None]
+    if seg is not None:
+        mask = mask & (seg[0][:, None, :, None] == seg[1][:, None, None, :])  # (B, 1, Tq, S)
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale)
+
+
+@lru_cache(maxsize=None)
+def splash_kernel(T, N, window, interpret):
+    """Pallas splash attention for one sequence, q (N, T, H), k and v (K, T, H): GQA inside (query head n reads kv
+    head n // (N/K), and its backward sums each group into the shared kv head). LocalMask keeps key j for query i
+    when i - left <= j <= i + right: (W - 1, 0) is our window. Blocks must divide T and be multiples of 128; the
+    backward pass needs its own block sizes."""
+    shape = (T, T)
+    mask = splash_mask.LocalMask(shape, (window - 1, 0), offset=0) if window else splash_mask.CausalMask(shape)
+    b = next(b for b in (512, 256, 128) if T % b == 0)
+    sizes = splash.BlockSizes(block_q=b, block_kv=b, block_q_dkv=b, block_kv_dkv=b, block_q_dq=b, block_kv_dq=b)
+    return splash.make_splash_mha(splash_mask.MultiHeadMask([mask] * N), block_sizes=sizes, head_shards=1,
+                                  q_seq_shards=1, interpret=interpret)
+
+
+def splash_attend(q, k, v, window, scale, segments=None):
+    """attend on TPUs; elsewhere the same kernel runs interpreted (slow, exact: what the tests compare)."""
+    T = q.shape[1]
+    Tp = -(-T // 128) * 128  # pad to the kernel's 128 lanes: causality hides the padded keys, the rows are cut
+    pad = [(0, 0), (0, Tp - T), (0, 0), (0, 0)]
+    q = jnp.pad(q * jnp.asarray(scale, q.dtype), pad)  # the kernel has no scale argument: fold it into q
+    k, v = jnp.pad(k, pad), jnp.pad(v, pad)
+    seg = None if segments is None else jnp.pad(segments.astype(jnp.int32), [(0, 0), (0, Tp - T)], mode="edge")
+    kernel = splash_kernel(Tp, q.shape[2], window, jax.default_backend() != "tpu")
+    heads_first = partial(jnp.swapaxes, axis1=1, axis2=2)  # (B, T, N, H) <-> (B, N, T, H)
+    y = jax.vmap(kernel)(heads_first(q), heads_first(k), heads_first(v),
+                         segment_ids=None if seg is None else splash.SegmentIds(q=seg, kv=seg))
+    return heads_first(y)[:, :T]  # (B, T, N, H)
+
+
+def cudnn_attend(q, k, v, window, scale, segments=None):
+    """attend on NVIDIA GPUs: cuDNN's flash kernel skips the masked blocks itself. It takes no segment ids in JAX,
+    so packed documents go to the XLA path."""
+    if segments is not None:
+        return attend(q, k, v, window, scale, segments)
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation="cudnn",
+                                        local_window_size=(window - 1, 0) if window else None)
+
+
+ATTEND = {"xla": attend, "splash": splash_attend, "cudnn": cudnn_attend}  # model.attention -> the JAX function
+
+
+def pick_attention(m):
+    """model.attention="auto" -> the implementation for the device jax runs on; decided while tracing, once."""
+    if m.attention in ("sdpa", "flex"):
+        raise ValueError(f"model.attention={m.attention!r} is a torch implementation: JAX takes auto, xla, splash, cudnn")
+    return {"tpu": "splash", "gpu": "cudnn"}.get(jax.default_backend(), "xla") if m.attention == "auto" else m.attention
 
 
 # exercise: qk_norm
@@ -235,10 +304,10 @@ def project_qkv(p, x, cos, sin, m):
     return q, k, v
 
 
-def attention(p, x, cos, sin, window, m):
+def attention(p, x, cos, sin, window, m, segments=None):
     B, T, _ = x.shape
     q, k, v = project_qkv(p, x, cos, sin, m)
-    y = attend(q, k, v, window, m.head_dim ** -0.5)  # (B, T, N, H)
+    y = ATTEND[pick_attention(m)](q, k, v, window, m.head_dim ** -0.5, segments)  # (B, T, N, H)
     return linear(y.reshape(B, T, m.n_heads * m.head_dim), p["self_attn.o_proj.weight"])  # (B, T, D)
 
 
@@ -260,25 +329,36 @@ def block(p, x, attn, m, ffn=mlp):
     return x + rms_norm(ffn(p, x), p["post_feedforward_layernorm.weight"], m.norm_eps)
 
 
-def forward(params, tokens, m, dtype=jnp.float32, remat="none", constrain=lambda x: x):
+def forward(params, tokens, m, dtype=jnp.float32, remat="none", constrain=lambda x: x, segments=None, positions=None):
     """tokens (B, T) int -> logits (B, T, V) in `dtype`. Ids must be < V: JAX clamps silently, so callers check
     (check_tokens) first. `remat` trades compute for memory: "block" keeps only each layer's input for the backward
-    pass, "mlp" recomputes just the MLPs. `constrain` (shard.py's pins the layout) follows every layer (B, T, D)."""
+    pass, "mlp" recomputes just the MLPs. `constrain` (shard.py's pins the layout) follows every layer (B, T, D).
+    segments (B, T): document ids (segment_ids) to keep packed documents apart; positions (T,): RoPE positions
+    (default 0..T-1; a context-parallel slice passes its own)."""
     x = constrain(params["embed_tokens.weight"][tokens].astype(dtype))  # (B, T, D)
+    positions = jnp.arange(tokens.shape[1]) if positions is None else positions
+    # One scan step is one repeat of layer_pattern (OLMo 3: SSSF), so every layer in it has its window as a Python
+    # int and attention builds only the blocks that window can see; a scan over single layers would carry the
+    # window as data and have to compute every block. The params' L axis is split (L/P, P); RoPE is per position.
+    P = len(m.layer_pattern)
     window, inv_freq, rope_scale = layer_arrays(m)
-    positions = jnp.arange(tokens.shape[1])
-    layers = {name[len("layers."):]: w for name, w in params.items() if name.startswith("layers.")}
+    ropes = [rope_cos_sin(positions, inv_freq[i], rope_scale[i]) for i in range(P)]
+    groups = {name[len("layers."):]: w.reshape(-1, P, *w.shape[1:]) for name, w in params.items()
+              if name.startswith("layers.")}
 
     ffn = jax.checkpoint(mlp) if remat == "mlp" else mlp
-    layer = lambda p, x, cos, sin, w: block(p, x, lambda h: attention(p, h, cos, sin, w, m), m, ffn)  # noqa: E731
-    layer = jax.checkpoint(layer) if remat == "block" else layer
 
-    def step(x, xs):  # one lax.scan step = one layer, so compile time does not grow with L
-        p, w, f, s = xs
-        cos, sin = rope_cos_sin(positions, f, s)
-        return constrain(layer(p, x, cos, sin, w)), None
+    def layer(p, x, cos, sin, segments, w):
+        return block(p, x, lambda h: attention(p, h, cos, sin, w, m, segments), m, ffn)
+    layer = jax.checkpoint(layer, static_argnums=(5,)) if remat == "block" else layer
 
-    x, _ = jax.lax.scan(step, x, (layers, window, inv_freq, rope_scale))
+    def step(x, group):  # the compiled body is P layers, so compile time grows with P, not with L
+        for i in range(P):
+            p = {name: w[i] for name, w in group.items()}
+            x = constrain(layer(p, x, *ropes[i], segments, int(window[i])))
+        return x, None
+
+    x, _ = jax.lax.scan(step, x, groups)
     return unembed(params, x, m)
 
 
@@ -359,8 +439,7 @@ def cached_attention(p, x, cos, sin, cache, pos, window, m):
     q, k, v = project_qkv(p, x, cos, sin, m)                      # (B, T, N, H), (B, T, K, H) x2
     held = (pos - 1) - ((pos - 1 - jnp.arange(C)) % C)            # the position in each slot (< 0: empty)
     key_pos = jnp.concatenate([held, pos + jnp.arange(T)])        # (C + T,)
-    q_pos = (pos + jnp.arange(T))[:, None]
-    mask = (key_pos >= 0) & (key_pos <= q_pos) & ((window == 0) | (q_pos - key_pos < window))  # (T, C + T)
+    mask = attention_mask(pos + jnp.arange(T), key_pos, window) & (key_pos >= 0)  # (T, C + T)
     keys = jnp.concatenate([cache["k"], k.astype(cache["k"].dtype)], axis=1)    # (B, C + T, K, H)
     values = jnp.concatenate([cache["v"], v.astype(cache["v"].dtype)], axis=1)  # (B, C + T, K, H)
     y = jax.nn.dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask=mask[None, None],
@@ -457,16 +536,52 @@ class Attention(nn.Module):
         v = v.view(B, T, m.n_kv_heads, m.head_dim).transpose(1, 2)                        # (B, K, T, H)
         return q, k, v
 
-    def forward(self, x, cos, sin, window):
+    def forward(self, x, cos, sin, mask):
+        """mask from attention_masks_torch: None (full causal), a bool tensor, or a flex BlockMask."""
         m, (B, T, _) = self.m, x.shape
         q, k, v = self.project(x, cos, sin)
-        # Full layers ask for is_causal, which lets SDPA pick a flash kernel on GPUs; sliding-window
-        # layers pass their band as a boolean mask (SDPA's memory-efficient kernel takes masks).
-        i = torch.arange(T, device=x.device)[:, None]  # query positions; i.T are the key positions
-        mask = (i.T <= i) & (i - i.T < window) if window else None  # the JAX attention_mask's band
-        y = F_.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=not window,
-                                            scale=m.head_dim ** -0.5, enable_gqa=True)   # (B, N, T, H)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, m.n_heads * m.head_dim))      # (B, T, D)
+        scale = m.head_dim ** -0.5
+        if isinstance(mask, torch.Tensor) or mask is None:  # is_causal lets SDPA pick a flash kernel on GPUs
+            y = F_.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                                enable_gqa=True)  # (B, N, T, H)
+        else:
+            y = flex_attention(q, k, v, mask, scale)  # (B, N, T, H)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, m.n_heads * m.head_dim))  # (B, T, D)
+
+
+def attention_masks_torch(m, windows, T, segments, device):
+    """{window: mask} for the distinct windows of the layers, made once per forward: None where SDPA's causal path
+    serves (a full layer, no documents), else what model.attention asks for: a bool (B|1, 1, T, T) tensor for SDPA
+    or a flex_attention BlockMask, which lets the kernel skip the blocks the mask hides (auto: flex on GPUs)."""
+    if m.attention not in ("auto", "sdpa", "flex"):
+        raise ValueError(f"model.attention={m.attention!r} is a JAX implementation: torch takes auto, sdpa, flex")
+    flex = m.attention == "flex" or (m.attention == "auto" and device.type == "cuda")
+    out = {}
+    for w in set(windows):
+        if w == 0 and segments is None:
+            out[w] = None
+        elif flex:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            def visible(b, h, i, j, w=w):  # the JAX attention_mask, and the same document
+                ok = (j <= i) & ((w == 0) | (i - j < w))
+                return ok if segments is None else ok & (segments[b, i] == segments[b, j])
+            B = None if segments is None else segments.shape[0]
+            out[w] = create_block_mask(visible, B, None, T, T, device=device)
+        else:
+            i = torch.arange(T, device=device)[:, None]  # query positions; i.T are the key positions
+            mask = ((i.T <= i) & ((w == 0) | (i - i.T < w)))[None, None]  # (1, 1, T, T)
+            out[w] = mask if segments is None else mask & (segments[:, None, :, None] == segments[:, None, None, :])
+    return out
+
+
+def flex_attention(q, k, v, block_mask, scale):
+    """torch's flex_attention, compiled on GPUs (a fused kernel); eager elsewhere (correct, but it builds the scores)."""
+    from torch.nn.attention.flex_attention import flex_attention as flex
+    run = torch.compile(flex) if q.is_cuda else flex
+    with warnings.catch_warnings():  # eager, it warns that it is unfused: known, and the test path
+        warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
+        return run(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
 
 
 class MLP(nn.Module):
@@ -488,13 +603,13 @@ class Block(nn.Module):
             self.post_attention_layernorm = RMSNorm(m.d_model, m.norm_eps)
             self.post_feedforward_layernorm = RMSNorm(m.d_model, m.norm_eps)
 
-    def forward(self, x, cos, sin, window, remat_mlp=False):
+    def forward(self, x, cos, sin, mask, remat_mlp=False):
         """The JAX `block`."""
         ffn = partial(checkpoint, self.mlp, use_reentrant=False) if remat_mlp else self.mlp
         if self.m.family == "olmo1":
-            x = x + self.self_attn(layer_norm_torch(x, self.m.norm_eps), cos, sin, window)
+            x = x + self.self_attn(layer_norm_torch(x, self.m.norm_eps), cos, sin, mask)
             return x + ffn(layer_norm_torch(x, self.m.norm_eps))
-        x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, window))
+        x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, mask))
         return x + self.post_feedforward_layernorm(ffn(x))
 
 
@@ -519,14 +634,16 @@ class OLMo(nn.Module):
         self.inv_freq.copy_(torch.from_numpy(inv_freq))
         self.rope_scale.copy_(torch.from_numpy(rope_scale))
 
-    def forward(self, tokens, dtype=torch.float32, remat="none"):
-        """tokens (B, T) long -> logits (B, T, V) in `dtype`; `remat` ("none", "block", "mlp") as in the JAX forward."""
+    def forward(self, tokens, dtype=torch.float32, remat="none", segments=None):
+        """tokens (B, T) long -> logits (B, T, V) in `dtype`; `remat` ("none", "block", "mlp") and segments (B, T)
+        document ids as in the JAX forward."""
         x = self.embed_tokens(tokens).to(dtype)  # (B, T, D)
         positions = torch.arange(tokens.shape[1], device=tokens.device)
+        masks = attention_masks_torch(self.m, self.windows, tokens.shape[1], segments, tokens.device)
         for layer, w, f, s in zip(self.layers, self.windows, self.inv_freq, self.rope_scale):
             cos, sin = rope_cos_sin_torch(positions, f, s)
             run = partial(checkpoint, layer, use_reentrant=False) if remat == "block" else layer
-            x = run(x, cos, sin, w, remat == "mlp")  # remat_mlp
+            x = run(x, cos, sin, masks[w], remat == "mlp")  # remat_mlp
         return self.unembed(x, dtype)
 
     def unembed(self, x, dtype):
@@ -584,7 +701,31 @@ def check(m, B=2, T=64):
           f"max |logit jax - torch| = {diff:.2e}")
 
 
+def attention_bench():
+    """Forward + backward time of a model of sliding layers against the same model of full layers, on this
+    device's default attention: the work a window saves. D 256, 4 heads of 64, 2 layers, W 512, B 1."""
+    import time
+    print(f"{'T':>6} {'impl':>6} {'full ms':>9} {'sliding ms':>11} {'ratio':>6} {'ideal':>6}")
+    for T in (2048, 8192):
+        times = {}
+        for kind in "FS":
+            m = ModelConfig(d_model=256, n_layers=2, n_heads=4, mlp_hidden=512, vocab_size=512, max_seq_len=T,
+                            layer_pattern=kind, sliding_window=512 if kind == "S" else 0, eos_token_id=0, pad_token_id=1)
+            params, toks = init_params(m, jax.random.PRNGKey(0)), jnp.zeros((1, T), jnp.int32)
+            step = jax.jit(jax.grad(partial(loss_fn, m=m)))
+            jax.block_until_ready(step(params, toks, toks))  # compile
+            t0 = time.perf_counter()
+            for _ in range(3):
+                jax.block_until_ready(step(params, toks, toks))
+            times[kind] = (time.perf_counter() - t0) / 3 * 1e3
+        ideal = 512 / (T / 2)  # keys per query: W against T/2 on average under the causal mask
+        print(f"{T:>6} {pick_attention(m):>6} {times['F']:>9.0f} {times['S']:>11.0f} {times['S'] / times['F']:>6.2f} "
+              f"{ideal:>6.3f}")
+
+
 def main(argv):
+    if "--attention-bench" in argv:
+        return attention_bench()
     cfg = load_config([a for a in argv if a != "--check"])
     print(describe(cfg), end="\n\n")
     if "--check" in argv:

@@ -251,7 +251,8 @@ def make_train_step(cfg, mesh):
     decay = {k: p.decay and tc.weight_decay > 0 for k, p in model.param_table(m).items()}
 
     def micro_loss(params, tokens, labels, n_total):
-        logits = model.forward(params, tokens, m, dtype, tc.remat, constrain)
+        segments = model.segment_ids(tokens, m.eos_token_id) if cfg.data.doc_mask else None
+        logits = model.forward(params, tokens, m, dtype, tc.remat, constrain, segments)
         loss, ce, z = model.cross_entropy(logits, labels, tc.z_loss)
         # OLMo-core normalises by the non-ignored tokens of the whole global batch, not per micro-batch.
         share = (labels != model.IGNORE_INDEX).sum() / n_total
@@ -337,7 +338,7 @@ class JaxBackend:
         per = tokens.reshape(len(self.ranks), self.accum, self.micro, T).transpose(1, 0, 2, 3)  # micro-batch a of every rank
         batch = jax.make_array_from_process_local_data(shard.batch_sharding(self.mesh), per.reshape(self.accum, -1, T))
         self.params, self.opt, self.history, out = self.train_step(self.params, self.opt, self.history, batch, jnp.float32(lr))
-        return {k: v.item() for k, v in out.items()}  # python floats, and a bool for skipped
+        return out  # on the device, still being computed: the loop reads it when it must
 
     def eval(self, tokens):
         """Summed nats and token count over every process's rows (B_local, T)."""
@@ -346,9 +347,10 @@ class JaxBackend:
 
     def _eval_step(self, params, tokens):
         """Summed cross-entropy (nats) and the tokens it covers, for one batch (B, T); jitted in __init__."""
-        labels = model.shift_labels(tokens)
-        logits = model.forward(params, tokens, self.cfg.model, jnp.dtype(self.cfg.train.compute_dtype),
-                               constrain=shard.residual_constraint(self.mesh))
+        m, labels = self.cfg.model, model.shift_labels(tokens)
+        logits = model.forward(params, tokens, m, jnp.dtype(self.cfg.train.compute_dtype),
+                               constrain=shard.residual_constraint(self.mesh),
+                               segments=model.segment_ids(tokens, m.eos_token_id) if self.cfg.data.doc_mask else None)
         n = (labels != model.IGNORE_INDEX).sum()
         return model.cross_entropy(logits, labels)[1] * n, n
 
@@ -495,13 +497,14 @@ class TorchBackend:
     def step(self, tokens, lr):
         """tokens (B_rank, T): this rank's instances, cut into micro-batches; the same sums as the JAX step."""
         tc = self.cfg.train
-        x, y = self._inputs(tokens)  # (B_rank, T) each
+        x, y, docs = self._inputs(tokens)  # (B_rank, T) each
         n_total = shard.torch_sum((y != model.IGNORE_INDEX).sum()).clamp(min=1)  # over the global batch, as OLMo-core
         sums = torch.zeros(2, device=self.device)  # loss, ce
-        for a, (xa, ya) in enumerate(zip(x.split(self.micro), y.split(self.micro))):
+        for a, (xa, ya, da) in enumerate(zip(x.split(self.micro), y.split(self.micro), docs.split(self.micro))):
             if self.processes > 1:
                 self.net.set_requires_gradient_sync(a == self.accum - 1)  # reduce-scatter once, after the last
-            loss, ce, _ = model.cross_entropy_torch(self.net(xa, self.dtype, tc.remat), ya, tc.z_loss)
+            segments = da if self.cfg.data.doc_mask else None
+            loss, ce, _ = model.cross_entropy_torch(self.net(xa, self.dtype, tc.remat, segments), ya, tc.z_loss)
             share = (ya != model.IGNORE_INDEX).sum() / n_total
             # FSDP2 averages gradients over ranks; each rank's loss is already its share of the global
             # mean, so scale by the rank count to get their sum.
@@ -523,14 +526,16 @@ class TorchBackend:
         self.history = push_history(self.history, loss, grad_norm)
         return dict(loss=loss, ce=ce, grad_norm=grad_norm, skipped=not ok)
 
-    def _inputs(self, tokens):  # tokens and their next-token labels, int64 on this rank's device
-        return [torch.from_numpy(a.astype(np.int64)).to(self.device) for a in (tokens, model.shift_labels(tokens))]
+    def _inputs(self, tokens):  # tokens, their next-token labels and document ids, int64 on this rank's device
+        parts = tokens, model.shift_labels(tokens), model.segment_ids(tokens, self.cfg.model.eos_token_id)
+        return [torch.from_numpy(a.astype(np.int64)).to(self.device) for a in parts]
 
     @torch.no_grad()
     def eval(self, tokens):
-        x, y = self._inputs(tokens)
+        x, y, docs = self._inputs(tokens)
         n = (y != model.IGNORE_INDEX).sum()
-        nats = model.cross_entropy_torch(self.net(x, self.dtype), y)[1].double() * n
+        segments = docs if self.cfg.data.doc_mask else None
+        nats = model.cross_entropy_torch(self.net(x, self.dtype, segments=segments), y)[1].double() * n
         s, n = shard.torch_sum(torch.stack([nats, n.double()])).tolist()
         return s, int(n)
 
@@ -724,32 +729,43 @@ def main(argv):
         trim_metrics(metrics_path, start)
     bar = tqdm(range(start + 1, tc.steps + 1), initial=start, total=tc.steps, desc="train", dynamic_ncols=True,
                disable=not lead)
-    t_last = time.perf_counter()
+    t_last, pending = time.perf_counter(), []  # pending: (step, lr, metrics still on the device)
     for step, (_, tokens) in zip(bar, loader):
         lr = lr_at(step, tc, tokens_per_step, tc.steps)
-        out = backend.step(tokens, lr)
-        window.append(out["loss"])
-        if not math.isfinite(out["loss"]) and not tc.skip_step:
-            raise FloatingPointError(f"loss is {out['loss']} at step {step}; last good checkpoint: {last_saved or 'none'} "
-                                     "(the update was not applied; lower train.lr or set train.skip_step=true)")
-        record = {}
-        if step % tc.log_every == 0 or step == tc.steps:
+        pending.append((step, lr, backend.step(tokens, lr)))  # JAX returns at once: the step runs while we go on
+        logging = step % tc.log_every == 0 or step == tc.steps
+        evaluating = ec.every and step % ec.every == 0 and step != tc.steps
+        stopping = stop["signal"]  # read once: a signal that lands later is this same path after the next step
+        saving = step % tc.checkpoint_every == 0 or step == tc.steps or stopping
+        if not (logging or evaluating or saving):
+            if len(pending) > 1:  # one step ahead, no more: the next batch is read while this step runs
+                jax.block_until_ready(pending[-2][2])
+            continue
+        for s, lr, out in pending:  # the host reads the device here only, every step's values at once
+            out = {k: np.asarray(v).item() for k, v in jax.device_get(out).items()}
+            window.append(out["loss"])
+            if not math.isfinite(out["loss"]) and not tc.skip_step:
+                raise FloatingPointError(f"loss is {out['loss']} at step {s}; last good checkpoint: "
+                                         f"{last_saved or 'none'} (the update was not applied; lower train.lr or "
+                                         "set train.skip_step=true)")
+        pending, record = [], {}
+        if logging:
             tps = len(window) * tokens_per_step / (time.perf_counter() - t_last)
             mfu = flops * tps / (backend.peak * backend.n_devices) if backend.peak else None
             record = dict(step=step, loss=sum(window) / len(window), ce=out["ce"], lr=lr, grad_norm=out["grad_norm"],
                           tokens_per_s=tps, skipped=out["skipped"], mfu=mfu, tokens=step * tokens_per_step)
             t_last, window = time.perf_counter(), []
-        if ec.every and step % ec.every == 0 and step != tc.steps:
+        if evaluating:
             record = {"step": step, **record, **held_out_eval(backend, heldout, dc, token_bytes, ec.batches),
                       **task_eval(backend, tasks)}
             t_last = time.perf_counter()  # tokens/s measures training only
         if record and lead:
             log(record, metrics_path, bar.write)
-        if step % tc.checkpoint_every == 0 or step == tc.steps or stop["signal"]:  # every process writes its pieces
+        if saving:  # every process writes its pieces
             last_saved = save_checkpoint(run_dir, step, backend, cfg, loader.state(), window)
-        if stop["signal"]:
+        if stopping:
             bar.close()
-            print(f"{stop['signal']}: saved {last_saved}; rerun the same command to continue")
+            print(f"{stopping}: saved {last_saved}; rerun the same command to continue")
             return
     bar.close()
     # Saved: from here a signal stops the final eval, plot and sample at once (exit 130 or 143), not at their end.
@@ -829,16 +845,26 @@ def bench(argv, steps=10):
             step()
         t0 = time.perf_counter()
         for _ in range(steps):
-            step()
+            out = step()
+        jax.block_until_ready(out)  # the JAX steps are still running
         return steps * B * T / (time.perf_counter() - t0)
 
+    # A row per attention implementation this device runs (splash only interpreted off TPUs: not a speed), JAX in
+    # fp32 and bf16, torch eager and compiled; then transformers, the reference.
+    jax_attention = {"tpu": ["splash", "xla"], "gpu": ["cudnn", "xla"]}.get(jax.default_backend(), ["xla"])
+    torch_attention = ["sdpa", "flex"] if torch.cuda.is_available() else ["sdpa"]
+    runs = [(JaxBackend, a, dict(compute_dtype=d)) for a in jax_attention for d in ("float32", "bfloat16")]
+    runs += [(TorchBackend, a, dict(compile=c)) for a in torch_attention for c in (False, True)]
     rows = []
-    for backend_cls, compiled in ((JaxBackend, True), (TorchBackend, False), (TorchBackend, True)):
-        backend = backend_cls(build({**to_dict(cfg), "train": {**to_dict(cfg)["train"], "compile": compiled}}))
+    for backend_cls, attention, changes in runs:
+        c = to_dict(cfg)
+        c["model"]["attention"], c["train"] = attention, {**c["train"], **changes}
+        backend = backend_cls(build(c))
         backend.init(0)
-        label = (f"nanolmo JAX ({jax.devices()[0].platform}" if backend_cls is JaxBackend else
-                 f"nanolmo torch {'compiled' if compiled else 'eager'} ({backend.device.type}")
-        rows.append((f"{label}, {tc.compute_dtype})", timed(lambda: backend.step(tokens, tc.lr)), backend.peak, backend.n_devices))
+        dtype = changes.get("compute_dtype", tc.compute_dtype)
+        label = (f"nanolmo JAX {attention} ({jax.devices()[0].platform}" if backend_cls is JaxBackend else
+                 f"nanolmo torch {attention} {'compiled' if changes['compile'] else 'eager'} ({backend.device.type}")
+        rows.append((f"{label}, {dtype})", timed(lambda: backend.step(tokens, tc.lr)), backend.peak, backend.n_devices))
 
     if importlib.util.find_spec("transformers"):  # a test extra: without it the table has no reference row
         import transformers
@@ -855,10 +881,11 @@ def bench(argv, steps=10):
 
         rows.append((f"transformers {transformers.__version__} (torch CPU, fp32)", timed(hf_step), None, 1))
 
-    print(f"{'':<44} {'tokens/s':>10} {'vs JAX':>7} {'MFU':>6} {'GFLOP/s':>9}")
+    ref = rows[-1][1]  # transformers when installed, else the last torch row
+    print(f"{'':<48} {'tokens/s':>10} {'vs ' + rows[-1][0].split()[0]:>16} {'MFU':>6} {'GFLOP/s':>9}")
     for label, tps, peak, n in rows:
         mfu = f"{100 * flops * tps / (peak * n):.1f}%" if peak else "n/a"
-        print(f"{label:<44} {tps:>10,.0f} {tps / rows[0][1]:>6.2f}x {mfu:>6} {flops * tps / 1e9:>9.1f}")
+        print(f"{label:<48} {tps:>10,.0f} {tps / ref:>15.2f}x {mfu:>6} {flops * tps / 1e9:>9.1f}")
     print(f"(B={B}, T={T}, {model.count_params(m):,} params, {steps} timed steps each, one process)")
 
 

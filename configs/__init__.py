@@ -78,6 +78,10 @@ class ModelConfig:
     init_std: float = 0.02
     eos_token_id: int = 100257    # written to the HF config.json; dolma2's <|endoftext|>
     pad_token_id: int = 100277    # dolma2's <|pad|>
+    # How attention is computed, not what: every choice gives the same numbers (to rounding). auto = by device:
+    # JAX on TPU splash (Pallas), on GPU cudnn, else xla (blocks that skip what the mask hides); torch: sdpa (its
+    # flash kernel on full layers, a mask elsewhere), or flex (flex_attention block masks, compiled on GPUs).
+    attention: str = "auto"
 
     def __post_init__(self):
         # A derived value fills a field left at 0 and keeps its formula for describe() (`derived` is not a field,
@@ -96,7 +100,8 @@ class ModelConfig:
         # The checks, in order: each may rely on those above it (n_kv_heads > 0 before n_heads % n_kv_heads).
         need, pattern = functools.partial(_need, self), self.layer_pattern
         _checks(positive="d_model n_layers n_heads n_kv_heads head_dim mlp_hidden vocab_size max_seq_len",
-                nonneg="sliding_window clip_qkv", family=["olmo1", "olmo2", "olmo3"], init=["normal", "mitchell"])(self)
+                nonneg="sliding_window clip_qkv", family=["olmo1", "olmo2", "olmo3"], init=["normal", "mitchell"],
+                attention=["auto", "xla", "splash", "cudnn", "sdpa", "flex"])(self)
         need(self.n_heads % self.n_kv_heads == 0, "n_kv_heads", f"n_heads={self.n_heads} must be a multiple of "
              "n_kv_heads (each kv head serves n_heads/n_kv_heads query heads)")
         need(self.head_dim % 2 == 0, "head_dim", "must be even: RoPE rotates pairs of dimensions")
@@ -127,6 +132,7 @@ class DataConfig:
     seq_len: int = 256            # T: tokens per instance
     global_batch: int = 16        # G: instances per optimizer step, over all devices
     seed: int = 0                 # the order: epoch e shuffles with PCG64(seed + e), as OLMo-core
+    doc_mask: bool = False        # attention kept inside each document (ends at EOS); Olmo 3: off in stages 1-2
     __post_init__ = _checks(positive="seq_len global_batch")
 
 

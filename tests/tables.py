@@ -11,7 +11,7 @@ here (no `make demo` run, no ../shared, no libtpu) is left as it is and reported
 fails leaves its block alone too, and the script exits non-zero at the end.
 
     seconds  configs, paramtable, corpus, demo, parity, check   (configs, model.py, data/, runs/tiny/, transformers)
-    minutes  bench, bench_bf16, databench, eval_tasks, eval_bpb, generate, plan, plan_tpu (libtpu only)
+    minutes  bench, attention, databench, eval_tasks, eval_bpb, generate, plan, plan_tpu (libtpu only)
     longest  curves, curves_own_lr: five 300-step training runs from scratch under runs/tables/, and the PNGs
 """
 
@@ -207,8 +207,8 @@ def bench():
     return shown("python train.py configs/tiny.toml --bench")
 
 
-def bench_bf16():
-    return shown("python train.py configs/tiny.toml --bench --train.compute_dtype=bfloat16")
+def attention():
+    return shown("python model.py --attention-bench")
 
 
 def databench():
@@ -352,7 +352,7 @@ def curves_own_lr():
 
 
 TABLES = {"configs": configs, "paramtable": paramtable, "corpus": corpus, "demo": demo, "parity": parity,
-          "check": check, "bench": bench, "bench_bf16": bench_bf16, "databench": databench, "eval_tasks": eval_tasks,
+          "check": check, "bench": bench, "attention": attention, "databench": databench, "eval_tasks": eval_tasks,
           "eval_bpb": eval_bpb, "generate": generate, "plan": plan, "plan_tpu": plan_tpu, "curves": curves,
           "curves_own_lr": curves_own_lr}
 

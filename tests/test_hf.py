@@ -71,6 +71,12 @@ def test_hf_to_ours(name, tmp_path):
     with torch.no_grad():
         ours_torch = model.torch_model(m, params)(torch.from_numpy(toks)).numpy()
     assert rel(ours_jax, ref) < 1e-5 and rel(ours_torch, ref) < 1e-5
+    # Every other attention implementation this machine runs (splash interpreted, flex eager), to the same 1e-5.
+    assert rel(np.asarray(model.forward(params, jnp.asarray(toks), dataclasses.replace(m, attention="splash"))),
+               ref) < 1e-5
+    with torch.no_grad():
+        flex = model.torch_model(dataclasses.replace(m, attention="flex"), params)(torch.from_numpy(toks)).numpy()
+    assert rel(flex, ref) < 1e-5
     # And the loss: HF shifts labels inside; we pass them shifted.
     with torch.no_grad():
         hf_loss = net(torch.from_numpy(toks), labels=torch.from_numpy(toks)).loss.item()

@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -34,7 +35,7 @@ def test_torch_steps_equal_jax_steps(setup):
     for step in range(1, 26):
         tokens = next(batches)[1]
         lr = train.lr_at(step, cfg.train, 256, 25)
-        j, t = (b.step(tokens, lr) for b in backends)
+        j, t = (jax.device_get(b.step(tokens, lr)) for b in backends)  # (JAX returns them on the device)
         assert t["loss"] == pytest.approx(j["loss"], rel=REL) and t["ce"] == pytest.approx(j["ce"], rel=REL), (step, j, t)
         assert t["grad_norm"] == pytest.approx(j["grad_norm"], rel=1e-4) and t["skipped"] == j["skipped"], (step, j, t)
     pj, pt = (b.host_params() for b in backends)

@@ -1,0 +1,117 @@
+"""Every attention implementation against one dense reference (outputs and gradients, fp32 and bf16, full and
+sliding layers, packed documents), packed documents kept apart in both backends, and the XLA path's work
+growing with the window. Splash (the TPU kernel) runs interpreted on this CPU; cuDNN needs a GPU."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import model
+from common import random_params, variant
+
+B, T, N, K, H = 2, 40, 4, 2, 16  # T = 40 crosses the blocks of 16 below and is no multiple of splash's 128
+
+
+def reference(q, k, v, window, segments):
+    """Dense attention written out: scores of every pair in fp32, the mask by its definition, repeat_kv."""
+    i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+    keep = (j <= i) & ((window == 0) | (i - j < window))                    # (T, T)
+    keep = keep[None] if segments is None else keep & (segments[:, :, None] == segments[:, None, :])
+    k, v = (jnp.repeat(x.astype(jnp.float32), N // K, axis=2) for x in (k, v))  # (B, T, N, H)
+    scores = jnp.einsum("bqnh,bknh->bnqk", q.astype(jnp.float32), k) * H ** -0.5
+    scores = jnp.where(jnp.asarray(keep)[:, None], scores, -jnp.inf)
+    return jnp.einsum("bnqk,bknh->bqnh", jax.nn.softmax(scores, axis=-1), v).astype(q.dtype)
+
+
+def documents(rng):
+    """(B, T) ids of random documents: about one in 8 positions starts a new one."""
+    return np.cumsum(rng.random((B, T)) < 0.125, axis=1).astype(np.int32)
+
+
+@pytest.mark.parametrize("impl, dtype", [("xla", "float32"), ("xla", "bfloat16"), ("splash", "float32")])
+@pytest.mark.parametrize("window", [0, 5])
+def test_implementations_equal_the_reference(monkeypatch, impl, dtype, window):
+    monkeypatch.setattr(model, "Q_BLOCK", 16)  # the XLA path in 3 query blocks, the window crossing their edges
+    rng = np.random.default_rng(window)
+    q, k, v, dy = (jnp.asarray(rng.standard_normal((B, T, n, H)), dtype) for n in (N, K, K, N))
+    tol = dict(float32=2e-5, bfloat16=5e-2)[dtype]  # bf16: ours keeps bf16 operands, the reference fp32
+    for segments in (None, documents(rng)):
+        seg = None if segments is None else jnp.asarray(segments)
+        ours, ours_vjp = jax.vjp(lambda *x: model.ATTEND[impl](*x, window, H ** -0.5, seg), q, k, v)
+        ref, ref_vjp = jax.vjp(lambda *x: reference(*x, window, segments), q, k, v)
+        assert ours.dtype == q.dtype
+        for a, b in zip((ours, *ours_vjp(dy)), (ref, *ref_vjp(dy))):
+            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+            np.testing.assert_allclose(a, b, rtol=0, atol=tol * np.abs(b).max())
+
+
+def packed():
+    """Three documents packed into one instance: two end in EOS, the third runs to the end (padding would too)."""
+    m = variant("olmo3", max_seq_len=64)  # SSSF, window 5, YaRN on the full layer
+    rng = np.random.default_rng(0)
+    lengths = [11, 17, 12]
+    toks = rng.integers(3, m.vocab_size, (1, sum(lengths)))
+    ends = np.cumsum(lengths)
+    toks[0, ends[:2] - 1] = m.eos_token_id
+    return m, toks, np.concatenate([[0], ends])
+
+
+@pytest.mark.parametrize("impl", ["xla", "splash"])
+def test_packed_documents_equal_each_document_alone(monkeypatch, impl):
+    """With segment ids, each document's logits are those of the document run alone at the same RoPE positions
+    (Olmo 3 never restarted them): nothing leaks across an EOS, in either direction."""
+    monkeypatch.setattr(model, "Q_BLOCK", 16)
+    m, toks, starts = packed()
+    m = dataclasses.replace(m, attention=impl)
+    params = {k: jnp.asarray(v) for k, v in random_params(m, std=0.1).items()}
+    segments = model.segment_ids(toks, m.eos_token_id)
+    assert segments.tolist() == [[0] * 11 + [1] * 17 + [2] * 12]
+    together = np.asarray(model.forward(params, jnp.asarray(toks), m, segments=jnp.asarray(segments)))
+    plain = np.asarray(model.forward(params, jnp.asarray(toks), m))
+    for a, b in zip(starts[:-1], starts[1:]):
+        alone = np.asarray(model.forward(params, jnp.asarray(toks[:, a:b]), m, positions=jnp.arange(a, b)))
+        np.testing.assert_allclose(together[:, a:b], alone, rtol=0, atol=2e-5 * np.abs(alone).max())
+        if a:  # without the segment ids the later documents do see the earlier ones
+            assert np.abs(plain[:, a:b] - alone).max() > 1e-2
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "flex"])
+def test_torch_keeps_documents_apart_as_jax_does(impl):
+    m, toks, _ = packed()
+    params = random_params(m, std=0.1)
+    segments = model.segment_ids(toks, m.eos_token_id)
+    ref = np.asarray(model.forward({k: jnp.asarray(v) for k, v in params.items()}, jnp.asarray(toks), m,
+                                   segments=jnp.asarray(segments)))
+    net = model.torch_model(dataclasses.replace(m, attention=impl), params)
+    with torch.no_grad():
+        ours = net(torch.from_numpy(toks), segments=torch.from_numpy(segments)).numpy()
+        plain = net(torch.from_numpy(toks)).numpy()
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
+    assert np.abs(plain - ref).max() > 1e-2
+
+
+def test_wrong_backend_implementations_are_refused():
+    m = variant("olmo3")
+    with pytest.raises(ValueError, match="model.attention='flex' is a torch implementation"):
+        model.forward(random_params(m), jnp.zeros((1, 8), jnp.int32), dataclasses.replace(m, attention="flex"))
+    with pytest.raises(ValueError, match="model.attention='splash' is a JAX implementation"):
+        model.torch_model(dataclasses.replace(m, attention="splash"))(torch.zeros((1, 8), dtype=torch.long))
+
+
+def test_xla_work_grows_with_the_window():
+    """The compiled XLA attention's FLOPs: causal query blocks skip the keys after them, sliding ones the keys
+    before their window, as model.flops_per_token counts (T 2048, W 256, blocks of 512)."""
+    shape = jax.ShapeDtypeStruct((1, 2048, 4, 64), jnp.float32)
+
+    def flops(window, block):
+        f = jax.jit(lambda q, k, v: model.attend(q, k, v, window, 0.125))
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(model, "Q_BLOCK", block)
+            return f.lower(shape, shape, shape).compile().cost_analysis()["flops"]
+    dense, full, sliding = flops(0, 2048), flops(0, 512), flops(256, 512)
+    # keys per block of 512 queries: causal 512, 1024, 1536, 2048 (5/8 of dense); sliding 512, then 767 each
+    assert full / dense == pytest.approx(5120 / 8192, rel=0.05)
+    assert sliding / dense == pytest.approx((512 + 3 * 767) / 8192, rel=0.05)
