@@ -245,14 +245,18 @@ def state_shardings(mesh, m):
     return p, dict(m=p, v=p, count=shard.replicated(mesh)), shard.replicated(mesh)
 
 
+def documents(cfg, tokens):
+    """Document ids (model.segment_ids) when data.doc_mask keeps packed documents apart; None: one attention span."""
+    return model.segment_ids(tokens, cfg.model.eos_token_id) if cfg.data.doc_mask else None
+
+
 def make_train_step(cfg, mesh):
     m, tc = cfg.model, cfg.train
     dtype, constrain = jnp.dtype(tc.compute_dtype), shard.residual_constraint(mesh)
     decay = {k: p.decay and tc.weight_decay > 0 for k, p in model.param_table(m).items()}
 
     def micro_loss(params, tokens, labels, n_total):
-        segments = model.segment_ids(tokens, m.eos_token_id) if cfg.data.doc_mask else None
-        logits = model.forward(params, tokens, m, dtype, tc.remat, constrain, segments)
+        logits = model.forward(params, tokens, m, dtype, tc.remat, constrain, documents(cfg, tokens))
         loss, ce, z = model.cross_entropy(logits, labels, tc.z_loss)
         # OLMo-core normalises by the non-ignored tokens of the whole global batch, not per micro-batch.
         share = (labels != model.IGNORE_INDEX).sum() / n_total
@@ -350,7 +354,7 @@ class JaxBackend:
         m, labels = self.cfg.model, model.shift_labels(tokens)
         logits = model.forward(params, tokens, m, jnp.dtype(self.cfg.train.compute_dtype),
                                constrain=shard.residual_constraint(self.mesh),
-                               segments=model.segment_ids(tokens, m.eos_token_id) if self.cfg.data.doc_mask else None)
+                               segments=documents(self.cfg, tokens))
         n = (labels != model.IGNORE_INDEX).sum()
         return model.cross_entropy(logits, labels)[1] * n, n
 
@@ -500,11 +504,11 @@ class TorchBackend:
         x, y, docs = self._inputs(tokens)  # (B_rank, T) each
         n_total = shard.torch_sum((y != model.IGNORE_INDEX).sum()).clamp(min=1)  # over the global batch, as OLMo-core
         sums = torch.zeros(2, device=self.device)  # loss, ce
-        for a, (xa, ya, da) in enumerate(zip(x.split(self.micro), y.split(self.micro), docs.split(self.micro))):
+        docs = [None] * self.accum if docs is None else docs.split(self.micro)
+        for a, (xa, ya, da) in enumerate(zip(x.split(self.micro), y.split(self.micro), docs)):
             if self.processes > 1:
                 self.net.set_requires_gradient_sync(a == self.accum - 1)  # reduce-scatter once, after the last
-            segments = da if self.cfg.data.doc_mask else None
-            loss, ce, _ = model.cross_entropy_torch(self.net(xa, self.dtype, tc.remat, segments), ya, tc.z_loss)
+            loss, ce, _ = model.cross_entropy_torch(self.net(xa, self.dtype, tc.remat, da), ya, tc.z_loss)
             share = (ya != model.IGNORE_INDEX).sum() / n_total
             # FSDP2 averages gradients over ranks; each rank's loss is already its share of the global
             # mean, so scale by the rank count to get their sum.
@@ -526,16 +530,15 @@ class TorchBackend:
         self.history = push_history(self.history, loss, grad_norm)
         return dict(loss=loss, ce=ce, grad_norm=grad_norm, skipped=not ok)
 
-    def _inputs(self, tokens):  # tokens, their next-token labels and document ids, int64 on this rank's device
-        parts = tokens, model.shift_labels(tokens), model.segment_ids(tokens, self.cfg.model.eos_token_id)
-        return [torch.from_numpy(a.astype(np.int64)).to(self.device) for a in parts]
+    def _inputs(self, tokens):  # tokens, next-token labels, document ids or None: int64 on this rank's device
+        parts = tokens, model.shift_labels(tokens), documents(self.cfg, tokens)
+        return [None if a is None else torch.from_numpy(a.astype(np.int64)).to(self.device) for a in parts]
 
     @torch.no_grad()
     def eval(self, tokens):
         x, y, docs = self._inputs(tokens)
         n = (y != model.IGNORE_INDEX).sum()
-        segments = docs if self.cfg.data.doc_mask else None
-        nats = model.cross_entropy_torch(self.net(x, self.dtype, segments=segments), y)[1].double() * n
+        nats = model.cross_entropy_torch(self.net(x, self.dtype, segments=docs), y)[1].double() * n
         s, n = shard.torch_sum(torch.stack([nats, n.double()])).tolist()
         return s, int(n)
 
