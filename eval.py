@@ -6,6 +6,7 @@
     python eval.py logits DIR --tokens IN.npy --out OUT.npy [--backend jax|torch] [--dtype float32|bfloat16]
     python eval.py generate CKPT --prompt TEXT [--max-new 64] [--temperature 0.8 --top-k 50 --top-p 0.95]
                                  [--backend jax|torch] [--no-cache]    # the KV cache is JAX's
+    python eval.py positions CKPT... --data data/tiny --seq-len 1024      # held-out loss by position, side by side
 
 CKPT: one of our checkpoint directories (HF layout). Its tokenizer: --tokenizer SPEC ("dolma2" or a .tiktoken
 file), else the dataset in CKPT/nanolmo.json, else dolma2 if the ids are dolma2's. bpb and tasks also take
@@ -53,6 +54,22 @@ def token_bytes(tok):
     special = set(tok.enc.special_tokens_set)
     pieces = [tok.enc.decode_single_token_bytes(i) for i in range(tok.vocab_size)]
     return np.array([0 if p.decode("utf-8", "replace") in special else len(p) for p in pieces], np.int64)
+
+
+def loss_by_position(params, m, instances, edges, backend="jax", dtype="float32", batch=4, limit=0):
+    """Mean next-token loss (nats) of the targets at positions [edges[i], edges[i+1]) of every instance (the first
+    `limit`; 0 = all): how well a model uses the context it has, as a long-context stage should improve."""
+    def nll(xp, logits, t):  # (B, T-1): -log p(t[i+1] | t[..i]), the softmax in fp32
+        top = logits[:, :-1].max(-1, keepdims=True)
+        lse = top[..., 0] + xp.log(xp.exp(logits[:, :-1] - top).sum(-1))
+        return lse - xp.take_along_axis(logits[:, :-1], t[:, 1:, None], axis=-1)[..., 0]
+    load, run = _backend(m, backend, dtype, nll)
+    net, n = load(params), min(instances.n, limit or instances.n)
+    sums = np.zeros(len(edges) - 1)
+    for b in tqdm(range(0, n, batch), desc="loss by position", leave=False):
+        out = run(net, np.stack([instances.read(i) for i in range(b, min(b + batch, n))]))  # (B, T-1)
+        sums += [out[:, lo:hi].sum() for lo, hi in zip(edges, edges[1:])]
+    return sums / (n * np.diff(edges))
 
 
 def bits_per_byte(nats, n_bytes):
@@ -621,7 +638,28 @@ def main(argv):
                                      ("--seed", in_range(int, 0), 0, None)]:
         gen.add_argument(flag, type=kind, default=default, help=why)
     gen.add_argument("--no-cache", action="store_true", help="recompute the whole sequence for every token")
+    pos = sub.add_parser("positions", parents=[run], help="held-out loss by position bucket, checkpoints side by side")
+    pos.add_argument("ckpts", nargs="+", help="our checkpoint directories (HF layout)")
+    pos.add_argument("--data", required=True, help="a folder from `data.py prepare`: its held-out split is read")
+    pos.add_argument("--seq-len", type=in_range(int, 2), required=True, help="tokens per instance")
+    pos.add_argument("--buckets", default="", help="comma list of bucket starts (default: 0 and powers of 2 from 64)")
+    pos.add_argument("--limit", type=in_range(int, 0), default=0, help="first N instances; 0 = all")
     args = ap.parse_args(argv)
+    if args.command == "positions":
+        T = args.seq_len
+        edges = sorted({0, *(int(b) for b in args.buckets.split(",") if b)} if args.buckets else
+                       {0, *(2 ** k for k in range(6, T.bit_length()) if 2 ** k < T)}) + [T - 1]
+        held = data.Instances([("heldout", data.dataset_files(args.data, "heldout"), None)], T)
+        rows = []
+        for c in args.ckpts:
+            m, params = convert.load_hf(c)
+            rows.append(loss_by_position(params, m, held, edges, args.backend, args.dtype, limit=args.limit))
+        print(f"held-out loss (nats/token) by target position, {min(held.n, args.limit or held.n)} instances of {T} "
+              f"from {args.data}/heldout")
+        print(f"{'positions':<14}" + "".join(f"{Path(c).parent.name + '/' + Path(c).name:>26}" for c in args.ckpts))
+        for i, (lo, hi) in enumerate(zip(edges, edges[1:])):
+            print(f"{f'[{lo}, {hi})':<14}" + "".join(f"{r[i]:>26.4f}" for r in rows))
+        return
     m, params = convert.load_hf(args.ckpt)
     if args.command == "logits":
         load, forward = _backend(m, args.backend, args.dtype, lambda xp, x, t: x)

@@ -211,27 +211,53 @@ def segment_ids(tokens, eos):
 
 
 # exercise: gqa
-def attend(q, k, v, window, scale, segments=None):
-    """Softmax attention on XLA (any device), q (B, T, N, H), k and v (B, T, K, H) -> (B, T, N, H). GQA: query head
+def attend(q, k, v, window, scale, segments=None, offset=0):
+    """Softmax attention on XLA (any device), q (B, Tq, N, H), k and v (B, S, K, H) -> (B, Tq, N, H). GQA: query head
     n reads kv head n // (N/K) (HF repeat_kv). `window` is a Python int (0 = full causal), so only the work its mask
     allows is built: queries go in blocks of Q_BLOCK, each against only the keys it can see (up to its own last
     position; on sliding layers from W - 1 before its first), and work and memory grow with min(W, T), not T. With
     several blocks each is recomputed in the backward pass, so no (N, Q_BLOCK, S) scores are kept for it.
-    segments (B, T) or None: queries read only keys of their own document. Softmax in fp32."""
-    T = q.shape[1]
-    step = min(T, Q_BLOCK)
-    piece = jax.checkpoint(attend_block, static_argnums=(5, 6, 7)) if T > step else attend_block
+    segments (B, S) or None: queries read only keys of their own document. Softmax in fp32.
+    offset: where q's rows sit among the keys; 0 (the same T) unless q is one context-parallel shard of the sequence
+    (shard.context_attention), and then it is traced: attend_shard."""
+    Tq, S = q.shape[1], k.shape[1]
+    if not isinstance(offset, int):
+        return attend_shard(q, k, v, window, scale, segments, offset)
+    step = min(Tq, Q_BLOCK)
+    piece = jax.checkpoint(attend_block, static_argnums=(7,)) if Tq > step else attend_block
     out = []
-    for first in range(0, T, step):
-        last, lo = min(first + step, T), max(0, first - window + 1) if window else 0
-        seg = None if segments is None else (segments[:, first:last], segments[:, lo:last])
-        out.append(piece(q[:, first:last], k[:, lo:last], v[:, lo:last], seg, scale, first, lo, window))
+    for first in range(0, Tq, step):
+        last = min(first + step, Tq)
+        lo = max(0, offset + first - window + 1) if window else 0
+        seg = None if segments is None else (segments[:, offset + first:offset + last], segments[:, lo:offset + last])
+        out.append(piece(q[:, first:last], k[:, lo:offset + last], v[:, lo:offset + last], seg, scale, offset + first,
+                         lo, window))
     return jnp.concatenate(out, axis=1)
+
+
+def attend_shard(q, k, v, window, scale, segments, offset):
+    """attend for queries at a traced offset (a context-parallel shard): every block has the same shapes, W - 1 + its
+    own keys on sliding layers, all S keys (masked) on full ones, from a start that is data. lax.map runs the blocks
+    one at a time, each recomputed in the backward pass: a loop of independent blocks would let XLA keep them all."""
+    Tq, S = q.shape[1], k.shape[1]
+    step = math.gcd(Tq, Q_BLOCK)
+    size = min(S, step + window - 1) if window else S
+
+    def one(first):
+        lo = jnp.clip(offset + first - window + 1, 0, S - size) if window else 0
+        cut = partial(jax.lax.dynamic_slice_in_dim, start_index=lo, slice_size=size, axis=1)
+        seg = None if segments is None else (
+            jax.lax.dynamic_slice_in_dim(segments, offset + first, step, axis=1), cut(segments))
+        return attend_block(jax.lax.dynamic_slice_in_dim(q, first, step, axis=1), cut(k), cut(v), seg, scale,
+                            offset + first, lo, window)
+
+    out = jax.lax.map(jax.checkpoint(one), jnp.arange(0, Tq, step))  # (Tq / step, B, step, N, H)
+    return jnp.moveaxis(out, 0, 1).reshape(q.shape)
 
 
 # exercise: gqa
 def attend_block(q, k, v, seg, scale, first, lo, window):
-    """Queries first.. against keys lo..: q (B, Tq, N, H), k and v (B, S, K, H) -> (B, Tq, N, H)."""
+    """Queries at positions first.. against keys at lo..: q (B, Tq, N, H), k and v (B, S, K, H) -> (B, Tq, N, H)."""
     mask = attention_mask(first + jnp.arange(q.shape[1]), lo + jnp.arange(k.shape[1]), window)[None, None]
     if seg is not None:
         mask = mask & (seg[0][:, None, :, None] == seg[1][:, None, None, :])  # (B, 1, Tq, S)
@@ -304,10 +330,10 @@ def project_qkv(p, x, cos, sin, m):
     return q, k, v
 
 
-def attention(p, x, cos, sin, window, m, segments=None):
+def attention(p, x, cos, sin, window, m, segments=None, attend_fn=None):
     B, T, _ = x.shape
     q, k, v = project_qkv(p, x, cos, sin, m)
-    y = ATTEND[pick_attention(m)](q, k, v, window, m.head_dim ** -0.5, segments)  # (B, T, N, H)
+    y = (attend_fn or ATTEND[pick_attention(m)])(q, k, v, window, m.head_dim ** -0.5, segments)  # (B, T, N, H)
     return linear(y.reshape(B, T, m.n_heads * m.head_dim), p["self_attn.o_proj.weight"])  # (B, T, D)
 
 
@@ -329,12 +355,14 @@ def block(p, x, attn, m, ffn=mlp):
     return x + rms_norm(ffn(p, x), p["post_feedforward_layernorm.weight"], m.norm_eps)
 
 
-def forward(params, tokens, m, dtype=jnp.float32, remat="none", constrain=lambda x: x, segments=None, positions=None):
+def forward(params, tokens, m, dtype=jnp.float32, remat="none", constrain=lambda x: x, segments=None, positions=None,
+            attend_fn=None):
     """tokens (B, T) int -> logits (B, T, V) in `dtype`. Ids must be < V: JAX clamps silently, so callers check
     (check_tokens) first. `remat` trades compute for memory: "block" keeps only each layer's input for the backward
     pass, "mlp" recomputes just the MLPs. `constrain` (shard.py's pins the layout) follows every layer (B, T, D).
     segments (B, T): document ids (segment_ids) to keep packed documents apart; positions (T,): RoPE positions
-    (default 0..T-1; a context-parallel slice passes its own)."""
+    (default 0..T-1). attend_fn: attend's signature, in place of model.attention's pick (shard.py's context
+    parallelism passes one that gathers keys over devices; the maths here does not change)."""
     x = constrain(params["embed_tokens.weight"][tokens].astype(dtype))  # (B, T, D)
     positions = jnp.arange(tokens.shape[1]) if positions is None else positions
     # One scan step is one repeat of layer_pattern (OLMo 3: SSSF), so every layer in it has its window as a Python
@@ -349,7 +377,7 @@ def forward(params, tokens, m, dtype=jnp.float32, remat="none", constrain=lambda
     ffn = jax.checkpoint(mlp) if remat == "mlp" else mlp
 
     def layer(p, x, cos, sin, segments, w):
-        return block(p, x, lambda h: attention(p, h, cos, sin, w, m, segments), m, ffn)
+        return block(p, x, lambda h: attention(p, h, cos, sin, w, m, segments, attend_fn), m, ffn)
     layer = jax.checkpoint(layer, static_argnums=(5,)) if remat == "block" else layer
 
     def step(x, group):  # the compiled body is P layers, so compile time grows with P, not with L
@@ -400,10 +428,12 @@ def init_params(m, key, names=None):
     return params
 
 
-def shift_labels(tokens):
-    """Next-token labels: tokens[..., 1:] then IGNORE_INDEX (OLMo-core get_labels). numpy in, numpy out; jit-safe."""
+def shift_labels(tokens, pad=None):
+    """Next-token labels: tokens[..., 1:] then IGNORE_INDEX (OLMo-core get_labels). A PAD target is ignored too: PAD
+    only fills packed instances after their documents (OLMo-core masks it with label_mask). numpy in, numpy out."""
     xp = np if isinstance(tokens, np.ndarray) else jnp
-    return xp.concatenate([tokens[..., 1:], xp.full_like(tokens[..., :1], IGNORE_INDEX)], axis=-1)
+    labels = xp.concatenate([tokens[..., 1:], xp.full_like(tokens[..., :1], IGNORE_INDEX)], axis=-1)
+    return labels if pad is None else xp.where(labels == pad, IGNORE_INDEX, labels)
 
 
 def check_tokens(tokens, m, source="tokens"):

@@ -6,11 +6,16 @@ have, is `python train.py plan`, next to the step it compiles.)
 
     python shard.py configs/olmo3-7b.toml --mesh.data=1 --mesh.fsdp=-1   # the mesh and each parameter's layout here
 
-The mesh has three axes, ("data", "fsdp", "tensor"). The batch is split over data × fsdp; parameters
-are split by the logical axes the parameter table gives each dimension, through RULES:
-    embed -> fsdp (FSDP/ZeRO-3: each device keeps 1/fsdp of every weight, gathered for use)
+The mesh has four axes, ("data", "fsdp", "context", "tensor"). The batch is split over data × fsdp, and each
+instance's T positions over context; parameters are split by the logical axes the parameter table gives each
+dimension, through RULES:
+    embed -> fsdp (FSDP/ZeRO-3: each device keeps 1/fsdp of every weight, gathered for use). Not also over
+             context, as OLMo-core shards: the embedding lookup's output would then be split on D over every
+             device, and XLA cannot move that to (instances, positions) without first gathering all of it
+             (measured with `train.py plan`: 32 GiB more per device at 64 x 65536)
     heads, kv_heads, mlp, vocab -> tensor (Megatron-style tensor parallelism)
     layers -> not split (the scan walks over it)
+Context parallelism (context_attention) is the one place that writes its communication by hand.
 """
 
 import math
@@ -25,14 +30,15 @@ import model
 from configs import load_config, run_cli
 
 
-RULES = {"embed": "fsdp", "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor", "layers": None}
-AXES = ("data", "fsdp", "tensor")
-BATCH = ("data", "fsdp")  # the axes the instances of a batch are split over
+RULES = {"embed": ("fsdp",), "heads": ("tensor",), "kv_heads": ("tensor",), "mlp": ("tensor",),
+         "vocab": ("tensor",), "layers": ()}
+AXES = ("data", "fsdp", "context", "tensor")
+BATCH = ("data", "fsdp")  # the axes the instances of a batch are split over (context splits their positions)
 
 
 def mesh_shape(mesh_cfg, n_devices):
-    """(data, fsdp, tensor) with the one -1 filled in; checked against the device count."""
-    sizes = [mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor]
+    """(data, fsdp, context, tensor) with the one -1 filled in; checked against the device count."""
+    sizes = [getattr(mesh_cfg, a) for a in AXES]
     if sizes.count(-1) > 1:
         raise ValueError(f"mesh {dict(zip(AXES, sizes))}: at most one axis may be -1")
     known = math.prod(s for s in sizes if s != -1)
@@ -48,7 +54,7 @@ def mesh_shape(mesh_cfg, n_devices):
 def make_mesh(mesh_cfg, devices=None):
     devices = jax.devices() if devices is None else devices
     # Auto axes: shardings go in through jit's in/out_shardings (jax.make_mesh defaults to Explicit).
-    return jax.make_mesh(mesh_shape(mesh_cfg, len(devices)), AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+    return jax.make_mesh(mesh_shape(mesh_cfg, len(devices)), AXES, axis_types=(AxisType.Auto,) * 4, devices=devices)
 
 
 # exercise: fsdp_rules
@@ -56,12 +62,11 @@ def spec_for(name, param, mesh_sizes):
     """PartitionSpec of one parameter from its logical axes; every split must divide its dimension."""
     out = []
     for dim, logical in zip(param.shape, param.axes):
-        axis = RULES[logical]
-        axis = axis if axis and mesh_sizes[axis] > 1 else None  # a mesh axis of size 1 splits nothing
-        if axis and dim % mesh_sizes[axis]:
-            raise ValueError(f"{name}: dimension '{logical}' of size {dim} does not divide over mesh axis "
-                             f"'{axis}' of size {mesh_sizes[axis]}")
-        out.append(axis)
+        axes = tuple(a for a in RULES[logical] if mesh_sizes[a] > 1)  # a mesh axis of size 1 splits nothing
+        if dim % math.prod(mesh_sizes[a] for a in axes):
+            raise ValueError(f"{name}: dimension '{logical}' of size {dim} does not divide over "
+                             + " x ".join(f"mesh axis '{a}' of size {mesh_sizes[a]}" for a in axes))
+        out.append(axes[0] if len(axes) == 1 else axes or None)
     return P(*out)
 
 
@@ -75,20 +80,48 @@ def replicated(mesh):
 
 
 def batch_sharding(mesh):
-    """Token batches (A micro-batches, B instances, T): instances split over data × fsdp."""
-    return NamedSharding(mesh, P(None, BATCH))
+    """Token batches (A micro-batches, B instances, T): instances split over data × fsdp, positions over context."""
+    return NamedSharding(mesh, P(None, BATCH, "context"))
 
 
 def instance_sharding(mesh):
-    """A plain batch of instances (B, T), split over data × fsdp."""
-    return NamedSharding(mesh, P(BATCH))
+    """A plain batch of instances (B, T), split over data × fsdp and context."""
+    return NamedSharding(mesh, P(BATCH, "context"))
 
 
 def residual_constraint(mesh):
-    """Pin the residual stream (B, T, D) to "instances over data x fsdp". Measured with `plan`: without it
-    GSPMD meets weights split on D over fsdp and may split the activations the same way, keeping whole
-    batches on every device (olmo3-7b, fsdp=256, 512 x 8192: 3 TiB of temporaries per device)."""
-    return lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(BATCH, None, None)))
+    """Pin the residual stream (B, T, D) to "instances over data x fsdp, positions over context". Measured with
+    `plan`: without it GSPMD meets weights split on D over fsdp and may split the activations the same way, keeping
+    whole batches on every device (olmo3-7b, fsdp=256, 512 x 8192: 3 TiB of temporaries per device)."""
+    return lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(BATCH, "context", None)))
+
+
+def context_attention(mesh):
+    """None without a context axis; else an attend_fn for model.forward (OLMo-core's "llama3" context parallelism,
+    MaxText's all_gather): device c of the context axis holds positions [c·T/C, (c+1)·T/C) of every instance it
+    shares. Each keeps its queries, all-gathers the keys, values and document ids of the whole sequence, and
+    attends from its own offset, so causal, sliding and document masks are exactly those of one device; the
+    backward pass reduce-scatters dK, dV (JAX transposes the gather). No load balancing (OLMo-core's choice): the
+    first shard's full layers see fewer keys, but 3 of Olmo 3's 4 layers are sliding, W keys for every shard.
+    The XLA attention runs inside, whatever model.attention says (splash's masks are built for one T)."""
+    if mesh.shape["context"] == 1:
+        return None
+    qkv, ids = P(BATCH, "context", "tensor", None), P(BATCH, "context")
+
+    def attend_fn(q, k, v, window, scale, segments=None):
+        def local(q, k, v, *segments):  # q (B/dp, T/C, N/tp, H), k and v (B/dp, T/C, K/tp, H)
+            gather = lambda x: jax.lax.all_gather(x, "context", axis=1, tiled=True)  # noqa: E731  (.., T, ..)
+            offset = jax.lax.axis_index("context") * q.shape[1]
+            return model.attend(q, gather(k), gather(v), window, scale, *map(gather, segments), offset=offset)
+        args = (q, k, v) + (() if segments is None else (segments,))
+        return jax.shard_map(local, mesh=mesh, in_specs=(qkv,) * 3 + (ids,) * (len(args) - 3), out_specs=qkv)(*args)
+    return attend_fn
+
+
+def check_context(context, seq_len):
+    if seq_len % context:
+        raise ValueError(f"data.seq_len={seq_len} does not divide over mesh.context={context}: each context "
+                         "device holds an equal slice of every instance")
 
 
 def mesh_where(mesh):
@@ -131,8 +164,9 @@ def layout_table(table, split, dtype_bytes=4):
 
 def jax_layout(mesh, table):
     """layout_table for a JAX mesh: each parameter's PartitionSpec."""
-    specs = {name: tuple(sh.spec) for name, sh in param_shardings(mesh, table).items()}
-    split = lambda name, p: (str(specs[name]), 1 / math.prod(mesh.shape[a] for a in specs[name] if a))  # noqa: E731
+    specs = {name: sh.spec for name, sh in param_shardings(mesh, table).items()}
+    axes = lambda spec: [a for d in spec if d for a in (d if isinstance(d, tuple) else (d,))]  # noqa: E731
+    split = lambda name, p: (str(specs[name]), 1 / math.prod(mesh.shape[a] for a in axes(specs[name])))  # noqa: E731
     return layout_table(table, split)
 
 
@@ -170,7 +204,7 @@ def torch_start():
 
 def torch_shard(net, mesh_cfg, world, device):
     """fully_shard each block, then the root (embedding, final norm, head), over a (data, fsdp) device mesh."""
-    data, fsdp, _ = mesh_shape(mesh_cfg, world)
+    data, fsdp, _, _ = mesh_shape(mesh_cfg, world)
     if world == 1:
         return net
     from torch.distributed.device_mesh import init_device_mesh
@@ -186,10 +220,11 @@ def torch_shard(net, mesh_cfg, world, device):
 
 def torch_layout(mesh_cfg, world, table):
     """layout_table for the torch backend: FSDP2 splits the rows of every tensor (each layer's, for stacked ones)."""
-    if mesh_cfg.tensor != 1:
-        raise ValueError(f"mesh.tensor={mesh_cfg.tensor}: the torch backend shards with FSDP2 only (mesh.data x mesh.fsdp); "
-                         "tensor parallelism is the JAX backend's")
-    data, fsdp, _ = mesh_shape(mesh_cfg, world)
+    for axis in ("tensor", "context"):
+        if getattr(mesh_cfg, axis) != 1:
+            raise ValueError(f"mesh.{axis}={getattr(mesh_cfg, axis)}: the torch backend shards with FSDP2 only "
+                             f"(mesh.data x mesh.fsdp); {axis} parallelism is the JAX backend's")
+    data, fsdp, _, _ = mesh_shape(mesh_cfg, world)
 
     def split(name, p):
         rows = p.shape[1] if name.startswith("layers.") else p.shape[0]

@@ -255,8 +255,11 @@ def make_train_step(cfg, mesh):
     dtype, constrain = jnp.dtype(tc.compute_dtype), shard.residual_constraint(mesh)
     decay = {k: p.decay and tc.weight_decay > 0 for k, p in model.param_table(m).items()}
 
+    attend_fn = shard.context_attention(mesh)  # None unless mesh.context > 1
+
     def micro_loss(params, tokens, labels, n_total):
-        logits = model.forward(params, tokens, m, dtype, tc.remat, constrain, documents(cfg, tokens))
+        logits = model.forward(params, tokens, m, dtype, tc.remat, constrain, documents(cfg, tokens),
+                               attend_fn=attend_fn)
         loss, ce, z = model.cross_entropy(logits, labels, tc.z_loss)
         # OLMo-core normalises by the non-ignored tokens of the whole global batch, not per micro-batch.
         share = (labels != model.IGNORE_INDEX).sum() / n_total
@@ -264,7 +267,7 @@ def make_train_step(cfg, mesh):
 
     def step(params, opt, history, tokens, lr):
         """tokens (A, B, T): A micro-batches of B instances (B split over the data axis)."""
-        labels = model.shift_labels(tokens)
+        labels = model.shift_labels(tokens, m.pad_token_id)
         n_total = jnp.maximum((labels != model.IGNORE_INDEX).sum(), 1)
 
         def accumulate(grads, xs):
@@ -301,6 +304,7 @@ class JaxBackend:
         self.n_devices, self.world, self.ranks = mesh.devices.size, shard.dp_size(mesh), shard.local_ranks(mesh)
         _, self.micro, self.accum = shard.check_batch(cfg.data.global_batch, cfg.train.micro_batch, self.world,
                                                       shard.mesh_where(mesh))
+        shard.check_context(mesh.shape["context"], cfg.data.seq_len)
         self.param_sh, self.opt_sh, hist_sh = state_shardings(mesh, m)  # checks every split divides before anything compiles
         self.layout = shard.jax_layout(mesh, model.param_table(m)) + [shard.describe(mesh)]  # lines for the log
         self.peak = PEAK_FLOPS.get(jax.devices()[0].device_kind)
@@ -351,10 +355,11 @@ class JaxBackend:
 
     def _eval_step(self, params, tokens):
         """Summed cross-entropy (nats) and the tokens it covers, for one batch (B, T); jitted in __init__."""
-        m, labels = self.cfg.model, model.shift_labels(tokens)
+        m = self.cfg.model
+        labels = model.shift_labels(tokens, m.pad_token_id)
         logits = model.forward(params, tokens, m, jnp.dtype(self.cfg.train.compute_dtype),
-                               constrain=shard.residual_constraint(self.mesh),
-                               segments=documents(self.cfg, tokens))
+                               constrain=shard.residual_constraint(self.mesh), segments=documents(self.cfg, tokens),
+                               attend_fn=shard.context_attention(self.mesh))
         n = (labels != model.IGNORE_INDEX).sum()
         return model.cross_entropy(logits, labels)[1] * n, n
 
@@ -381,21 +386,22 @@ HBM_GIB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32, "a100": 80, "h100": 80, "h
 
 
 def plan(argv):
-    """python train.py plan CONFIG.toml... --mesh data=D,fsdp=F,tensor=T --batch B --seq T [--device h100]
-    [--topology v5p:8x8x4] [--section.key=value ...]: make_train_step compiled for that mesh, and its
-    memory per device read off the compiler (memory_analysis), against the device's HBM."""
+    """python train.py plan CONFIG.toml... --mesh data=D,fsdp=F,context=C,tensor=T [--batch B --seq T]
+    [--device h100] [--topology v5p:8x8x4] [--section.key=value ...]: make_train_step compiled for that mesh, and
+    its memory per device read off the compiler (memory_analysis), against the device's HBM."""
     import argparse
     ap = argparse.ArgumentParser(prog="train.py plan", description=plan.__doc__)
     ap.add_argument("configs", nargs="+")
-    ap.add_argument("--mesh", required=True, help="data=D,fsdp=F,tensor=T")
-    ap.add_argument("--batch", type=int, required=True, help="instances per step (global)")
-    ap.add_argument("--seq", type=int, required=True)
+    ap.add_argument("--mesh", required=True, help="data=D,fsdp=F,context=C,tensor=T (those left out: the config's)")
+    ap.add_argument("--batch", type=int, help="instances per step (global); default data.global_batch")
+    ap.add_argument("--seq", type=int, help="tokens per instance; default data.seq_len")
     ap.add_argument("--device", default="h100", choices=sorted(HBM_GIB), help="whose memory to compare against")
     ap.add_argument("--topology", default=None, help="with libtpu installed: compile for this TPU topology, e.g. v5p:8x8x4")
     args, extra = ap.parse_known_args(argv)  # extra: --section.key=value config overrides
     sizes = dict(part.split("=") for part in args.mesh.split(","))
     cfg = load_config(args.configs + extra + [f"--mesh.{k}={v}" for k, v in sizes.items()]
-                      + [f"--data.global_batch={args.batch}", f"--data.seq_len={args.seq}"])
+                      + [f"--data.global_batch={args.batch}"] * bool(args.batch) + [f"--data.seq_len={args.seq}"] * bool(args.seq))
+    args.batch, args.seq = cfg.data.global_batch, cfg.data.seq_len
     n = math.prod(int(v) for v in sizes.values())
     if args.topology:
         devices, device = topologies.get_topology_desc(args.topology, "tpu").devices, args.topology.split(":")[0]
@@ -408,6 +414,7 @@ def plan(argv):
     mesh = shard.make_mesh(cfg.mesh, devices[:n])
     m, tc = cfg.model, cfg.train
     _, micro, accum = shard.check_batch(args.batch, tc.micro_batch, shard.dp_size(mesh), shard.mesh_where(mesh))
+    shard.check_context(mesh.shape["context"], args.seq)
     p_sh, o_sh, h_sh = state_shardings(mesh, m)
     abstract = lambda shape, dtype, sh: jax.ShapeDtypeStruct(shape, dtype, sharding=sh)  # noqa: E731
     params = {k: abstract(p.shape, jnp.float32, p_sh[k]) for k, p in model.param_table(m).items()}
@@ -531,7 +538,7 @@ class TorchBackend:
         return dict(loss=loss, ce=ce, grad_norm=grad_norm, skipped=not ok)
 
     def _inputs(self, tokens):  # tokens, next-token labels, document ids or None: int64 on this rank's device
-        parts = tokens, model.shift_labels(tokens), documents(self.cfg, tokens)
+        parts = tokens, model.shift_labels(tokens, self.cfg.model.pad_token_id), documents(self.cfg, tokens)
         return [None if a is None else torch.from_numpy(a.astype(np.int64)).to(self.device) for a in parts]
 
     @torch.no_grad()
@@ -562,8 +569,10 @@ class TorchBackend:
 
 def open_data(cfg):
     """(training instances, held-out instances or None, the dataset's tokenizer or None)."""
-    dc = cfg.data
-    instances = data.open_instances(dc.path, dc.seq_len, dc.seed)
+    dc, m = cfg.data, cfg.model
+    packed = dict(eos=m.eos_token_id, pad=m.pad_token_id, group_size=dc.source_group_size,
+                  permutation_seed=dc.source_permutation_seed, long_docs=dc.long_docs) if dc.packing == "packed" else None
+    instances = data.open_instances(dc.path, dc.seq_len, dc.seed, packed)
     if not Path(dc.path).is_dir():  # a mix file or a bare token file: no tokenizer, no held-out split
         return instances, None, None
     if (V := data.load_dataset_info(dc.path)["vocab_size"]) > cfg.model.vocab_size:
@@ -583,7 +592,8 @@ def restore(backend, cfg):
         state, views, meta = open_checkpoint(ckpt, cfg.model)
         if views is None:
             raise ValueError(f"{ckpt}: no optimizer.safetensors, cannot resume")
-        was = {k: meta["config"]["data"][k] for k in ("path", "seq_len", "global_batch", "seed")}
+        was = {k: meta["config"]["data"].get(k, "fsl")  # (checkpoints from before data.packing are fsl)
+               for k in ("path", "seq_len", "global_batch", "seed", "packing")}
         if was != {k: getattr(dc, k) for k in was}:
             raise ConfigError(f"{ckpt} was trained with data {was}; resuming needs the same data settings "
                               "(to change them, start a new stage: train.init_from)")

@@ -133,17 +133,30 @@ class DataConfig:
     global_batch: int = 16        # G: instances per optimizer step, over all devices
     seed: int = 0                 # the order: epoch e shuffles with PCG64(seed + e), as OLMo-core
     doc_mask: bool = False        # attention kept inside each document (ends at EOS); Olmo 3: off in stages 1-2
-    __post_init__ = _checks(positive="seq_len global_batch")
+    # fsl: the token stream cut every seq_len tokens (stages 1-2); packed: whole documents best-fit into instances
+    # and padded (OLMo-core's NumpyPackedFSLDataset: stage 3, SFT), which needs doc_mask.
+    packing: str = "fsl"
+    source_group_size: int = 8          # packed: files packed together (Olmo 3 stage 3: 8; SFT: 1)
+    source_permutation_seed: int = 123  # packed: Python's random.Random(seed).shuffle of the files first
+    long_docs: str = "truncate"         # packed: a document longer than seq_len keeps its start, or is cut in pieces
+
+    def __post_init__(self):
+        _checks(positive="seq_len global_batch source_group_size", packing=["fsl", "packed"],
+                long_docs=["truncate", "fragment"])(self)
+        _need(self, self.packing == "fsl" or self.doc_mask, "doc_mask", "packing='packed' puts several documents "
+              "in an instance with padding after them: set data.doc_mask=true to keep them apart")
 
 
 @dataclass
 class MeshConfig:
-    # Devices along each mesh axis; one may be -1 (= what remains). The batch splits over data x fsdp;
-    # weights split over fsdp (their embed dimension) and tensor (heads, mlp, vocab). See shard.py.
+    # Devices along each mesh axis; one may be -1 (= what remains). The batch splits over data x fsdp, each
+    # instance's positions over context; weights split over fsdp x context (their embed dimension) and tensor
+    # (heads, mlp, vocab). See shard.py.
     data: int = -1
     fsdp: int = 1
+    context: int = 1              # context parallelism (long sequences): devices that share one instance's tokens
     tensor: int = 1
-    __post_init__ = _checks(devices="data fsdp tensor")
+    __post_init__ = _checks(devices="data fsdp context tensor")
 
 
 @dataclass

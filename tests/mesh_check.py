@@ -1,5 +1,6 @@
 """Run by test_shard.py in a subprocess with 8 fake CPU devices (XLA_FLAGS set before jax starts):
-a few train steps of one small model on several meshes; prints losses and whether shardings held."""
+a few train steps of one small model on several meshes, and of the tiny config at T = 512 with packed
+documents kept apart on context-parallel meshes; prints losses and whether shardings held."""
 import json
 import sys
 from pathlib import Path
@@ -13,17 +14,25 @@ import numpy as np  # noqa: E402
 import model  # noqa: E402
 import shard  # noqa: E402
 import train  # noqa: E402
-from configs import build  # noqa: E402
+from configs import build, load_config  # noqa: E402
 
 MODEL = dict(family="olmo3", d_model=64, n_layers=2, n_heads=8, n_kv_heads=8, head_dim=8, mlp_hidden=128,
              vocab_size=512, eos_token_id=0, pad_token_id=1, max_seq_len=32, sliding_window=8, layer_pattern="SF")
-MESHES = {"one": (1, 1, 1), "fsdp": (1, 8, 1), "tensor": (1, 1, 8), "mixed": (2, 2, 2)}
+TINY = load_config(["configs/tiny.toml", "--model.max_seq_len=512"]).model.__dict__
+MESHES = {"one": (1, 1, 1, 1), "fsdp": (1, 8, 1, 1), "tensor": (1, 1, 1, 8), "mixed": (2, 2, 1, 2),  # (d, f, c, t)
+          "tiny_one": (1, 1, 1, 1), "tiny_context": (1, 1, 4, 1), "tiny_fsdp_context": (1, 2, 4, 1)}
 out = {}
-tokens = np.random.default_rng(0).integers(0, 512, (3, 1, 8, 32)).astype(np.int32)
-for name, (d, f, t) in MESHES.items():
-    cfg = build({"model": MODEL, "data": dict(global_batch=8, seq_len=32), "mesh": dict(data=d, fsdp=f, tensor=t),
-                 "train": dict(lr=1e-2, warmup=0)})
-    devices = jax.devices()[: d * f * t]
+rng = np.random.default_rng(0)
+small = rng.integers(0, 512, (3, 1, 8, 32)).astype(np.int32)
+tiny = rng.integers(0, 4094, (3, 1, 4, 512)).astype(np.int32)
+tiny[rng.random(tiny.shape) < 1 / 60] = TINY["eos_token_id"]  # documents of ~60 tokens, kept apart
+for name, (d, f, c, t) in MESHES.items():
+    big = name.startswith("tiny")
+    tokens = tiny if big else small
+    cfg = build({"model": {k: v for k, v in TINY.items() if k != "derived"} if big else MODEL,
+                 "data": dict(global_batch=4, seq_len=512, doc_mask=True) if big else dict(global_batch=8, seq_len=32),
+                 "mesh": dict(data=d, fsdp=f, context=c, tensor=t), "train": dict(lr=1e-2, warmup=0)})
+    devices = jax.devices()[: d * f * c * t]
     mesh = shard.make_mesh(cfg.mesh, devices)
     p_sh, o_sh, h_sh = train.state_shardings(mesh, cfg.model)
     params = jax.jit(lambda k: model.init_params(cfg.model, k), out_shardings=p_sh)(jax.random.PRNGKey(0))

@@ -33,7 +33,7 @@ from configs import load_config, load_json  # noqa: E402
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"(<!-- table:([\w.-]+) -->\n)(.*?)(<!-- /table -->)", re.S)
-OVERLAYS = {"olmo3-long-context": "olmo3-7b"}  # an overlay file is shown stacked on this config
+OVERLAYS = {"olmo3-7b-stage3": "olmo3-7b", "olmo3-32b-stage3": "olmo3-32b"}  # an overlay file is shown stacked on this config
 TINY = load_config([str(ROOT / "configs/tiny.toml")])
 SHARED = ROOT.parent / "shared"
 

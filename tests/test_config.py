@@ -57,7 +57,7 @@ def test_merge_left_to_right_and_overrides(tmp_path):
 
 
 def test_json_round_trip(tmp_path):
-    cfg = load_config([str(ROOT / "configs/olmo3-7b.toml"), str(ROOT / "configs/olmo3-long-context.toml")])
+    cfg = load_config([str(ROOT / "configs/olmo3-7b.toml"), str(ROOT / "configs/olmo3-7b-stage3.toml")])
     save_json(cfg, tmp_path / "c.json")
     assert json.loads((tmp_path / "c.json").read_text())["model"]["yarn_factor"] == 8.0
     again = load_json(tmp_path / "c.json")

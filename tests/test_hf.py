@@ -125,7 +125,7 @@ def test_tied_checkpoint_that_also_stores_lm_head(tmp_path):
 def test_yarn_frequencies_match_hf():
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     from configs import load_config
-    m = load_config([str(ROOT / "configs/olmo3-7b.toml"), str(ROOT / "configs/olmo3-long-context.toml")]).model
+    m = load_config([str(ROOT / "configs/olmo3-7b.toml"), str(ROOT / "configs/olmo3-7b-stage3.toml")]).model
     hf_cfg = tf.Olmo3Config(**{k: v for k, v in convert.config_to_hf(m).items() if k not in ("architectures", "model_type")})
     inv, factor = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg, layer_type="full_attention")
     from transformers.models.olmo3.modeling_olmo3 import Olmo3RotaryEmbedding

@@ -106,7 +106,7 @@ def test_sliding_window_sees_exactly_w_keys():
 
 def test_layer_arrays_olmo3_7b():
     from configs import load_config
-    m = load_config(["configs/olmo3-7b.toml", "configs/olmo3-long-context.toml"]).model
+    m = load_config(["configs/olmo3-7b.toml", "configs/olmo3-7b-stage3.toml"]).model
     window, inv_freq, scale = model.layer_arrays(m)
     assert [i for i in range(32) if window[i] == 0] == [3, 7, 11, 15, 19, 23, 27, 31]
     assert set(window[window > 0]) == {4096}

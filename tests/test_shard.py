@@ -30,6 +30,12 @@ def test_meshes_train_like_one_device():
     assert out["fsdp"]["q_spec"] == "P(None, None, 'fsdp')" and out["tensor"]["q_spec"] == "P(None, 'tensor', None)"
     assert out["fsdp"]["param_fraction_per_device"] < 0.2  # each device keeps about 1/8 of the weights
     assert out["mixed"]["param_fraction_per_device"] < 0.3
+    # Context parallelism: the tiny config at T = 512, documents kept apart, on 4 and 2 x 4 devices. Weights are
+    # split over fsdp only (shard.py says why): the context ranks of a group hold the same shard.
+    for name in ("tiny_context", "tiny_fsdp_context"):
+        np.testing.assert_allclose(out[name]["losses"], out["tiny_one"]["losses"], rtol=1e-5, err_msg=name)
+        assert out[name]["shardings_kept"], name
+    assert out["tiny_fsdp_context"]["param_fraction_per_device"] < 0.6  # 1/fsdp: context ranks hold the same shard
 
 
 def test_layouts_follow_the_rules():
@@ -53,7 +59,7 @@ def test_bad_meshes_fail_before_compiling():
         shard.mesh_shape(mesh(data=-1, fsdp=3), 8)
     with pytest.raises(ValueError, match="at most one axis may be -1"):
         shard.mesh_shape(mesh(data=-1, fsdp=-1), 8)
-    assert shard.mesh_shape(mesh(data=-1, fsdp=2, tensor=2), 8) == (2, 2, 2)
+    assert shard.mesh_shape(mesh(data=-1, fsdp=2, tensor=2), 8) == (2, 2, 1, 2)
     m = build({"model": dict(d_model=96, n_heads=4, vocab_size=1000, eos_token_id=0, pad_token_id=1)}).model
     p = model.param_table(m)["lm_head.weight"]
     with pytest.raises(ValueError, match=r"lm_head.weight: dimension 'vocab' of size 1000 does not divide over mesh axis 'tensor' of size 16"):

@@ -1,0 +1,204 @@
+"""Olmo 3 stage 3: OLMo-core's packed instances, context parallelism across checkpoints, the recipe configs,
+and the bad input each refuses. (Context-parallel training against one device is in test_shard.py.)"""
+import json
+import math
+import random
+import shutil
+import subprocess
+import sys
+from collections import defaultdict, deque
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import data
+import model
+import shard
+from configs import ConfigError, build, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# --- the packed order ---
+
+class SegmentTree:
+    """The facts' packer (reference/longctx-posttrain-facts.md §1.2), written from the description, not from
+    data.py: a max-tree over capacities 1..L (L a power of 2); a leaf holds its capacity while some bin has that
+    much free, and the leaf for L always does (it stands for a new bin). The best fit is the leftmost leaf >= n."""
+
+    def __init__(self, L):
+        self.L, self.w = L, [0] * (2 * L)
+        self.set(L, L)
+
+    def set(self, capacity, weight):
+        i = self.L + capacity - 1
+        self.w[i] = weight
+        while i > 1:
+            i //= 2
+            self.w[i] = max(self.w[2 * i], self.w[2 * i + 1])
+
+    def query(self, n):
+        i = 1
+        while i < self.L:
+            i = 2 * i if self.w[2 * i] >= n else 2 * i + 1
+        return i - self.L + 1
+
+
+def reference_pack(files, L, eos, pad, group_size, seed):
+    """Instances as the facts describe NumpyPackedFSLDataset: files shuffled by random.Random(seed), groups of
+    group_size, documents found at EOS and cut to L, argsort(-len), best fit, FIFO among equal capacities."""
+    order = list(range(len(files)))
+    random.Random(seed).shuffle(order)
+    files, out = [files[i] for i in order], []
+    for g in range(0, len(files), group_size):
+        docs = []
+        for f in files[g:g + group_size]:
+            start = 0
+            for end in np.flatnonzero(f == eos) + 1:
+                docs.append(f[start:min(end, start + L)])
+                start = end
+        ranked = [docs[i] for i in np.argsort(-np.array([len(d) for d in docs], np.int64))]
+        tree, free, bins = SegmentTree(L), defaultdict(deque), []
+        for d in ranked:
+            c = tree.query(len(d))
+            if c == L:
+                bins.append([])
+                b = len(bins) - 1
+            else:
+                b = free[c].popleft()
+                if not free[c]:
+                    tree.set(c, 0)
+            bins[b].append(d)
+            if c > len(d):
+                free[c - len(d)].append(b)
+                tree.set(c - len(d), c - len(d))
+        out += [np.concatenate(b + [np.full(L - sum(map(len, b)), pad, f.dtype)]) for b in bins]
+    return out
+
+
+def token_files(tmp_path, n_files=11, seed=1, lengths=(1, 90)):
+    """Random token files of EOS-terminated documents, many lengths repeated (ties), some longer than L."""
+    rng, paths = np.random.default_rng(seed), []
+    for i in range(n_files):
+        ids = []
+        for n in rng.choice([5, 8, 8, 16, 16, 16, *range(*lengths)], rng.integers(3, 40)):
+            ids += [*rng.integers(2, 500, n - 1), 0]
+        paths.append(tmp_path / f"f{i:02d}.npy")
+        np.array(ids, np.uint16).tofile(paths[-1])
+    return paths
+
+
+def test_facts_example():
+    order, bins = data.pack_documents([5, 3, 8, 2, 6, 1, 4, 4, 7], 8)
+    lengths = np.array([5, 3, 8, 2, 6, 1, 4, 4, 7])[order]
+    assert [lengths[b].tolist() for b in bins] == [[8], [7, 1], [6, 2], [5, 3], [4, 4]]
+
+
+def test_packing_is_olmo_cores_order(tmp_path):
+    paths = token_files(tmp_path)
+    arrays = [np.fromfile(p, np.uint16) for p in paths]
+    for L, group in ((64, 8), (32, 1), (128, 4)):
+        ours = data.PackedInstances([data.open_token_file(p, np.uint16) for p in paths], L, eos=0, pad=1,
+                                    group_size=group, permutation_seed=123)
+        ref = reference_pack(arrays, L, 0, 1, group, 123)
+        assert ours.n == len(ref)
+        for i, want in enumerate(ref):  # instance by instance, ties included
+            np.testing.assert_array_equal(ours.read(i), want, err_msg=f"L={L} group={group} instance {i}")
+
+
+def test_packing_equals_olmo_core_itself(tmp_path):
+    """Against OLMo-core's own NumpyPackedFSLDataset where it is installed (pip install ai2-olmo-core==3.0.0: it
+    and its ~200 MB of dependencies are not in the test extra); the test above checks the same order without it."""
+    numpy_dataset = pytest.importorskip("olmo_core.data.numpy_dataset")
+    from olmo_core.data.types import LongDocStrategy
+    paths = [str(p) for p in token_files(tmp_path)]
+    for L, strategy in ((64, "truncate"), (32, "fragment")):
+        order = list(range(len(paths)))
+        random.Random(123).shuffle(order)  # NumpyDatasetConfig does this (source_permutation_seed) before the dataset
+        ds = numpy_dataset.NumpyPackedFSLDataset(
+            *[paths[i] for i in order], sequence_length=L, pad_token_id=1, eos_token_id=0, vocab_size=512,
+            generate_doc_lengths=True, source_group_size=8, long_doc_strategy=LongDocStrategy[strategy])
+        ds.work_dir = tmp_path / f"work-{L}"
+        ds.prepare()
+        ours = data.PackedInstances([data.open_token_file(p, np.uint16) for p in paths], L, eos=0, pad=1,
+                                    long_docs=strategy)
+        assert len(ds) == ours.n
+        for i in range(ours.n):
+            np.testing.assert_array_equal(ours.read(i), ds[i]["input_ids"].numpy())
+            np.testing.assert_array_equal(np.bincount(model.segment_ids(ours.read(i)[None], 0)[0]),
+                                          ds[i]["doc_lens"].numpy())
+
+
+def test_padding_is_never_a_target(tmp_path):
+    ids = np.array([7, 8, 0, 9, 0, 1, 1, 1])[None]  # two documents, then PAD (1)
+    labels = model.shift_labels(ids, pad=1)
+    assert labels.tolist() == [[8, 0, 9, 0, -100, -100, -100, -100]]
+    assert model.segment_ids(ids, 0).tolist() == [[0, 0, 0, 1, 1, 2, 2, 2]]  # padding: a document of its own
+
+
+def test_verify_and_inspect_packed(setup, tmp_path, capsys):
+    root, _ = setup
+    d = tmp_path / "data"
+    shutil.copytree(root / "data", d)
+    packed = data.dataset_packing(d, long_docs="fragment")
+    problems, summary = data.verify(d, 32, 4, 0, packed)
+    assert not problems and "packed instances of 32 tokens" in summary
+    data.main(["inspect", str(d), "--seq-len", "32", "--global-batch", "2", "--seed", "0", "--step", "1", "--packed"])
+    assert "document(s)" in capsys.readouterr().out
+    # A PAD id inside a document would be dropped from the loss as if it were padding: verify says so.
+    f = next((d / "train").glob("part-*.bin"))
+    arr = np.memmap(f, np.uint16, "r+")
+    arr[3] = packed["pad"]
+    arr.flush()
+    del arr
+    problems, _ = data.verify(d, 32, 4, 0, packed)
+    assert any(f"PAD id {packed['pad']} occurs 1 times inside documents" in p for p in problems)
+
+
+# --- bad input ---
+
+def test_bad_stage3_settings_are_refused(setup, tmp_path):
+    with pytest.raises(ConfigError, match=r"data.doc_mask=False: packing='packed' puts several documents"):
+        build({"data": dict(packing="packed")})
+    with pytest.raises(ConfigError, match=r"data.long_docs='cut': must be one of"):
+        build({"data": dict(long_docs="cut")})
+    with pytest.raises(ValueError, match=r"data.seq_len=100 does not divide over mesh.context=8"):
+        shard.check_context(8, 100)
+    cfg = load_config([str(setup[1]), "--mesh.context=2", "--train.backend=torch"])
+    with pytest.raises(ValueError, match=r"mesh.context=2: the torch backend shards with FSDP2 only"):
+        shard.torch_layout(cfg.mesh, 2, model.param_table(cfg.model))
+    mix = tmp_path / "mix.txt"
+    mix.write_text(f"a,{setup[0] / 'data'},1.0\n")
+    with pytest.raises(ValueError, match="mix weights and packed instances do not go together"):
+        data.open_instances(mix, 32, packed=dict(eos=382, pad=383))
+
+
+# --- context parallelism across checkpoints ---
+
+def test_checkpoints_move_between_context_meshes(setup, tmp_path):
+    """A run written with context=4 resumes on context=1 and the reverse: the checkpoint holds whole tensors, so
+    the mesh is a launch setting. Same mesh: bit for bit; another mesh: the same sums in another order (1e-5)."""
+    _, toml = setup
+    env = dict(__import__("os").environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    common = ["--data.packing=packed", "--data.doc_mask=true", "--data.long_docs=fragment", "--train.checkpoint_every=2"]
+
+    def run(run_dir, steps, context):
+        r = subprocess.run([sys.executable, "train.py", str(toml), f"--train.run_dir={run_dir}", f"--train.steps={steps}",
+                            f"--mesh.context={context}", f"--mesh.data={4 // context}", *common],
+                           cwd=ROOT, capture_output=True, text=True, env=env)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        return {j["step"]: j["loss"] for j in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+                if "loss" in j}
+
+    four, one = tmp_path / "four", tmp_path / "one"
+    run(four, 2, 4)
+    shutil.copytree(four, one)
+    a = run(four, 4, 4)  # context=4 throughout
+    b = run(one, 4, 1)   # written at context=4, resumed at context=1
+    for s in (3, 4):
+        assert math.isclose(a[s], b[s], rel_tol=1e-5), (s, a[s], b[s])
+    c = run(one, 6, 4)   # written at context=1, resumed at context=4
+    d = run(four, 6, 4)  # context=4 throughout
+    for s in (5, 6):
+        assert math.isclose(c[s], d[s], rel_tol=1e-5), (s, c[s], d[s])
