@@ -5,7 +5,7 @@ PYTHON ?= python3.11
 VENV := .venv
 PIP := $(VENV)/bin/pip install --quiet --disable-pip-version-check
 
-.PHONY: demo test tables exercises clean
+.PHONY: demo test longctx tables exercises clean
 
 $(VENV)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,13 @@ $(DATA)/tiny/prepare.json: $(DATA)/bpe4096.tiktoken
 demo: $(DATA)/tiny/prepare.json
 	$(PY) data.py verify $(DATA)/tiny --seq-len 128 --global-batch 16 --seed 0
 	$(PY) train.py configs/tiny.toml
+
+# Olmo 3's stage 3 on a laptop (docs/longctx.md): the demo model from 128 to 1024 tokens, then loss by position.
+longctx: $(DATA)/tiny/prepare.json
+	test -f runs/tiny/step_1350/nanolmo.json || $(MAKE) demo
+	$(PY) data.py verify $(DATA)/tiny --seq-len 1024 --global-batch 4 --seed 0 --packed --long-docs fragment
+	$(PY) train.py configs/tiny.toml configs/tiny-stage3.toml
+	$(PY) eval.py positions runs/tiny/step_1350 runs/tiny-stage3/step_200 --data $(DATA)/tiny --seq-len 1024
 
 test: $(VENV)/.installed-test
 	$(VENV)/bin/python -m pytest -q tests

@@ -101,9 +101,11 @@ def context_attention(mesh):
     MaxText's all_gather): device c of the context axis holds positions [c·T/C, (c+1)·T/C) of every instance it
     shares. Each keeps its queries, all-gathers the keys, values and document ids of the whole sequence, and
     attends from its own offset, so causal, sliding and document masks are exactly those of one device; the
-    backward pass reduce-scatters dK, dV (JAX transposes the gather). No load balancing (OLMo-core's choice): the
-    first shard's full layers see fewer keys, but 3 of Olmo 3's 4 layers are sliding, W keys for every shard.
-    The XLA attention runs inside, whatever model.attention says (splash's masks are built for one T)."""
+    backward pass reduce-scatters dK, dV (JAX transposes the gather). No load balancing (OLMo-core's choice too):
+    the offset is traced, so a full layer scores its T/C queries against all T keys and masks, the same work on
+    every shard (twice the causal minimum), and a sliding layer (3 of Olmo 3's 4) W keys on every shard. MaxText's
+    zig-zag order pays only with a kernel that skips masked blocks. The XLA attention runs inside, whatever
+    model.attention says (splash's masks are built for one T)."""
     if mesh.shape["context"] == 1:
         return None
     qkv, ids = P(BATCH, "context", "tensor", None), P(BATCH, "context")

@@ -218,15 +218,21 @@ def latest_checkpoint(run_dir):
     return path
 
 
-def open_checkpoint(path, m, with_optimizer=True):
-    """(model, optimizer or None, meta) memory maps by stored name; any HF OLMo dir of the configured model will do."""
+# A new stage may stretch the context (Olmo 3 stage 3: 8192 -> 65536 with YaRN): these change no parameter.
+STAGE_MAY_CHANGE = ("max_seq_len", "rope_theta", "yarn_factor", "yarn_original_max_seq_len", "yarn_beta_fast",
+                    "yarn_beta_slow", "yarn_attention_factor")
+
+
+def open_checkpoint(path, m, with_optimizer=True, new_stage=False):
+    """(model, optimizer or None, meta) memory maps by stored name; any HF OLMo dir of the configured model will do
+    (a new stage's model may differ from it in STAGE_MAY_CHANGE)."""
     path = Path(path)
     saved_m, state = convert.open_hf(path)
     fix = f"delete {path} (and fix {path.parent / 'latest'}) to go on from the checkpoint before it"
     meta = read_json(path / "nanolmo.json", fix) if (path / "nanolmo.json").is_file() else {}
     theirs = build({"model": meta["config"]["model"]}).model if meta else saved_m
     diff = [f"{k}: {getattr(theirs, k)!r} there, {getattr(m, k)!r} here" for k in to_dict(m)
-            if k not in ("init", "init_std") and getattr(theirs, k) != getattr(m, k)]
+            if k not in ("init", "init_std", *(STAGE_MAY_CHANGE if new_stage else ())) and getattr(theirs, k) != getattr(m, k)]
     if diff:
         raise ConfigError(f"{path} holds a different model ({'; '.join(diff)})")
     opt = None
@@ -603,7 +609,7 @@ def restore(backend, cfg):
         print(f"resuming {ckpt} at step {meta['step']} (written by the {meta['config']['train'].get('backend', 'jax')} backend)")
         return ckpt, meta["step"], meta["data"]["step"], meta.get("log_window", [])
     if tc.init_from:
-        backend.load(*open_checkpoint(tc.init_from, cfg.model, tc.load_optimizer)[:2])  # (params, moments or None)
+        backend.load(*open_checkpoint(tc.init_from, cfg.model, tc.load_optimizer, new_stage=True)[:2])  # (params, moments or None)
         print(f"new stage from {tc.init_from}: its params{' and AdamW moments' if tc.load_optimizer else ''}, step 0")
     else:
         backend.init(tc.init_seed)

@@ -1,6 +1,6 @@
 """Run by test_shard.py in a subprocess with 8 fake CPU devices (XLA_FLAGS set before jax starts):
-a few train steps of one small model on several meshes, and of the tiny config at T = 512 with packed
-documents kept apart on context-parallel meshes; prints losses and whether shardings held."""
+three train steps of the tiny config at T = 512, documents kept apart, on data, FSDP, tensor and context-
+parallel meshes; prints losses and whether shardings held."""
 import json
 import sys
 from pathlib import Path
@@ -16,21 +16,16 @@ import shard  # noqa: E402
 import train  # noqa: E402
 from configs import build, load_config  # noqa: E402
 
-MODEL = dict(family="olmo3", d_model=64, n_layers=2, n_heads=8, n_kv_heads=8, head_dim=8, mlp_hidden=128,
-             vocab_size=512, eos_token_id=0, pad_token_id=1, max_seq_len=32, sliding_window=8, layer_pattern="SF")
 TINY = load_config(["configs/tiny.toml", "--model.max_seq_len=512"]).model.__dict__
-MESHES = {"one": (1, 1, 1, 1), "fsdp": (1, 8, 1, 1), "tensor": (1, 1, 1, 8), "mixed": (2, 2, 1, 2),  # (d, f, c, t)
-          "tiny_one": (1, 1, 1, 1), "tiny_context": (1, 1, 4, 1), "tiny_fsdp_context": (1, 2, 4, 1)}
+MESHES = {"one": (1, 1, 1, 1), "fsdp": (1, 8, 1, 1), "tensor": (1, 1, 1, 2), "mixed": (2, 2, 1, 2),  # (d, f, c, t)
+          "context": (1, 1, 4, 1), "fsdp_context": (1, 2, 4, 1)}
 out = {}
 rng = np.random.default_rng(0)
-small = rng.integers(0, 512, (3, 1, 8, 32)).astype(np.int32)
-tiny = rng.integers(0, 4094, (3, 1, 4, 512)).astype(np.int32)
-tiny[rng.random(tiny.shape) < 1 / 60] = TINY["eos_token_id"]  # documents of ~60 tokens, kept apart
+tokens = rng.integers(0, 4094, (3, 1, 8, 512)).astype(np.int32)  # (steps, micro-batches, B, T)
+tokens[rng.random(tokens.shape) < 1 / 60] = TINY["eos_token_id"]  # documents of ~60 tokens, kept apart
 for name, (d, f, c, t) in MESHES.items():
-    big = name.startswith("tiny")
-    tokens = tiny if big else small
-    cfg = build({"model": {k: v for k, v in TINY.items() if k != "derived"} if big else MODEL,
-                 "data": dict(global_batch=4, seq_len=512, doc_mask=True) if big else dict(global_batch=8, seq_len=32),
+    cfg = build({"model": {k: v for k, v in TINY.items() if k != "derived"},
+                 "data": dict(global_batch=8, seq_len=512, doc_mask=True),
                  "mesh": dict(data=d, fsdp=f, context=c, tensor=t), "train": dict(lr=1e-2, warmup=0)})
     devices = jax.devices()[: d * f * c * t]
     mesh = shard.make_mesh(cfg.mesh, devices)

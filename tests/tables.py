@@ -11,7 +11,8 @@ here (no `make demo` run, no ../shared, no libtpu) is left as it is and reported
 fails leaves its block alone too, and the script exits non-zero at the end.
 
     seconds  configs, paramtable, corpus, demo, parity, check   (configs, model.py, data/, runs/tiny/, transformers)
-    minutes  bench, attention, databench, eval_tasks, eval_bpb, generate, plan, plan_tpu (libtpu only)
+    minutes  bench, attention, databench, eval_tasks, eval_bpb, generate, plan, plan_stage3, plan_tpu (libtpu only),
+             longctx (after `make longctx`)
     longest  curves, curves_own_lr: five 300-step training runs from scratch under runs/tables/, and the PNGs
 """
 
@@ -33,7 +34,8 @@ from configs import load_config, load_json  # noqa: E402
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"(<!-- table:([\w.-]+) -->\n)(.*?)(<!-- /table -->)", re.S)
-OVERLAYS = {"olmo3-7b-stage3": "olmo3-7b", "olmo3-32b-stage3": "olmo3-32b"}  # an overlay file is shown stacked on this config
+# An overlay file (a later stage) is shown stacked on the config it extends.
+OVERLAYS = {"olmo3-7b-stage3": "olmo3-7b", "olmo3-32b-stage3": "olmo3-32b", "tiny-stage3": "tiny"}
 TINY = load_config([str(ROOT / "configs/tiny.toml")])
 SHARED = ROOT.parent / "shared"
 
@@ -270,26 +272,27 @@ def plan_command(config, batch, mesh, device, micro, remat, topology=None):
             f"--train.compute_dtype=bfloat16 --train.remat={remat} --train.micro_batch={micro}")
 
 
-def plan_table(rows, topology=None):
+def plan_table(rows, command, what="batch × 8192"):
+    """One `train.py plan` per row (config, batch, mesh, device, micro, remat), by command(*row)."""
     def number(pattern, text):
         found = re.search(pattern, text)
         if not found:
             raise RuntimeError(f"train.py plan printed no {pattern!r}:\n{text}")
         return found.group(1)
 
-    lines = ["| model | batch × 8192 | mesh (data × fsdp × tensor) | device | micro-batch (steps) | remat | "
+    lines = [f"| model | {what} | mesh (data × fsdp × context × tensor) | device | micro-batch (steps) | remat | "
              "params + AdamW / device | XLA temporaries / device | total | fits? | compile |",
              "|---" * 11 + "|"]
     for row in rows:
         config, batch, mesh, device, micro, remat = row
-        out, _ = run(plan_command(*row, topology=topology))
+        out, _ = run(command(*row))
         p, o = float(number(r"params\s+([\d.]+) GiB", out)), float(number(r"optimizer state\s+([\d.]+) GiB", out))
         temp, total = float(number(r"temporary\)?\s+([\d.]+) GiB", out)), float(number(r"total\s+([\d.]+) GiB", out))
         hbm, accum = number(r"of (\d+) GiB", out), number(r"(\d+) micro-batch", out)
         seconds = number(r"compiled in (\d+) s", out)
-        sizes = " × ".join(part.split("=")[1] for part in mesh.split(","))
-        lines.append(f"| {config} | {batch} | {sizes} | {math.prod(int(s) for s in sizes.split(' × '))} × {device} "
-                     f"({hbm} GiB) | {micro} ({accum}) | {remat} | {p + o:.2f} GiB | {temp:.1f} GiB | "
+        sizes = dict(data=1, fsdp=1, context=1, tensor=1) | {k: int(v) for k, v in (x.split("=") for x in mesh.split(","))}
+        lines.append(f"| {config} | {batch} | {' × '.join(map(str, sizes.values()))} | {math.prod(sizes.values())} × "
+                     f"{device} ({hbm} GiB) | {micro} ({accum}) | {remat} | {p + o:.2f} GiB | {temp:.1f} GiB | "
                      f"{total:.1f} GiB | "
                      f"{'fits' if 'NOT' not in out else 'does not fit'} | {seconds} s |")
     return "\n".join(lines) + "\n"
@@ -297,7 +300,7 @@ def plan_table(rows, topology=None):
 
 def plan():
     template = plan_command("MODEL", "BATCH", "MESH", "DEVICE", "M", "REMAT")
-    return f"Each row is `{template}` on this machine's CPU compiler (fake devices):\n\n" + plan_table(PLAN_ROWS)
+    return f"Each row is `{template}` on this machine's CPU compiler (fake devices):\n\n" + plan_table(PLAN_ROWS, plan_command)
 
 
 def plan_tpu():
@@ -306,7 +309,35 @@ def plan_tpu():
         raise Skip('libtpu is not installed (pip install "jax[tpu]"; not a project dependency)')
     rows = [r for r in PLAN_ROWS if r[3] == "v5p"]
     return ("The v5p rows again with `--topology v5p:8x8x4` (the TPU compiler, through libtpu):\n\n"
-            + plan_table(rows, topology="v5p:8x8x4"))
+            + plan_table(rows, lambda *row: plan_command(*row, topology="v5p:8x8x4")))
+
+
+# Stage 3 (docs/longctx.md): the stage-3 file stacked on its model, batch and sequence from the stage-3 file.
+STAGE3_ROWS = [("olmo3-7b", 64, "data=1,fsdp=32,context=8", "v5p", 1, "none"),
+               ("olmo3-7b", 64, "data=1,fsdp=32,context=8", "v5p", 1, "block"),
+               ("olmo3-32b", 128, "data=1,fsdp=32,context=8", "v5p", 1, "block"),
+               ("olmo3-32b", 128, "data=1,fsdp=128,context=8", "v5p", 1, "block")]
+
+
+def stage3_command(config, batch, mesh, device, micro, remat):
+    return (f"python train.py plan configs/{config}.toml configs/{config}-stage3.toml --mesh {mesh} --device {device} "
+            f"--train.remat={remat}")
+
+
+def plan_stage3():
+    template = stage3_command("MODEL", "B", "MESH", "DEVICE", 1, "REMAT")
+    return (f"Each row is `{template}` on this machine's CPU compiler (fake devices); the stage-3 files set the "
+            f"batch, 65,536 tokens, bf16 and one instance per micro-batch:\n\n"
+            + plan_table(STAGE3_ROWS, stage3_command, "batch × 65536"))
+
+
+def longctx():
+    """docs/longctx.md: the held-out loss by position of the demo model and its stage 3 (`make longctx`)."""
+    stage3 = load_config([str(ROOT / "configs/tiny.toml"), str(ROOT / "configs/tiny-stage3.toml")])
+    after = ROOT / stage3.train.run_dir / f"step_{stage3.train.steps}"
+    needs(ROOT / stage3.train.init_from, after)
+    return shown(f"python eval.py positions {stage3.train.init_from} {after.relative_to(ROOT)} "
+                 f"--data {stage3.data.path} --seq-len {stage3.data.seq_len}")
 
 
 def train_runs(runs, steps, extra):
@@ -353,7 +384,8 @@ def curves_own_lr():
 
 TABLES = {"configs": configs, "paramtable": paramtable, "corpus": corpus, "demo": demo, "parity": parity,
           "check": check, "bench": bench, "attention": attention, "databench": databench, "eval_tasks": eval_tasks,
-          "eval_bpb": eval_bpb, "generate": generate, "plan": plan, "plan_tpu": plan_tpu, "curves": curves,
+          "eval_bpb": eval_bpb, "generate": generate, "plan": plan, "plan_tpu": plan_tpu, "plan_stage3": plan_stage3,
+          "longctx": longctx, "curves": curves,
           "curves_own_lr": curves_own_lr}
 
 

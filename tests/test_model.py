@@ -177,9 +177,10 @@ def test_query_blocks_give_the_same_attention(monkeypatch):
     params = {k: jnp.asarray(v) for k, v in random_params(m, std=0.1).items()}
     t = jnp.asarray(tokens(m, T=32))
     labels = jnp.asarray(model.shift_labels(np.asarray(t)))
-    whole = model.forward(params, t, m), jax.grad(model.loss_fn)(params, t, labels, m)
+    both = lambda: jax.jit(lambda p: (model.forward(p, t, m), jax.grad(model.loss_fn)(p, t, labels, m)))(params)
+    whole = both()  # (jit: op by op, the blocks' scans take half a minute)
     monkeypatch.setattr(model, "Q_BLOCK", 8)  # 4 blocks of 8 queries, window 5 crossing block edges
-    blocks = model.forward(params, t, m), jax.grad(model.loss_fn)(params, t, labels, m)
+    blocks = both()
     np.testing.assert_allclose(np.asarray(blocks[0]), np.asarray(whole[0]), rtol=0, atol=1e-5)
     for k in params:
         ref = np.asarray(whole[1][k])

@@ -24,18 +24,15 @@ def test_meshes_train_like_one_device():
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     one = out["one"]["losses"]
-    for name in ("fsdp", "tensor", "mixed"):
+    for name in ("fsdp", "tensor", "mixed", "context", "fsdp_context"):
         np.testing.assert_allclose(out[name]["losses"], one, rtol=1e-5, err_msg=name)
         assert out[name]["shardings_kept"], name
     assert out["fsdp"]["q_spec"] == "P(None, None, 'fsdp')" and out["tensor"]["q_spec"] == "P(None, 'tensor', None)"
     assert out["fsdp"]["param_fraction_per_device"] < 0.2  # each device keeps about 1/8 of the weights
     assert out["mixed"]["param_fraction_per_device"] < 0.3
-    # Context parallelism: the tiny config at T = 512, documents kept apart, on 4 and 2 x 4 devices. Weights are
-    # split over fsdp only (shard.py says why): the context ranks of a group hold the same shard.
-    for name in ("tiny_context", "tiny_fsdp_context"):
-        np.testing.assert_allclose(out[name]["losses"], out["tiny_one"]["losses"], rtol=1e-5, err_msg=name)
-        assert out[name]["shardings_kept"], name
-    assert out["tiny_fsdp_context"]["param_fraction_per_device"] < 0.6  # 1/fsdp: context ranks hold the same shard
+    # Context parallelism (4 devices share each instance's 512 positions): weights are split over fsdp only
+    # (shard.py says why), so the context ranks of a group hold the same shard.
+    assert out["fsdp_context"]["param_fraction_per_device"] < 0.6
 
 
 def test_layouts_follow_the_rules():

@@ -216,19 +216,26 @@ def test_stage_from_a_checkpoint(setup, tmp_path):
 
 
 def test_elastic_resume_on_other_meshes(setup, tmp_path):
-    """8 devices (fsdp=8) for 4 steps, then on to 8 steps on 2 devices, or on 4 as a 2 x 2 (fsdp x tensor)
-    mesh: the same step and data position, losses as an uninterrupted 8-device run."""
+    """4 steps on 8 devices as fsdp=2 x context=4, then on to 8 steps on 2 devices (fsdp=2, resumed again at
+    step 6 on fsdp=2 x context=4), or on 4 as a 2 x 2 (fsdp x tensor) mesh: the same step and data position,
+    losses as an uninterrupted 8-device (fsdp=8) run. The checkpoint holds whole tensors: the mesh is a launch
+    setting, context parallelism included, both ways."""
     root, toml = setup
     fsdp8 = ["--mesh.data=1", "--mesh.fsdp=8", "--train.t_max=8"]
+    context = ["--mesh.data=1", "--mesh.fsdp=2", "--mesh.context=4", "--train.t_max=8"]
     straight, first = tmp_path / "straight", tmp_path / "first"
     run(toml, straight, "--train.steps=8", *fsdp8, env=devices(8))
-    run(toml, first, "--train.steps=4", *fsdp8, env=devices(8))
-    for name, n, mesh in [("two", 2, ["--mesh.data=1", "--mesh.fsdp=2"]),
-                          ("mixed", 4, ["--mesh.data=1", "--mesh.fsdp=2", "--mesh.tensor=2"])]:
+    run(toml, first, "--train.steps=4", *context, env=devices(8))
+    for name, legs in [("two", [(6, 2, ["--mesh.data=1", "--mesh.fsdp=2"]), (8, 8, context)]),
+                       ("mixed", [(8, 4, ["--mesh.data=1", "--mesh.fsdp=2", "--mesh.tensor=2"])])]:
         d = tmp_path / name
         shutil.copytree(first, d)  # (the run directory holds no absolute paths)
-        r = run(toml, d, "--train.steps=8", "--train.t_max=8", *mesh, env=devices(n))
-        assert f"resuming {d}/step_4 at step 4" in r.stdout and f"over {n} device(s)" in r.stdout
+        at = 4
+        for steps, n, mesh in legs:
+            r = run(toml, d, f"--train.steps={steps}", "--train.t_max=8", "--train.checkpoint_every=2", *mesh,
+                    env=devices(n))
+            assert f"resuming {d}/step_{at} at step {at}" in r.stdout and f"over {n} device(s)" in r.stdout
+            at = steps
         a, b = losses(straight), losses(d)
         assert a.keys() == b.keys() and all(b[s] == pytest.approx(a[s], rel=1e-5) for s in a), (name, a, b)
 
