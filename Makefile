@@ -5,7 +5,7 @@ PYTHON ?= python3.11
 VENV := .venv
 PIP := $(VENV)/bin/pip install --quiet --disable-pip-version-check
 
-.PHONY: demo test longctx tables exercises clean
+.PHONY: demo test longctx posttrain tables exercises clean
 
 $(VENV)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,23 @@ longctx: $(DATA)/tiny/prepare.json
 	$(PY) data.py verify $(DATA)/tiny --seq-len 1024 --global-batch 4 --seed 0 --packed --long-docs fragment
 	$(PY) train.py configs/tiny.toml configs/tiny-stage3.toml
 	$(PY) eval.py positions runs/tiny/step_1350 runs/tiny-stage3/step_200 --data $(DATA)/tiny --seq-len 1024
+
+# Post-training on a laptop (docs/posttrain.md): the demo model -> SFT -> DPO -> GRPO on generated arithmetic, then
+# each one's exact match on the held-out sums, as one table.
+ARITH := $(DATA)/arith/sft.jsonl
+$(ARITH): $(VENV)/.installed
+	$(PY) data.py arith --out $(DATA)/arith
+$(DATA)/arith-%/prepare.json: $(ARITH) $(DATA)/bpe4096.tiktoken
+	rm -rf $(@D)
+	$(PY) data.py prepare $(DATA)/arith/$(if $(findstring sft,$*),sft,pref).jsonl --out $(@D) --chat tulu \
+		--tokenizer $(DATA)/bpe4096.tiktoken --heldout 0.05
+posttrain: $(DATA)/arith-sft/prepare.json $(DATA)/arith-dpo/prepare.json
+	test -f runs/tiny/step_1350/nanolmo.json || $(MAKE) demo
+	$(PY) train.py configs/tiny.toml configs/tiny-sft.toml
+	$(PY) train.py configs/tiny.toml configs/tiny-dpo.toml
+	$(PY) train.py configs/tiny.toml configs/tiny-grpo.toml
+	$(PY) eval.py exact runs/tiny/step_1350 runs/tiny-sft/step_600 runs/tiny-dpo/step_150 runs/tiny-grpo/step_200 \
+		--prompts $(DATA)/arith/heldout.jsonl --template tulu
 
 test: $(VENV)/.installed-test
 	$(VENV)/bin/python -m pytest -q tests

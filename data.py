@@ -6,6 +6,8 @@
     python data.py inspect data/tiny --seq-len 256 --global-batch 16 --seed 0 --step 3 [--world 2 --rank 1]
     python data.py verify data/tiny --seq-len 256 --global-batch 16 --seed 0
     python data.py bench
+    python data.py arith --out data/arith                              # the post-training task (docs/posttrain.md)
+    python data.py prepare data/arith/sft.jsonl --out data/arith-sft --tokenizer data/bpe4096.tiktoken --chat tulu
 
 Token files are OLMo-core's layout, so its own files read as they are: raw little-endian ids, no header
 (uint16 when the vocabulary fits, else uint32), each document ending with EOS. Beside each, PART.json (dtype,
@@ -240,6 +242,148 @@ def heldout_score(text):
     return int.from_bytes(_h(text), "little") / 2**64
 
 
+# --- chat: templates, label masks, preference pairs (post-training) -----------------------------
+# The two OLMo chat formats, as open-instruct's CHAT_TEMPLATES render them (transformers' apply_chat_template with
+# the released tokenizer configs gives the same ids: tests/test_posttrain.py). "tulu" (OLMo 1/2 Instruct): plain-text
+# headers, BOS first, each assistant turn closed by EOS. "olmo" (Olmo 3): ChatML turns between the special tokens
+# <|im_start|> and <|im_end|>, a default system turn, the last assistant turn closed by EOS. Per role: (header, end).
+OLMO_SYSTEM = ("You are OLMo, a helpful function-calling AI assistant built by Ai2. Your date cutoff is November 2024, "
+               "and your model weights are available at https://huggingface.co/allenai.")
+NO_FUNCTIONS = " You do not currently have access to any functions. <functions></functions><|im_end|>\n"
+CHAT_TEMPLATES = {
+    "tulu": dict(bos=True, default_system=None, turns={
+        "system": ("<|system|>\n", "\n"), "user": ("<|user|>\n", "\n"), "assistant": ("<|assistant|>\n", "{eos}\n")}),
+    "olmo": dict(bos=False, default_system=OLMO_SYSTEM, turns={
+        "system": ("<|im_start|>system\n", NO_FUNCTIONS), "user": ("<|im_start|>user\n", "<|im_end|>\n"),
+        "assistant": ("<|im_start|>assistant\n", "<|im_end|>\n")}),
+}
+
+
+def check_messages(messages, where, need_assistant=True):
+    """A conversation as open-instruct and TRL read it: [{"role", "content"}, ...]; refused naming what is wrong."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}}")
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or "role" not in msg:
+            raise ValueError(f"{where}: messages[{i}] has no 'role'")
+        if msg["role"] not in CHAT_TEMPLATES["tulu"]["turns"]:
+            raise ValueError(f"{where}: messages[{i}].role={msg['role']!r} is not one of system, user, assistant")
+        if not isinstance(msg.get("content"), str):
+            raise ValueError(f"{where}: messages[{i}] ({msg['role']}) has no string 'content'")
+    if need_assistant and not any(msg["role"] == "assistant" for msg in messages):
+        raise ValueError(f"{where}: no assistant turn, so nothing to train on")
+    return messages
+
+
+def render_chat(tok, messages, template, generation_prompt=False, train_turns="all"):
+    """-> (ids, mask): the conversation's token ids, and True on the tokens trained on: each assistant turn's
+    content and its end token (EOS or <|im_end|>), never a header, system or user text (open-instruct's masking).
+    train_turns="last": only the last assistant turn (preference pairs). The text is rendered whole and tokenized
+    once, as apply_chat_template does; each token takes the mask of the character it starts at."""
+    t = CHAT_TEMPLATES[template]
+    eos = tok.enc.decode([tok.eos_id])
+    pieces = [(eos, False)] if t["bos"] else []  # (text, trained)
+    if t["default_system"] and not any(msg["role"] == "system" for msg in messages):
+        messages = [dict(role="system", content=t["default_system"])] + messages
+    last = max((i for i, msg in enumerate(messages) if msg["role"] == "assistant"), default=-1)
+    for i, msg in enumerate(messages):
+        header, end = t["turns"][msg["role"]]
+        if msg["role"] == "assistant" and i == len(messages) - 1:
+            end = "{eos}"  # the conversation's last turn ends with EOS alone: one EOS per conversation
+        trained = msg["role"] == "assistant" and (train_turns == "all" or i == last)
+        end = end.format(eos=eos)
+        # The newline after a turn's end token goes with the next turn: open-instruct masks the span of message i
+        # from len(template(messages[:i])), which renders the turn before as the last one, without it.
+        closing = end.rstrip("\n")
+        pieces += [(header, False), (msg["content"] + closing, trained), (end[len(closing):], False)]
+    if generation_prompt:
+        pieces.append((t["turns"]["assistant"][0], False))
+    text = "".join(s for s, _ in pieces)
+    char_mask = np.repeat([m for _, m in pieces], [len(s) for s, _ in pieces])
+    ids = tok.enc.encode(text, allowed_special="all")
+    _, starts = tok.enc.decode_with_offsets(ids)
+    return ids, char_mask[np.asarray(starts, np.int64)] if ids else np.zeros(0, bool)
+
+
+def chat_record(rec, tok, template, where):
+    """One JSON line -> its documents [(ids, mask)]: a conversation {"messages"} is one, a preference pair
+    {"chosen", "rejected"} (open-instruct's full message lists; only the last turn differs) two, chosen first."""
+    if "messages" in rec:
+        return [render_chat(tok, check_messages(rec["messages"], where), template)]
+    if not ("chosen" in rec and "rejected" in rec):
+        raise ValueError(f"{where}: expected 'messages' (SFT) or 'chosen' and 'rejected' (preference pair)")
+    c, r = (check_messages(rec[k], f"{where}: {k}") for k in ("chosen", "rejected"))
+    if c[:-1] != r[:-1] or c[-1]["role"] != "assistant" or r[-1]["role"] != "assistant":
+        raise ValueError(f"{where}: 'chosen' and 'rejected' must share every message but a last assistant turn "
+                         "(their prompts differ)")
+    return [render_chat(tok, msgs, template, train_turns="last") for msgs in (c, r)]
+
+
+class Prompts:
+    """Prompts with verifiable answers, for RL and exact-match evaluation: a JSON-lines file of {"messages": [...,
+    a last user turn], "answer": "85"}, each rendered up to the assistant's header. Loader-ready: n, and batch(ids)
+    -> {prompts: [ids], answers: [str]} (not token rows: the rollout makes those)."""
+
+    def __init__(self, path, tok, template):
+        self.items, self.seq_len = read_prompts(path, tok, template), 0
+
+    @property
+    def n(self):
+        return len(self.items)
+
+    def batch(self, ids):
+        return dict(prompts=[self.items[i][0] for i in ids], answers=[self.items[i][1] for i in ids])
+
+
+def read_prompts(path, tok, template):
+    """[(prompt ids, answer)] from a prompts file (Prompts)."""
+    out = []
+    for lineno, raw in read_records(Path(path)):
+        where = f"{path}:{lineno}"
+        try:
+            rec = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: invalid JSON ({e.msg})") from None
+        msgs = check_messages(rec.get("messages"), where, need_assistant=False)
+        if msgs[-1]["role"] != "user" or not isinstance(rec.get("answer"), str):
+            raise ValueError(f"{where}: a prompt needs a last 'user' message and a string 'answer'")
+        out.append((render_chat(tok, msgs, template, generation_prompt=True)[0], rec["answer"]))
+    if not out:
+        raise ValueError(f"{path}: no prompts")
+    return out
+
+
+def first_number(text):
+    """The verifiable reward's reading of a completion: its first integer, or None."""
+    found = regex.search(r"-?\d+", text)
+    return found and found.group()
+
+
+def arithmetic(out, seed=0, heldout=0.1):
+    """The post-training task that fits a laptop: "What is a + b?" for a, b in 0..99, split by the numbers (a hash
+    of the pair: held-out sums are never seen). Writes OUT/sft.jsonl (conversations), pref.jsonl (the right sum
+    chosen over a wrong one: off by one or a forgotten carry), rl.jsonl and heldout.jsonl (prompts and answers)."""
+    out, rng = Path(out), np.random.default_rng(seed)
+    out.mkdir(parents=True, exist_ok=True)
+    pairs = [(a, b) for a in range(100) for b in range(100)]
+    held = {p for p in pairs if heldout_score(f"{p[0]}+{p[1]}") < heldout}
+    files = {name: [] for name in ("sft", "pref", "rl", "heldout")}
+    for a, b in pairs:
+        user = [dict(role="user", content=f"What is {a} + {b}?")]
+        answer = dict(role="assistant", content=str(a + b))
+        if (a, b) in held:
+            files["heldout"].append(dict(messages=user, answer=str(a + b)))
+            continue
+        wrong = a + b + int(rng.choice([-10, -1, 1, 10])) if a + b >= 10 else a + b + 1
+        files["sft"].append(dict(messages=user + [answer]))
+        files["pref"].append(dict(chosen=user + [answer], rejected=user + [dict(answer, content=str(wrong))]))
+        files["rl"].append(dict(messages=user, answer=str(a + b)))
+    for name, recs in files.items():
+        order = rng.permutation(len(recs))
+        (out / f"{name}.jsonl").write_text("".join(json.dumps(recs[i]) + "\n" for i in order))
+    return {name: len(recs) for name, recs in files.items()}
+
+
 # --- decontamination ----------------------------------------------------------------------------
 # The OLMo papers drop every training document that shares a paragraph with Paloma. We hash normalised
 # paragraphs (lower case, words only, at least PARA_WORDS words) and every NGRAM-word window of the eval
@@ -273,51 +417,69 @@ def load_eval_fingerprints(paths):
 _WORKER = {}
 
 
-def _init_worker(tokenizer_spec, sources, heldout, decon):
-    _WORKER.update(tok=load_tokenizer(tokenizer_spec), sources=sources, heldout=heldout, decon=decon)
+def _init_worker(tokenizer_spec, sources, heldout, decon, chat):
+    _WORKER.update(tok=load_tokenizer(tokenizer_spec), sources=sources, heldout=heldout, decon=decon, chat=chat)
 
 
 def _process(batch):
-    """Worker: parse, decontaminate, split, tokenize; each split is "train", "heldout" or why it was skipped."""
+    """Worker: parse, decontaminate, split, tokenize; each split is "train", "heldout" or why it was skipped.
+    -> (source, line, split, documents [(ids, label mask or None)], bytes, surrogates replaced) per record."""
     w, out = _WORKER, []
     for src, lineno, raw in batch:
+        if w["chat"]:  # a conversation or a preference pair: bad ones stop the run (chat_record says where)
+            where = f"{w['sources'][src]}:{lineno}"
+            try:
+                docs = chat_record(json.loads(raw), w["tok"], w["chat"], where)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: invalid JSON ({e.msg})") from None
+            split = "heldout" if heldout_score(raw.decode("utf-8", "replace")) < w["heldout"] else "train"
+            out.append((src, lineno, split, [(np.asarray(i, np.uint32), m) for i, m in docs], len(raw), 0))
+            continue
         text, skip, fixed = parse_record(w["sources"][src], raw)
         if skip is None and w["decon"]:
             paras, grams = fingerprints(text)
             shared = "a paragraph" if paras & w["decon"][0] else f"a {NGRAM}-gram" if grams & w["decon"][1] else None
             skip = shared and f"decontaminated (shares {shared} with the eval data)"
         split = skip or ("heldout" if heldout_score(text) < w["heldout"] else "train")
-        ids = None if skip else np.asarray(w["tok"].encode_document(text), np.uint32)
-        out.append((src, lineno, split, ids, len(raw), fixed))
+        docs = None if skip else [(np.asarray(w["tok"].encode_document(text), np.uint32), None)]
+        out.append((src, lineno, split, docs, len(raw), fixed))
     return out
 
 
 class PartWriter:
-    """Appends documents to SPLIT/part-NNNNN.bin, rolling to a new part past max_tokens."""
+    """Appends documents to SPLIT/part-NNNNN.bin, rolling to a new part past max_tokens (between records, so a
+    preference pair stays in one part). Chat data also writes PART.labels_mask: OLMo-core's label mask, one
+    byte per token, 1 where the token is a target."""
 
     def __init__(self, root, split, dtype, tokenizer, max_tokens):
         self.dir, self.dtype, self.tok, self.max_tokens = root / split, np.dtype(dtype), tokenizer, max_tokens
         self.dir.mkdir(parents=True)
         self.part, self.f, self.documents, self.tokens = -1, None, 0, 0
 
-    def add(self, ids, src, lineno):
+    def add(self, docs, src, lineno):
         if self.f is None or self.n >= self.max_tokens:
             self.close()
             self.part += 1
             self.path = self.dir / f"part-{self.part:05d}.bin"
             self.f, self.sha, self.n, self.docs = open(self.path, "wb"), hashlib.sha256(), 0, []
-        blob = ids.astype(self.dtype.newbyteorder("<")).tobytes()
-        self.f.write(blob)
-        self.sha.update(blob)  # hashed as written: no second read of a part that may be gigabytes
-        self.docs.append((self.n, src, lineno))
-        self.n += len(ids)
-        self.documents += 1
-        self.tokens += len(ids)
+            self.mask = open(self.path.with_suffix(".labels_mask"), "wb") if docs[0][1] is not None else None
+        for ids, mask in docs:
+            blob = ids.astype(self.dtype.newbyteorder("<")).tobytes()
+            self.f.write(blob)
+            self.sha.update(blob)  # hashed as written: no second read of a part that may be gigabytes
+            if self.mask:
+                self.mask.write(np.asarray(mask, np.uint8).tobytes())
+            self.docs.append((self.n, src, lineno))
+            self.n += len(ids)
+            self.documents += 1
+            self.tokens += len(ids)
 
     def close(self):
         if self.f is None:
             return
         self.f.close()
+        if self.mask:
+            self.mask.close()
         np.save(self.path.with_suffix(".docs.npy"), np.array(self.docs, np.int64).reshape(-1, 3))
         meta = dict(tokens=self.n, documents=len(self.docs), dtype=self.dtype.name, sha256=self.sha.hexdigest(),
                     tokenizer=Path(self.tok.name).name, vocab_size=self.tok.vocab_size, eos_token_id=self.tok.eos_id)
@@ -344,9 +506,10 @@ def _results(pool, sources, depth, size=1 << 20):
 
 
 def prepare(inputs, out, tokenizer="dolma2", heldout=0.0, decontaminate=(), workers=os.cpu_count(),
-            max_part_tokens=1 << 30, quiet=False):
+            max_part_tokens=1 << 30, quiet=False, chat=None):
     """Tokenize documents into OUT/{train,heldout}/part-*.bin. Everything is written under OUT.tmp and
-    renamed at the end, so a failed or interrupted run never leaves files that look complete."""
+    renamed at the end, so a failed or interrupted run never leaves files that look complete. chat: a template
+    name (CHAT_TEMPLATES): the inputs are conversations or preference pairs, with label masks."""
     out = Path(out)
     if out.exists():
         raise FileExistsError(f"{out} exists; prepare never overwrites a dataset (delete it or pick another --out)")
@@ -360,18 +523,22 @@ def prepare(inputs, out, tokenizer="dolma2", heldout=0.0, decontaminate=(), work
     try:
         dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32  # OLMo-core: the smallest that holds the ids
         writers = {s: PartWriter(tmp, s, dtype, tok, max_part_tokens) for s in ("train", "heldout")}
-        skipped, examples, surrogates = Counter(), [], 0
+        skipped, examples, surrogates, shapes = Counter(), [], 0, {}  # shapes: documents per record -> first one
         bar = tqdm(total=sum(p.stat().st_size for p in sources), unit="B", unit_scale=True, desc="prepare",
                    disable=quiet)
-        args = (tokenizer, sources, heldout, decon and decon[:2])  # spawned workers start in our working directory
+        args = (tokenizer, sources, heldout, decon and decon[:2], chat)  # spawned workers start in our working directory
         start = multiprocessing.get_context("spawn").Pool if workers > 1 else ThreadPool  # 1 worker: in this process
         with start(workers, _init_worker, args) as pool, bar:  # Pool.__exit__ terminates the workers, on errors too
             for batch in _results(pool, sources, depth=2 * workers):
-                for src, lineno, split, ids, nbytes, fixed in batch:
+                for src, lineno, split, docs, nbytes, fixed in batch:
                     bar.update(nbytes)
                     surrogates += fixed
                     if split in writers:
-                        writers[split].add(ids, src, lineno)
+                        shapes.setdefault(len(docs), f"{sources[src]}:{lineno}")
+                        if len(shapes) > 1:
+                            raise ValueError(f"{sources[src]}:{lineno}: conversations and preference pairs in one "
+                                             f"dataset ({' and '.join(shapes.values())}): prepare them apart")
+                        writers[split].add(docs, src, lineno)
                         continue
                     skipped[split.split(" (")[0]] += 1
                     if len(examples) < 20:
@@ -384,6 +551,7 @@ def prepare(inputs, out, tokenizer="dolma2", heldout=0.0, decontaminate=(), work
         if tokenizer != "dolma2":
             shutil.copy(tokenizer, tmp / Path(tokenizer).name)
         report = dict(
+            kind="pairs" if 2 in shapes else "chat" if chat else "text", chat_template=chat,
             tokenizer=Path(tok.name).name, tokenizer_sha256=tok.sha256, vocab_size=tok.vocab_size,
             eos_token_id=tok.eos_id, pad_token_id=tok.pad_id, dtype=np.dtype(dtype).name, heldout_fraction=heldout,
             # A second read of the inputs, but sha256 runs ~100x faster than tokenizing them.
@@ -413,11 +581,17 @@ class TokenFile:
     docs: np.ndarray | None = None  # (documents, 3): first token, source index, line
     sources: list | None = None     # source paths, from the dataset's prepare.json
     sha256: str | None = None       # as PART.json recorded it (verify compares)
+    has_mask: bool = False          # PART.labels_mask: one byte per token, 1 = a target (chat data)
 
     def array(self):
         if not hasattr(self, "_mm"):  # one mapping per file, not one per read
             self._mm = np.memmap(self.path, self.dtype, "r", shape=(self.tokens,))
         return self._mm
+
+    def mask(self):
+        if not hasattr(self, "_mask"):
+            self._mask = np.memmap(self.path.with_suffix(".labels_mask"), np.bool_, "r", shape=(self.tokens,))
+        return self._mask
 
 
 def open_token_file(path, dtype=None, sources=None):
@@ -444,7 +618,10 @@ def open_token_file(path, dtype=None, sources=None):
     docs = np.load(docs_path, allow_pickle=False) if docs_path.is_file() else None
     if docs is not None and (docs.ndim != 2 or len(docs) != meta["documents"] or (len(docs) and docs[-1, 0] >= n)):
         raise ValueError(f"{docs_path}: document index does not match {path.name} ({meta['documents']} documents)")
-    return TokenFile(path, dt, n, docs, sources, meta.get("sha256"))
+    mask = path.with_suffix(".labels_mask")
+    if mask.is_file() and mask.stat().st_size != n:
+        raise ValueError(f"{mask}: {mask.stat().st_size} bytes for {n} tokens: the label mask is truncated")
+    return TokenFile(path, dt, n, docs, sources, meta.get("sha256"), mask.is_file())
 
 
 def load_dataset_info(d):
@@ -530,9 +707,9 @@ class Instances:
         f = int(np.searchsorted(self.offsets, j, side="right") - 1)
         return f, j - int(self.offsets[f])
 
-    def read(self, i):
+    def read(self, i, what="array"):  # what="mask": the label mask's slice instead of the tokens
         f, k = self.locate(i)
-        return self.files[f].array()[k * self.seq_len:(k + 1) * self.seq_len]
+        return getattr(self.files[f], what)()[k * self.seq_len:(k + 1) * self.seq_len]
 
     def where(self, i):
         f, k = self.locate(i)
@@ -605,9 +782,10 @@ class PackedInstances:
         self.offsets = np.concatenate([[0], np.cumsum(sizes)])  # instance i holds docs[offsets[i]:offsets[i+1]]
         self.n = len(sizes)
 
-    def read(self, i):
-        parts = [self.files[f].array()[s:e] for f, s, e in self.docs[self.offsets[i]:self.offsets[i + 1]].tolist()]
-        out = np.full(self.seq_len, self.pad, parts[0].dtype)
+    def read(self, i, what="array"):  # what="mask": the label mask, False on the padding
+        parts = [getattr(self.files[f], what)()[s:e]
+                 for f, s, e in self.docs[self.offsets[i]:self.offsets[i + 1]].tolist()]
+        out = np.full(self.seq_len, self.pad if what == "array" else False, parts[0].dtype)
         n = sum(len(p) for p in parts)
         out[:n] = np.concatenate(parts)
         return out
@@ -615,6 +793,33 @@ class PackedInstances:
     def where(self, i):
         f, s, e = self.docs[self.offsets[i]].tolist()
         return f"packed instance {i} (its first document {self.files[f].path} tokens [{s}, {e}))"
+
+
+class PairInstances:
+    """Preference pairs (DPO): instance i is documents 2i (chosen) and 2i + 1 (rejected) as `data.py prepare --chat`
+    wrote them, each cut to seq_len and padded with PAD: read(i) -> (2, T). ref (N, 2): the reference model's
+    summed log-probs of each side, set by train.py once they are computed (None before)."""
+
+    def __init__(self, files, seq_len, pad):
+        self.files, self.seq_len, self.pad, self.ref = files, seq_len, pad, None
+        docs = [(f, s, e) for f, tf in enumerate(files) for s, e in zip(tf.docs[:, 0], [*tf.docs[1:, 0], tf.tokens])]
+        if not docs or len(docs) % 2 or not all(tf.has_mask for tf in files):
+            raise ValueError(f"{[str(f.path) for f in files]}: not preference pairs (an even number of documents "
+                             "with label masks, from `data.py prepare --chat` on chosen/rejected records)")
+        self.docs, self.n = np.asarray(docs, np.int64).reshape(-1, 2, 3), len(docs) // 2
+        self.cut = int(np.maximum(self.docs[..., 2] - self.docs[..., 1] - seq_len, 0).sum())
+
+    def read(self, i, what="array"):
+        out = np.full((2, self.seq_len), self.pad if what == "array" else False,
+                      self.files[0].dtype if what == "array" else np.bool_)
+        for row, (f, s, e) in enumerate(self.docs[i].tolist()):
+            piece = getattr(self.files[f], what)()[s:min(e, s + self.seq_len)]
+            out[row, :len(piece)] = piece
+        return out
+
+    def where(self, i):
+        f, s, e = self.docs[i, 0].tolist()
+        return f"preference pair {i} ({self.files[f].path} tokens [{s}, {e}) and the next document)"
 
 
 # exercise: data_order
@@ -629,7 +834,9 @@ def epoch_permutation(n, seed, epoch):
 
 class Loader:
     """Batches for this process's data-parallel ranks, from any step. Global step s (0-based) is row
-    s mod (N // G) of epoch 1 + s // (N // G). Yields (step, tokens (len(ranks)·G/world, T) int32)."""
+    s mod (N // G) of epoch 1 + s // (N // G). Yields (step, batch): tokens (B, T) int32 for this process's
+    len(ranks)·G/world instances, a pair's two rows side by side; with label masks also mask (B, T) bool (token t
+    is a target iff mask[t], OLMo-core's label_mask); with reference log-probs also ref (B,) float32."""
 
     def __init__(self, instances, global_batch, seed, world=1, ranks=(0,), start_step=0, vocab_size=None):
         if global_batch % world:
@@ -652,12 +859,20 @@ class Loader:
 
     def batch(self, step):
         ids = np.concatenate([self.rank_ids(step, r) for r in self.ranks])
-        tokens = np.stack([self.inst.read(i) for i in ids]).astype(np.int32)  # (B, T)
+        if isinstance(self.inst, Prompts):
+            return self.inst.batch(ids)
+        T = self.inst.seq_len
+        tokens = np.stack([self.inst.read(i) for i in ids]).astype(np.int32).reshape(-1, T)  # (B, T)
         if self.vocab_size is not None and tokens.size and tokens.max() >= self.vocab_size:
-            row = int(np.argmax(tokens.max(axis=1)))
-            raise ValueError(f"{self.inst.where(ids[row])} holds token id {tokens[row].max()}, "
+            row = int(np.argmax(tokens.max(axis=1))) * len(ids) // len(tokens)
+            raise ValueError(f"{self.inst.where(ids[row])} holds token id {tokens.max()}, "
                              f"out of range for vocab_size={self.vocab_size}")
-        return tokens
+        out = dict(tokens=tokens)
+        if self.inst.files[0].has_mask:
+            out["mask"] = np.stack([self.inst.read(i, "mask") for i in ids]).reshape(-1, T)
+        if getattr(self.inst, "ref", None) is not None:
+            out["ref"] = self.inst.ref[ids].reshape(-1).astype(np.float32)
+        return out
 
     def state(self):
         """What a checkpoint stores to resume exactly here."""
@@ -666,16 +881,19 @@ class Loader:
 
     def __iter__(self):
         while True:
-            tokens = self.batch(self.step)
+            batch = self.batch(self.step)
             self.step += 1
-            yield self.step - 1, tokens
+            yield self.step - 1, batch
 
 
-def open_instances(spec, seq_len, seed=0, packed=None):
+def open_instances(spec, seq_len, seed=0, packed=None, split="train"):
     """A prepared folder (its train split), a mix file, or one token file. packed: None for fixed-length instances,
-    or PackedInstances' keywords (eos, pad, group_size, permutation_seed, long_docs)."""
+    or PackedInstances' keywords (eos, pad, group_size, permutation_seed, long_docs). A folder of preference pairs
+    gives PairInstances whatever `packed` says."""
     p = Path(spec)
-    sources = ([("train", dataset_files(p), None)] if p.is_dir() else read_mix(p) if p.suffix == ".txt"
+    if p.is_dir() and (info := load_dataset_info(p)).get("kind") == "pairs":
+        return PairInstances(dataset_files(p, split), seq_len, info["pad_token_id"])
+    sources = ([(split, dataset_files(p, split), None)] if p.is_dir() else read_mix(p) if p.suffix == ".txt"
                else [(p.stem, [open_token_file(p)], None)])
     if packed is None:
         return Instances(sources, seq_len, seed)
@@ -858,7 +1076,10 @@ def main(argv):
         "prepare": ("tokenize documents into token files", files + [
             ("--tokenizer", dict(default="dolma2", help="dolma2, or a ranks file from `data.py tokenizer`")),
             ("--heldout", dict(type=float, default=0.0, help="fraction of documents held out, by their text's hash")),
-            ("--decontaminate", dict(nargs="+", default=[], metavar="FILE", help="eval texts (.jsonl[.gz], .txt)"))]),
+            ("--decontaminate", dict(nargs="+", default=[], metavar="FILE", help="eval texts (.jsonl[.gz], .txt)")),
+            ("--chat", dict(choices=list(CHAT_TEMPLATES), help="conversations / preference pairs in this template"))]),
+        "arith": ("write the arithmetic post-training task (SFT, preference, RL, held-out files)",
+                  [("--out", dict(required=True)), ("--seed", dict(type=count, default=0))]),
         "inspect": ("what step N fed each rank, decoded", order + [("--step", dict(type=count, required=True)),
                     ("--world", dict(type=in_range(int, 1), default=1)), ("--rank", dict(type=count))]),
         "verify": ("check one epoch of the order and the splits", order),
@@ -883,7 +1104,7 @@ def main(argv):
         save_ranks(train_bpe(texts, a.vocab_size), a.out)
         print(f"{a.out}: {a.vocab_size - len(BPE_SPECIALS)} ranks + {BPE_SPECIALS} = {a.vocab_size} ids")
     elif a.cmd == "prepare":
-        r = prepare(a.inputs, a.out, a.tokenizer, a.heldout, a.decontaminate)
+        r = prepare(a.inputs, a.out, a.tokenizer, a.heldout, a.decontaminate, chat=a.chat)
         for s, v in r["splits"].items():
             print(f"{s:<8} {v['documents']:>8} documents {v['tokens']:>12,} tokens in {v['parts']} part(s)")
         print(f"skipped  {sum(r['skipped'].values()):>8} {r['skipped'] or ''}")
@@ -893,6 +1114,8 @@ def main(argv):
         if d := r["decontamination"]:
             print(f"decontamination: {d['dropped']} training documents dropped ({d['eval_documents']} eval documents, "
                   f"{d['paragraphs']} paragraphs, {d['ngrams']} {NGRAM}-grams)")
+    elif a.cmd == "arith":
+        print(f"{a.out}: " + ", ".join(f"{n} {k}" for k, n in arithmetic(a.out, a.seed).items()))
     elif a.cmd == "inspect":
         inspect(a.dir, a.seq_len, a.global_batch, a.seed, a.step, a.world, a.rank, packed)
     elif a.cmd == "verify":

@@ -7,6 +7,8 @@
     python eval.py generate CKPT --prompt TEXT [--max-new 64] [--temperature 0.8 --top-k 50 --top-p 0.95]
                                  [--backend jax|torch] [--no-cache]    # the KV cache is JAX's
     python eval.py positions CKPT... --data data/tiny --seq-len 1024      # held-out loss by position, side by side
+    python eval.py chat CKPT [--prompt TEXT] [--template tulu|olmo]       # talk to it (docs/posttrain.md)
+    python eval.py exact CKPT... --prompts data/arith/heldout.jsonl --template tulu   # exact-match accuracy
 
 CKPT: one of our checkpoint directories (HF layout). Its tokenizer: --tokenizer SPEC ("dolma2" or a .tiktoken
 file), else the dataset in CKPT/nanolmo.json, else dolma2 if the ids are dolma2's. bpb and tasks also take
@@ -604,6 +606,72 @@ def _steps(params, m, S, backend, dtype, cache):
     return run
 
 
+_SAMPLERS = {}
+
+
+def sample(params, m, prompts, max_new, temperature, seed, vocab):
+    """Completions of prompts (n, P), all one length, drawn together through the KV cache (model.forward_step): the
+    prompts in one call, then max_new positions under lax.scan, each token from softmax(logits / temperature) over
+    the first `vocab` ids (greedy at 0). -> (n, max_new) ids; what follows a row's first EOS is noise: cut it."""
+    import jax
+    import jax.numpy as jnp
+    n, P = prompts.shape
+    key = (str(m), n, P, max_new, vocab)
+    if key not in _SAMPLERS:  # one compile per shape
+        def run(params, prompts, temperature, rng):
+            logits, cache = model.forward_step(params, prompts, 0, model.new_cache(m, n, P + max_new), m)
+
+            def one(carry, k):
+                z, cache, pos = carry  # z (n, vocab): the logits of the position to fill
+                drawn = jax.random.categorical(k, z / jnp.maximum(temperature, 1e-6))
+                t = jnp.where(temperature > 0, drawn, jnp.argmax(z, axis=-1)).astype(jnp.int32)
+                logits, cache = model.forward_step(params, t[:, None], pos, cache, m)
+                return (logits[:, -1, :vocab].astype(jnp.float32), cache, pos + 1), t
+            first = logits[:, -1, :vocab].astype(jnp.float32)
+            return jax.lax.scan(one, (first, cache, jnp.int32(P)), jax.random.split(rng, max_new))[1].T
+        _SAMPLERS[key] = jax.jit(run)
+    out = _SAMPLERS[key](params, jnp.asarray(prompts, jnp.int32), jnp.float32(temperature), jax.random.PRNGKey(seed))
+    return np.asarray(out)
+
+
+def until_eos(ids, eos):
+    """A completion up to and including its first EOS (all of it if none)."""
+    ids = [int(t) for t in ids]
+    return ids[:ids.index(eos) + 1] if eos in ids else ids
+
+
+def exact_match(params, m, prompts, tok, max_new=8):
+    """Greedy completions of data.Prompts, batched by prompt length; -> accuracy of data.first_number == answer."""
+    by_len = defaultdict(list)
+    for ids, answer in prompts.items:
+        by_len[len(ids)].append((ids, answer))
+    right = 0
+    for group in by_len.values():
+        new = sample(params, m, np.array([ids for ids, _ in group]), max_new, 0.0, 0, tok.vocab_size)
+        right += sum(data.first_number(tok.decode(until_eos(row, tok.eos_id))) == answer
+                     for row, (_, answer) in zip(new, group))
+    return right / prompts.n
+
+
+def chat(params, m, tok, template, prompt=None, max_new=256, temperature=0.0, seed=0):
+    """Talk to a checkpoint: each turn renders the whole conversation in its template (data.render_chat), generates
+    with the KV cache until the template's end (EOS), and keeps the answer for the next turn. prompt: one turn."""
+    messages = []
+    while True:
+        text = prompt if prompt is not None else input("you> ")
+        if not text.strip():
+            return
+        messages.append(dict(role="user", content=text))
+        ids = data.render_chat(tok, messages, template, generation_prompt=True)[0]
+        new, _ = generate(params, m, ids, max_new, temperature=temperature, eos=tok.eos_id, seed=seed,
+                          tokenizer_size=tok.vocab_size)
+        answer = tok.decode(new[:-1] if new and new[-1] == tok.eos_id else new)
+        print(answer if prompt is not None else f"olmo> {answer}")
+        messages.append(dict(role="assistant", content=answer))
+        if prompt is not None:
+            return
+
+
 # --- command line -------------------------------------------------------------------------------
 
 def main(argv):
@@ -638,6 +706,16 @@ def main(argv):
                                      ("--seed", in_range(int, 0), 0, None)]:
         gen.add_argument(flag, type=kind, default=default, help=why)
     gen.add_argument("--no-cache", action="store_true", help="recompute the whole sequence for every token")
+    ch = sub.add_parser("chat", parents=[ck], help="talk to a checkpoint in a chat template (KV cache)")
+    ch.add_argument("--prompt", help="one turn, then exit (default: an interactive loop; an empty line ends it)")
+    ch.add_argument("--template", choices=list(data.CHAT_TEMPLATES), default="olmo")
+    ch.add_argument("--max-new", type=in_range(int, 1), default=256)
+    ch.add_argument("--temperature", type=in_range(float, 0), default=0.0)
+    ex = sub.add_parser("exact", help="exact-match accuracy of greedy answers, checkpoints side by side")
+    ex.add_argument("ckpts", nargs="+", help="our checkpoint directories (HF layout)")
+    ex.add_argument("--prompts", required=True, help="JSON lines of {messages, answer} (data.py arith's heldout.jsonl)")
+    ex.add_argument("--template", choices=list(data.CHAT_TEMPLATES), required=True)
+    ex.add_argument("--tokenizer", help="as for the other commands (default: the first checkpoint's)")
     pos = sub.add_parser("positions", parents=[run], help="held-out loss by position bucket, checkpoints side by side")
     pos.add_argument("ckpts", nargs="+", help="our checkpoint directories (HF layout)")
     pos.add_argument("--data", required=True, help="a folder from `data.py prepare`: its held-out split is read")
@@ -660,6 +738,15 @@ def main(argv):
         for i, (lo, hi) in enumerate(zip(edges, edges[1:])):
             print(f"{f'[{lo}, {hi})':<14}" + "".join(f"{r[i]:>26.4f}" for r in rows))
         return
+    if args.command == "exact":  # every checkpoint with the first one's tokenizer
+        m, params = convert.load_hf(args.ckpts[0])
+        tok = checkpoint_tokenizer(args.ckpts[0], m, args.tokenizer)
+        prompts = data.Prompts(args.prompts, tok, args.template)
+        print(f"exact match of greedy answers to {prompts.n} prompts of {args.prompts} ({args.template} template)")
+        for c in args.ckpts:
+            m, params = convert.load_hf(c)
+            print(f"  {c:<32} {exact_match(params, m, prompts, tok):.3f}")
+        return
     m, params = convert.load_hf(args.ckpt)
     if args.command == "logits":
         load, forward = _backend(m, args.backend, args.dtype, lambda xp, x, t: x)
@@ -668,6 +755,8 @@ def main(argv):
         print(f"wrote {args.out}: {out.shape} {out.dtype} ({args.backend}, {args.dtype} compute)")
         return
     tok = checkpoint_tokenizer(args.ckpt, m, args.tokenizer)
+    if args.command == "chat":
+        return chat(params, m, tok, args.template, args.prompt, args.max_new, args.temperature)
     if args.command == "generate":
         new, t = generate(params, m, encode(tok, args.prompt), args.max_new, args.backend, args.dtype,
                           args.temperature, args.top_k, args.top_p, m.eos_token_id, args.seed, not args.no_cache,

@@ -400,6 +400,35 @@ def cross_entropy(logits, labels, z_loss=0.0):
     return ce + z_loss * z, ce, z
 
 
+def label_logps(logits, labels):
+    """log p(label) at each position (B, T) in fp32, 0 where labels == IGNORE_INDEX: what DPO and GRPO sum."""
+    logits = logits.astype(jnp.float32)
+    valid = labels != IGNORE_INDEX
+    target = jnp.take_along_axis(logits, jnp.where(valid, labels, 0)[..., None], axis=-1)[..., 0]
+    return jnp.where(valid, target - jax.nn.logsumexp(logits, axis=-1), 0.0)
+
+
+# exercise: dpo
+def dpo_loss(scores, ref, beta, xp=jnp):
+    """DPO on pairs side by side: scores and ref (2P,) are the policy's and the frozen reference's log-probs of
+    rows chosen_0, rejected_0, chosen_1, ... (summed over the answer's tokens; per-token means for dpo_norm).
+    -> (losses, margins), each (P,): margin = β·((π_c − ref_c) − (π_r − ref_r)), the chosen answer's implicit
+    reward minus the rejected one's; loss = −log σ(margin) (open-instruct's dpo_loss, TRL's "sigmoid").
+    xp: jnp or torch (both have logaddexp), so the two backends share this maths."""
+    ratio = scores - ref  # (2P,) log π/π_ref of each row
+    margin = beta * (ratio[0::2] - ratio[1::2])  # (P,)
+    return xp.logaddexp(xp.zeros_like(margin), -margin), margin
+
+
+def grpo_loss(logps, old_logps, advantages, clip=0.2, xp=jnp):
+    """GRPO's clipped policy-gradient loss per token (B, T): −min(ρ·A, clip(ρ, 1 − ε, 1 + ε)·A), ρ = π/π_old,
+    A (B, 1) the row's group-normalised advantage (open-instruct grpo_fast: ε = 0.2 both sides). With one update per
+    batch of rollouts (ours) π_old is π itself (stop-gradient): ρ = 1, the clip never binds, and the gradient is
+    −A·∇log π, REINFORCE with the group mean as baseline; the clip matters once a batch is reused."""
+    ratio = xp.exp(logps - old_logps)
+    return -xp.minimum(ratio * advantages, xp.clip(ratio, 1 - clip, 1 + clip) * advantages)
+
+
 def loss_fn(params, tokens, labels, m, dtype=jnp.float32, z_loss=0.0, remat="none"):
     return cross_entropy(forward(params, tokens, m, dtype, remat), labels, z_loss)[0]
 
@@ -418,12 +447,16 @@ def init_params(m, key, names=None):
     return params
 
 
-def shift_labels(tokens, pad=None):
+def shift_labels(tokens, pad=None, mask=None):
     """Next-token labels: tokens[..., 1:] then IGNORE_INDEX (OLMo-core get_labels). A PAD target is ignored too: PAD
-    only fills packed instances after their documents (OLMo-core masks it with label_mask). numpy in, numpy out."""
+    only fills packed instances after their documents. mask (B, T) bool, OLMo-core's label_mask: token t is a target
+    only where mask[t] (chat data: the assistant's tokens). numpy in, numpy out."""
     xp = np if isinstance(tokens, np.ndarray) else jnp
     labels = xp.concatenate([tokens[..., 1:], xp.full_like(tokens[..., :1], IGNORE_INDEX)], axis=-1)
-    return labels if pad is None else xp.where(labels == pad, IGNORE_INDEX, labels)
+    labels = labels if pad is None else xp.where(labels == pad, IGNORE_INDEX, labels)
+    if mask is not None:
+        labels = xp.where(xp.concatenate([mask[..., 1:], xp.zeros_like(mask[..., :1])], axis=-1), labels, IGNORE_INDEX)
+    return labels
 
 
 def check_tokens(tokens, m, source="tokens"):
@@ -683,6 +716,13 @@ def cross_entropy_torch(logits, labels, z_loss=0.0):
     ce = torch.where(valid, lse - target, 0.0).sum() / n
     z = torch.where(valid, lse * lse, 0.0).sum() / n
     return ce + z_loss * z, ce, z
+
+
+def label_logps_torch(logits, labels):
+    """As label_logps."""
+    logits = logits.float()
+    target = logits.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(labels != IGNORE_INDEX, target - torch.logsumexp(logits, dim=-1), 0.0)
 
 
 def torch_model(m, params=None):

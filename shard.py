@@ -79,14 +79,15 @@ def replicated(mesh):
     return NamedSharding(mesh, P())
 
 
-def batch_sharding(mesh):
-    """Token batches (A micro-batches, B instances, T): instances split over data × fsdp, positions over context."""
-    return NamedSharding(mesh, P(None, BATCH, "context"))
+def batch_sharding(mesh, ndim=2):
+    """Step batches (A micro-batches, B rows, T): rows split over data × fsdp, positions over context; a value per
+    row (ndim 1: DPO's reference log-prob, GRPO's advantage) (A, B) over data × fsdp."""
+    return NamedSharding(mesh, P(None, BATCH, "context") if ndim == 2 else P(None, BATCH))
 
 
-def instance_sharding(mesh):
-    """A plain batch of instances (B, T), split over data × fsdp and context."""
-    return NamedSharding(mesh, P(BATCH, "context"))
+def instance_sharding(mesh, ndim=2):
+    """A plain batch of rows (B, T), split over data × fsdp and context; (B,) over data × fsdp."""
+    return NamedSharding(mesh, P(BATCH, "context") if ndim == 2 else P(BATCH))
 
 
 def residual_constraint(mesh):

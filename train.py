@@ -18,6 +18,7 @@ checkpoints step_N/: HF model directories (config.json, model.safetensors) + opt
 same names) + nanolmo.json (config, step, data position, skip-step history); `latest` names the newest whole one.
 """
 
+import hashlib
 import importlib.util
 import json
 import math
@@ -256,32 +257,63 @@ def documents(cfg, tokens):
     return model.segment_ids(tokens, cfg.model.eos_token_id) if cfg.data.doc_mask else None
 
 
+# --- the losses: pretraining and SFT, DPO, GRPO; the same step takes any of them ----------------------
+
+def make_loss(cfg, cross_entropy, label_logps, xp):
+    """train.loss as (logits, labels, batch, total) -> (this micro-batch's share of the step's loss, metrics'
+    shares). total: what the whole global batch is averaged over, total_of(labels). One definition for both
+    backends (each passes its cross_entropy, label_logps and array module), but GRPO's, JAX only as its sampler."""
+    tc, ignore = cfg.train, model.IGNORE_INDEX
+
+    def ce(logits, labels, batch, total):  # OLMo-core: over the target tokens of the global batch, not per micro
+        loss, ce, _ = cross_entropy(logits, labels, tc.z_loss)
+        share = (labels != ignore).sum() / total
+        return loss * share, dict(ce=ce * share)
+
+    def dpo(logits, labels, batch, total):  # total: pairs in the global batch
+        scores, ref = label_logps(logits, labels).sum(-1), batch["ref"]  # (2P,) summed over each answer
+        if tc.loss == "dpo_norm":  # Olmo 2/3: each side by its own answer's length, policy and reference alike
+            n = (labels != ignore).sum(-1)
+            scores, ref = scores / n, ref / n
+        losses, margins = model.dpo_loss(scores, ref, tc.dpo_beta, xp)
+        return losses.sum() / total, dict(margin=margins.sum() / total, accuracy=(margins > 0).sum() / total)
+
+    def grpo(logits, labels, batch, total):  # total: completion tokens in the global batch (JAX only: it samples)
+        lp = label_logps(logits, labels)
+        per = model.grpo_loss(lp, jax.lax.stop_gradient(lp), batch["advantage"][:, None])
+        return xp.where(labels != ignore, per, 0.0).sum() / total, dict(reward=batch["reward"].sum() / cfg.data.global_batch)
+
+    def total_of(labels):
+        return math.prod(labels.shape[:-1]) // 2 if tc.loss.startswith("dpo") else (labels != ignore).sum()
+
+    return {"ce": ce, "dpo": dpo, "dpo_norm": dpo, "grpo": grpo}[tc.loss], total_of
+
+
 def make_train_step(cfg, mesh):
     m, tc = cfg.model, cfg.train
     dtype, constrain = jnp.dtype(tc.compute_dtype), shard.residual_constraint(mesh)
     decay = {k: p.decay and tc.weight_decay > 0 for k, p in model.param_table(m).items()}
-
+    loss_of, total_of = make_loss(cfg, model.cross_entropy, model.label_logps, jnp)
     attend_fn = shard.context_attention(mesh)  # None unless mesh.context > 1
 
-    def micro_loss(params, tokens, labels, n_total):
+    def micro_loss(params, batch, labels, total):
+        tokens = batch["tokens"]
         logits = model.forward(params, tokens, m, dtype, tc.remat, constrain, documents(cfg, tokens),
                                attend_fn=attend_fn)
-        loss, ce, z = model.cross_entropy(logits, labels, tc.z_loss)
-        # OLMo-core normalises by the non-ignored tokens of the whole global batch, not per micro-batch.
-        share = (labels != model.IGNORE_INDEX).sum() / n_total
-        return loss * share, ce * share
+        return loss_of(logits, labels, batch, total)
 
-    def step(params, opt, history, tokens, lr):
-        """tokens (A, B, T): A micro-batches of B instances (B split over the data axis)."""
-        labels = model.shift_labels(tokens, m.pad_token_id)
-        n_total = jnp.maximum((labels != model.IGNORE_INDEX).sum(), 1)
+    def step(params, opt, history, batch, lr):
+        """batch: tokens (A, B, T) (A micro-batches of B rows, B split over the data axis), and per loss its mask
+        (A, B, T), ref or advantage (A, B)."""
+        labels = model.shift_labels(batch["tokens"], m.pad_token_id, batch.get("mask"))
+        total = jnp.maximum(total_of(labels), 1)
 
         def accumulate(grads, xs):
-            (loss, ce), g = jax.value_and_grad(micro_loss, has_aux=True)(params, *xs, n_total)
-            return jax.tree.map(jnp.add, grads, g), (loss, ce)
+            (loss, aux), g = jax.value_and_grad(micro_loss, has_aux=True)(params, *xs, total)
+            return jax.tree.map(jnp.add, grads, g), (loss, aux)
 
-        grads, (losses, ces) = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), (tokens, labels))
-        loss, ce = losses.sum(), ces.sum()
+        grads, (losses, aux) = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), (batch, labels))
+        loss, aux = losses.sum(), jax.tree.map(jnp.sum, aux)
         grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
         if tc.clip:  # torch.nn.utils.clip_grad_norm_: scale by min(1, clip / (norm + 1e-6))
             grads = jax.tree.map(lambda g: g * jnp.minimum(1.0, tc.clip / (grad_norm + 1e-6)), grads)
@@ -291,11 +323,11 @@ def make_train_step(cfg, mesh):
         if tc.skip_step:
             ok &= ~is_outlier(history, loss, grad_norm)
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
-        metrics = dict(loss=loss, ce=ce, grad_norm=grad_norm, skipped=~ok)
+        metrics = dict(loss=loss, grad_norm=grad_norm, skipped=~ok, **aux)
         return keep(new_params, params), keep(new_opt, opt), push_history(history, loss, grad_norm), metrics
 
     p, o, h = state_shardings(mesh, m)
-    return jax.jit(step, in_shardings=(p, o, h, shard.batch_sharding(mesh), None),
+    return jax.jit(step, in_shardings=(p, o, h, None, None),  # the batch: laid out by JaxBackend.step
                    out_shardings=(p, o, h, shard.replicated(mesh)), donate_argnums=(0, 1, 2))
 
 
@@ -316,7 +348,8 @@ class JaxBackend:
         self.peak = PEAK_FLOPS.get(jax.devices()[0].device_kind)
         self.history = jax.device_put(new_history(), hist_sh)
         self.train_step = make_train_step(cfg, mesh)
-        self.eval_step = jax.jit(self._eval_step, in_shardings=(self.param_sh, shard.instance_sharding(mesh)))
+        self.eval_step = jax.jit(self._eval_step)
+        self.score_step = jax.jit(lambda p, b: model.label_logps(*self._logits(p, b)).sum(-1))
         self.new_optimizer = jax.jit(new_optimizer, out_shardings=self.opt_sh)
 
     def barrier(self):
@@ -346,26 +379,39 @@ class JaxBackend:
         return {k: jax.make_array_from_callback(p.shape, self.param_sh[k], lambda idx, k=k: read(k, idx))
                 for k, p in table.items()}
 
-    def step(self, tokens, lr):
-        """tokens (B_local, T): this process's ranks' instances, rank-major."""
-        T = tokens.shape[1]
-        per = tokens.reshape(len(self.ranks), self.accum, self.micro, T).transpose(1, 0, 2, 3)  # micro-batch a of every rank
-        batch = jax.make_array_from_process_local_data(shard.batch_sharding(self.mesh), per.reshape(self.accum, -1, T))
+    def step(self, batch, lr):
+        """batch: {tokens (B_local, T), ...} for this process's ranks' rows, rank-major (Loader.batch)."""
+        def lay_out(x):  # (B_local, ...) -> (A, B, ...): micro-batch a of every rank, rows over data x fsdp
+            per = x.reshape(len(self.ranks), self.accum, -1, *x.shape[1:]).swapaxes(0, 1)
+            return jax.make_array_from_process_local_data(shard.batch_sharding(self.mesh, x.ndim),
+                                                          per.reshape(self.accum, -1, *x.shape[1:]))
+        batch = {k: lay_out(v) for k, v in batch.items()}
         self.params, self.opt, self.history, out = self.train_step(self.params, self.opt, self.history, batch, jnp.float32(lr))
         return out  # on the device, still being computed: the loop reads it when it must
 
-    def eval(self, tokens):
-        """Summed nats and token count over every process's rows (B_local, T)."""
-        s, n = self.eval_step(self.params, jax.make_array_from_process_local_data(shard.instance_sharding(self.mesh), tokens))
+    def _put(self, batch):
+        return {k: jax.make_array_from_process_local_data(shard.instance_sharding(self.mesh, v.ndim), v)
+                for k, v in batch.items()}
+
+    def eval(self, batch):
+        """Summed nats and token count over every process's rows {tokens (B_local, T), mask}."""
+        s, n = self.eval_step(self.params, self._put(batch))
         return float(s), int(n)
 
-    def _eval_step(self, params, tokens):
+    def score(self, batch):
+        """Each row's summed log-prob of its targets (B,), as numpy (one process: the reference pass)."""
+        return np.asarray(self.score_step(self.params, self._put(batch)))
+
+    def _logits(self, params, batch):
+        m, tokens = self.cfg.model, batch["tokens"]
+        labels = model.shift_labels(tokens, m.pad_token_id, batch.get("mask"))
+        return model.forward(params, tokens, m, jnp.dtype(self.cfg.train.compute_dtype),
+                             constrain=shard.residual_constraint(self.mesh), segments=documents(self.cfg, tokens),
+                             attend_fn=shard.context_attention(self.mesh)), labels
+
+    def _eval_step(self, params, batch):
         """Summed cross-entropy (nats) and the tokens it covers, for one batch (B, T); jitted in __init__."""
-        m = self.cfg.model
-        labels = model.shift_labels(tokens, m.pad_token_id)
-        logits = model.forward(params, tokens, m, jnp.dtype(self.cfg.train.compute_dtype),
-                               constrain=shard.residual_constraint(self.mesh), segments=documents(self.cfg, tokens),
-                               attend_fn=shard.context_attention(self.mesh))
+        logits, labels = self._logits(params, batch)
         n = (labels != model.IGNORE_INDEX).sum()
         return model.cross_entropy(logits, labels)[1] * n, n
 
@@ -426,7 +472,7 @@ def plan(argv):
     params = {k: abstract(p.shape, jnp.float32, p_sh[k]) for k, p in model.param_table(m).items()}
     opt = dict(m=params, v=params, count=abstract((), jnp.int32, o_sh["count"]))
     hist = jax.tree.map(lambda x: abstract(x.shape, x.dtype, h_sh), new_history())
-    batch = abstract((accum, args.batch // accum, args.seq), jnp.int32, shard.batch_sharding(mesh))
+    batch = dict(tokens=abstract((accum, args.batch // accum, args.seq), jnp.int32, shard.batch_sharding(mesh)))
     t0 = time.perf_counter()
     compiled = make_train_step(cfg, mesh).lower(params, opt, hist, batch, jnp.float32(1e-4)).compile()
     seconds = time.perf_counter() - t0
@@ -476,6 +522,7 @@ class TorchBackend:
              dict(params=[p for n, p in self.named.items() if not decay[n]], weight_decay=0.0)],
             lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps)
         self.history = new_history()  # on the host, read by is_outlier
+        self.loss, self.total_of = make_loss(cfg, model.cross_entropy_torch, model.label_logps_torch, torch)
         kind = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         self.peak = PEAK_FLOPS.get(kind)
         self.layout[-1] += f" on {kind}" + (", torch.compile" if tc.compile else "")
@@ -511,23 +558,27 @@ class TorchBackend:
                 for n, p in self.named.items():
                     self.optim.state[p].update({key: moments[n], "step": torch.tensor(float(views["step"]))})
 
-    def step(self, tokens, lr):
-        """tokens (B_rank, T): this rank's instances, cut into micro-batches; the same sums as the JAX step."""
+    def step(self, batch, lr):
+        """batch: {tokens (B_rank, T), ...}, this rank's rows, cut into micro-batches; the same sums as the JAX step."""
         tc = self.cfg.train
-        x, y, docs = self._inputs(tokens)  # (B_rank, T) each
-        n_total = shard.torch_sum((y != model.IGNORE_INDEX).sum()).clamp(min=1)  # over the global batch, as OLMo-core
-        sums = torch.zeros(2, device=self.device)  # loss, ce
-        docs = [None] * self.accum if docs is None else docs.split(self.micro)
-        for a, (xa, ya, da) in enumerate(zip(x.split(self.micro), y.split(self.micro), docs)):
+        x, y, docs, rows = self._inputs(batch)  # (B_rank, T) each; rows: the per-row values (ref)
+        total = shard.torch_sum(torch.as_tensor(self.total_of(y), device=self.device)).clamp(min=1)  # global batch's
+        per = self.micro * (2 if tc.loss.startswith("dpo") else 1)  # rows per micro-batch: a pair's two together
+        sums = {}
+        docs = [None] * self.accum if docs is None else docs.split(per)
+        parts = zip(x.split(per), y.split(per), docs, [{k: v[a * per:(a + 1) * per] for k, v in rows.items()}
+                                                        for a in range(self.accum)])
+        for a, (xa, ya, da, ra) in enumerate(parts):
             if self.processes > 1:
                 self.net.set_requires_gradient_sync(a == self.accum - 1)  # reduce-scatter once, after the last
-            loss, ce, _ = model.cross_entropy_torch(self.net(xa, self.dtype, tc.remat, da), ya, tc.z_loss)
-            share = (ya != model.IGNORE_INDEX).sum() / n_total
+            share, aux = self.loss(self.net(xa, self.dtype, tc.remat, da), ya, ra, total)
             # FSDP2 averages gradients over ranks; each rank's loss is already its share of the global
             # mean, so scale by the rank count to get their sum.
-            (loss * share * self.world).backward()
-            sums += torch.stack([loss.detach(), ce.detach()]) * share
-        loss, ce = shard.torch_sum(sums).tolist()
+            (share * self.world).backward()
+            for k, v in dict(loss=share, **aux).items():
+                sums[k] = sums.get(k, 0.0) + v.detach().double()
+        sums = dict(zip(sums, shard.torch_sum(torch.stack(list(sums.values()))).tolist()))
+        loss = sums["loss"]
         norm = shard.torch_full(torch.nn.utils.get_total_norm([p.grad for p in self.named.values()]))
         grad_norm = float(norm)
         ok = math.isfinite(loss) and math.isfinite(grad_norm)
@@ -541,15 +592,22 @@ class TorchBackend:
             self.optim.step()
         self.optim.zero_grad(set_to_none=True)
         self.history = push_history(self.history, loss, grad_norm)
-        return dict(loss=loss, ce=ce, grad_norm=grad_norm, skipped=not ok)
+        return dict(sums, grad_norm=grad_norm, skipped=not ok)
 
-    def _inputs(self, tokens):  # tokens, next-token labels, document ids or None: int64 on this rank's device
-        parts = tokens, model.shift_labels(tokens, self.cfg.model.pad_token_id), documents(self.cfg, tokens)
-        return [None if a is None else torch.from_numpy(a.astype(np.int64)).to(self.device) for a in parts]
+    def _inputs(self, batch):  # tokens, next-token labels, document ids or None: int64 on this rank's device; the rest
+        tokens = batch["tokens"]
+        parts = tokens, model.shift_labels(tokens, self.cfg.model.pad_token_id, batch.get("mask")), documents(self.cfg, tokens)
+        rows = {k: torch.from_numpy(v).to(self.device) for k, v in batch.items() if k not in ("tokens", "mask")}
+        return [None if a is None else torch.from_numpy(a.astype(np.int64)).to(self.device) for a in parts] + [rows]
 
     @torch.no_grad()
-    def eval(self, tokens):
-        x, y, docs = self._inputs(tokens)
+    def score(self, batch):
+        x, y, docs, _ = self._inputs(batch)
+        return model.label_logps_torch(self.net(x, self.dtype, segments=docs), y).sum(-1).double().cpu().numpy()
+
+    @torch.no_grad()
+    def eval(self, batch):
+        x, y, docs, _ = self._inputs(batch)
         n = (y != model.IGNORE_INDEX).sum()
         nats = model.cross_entropy_torch(self.net(x, self.dtype, segments=docs), y)[1].double() * n
         s, n = shard.torch_sum(torch.stack([nats, n.double()])).tolist()
@@ -574,8 +632,26 @@ class TorchBackend:
 # --- main: one run, in the sections below -------------------------------------------------------
 
 def open_data(cfg):
-    """(training instances, held-out instances or None, the dataset's tokenizer or None)."""
-    dc, m = cfg.data, cfg.model
+    """(training instances, held-out instances or None, the dataset's tokenizer or None). The data says what it is:
+    text or chat (a prepared folder; chat has label masks), preference pairs (a prepared folder) or prompts (a
+    .jsonl file); train.loss must fit it."""
+    dc, m, tc = cfg.data, cfg.model, cfg.train
+    kind = ("prompts" if dc.path.endswith(".jsonl") else
+            data.load_dataset_info(dc.path).get("kind", "text") if Path(dc.path).is_dir() else "text")
+    fits = {"ce": ("text", "chat"), "dpo": ("pairs",), "dpo_norm": ("pairs",), "grpo": ("prompts",)}[tc.loss]
+    if kind not in fits:
+        raise ConfigError(f"train.loss={tc.loss!r} does not train on {kind} (data.path={dc.path!r}); it takes "
+                          + " or ".join(fits) + " (docs/posttrain.md)")
+    if kind == "prompts":  # the tokenizer and template the policy was fine-tuned with
+        if tc.backend != "jax" or not tc.init_from:
+            raise ConfigError("train.loss='grpo' samples with the JAX KV cache from a fine-tuned model: it needs "
+                              "train.backend='jax' and train.init_from")
+        tok = evaluate.checkpoint_tokenizer(tc.init_from, m)
+        prompts = data.Prompts(dc.path, tok, dc.chat_template)
+        if (P := max(len(p) for p, _ in prompts.items)) + tc.grpo_max_new > dc.seq_len:
+            raise ConfigError(f"data.seq_len={dc.seq_len} cannot hold {dc.path}'s longest prompt ({P} tokens) and "
+                              f"train.grpo_max_new={tc.grpo_max_new} more")
+        return prompts, None, tok
     packed = dict(eos=m.eos_token_id, pad=m.pad_token_id, group_size=dc.source_group_size,
                   permutation_seed=dc.source_permutation_seed, long_docs=dc.long_docs) if dc.packing == "packed" else None
     instances = data.open_instances(dc.path, dc.seq_len, dc.seed, packed)
@@ -585,8 +661,98 @@ def open_data(cfg):
         raise ConfigError(f"{dc.path} was tokenized with {V} ids but model.vocab_size={cfg.model.vocab_size}")
     held = data.dataset_files(dc.path, "heldout")
     enough = held and sum(f.tokens for f in held) >= dc.seq_len  # one instance at least
-    heldout = data.Instances([("heldout", held, None)], dc.seq_len) if enough else None
+    heldout = None if not enough else data.open_instances(dc.path, dc.seq_len, split="heldout") \
+        if kind == "pairs" else data.Instances([("heldout", held, None)], dc.seq_len)
     return instances, heldout, data.dataset_tokenizer(dc.path)
+
+
+# --- post-training: DPO's reference log-probs, GRPO's rollouts ---------------------------------------
+
+def pair_scores(backend, pairs, rows):
+    """(N, 2) summed log-probs of each pair's answers under the backend's params, and their target counts; `rows`
+    pairs per forward (this process holds every row: the reference pass runs in one process)."""
+    sums, counts = np.zeros((pairs.n, 2)), np.zeros((pairs.n, 2))
+    for start in tqdm(range(0, pairs.n, rows), desc="log-probs of pairs", leave=False):
+        ids = np.arange(start, start + rows) % pairs.n  # the last forward wraps round (same values, written twice)
+        mask = np.stack([pairs.read(i, "mask") for i in ids]).reshape(-1, pairs.seq_len)
+        batch = dict(tokens=np.stack([pairs.read(i) for i in ids]).reshape(-1, pairs.seq_len).astype(np.int32), mask=mask)
+        sums[ids], counts[ids] = backend.score(batch).reshape(-1, 2), mask[:, 1:].sum(-1).reshape(-1, 2)
+    return sums, counts
+
+
+def checkpoint_sha256(path):
+    h = hashlib.sha256()
+    for f in sorted(Path(path).glob("model*.safetensors")):
+        with open(f, "rb") as fh:
+            h.update(hashlib.file_digest(fh, "sha256").digest())
+    return h.hexdigest()
+
+
+def reference_logps(backend, cfg, splits):
+    """DPO's reference: each pair's summed log-probs under the frozen start (train.init_from), computed once by a
+    pass before the first step and kept beside the data (DATA/reference_logps.SPLIT.npy, and .json naming the
+    checkpoint by sha256), as open-instruct caches them. A file for another checkpoint or seq_len is refused."""
+    dc, tc = cfg.data, cfg.train
+    if not tc.init_from:
+        raise ConfigError(f"train.loss={tc.loss!r} needs train.init_from: the SFT model, policy and reference both")
+    meta_path, want = Path(dc.path) / "reference_logps.json", dict(sha256=checkpoint_sha256(tc.init_from), seq_len=dc.seq_len)
+    if meta_path.is_file():
+        have = read_json(meta_path, f"delete {meta_path} to recompute the reference log-probs")
+        if {k: have.get(k) for k in want} != want:
+            raise ValueError(f"{meta_path}: reference log-probs of {have.get('checkpoint')} at seq_len "
+                             f"{have.get('seq_len')}, not of train.init_from={tc.init_from} at data.seq_len={dc.seq_len}"
+                             f" (sha256 {str(have.get('sha256'))[:12]}... vs {want['sha256'][:12]}...); delete "
+                             f"{meta_path} and reference_logps.*.npy beside it to recompute them")
+        for name, pairs in splits.items():
+            pairs.ref = np.load(meta_path.with_name(f"reference_logps.{name}.npy"), allow_pickle=False)
+            if pairs.ref.shape != (pairs.n, 2):
+                raise ValueError(f"{meta_path.with_name(f'reference_logps.{name}.npy')}: shape {pairs.ref.shape}, "
+                                 f"expected ({pairs.n}, 2): delete it and {meta_path} to recompute")
+        return
+    if backend.processes > 1:
+        raise ConfigError("the reference pass runs in one process: start the DPO run once on one host, then resume")
+    for name, pairs in splits.items():
+        pairs.ref = pair_scores(backend, pairs, cfg.data.global_batch)[0].astype(np.float32)
+        tmp = meta_path.with_name(f"reference_logps.{name}.tmp.npy")
+        np.save(tmp, pairs.ref)
+        convert.replace(tmp, meta_path.with_name(f"reference_logps.{name}.npy"))
+    tmp = meta_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(dict(checkpoint=str(tc.init_from), **want), indent=1) + "\n")
+    convert.replace(tmp, meta_path)
+    print(f"reference log-probs of {tc.init_from} for {', '.join(f'{p.n} {k}' for k, p in splits.items())} pairs: {meta_path}")
+
+
+def pair_eval(backend, pairs, cfg):
+    """DPO on held-out pairs: the loss, the preference accuracy (chosen preferred over rejected) and the margin."""
+    sums, counts = pair_scores(backend, pairs, cfg.data.global_batch)
+    ref = pairs.ref
+    if cfg.train.loss == "dpo_norm":
+        sums, ref = sums / counts, ref / counts
+    losses, margins = model.dpo_loss(sums.ravel(), ref.ravel(), cfg.train.dpo_beta, np)
+    return dict(eval_loss=float(losses.mean()), eval_accuracy=float((margins > 0).mean()), eval_margin=float(margins.mean()))
+
+
+def rollouts(backend, cfg, batch, step, tok):
+    """GRPO's batch for this step: train.grpo_group completions of each prompt, sampled from the current policy with
+    the KV cache, each rewarded 1 if its first number is the answer (the verifiable reward) else 0; advantages
+    normalised in the group, (r - mean) / (std + 1e-8) (open-instruct's "standard"; all equal: no signal). Rows:
+    prompt + completion padded to seq_len, the mask on the completion. Each step draws from its own seed, so a
+    resumed run samples what the first would have."""
+    tc, T, G = cfg.train, cfg.data.seq_len, cfg.train.grpo_group
+    tokens = np.full((len(batch["prompts"]) * G, T), cfg.model.pad_token_id, np.int32)
+    mask, reward = np.zeros_like(tokens, bool), np.zeros(len(tokens), np.float32)
+    for j, (prompt, answer) in enumerate(zip(batch["prompts"], batch["answers"])):
+        seed = int(np.random.SeedSequence([tc.init_seed, step, backend.ranks[0], j]).generate_state(1)[0])
+        new = evaluate.sample(backend.params, cfg.model, np.tile(prompt, (G, 1)), tc.grpo_max_new,
+                              tc.grpo_temperature, seed, tok.vocab_size)
+        for g, row in enumerate(new):
+            done, r = evaluate.until_eos(row, tok.eos_id), j * G + g
+            tokens[r, :len(prompt) + len(done)] = prompt + done
+            mask[r, len(prompt):len(prompt) + len(done)] = True
+            reward[r] = data.first_number(tok.decode(done)) == answer
+    groups = reward.reshape(-1, G)
+    advantage = (groups - groups.mean(1, keepdims=True)) / (groups.std(1, keepdims=True) + 1e-8)
+    return dict(tokens=tokens, mask=mask, advantage=advantage.ravel().astype(np.float32), reward=reward)
 
 
 def restore(backend, cfg):
@@ -616,6 +782,13 @@ def restore(backend, cfg):
     return None, 0, 0, []
 
 
+def evaluate_held_out(backend, heldout, cfg, token_bytes, batches):
+    """The held-out split's loss: cross-entropy and bits per byte, or (DPO) pair_eval's loss and accuracy."""
+    if heldout is not None and cfg.train.loss.startswith("dpo"):
+        return pair_eval(backend, heldout, cfg)
+    return held_out_eval(backend, heldout, cfg.data, token_bytes, batches)
+
+
 def held_out_eval(backend, heldout, dc, token_bytes, batches):
     """Loss (nats/token) and bits per byte on the held-out split, first `batches` batches (0 = all)."""
     if heldout is None:
@@ -623,8 +796,12 @@ def held_out_eval(backend, heldout, dc, token_bytes, batches):
     rows = np.arange(dc.global_batch).reshape(backend.world, -1)[backend.ranks].ravel()  # this process's ranks' rows
     nats = count = n_bytes = 0
     for b in range(min(heldout.n // dc.global_batch, batches or heldout.n)):
+        ids = b * dc.global_batch + rows
         tokens = np.stack([heldout.read(b * dc.global_batch + i) for i in range(dc.global_batch)]).astype(np.int32)
-        s, n = backend.eval(tokens[rows])
+        batch = dict(tokens=tokens[rows])
+        if heldout.files[0].has_mask:  # chat: the assistant's tokens only
+            batch["mask"] = np.stack([heldout.read(i, "mask") for i in ids])
+        s, n = backend.eval(batch)
         nats, count = nats + s, count + n
         if token_bytes is not None:
             n_bytes += int(token_bytes[tokens[:, 1:]].sum())
@@ -657,6 +834,9 @@ def task_eval(backend, tasks):
     return {f"{name}_acc": r["acc"] for name, r in evaluate.score_tasks(tasks["scorer"], tasks).items()}
 
 
+POSTTRAIN_METRICS = ("margin", "accuracy", "reward", "eval_accuracy")  # DPO's and GRPO's, logged as they come
+
+
 def log(record, metrics_path, write):
     """One metrics.jsonl line, and its aligned line on the screen."""
     if "loss" in record:
@@ -664,7 +844,8 @@ def log(record, metrics_path, write):
         write(f"step {record['step']:>6} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | grad norm "
               f"{record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s | MFU {mfu}"
               + (" | SKIPPED" if record["skipped"] else "")
-              + (f" | held-out bpb {record['eval_bpb']:.3f}" if record.get("eval_bpb") else ""))
+              + (f" | held-out bpb {record['eval_bpb']:.3f}" if record.get("eval_bpb") else "")
+              + "".join(f" | {k.replace('_', ' ')} {record[k]:.3f}" for k in POSTTRAIN_METRICS if k in record))
     accs = [f"{k[:-4]} {100 * v:.1f}%" for k, v in record.items() if k.endswith("_acc")]
     if accs:
         write(f"step {record['step']:>6} | " + " | ".join(accs))
@@ -721,8 +902,17 @@ def main(argv):
 
     # --- params: resume this run, or start a stage from another checkpoint, or initialise
     last_saved, start, loader_pos, window = restore(backend, cfg)  # window: losses since the last log line
-    loader = data.Loader(instances, dc.global_batch, dc.seed, world=backend.world, ranks=backend.ranks,
-                         start_step=loader_pos, vocab_size=m.vocab_size)
+    if tc.loss.startswith("dpo"):  # the start is the reference: its log-probs, before the first step changes it
+        reference_logps(backend, cfg, dict(train=instances, **({"heldout": heldout} if heldout else {})))
+    rows_per_item = tc.grpo_group if tc.loss == "grpo" else 1  # GRPO: global_batch counts completions, G a prompt
+    loader = data.Loader(instances, dc.global_batch // rows_per_item, dc.seed, world=backend.world,
+                         ranks=backend.ranks, start_step=loader_pos, vocab_size=m.vocab_size)
+    if tc.epochs:  # resolved here, from the data, before anything reads them (and saved so in config.json)
+        tc.steps = tc.epochs * loader.batches_per_epoch
+    if tc.warmup_fraction:
+        tc.warmup = round(tc.warmup_fraction * tc.steps * (tokens_per_step if tc.units == "tokens" else 1))
+    # The step's rows: the loader's, or (GRPO) completions sampled from the policy of the moment for its prompts.
+    make_batch = (lambda step, b: rollouts(backend, cfg, b, step, tok)) if tc.loss == "grpo" else lambda step, b: b
     if lead:
         save_json(cfg, run_dir / "config.json")
     # what this run is: the config, params, the batch arithmetic, the layout, the data
@@ -749,9 +939,9 @@ def main(argv):
     bar = tqdm(range(start + 1, tc.steps + 1), initial=start, total=tc.steps, desc="train", dynamic_ncols=True,
                disable=not lead)
     t_last, pending = time.perf_counter(), []  # pending: (step, lr, metrics still on the device)
-    for step, (_, tokens) in zip(bar, loader):
+    for step, (_, batch) in zip(bar, loader):
         lr = lr_at(step, tc, tokens_per_step, tc.steps)
-        pending.append((step, lr, backend.step(tokens, lr)))  # JAX returns at once: the step runs while we go on
+        pending.append((step, lr, backend.step(make_batch(step, batch), lr)))  # JAX returns at once: runs meanwhile
         logging = step % tc.log_every == 0 or step == tc.steps
         evaluating = ec.every and step % ec.every == 0 and step != tc.steps
         stopping = stop["signal"]  # read once: a signal that lands later is this same path after the next step
@@ -771,11 +961,12 @@ def main(argv):
         if logging:
             tps = len(window) * tokens_per_step / (time.perf_counter() - t_last)
             mfu = flops * tps / (backend.peak * backend.n_devices) if backend.peak else None
-            record = dict(step=step, loss=sum(window) / len(window), ce=out["ce"], lr=lr, grad_norm=out["grad_norm"],
-                          tokens_per_s=tps, skipped=out["skipped"], mfu=mfu, tokens=step * tokens_per_step)
+            record = dict(step=step, loss=sum(window) / len(window), lr=lr, grad_norm=out["grad_norm"],
+                          tokens_per_s=tps, skipped=out["skipped"], mfu=mfu, tokens=step * tokens_per_step,
+                          **{k: out[k] for k in POSTTRAIN_METRICS + ("ce",) if k in out})
             t_last, window = time.perf_counter(), []
         if evaluating:
-            record = {"step": step, **record, **held_out_eval(backend, heldout, dc, token_bytes, ec.batches),
+            record = {"step": step, **record, **evaluate_held_out(backend, heldout, cfg, token_bytes, ec.batches),
                       **task_eval(backend, tasks)}
             t_last = time.perf_counter()  # tokens/s measures training only
         if record and lead:
@@ -792,13 +983,16 @@ def main(argv):
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
     # --- the end: held-out bits per byte against a unigram model, downstream tasks, the plot, a sample
-    final = held_out_eval(backend, heldout, dc, token_bytes, 0)
-    if final and lead:
+    final = evaluate_held_out(backend, heldout, cfg, token_bytes, 0)
+    if final and lead and "eval_bpb" in final:
         line = f"held-out loss {final['eval_loss']:.4f} nats/token"
         if final["eval_bpb"] is not None:
             final["unigram_bpb"] = evaluate.unigram_bpb(instances, heldout, token_bytes, m.vocab_size)
             line += f", {final['eval_bpb']:.4f} bits/byte (a unigram model of the training tokens: {final['unigram_bpb']:.4f})"
         print(line)
+    if "eval_accuracy" in final and lead:
+        print(f"held-out pairs: DPO loss {final['eval_loss']:.4f}, chosen preferred {100 * final['eval_accuracy']:.1f}%, "
+              f"mean margin {final['eval_margin']:.3f}")
     final.update(task_eval(backend, tasks))
     if lead:
         log(dict(step=tc.steps, **final), None, print)  # (no "loss": the accuracies' line only)

@@ -139,10 +139,11 @@ class DataConfig:
     source_group_size: int = 8          # packed: files packed together (Olmo 3 stage 3: 8; SFT: 1)
     source_permutation_seed: int = 123  # packed: Python's random.Random(seed).shuffle of the files first
     long_docs: str = "truncate"         # packed: a document longer than seq_len keeps its start, or is cut in pieces
+    chat_template: str = "tulu"   # GRPO's prompts file (data.path *.jsonl) is rendered in this (data.CHAT_TEMPLATES)
 
     def __post_init__(self):
         _checks(positive="seq_len global_batch source_group_size", packing=["fsl", "packed"],
-                long_docs=["truncate", "fragment"])(self)
+                long_docs=["truncate", "fragment"], chat_template=["tulu", "olmo"])(self)
         _need(self, self.packing == "fsl" or self.doc_mask, "doc_mask", "packing='packed' puts several documents "
               "in an instance with padding after them: set data.doc_mask=true to keep them apart")
 
@@ -188,10 +189,21 @@ class TrainConfig:
     log_every: int = 10
     checkpoint_every: int = 500
     keep: int = 2                 # checkpoints kept (the newest)
-    __post_init__ = _checks(positive="steps log_every checkpoint_every keep eps", unit="beta1 beta2",
-                            nonneg="micro_batch warmup t_max lr warmup_min_lr alpha_f weight_decay clip z_loss",
+    # What the step minimises (docs/posttrain.md): ce = next-token cross-entropy (pretraining, and SFT on chat data,
+    # whose label mask keeps the assistant's tokens); dpo / dpo_norm on preference pairs; grpo on a prompts file.
+    loss: str = "ce"
+    epochs: int = 0               # > 0: steps = epochs x the data's steps per epoch (post-training counts epochs)
+    warmup_fraction: float = 0.0  # > 0: warmup = this fraction of the steps (OLMo-core SFT 0.03, open-instruct DPO 0.1)
+    dpo_beta: float = 0.1         # DPO's β: 0.1 for sigmoid DPO (Tulu 2), 5 for dpo_norm (OLMo 2/3)
+    grpo_group: int = 8           # GRPO: completions per prompt (Olmo 3: 8); data.global_batch counts completions
+    grpo_max_new: int = 8         # GRPO: tokens per completion at most
+    grpo_temperature: float = 1.0  # GRPO: sampling temperature (Olmo 3: 1.0)
+    __post_init__ = _checks(positive="steps log_every checkpoint_every keep eps dpo_beta grpo_group grpo_max_new "
+                                     "grpo_temperature", unit="beta1 beta2 warmup_fraction",
+                            nonneg="micro_batch warmup t_max lr warmup_min_lr alpha_f weight_decay clip z_loss epochs",
                             backend=["jax", "torch"], compute_dtype=["float32", "bfloat16"], units=["steps", "tokens"],
-                            remat=["none", "block", "mlp"], schedule=["cosine", "linear", "half_cosine", "constant"])
+                            remat=["none", "block", "mlp"], schedule=["cosine", "linear", "half_cosine", "constant"],
+                            loss=["ce", "dpo", "dpo_norm", "grpo"])
 
 
 @dataclass

@@ -36,7 +36,7 @@ for name, (d, f, c, t) in MESHES.items():
     step = train.make_train_step(cfg, mesh)
     losses = []
     for s in range(3):
-        batch = jax.device_put(tokens[s], shard.batch_sharding(mesh))
+        batch = dict(tokens=jax.device_put(tokens[s], shard.batch_sharding(mesh)))
         params, opt, history, metrics = step(params, opt, history, batch, jnp.float32(1e-2))
         losses.append(float(metrics["loss"]))
     kept = all(params[k].sharding.spec == p_sh[k].spec and opt["m"][k].sharding.spec == p_sh[k].spec for k in params)

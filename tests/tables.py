@@ -12,7 +12,7 @@ fails leaves its block alone too, and the script exits non-zero at the end.
 
     seconds  configs, paramtable, corpus, demo, parity, check   (configs, model.py, data/, runs/tiny/, transformers)
     minutes  bench, attention, databench, eval_tasks, eval_bpb, generate, plan, plan_stage3, plan_tpu (libtpu only),
-             longctx (after `make longctx`)
+             longctx (after `make longctx`), posttrain (after `make posttrain`)
     longest  curves, curves_own_lr: five 300-step training runs from scratch under runs/tables/, and the PNGs
 """
 
@@ -35,6 +35,7 @@ from configs import load_config, load_json  # noqa: E402
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"(<!-- table:([\w.-]+) -->\n)(.*?)(<!-- /table -->)", re.S)
 # An overlay file (a later stage) is shown stacked on the config it extends.
+POSTTRAIN = re.compile(r"-(sft|dpo|rl|grpo)$")  # configs of post-training stages (docs/posttrain.md)
 OVERLAYS = {"olmo3-7b-stage3": "olmo3-7b", "olmo3-32b-stage3": "olmo3-32b", "tiny-stage3": "tiny"}
 TINY = load_config([str(ROOT / "configs/tiny.toml")])
 SHARED = ROOT.parent / "shared"
@@ -80,6 +81,8 @@ def config_rows():
     import model
     rows = []
     for path in sorted((ROOT / "configs").glob("*.toml")):
+        if POSTTRAIN.search(path.stem):
+            continue  # post-training stages change the data and the loss, not the model
         files = [OVERLAYS[path.stem], path.stem] if path.stem in OVERLAYS else [path.stem]
         rows.append((" + ".join(files), load_config([str(ROOT / f"configs/{f}.toml") for f in files]).model))
     return sorted(rows, key=lambda r: (r[1].family, model.count_params(r[1]), r[0]))
@@ -340,6 +343,15 @@ def longctx():
                  f"--data {stage3.data.path} --seq-len {stage3.data.seq_len}")
 
 
+def posttrain():
+    """docs/posttrain.md and README: held-out exact match of the demo model and its three post-training stages."""
+    stages = [load_config([str(ROOT / "configs/tiny.toml"), str(ROOT / f"configs/tiny-{s}.toml")]).train
+              for s in ("sft", "dpo", "grpo")]
+    ckpts = [stages[0].init_from] + [f"{t.run_dir}/step_{t.steps}" for t in stages]
+    needs(*(ROOT / c for c in ckpts))
+    return shown(f"python eval.py exact {' '.join(ckpts)} --prompts data/arith/heldout.jsonl --template tulu")
+
+
 def train_runs(runs, steps, extra):
     """Train each (run_dir, flags, env) from scratch; per-step relative loss differences of each from the first."""
     for run_dir, flags, env in runs:
@@ -385,7 +397,7 @@ def curves_own_lr():
 TABLES = {"configs": configs, "paramtable": paramtable, "corpus": corpus, "demo": demo, "parity": parity,
           "check": check, "bench": bench, "attention": attention, "databench": databench, "eval_tasks": eval_tasks,
           "eval_bpb": eval_bpb, "generate": generate, "plan": plan, "plan_tpu": plan_tpu, "plan_stage3": plan_stage3,
-          "longctx": longctx, "curves": curves,
+          "longctx": longctx, "posttrain": posttrain, "curves": curves,
           "curves_own_lr": curves_own_lr}
 
 

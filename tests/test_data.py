@@ -294,7 +294,8 @@ def test_order_is_olmo_core(tmp_path):
     assert 103 // G == 12
     for r in range(world):
         loader = data.Loader(inst, G, seed, world, ranks=(r,))
-        for step, tokens in loader:
+        for step, batch in loader:
+            tokens = batch["tokens"]
             if step == 24:
                 break
             assert np.array_equal(tokens[:, 0], expected[step, r]), (step, r)
@@ -307,15 +308,15 @@ def test_resume_and_rank_partition(tmp_path):
     T, G, world, seed = 3, 12, 4, 11
     inst = data.Instances([("a", [ids_file(tmp_path / "a.npy", 0, 100, T)], None)], T)
     full = data.Loader(inst, G, seed, world, ranks=range(world))
-    batches = [full.batch(s) for s in range(20)]
+    batches = [full.batch(s)["tokens"] for s in range(20)]
     resumed = data.Loader(inst, G, seed, world, ranks=range(world), start_step=13)
-    for step, tokens in resumed:
-        assert np.array_equal(tokens, batches[step])
+    for step, batch in resumed:
+        assert np.array_equal(batch["tokens"], batches[step])
         if step == 19:
             break
     assert resumed.state()["step"] == 20
     for s in range(20):
-        parts = [data.Loader(inst, G, seed, world, ranks=(r,)).batch(s)[:, 0] for r in range(world)]
+        parts = [data.Loader(inst, G, seed, world, ranks=(r,)).batch(s)["tokens"][:, 0] for r in range(world)]
         union = np.concatenate(parts)
         assert len(set(union)) == G and set(union) == set(full.global_ids(s))
 

@@ -33,15 +33,15 @@ def test_torch_steps_equal_jax_steps(setup):
     loader = data.Loader(data.open_instances(cfg.data.path, cfg.data.seq_len, 0), cfg.data.global_batch, 0)
     batches = iter(loader)
     for step in range(1, 26):
-        tokens = next(batches)[1]
+        batch = next(batches)[1]
         lr = train.lr_at(step, cfg.train, 256, 25)
-        j, t = (jax.device_get(b.step(tokens, lr)) for b in backends)  # (JAX returns them on the device)
+        j, t = (jax.device_get(b.step(batch, lr)) for b in backends)  # (JAX returns them on the device)
         assert t["loss"] == pytest.approx(j["loss"], rel=REL) and t["ce"] == pytest.approx(j["ce"], rel=REL), (step, j, t)
         assert t["grad_norm"] == pytest.approx(j["grad_norm"], rel=1e-4) and t["skipped"] == j["skipped"], (step, j, t)
     pj, pt = (b.host_params() for b in backends)
     assert max(float(np.abs(pj[k] - pt[k]).max()) for k in pj) < 1e-4
     heldout = np.stack([loader.inst.read(i) for i in range(8)]).astype(np.int32)
-    (nj, cj), (nt, ct) = (b.eval(heldout) for b in backends)
+    (nj, cj), (nt, ct) = (b.eval(dict(tokens=heldout)) for b in backends)
     assert cj == ct and nt == pytest.approx(nj, rel=REL)
 
 

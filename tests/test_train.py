@@ -119,7 +119,7 @@ def test_accumulation_equals_one_batch(setup):
         params = model.init_params(cfg.model, jax.random.PRNGKey(0))
         tokens = np.random.default_rng(1).integers(0, 382, (8, 32)).astype(np.int32)
         A = 8 // (micro or 8)
-        batch = tokens.reshape(A, 8 // A, 32)
+        batch = dict(tokens=tokens.reshape(A, 8 // A, 32))
         p, _, _, out = step(params, train.new_optimizer(params), train.new_history(), batch, jnp.float32(1e-3))
         results.append((float(out["loss"]), float(out["grad_norm"]), jax.device_get(p)))
     for loss, gnorm, p in results[1:]:
@@ -136,12 +136,12 @@ def test_skip_step_skips_outliers(setup):
         return dict(loss=jnp.full(128, 1.0).at[::2].set(1.1), grad_norm=jnp.full(128, 1.0), n=jnp.asarray(n, jnp.int32))
 
     tokens = np.random.default_rng(1).integers(0, 382, (1, 8, 32)).astype(np.int32)
-    p, _, h, out = step(jax.tree.map(jnp.copy, params), train.new_optimizer(params), history(64), tokens, jnp.float32(1e-3))
+    p, _, h, out = step(jax.tree.map(jnp.copy, params), train.new_optimizer(params), history(64), dict(tokens=tokens), jnp.float32(1e-3))
     assert bool(out["skipped"])  # loss ≈ 6 is far above a history of 1.0-1.1
     assert all(np.array_equal(np.asarray(p[k]), np.asarray(params[k])) for k in params)
     assert int(h["n"]) == 65
     # Fewer than 64 values: never skip.
-    _, _, _, out = step(jax.tree.map(jnp.copy, params), train.new_optimizer(params), history(63), tokens, jnp.float32(1e-3))
+    _, _, _, out = step(jax.tree.map(jnp.copy, params), train.new_optimizer(params), history(63), dict(tokens=tokens), jnp.float32(1e-3))
     assert not bool(out["skipped"])
 
 

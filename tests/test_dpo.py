@@ -1,0 +1,196 @@
+"""DPO and GRPO against a reference nobody here wrote: Hugging Face transformers' log-probs of a checkpoint that
+convert.save_hf writes, put through the losses as open-instruct's dpo_loss / _get_batch_logps and TRL's "sigmoid" /
+"sigmoid_norm" compute them (reference/longctx-posttrain-facts.md §2.7), with torch autograd for the gradients.
+Ours: the JAX step (JaxBackend.step), jax.grad of model.forward + train.make_loss, the torch backend, the reference
+pass (score); and GRPO's clipped loss against REINFORCE and PPO's clip."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import convert
+import model
+import train
+from common import VARIANTS, random_params
+from configs import build
+
+tf = pytest.importorskip("transformers")
+P, T, BETA = 4, 24, {"dpo": 0.1, "dpo_norm": 5.0}  # 4 pairs = 8 rows of 24 tokens
+GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-5  # each gradient against HF's autograd; atol relative to the tensor's largest entry
+MODEL = dict(VARIANTS["olmo3"], n_layers=2, layer_pattern="SF")  # sliding (window 5 < T) then full with YaRN
+
+
+def config(loss, micro=0):
+    return build(dict(model=MODEL, data=dict(seq_len=T, global_batch=P),
+                      train=dict(loss=loss, dpo_beta=BETA[loss], micro_batch=micro, steps=1)))
+
+
+def pairs(m, seed=1):
+    """P pairs: a shared prompt, then two answers of different lengths ending in EOS, right-padded; the mask on
+    the answers' tokens only. Rows chosen_0, rejected_0, chosen_1, ..."""
+    rng = np.random.default_rng(seed)
+    tokens, mask = np.full((2 * P, T), m.pad_token_id, np.int32), np.zeros((2 * P, T), bool)
+    for i in range(P):
+        prompt = rng.integers(3, m.vocab_size, rng.integers(3, 9))
+        for j, n in enumerate(rng.choice(np.arange(2, T - len(prompt) + 1), 2, replace=False)):
+            answer = np.append(rng.integers(3, m.vocab_size, n - 1), m.eos_token_id)
+            tokens[2 * i + j, :len(prompt) + n] = np.concatenate([prompt, answer])
+            mask[2 * i + j, len(prompt):len(prompt) + n] = True
+    return dict(tokens=tokens, mask=mask)
+
+
+def hf_logps(net, batch):
+    """Each row's summed answer log-prob and answer length: logits[:, :-1].log_softmax at ids[:, 1:] × mask[:, 1:]."""
+    ids, keep = torch.from_numpy(batch["tokens"]).long(), torch.from_numpy(batch["mask"][:, 1:])
+    logits = net(ids, attention_mask=(ids != net.config.pad_token_id).long()).logits.float()
+    per = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return (per * keep).sum(-1), keep.sum(-1)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny models: on a busy 2-core machine two torch threads waiting on each other make backward ~10x slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    """The policy and a different reference model as HF loads them, their params, and the pairs."""
+    m = config("dpo").model
+    out = {}
+    for name, seed in (("policy", 1), ("reference", 2)):
+        params = random_params(m, seed=seed, std=0.15)
+        convert.save_hf(path := tmp_path_factory.mktemp(name), m, params)
+        net = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+        out[name] = params, net
+    batch = pairs(m)
+    with torch.no_grad():
+        batch["ref"] = hf_logps(out["reference"][1], batch)[0].numpy().astype(np.float32)
+    return m, out, batch
+
+
+def direct(loss, hf_state):
+    """HF's loss, margins and gradients (HF names), as open-instruct / TRL compute them."""
+    _, nets, batch = hf_state
+    net = nets["policy"][1]
+    net.zero_grad()
+    s, n = hf_logps(net, batch)
+    ref = torch.from_numpy(batch["ref"])
+    if loss == "dpo_norm":  # each side by its own answer's length, policy and reference alike
+        s, ref = s / n, ref / n
+    margin = BETA[loss] * ((s[0::2] - ref[0::2]) - (s[1::2] - ref[1::2]))
+    value = -F.logsigmoid(margin).mean()
+    value.backward()
+    return value.item(), margin.detach().numpy(), {k: p.grad.numpy().copy() for k, p in net.named_parameters()}
+
+
+def check_grads(ours, grads):
+    """ours: unstacked names ("layers.3.mlp.up_proj.weight") -> array; grads: HF names."""
+    assert sorted(convert.hf_name(k) for k in ours) == sorted(grads)
+    for k, g in ours.items():
+        h = grads[convert.hf_name(k)]
+        np.testing.assert_allclose(np.asarray(g), h, rtol=GRAD_RTOL, atol=GRAD_ATOL * np.abs(h).max(), err_msg=k)
+
+
+def check_metrics(out, value, margin, grads):
+    """A step's metrics: the mean loss and margin, the preference accuracy, the gradient's norm before clipping."""
+    norm = np.sqrt(sum((g.astype(np.float64) ** 2).sum() for g in grads.values()))
+    assert float(out["loss"]) == pytest.approx(value, rel=1e-5) and float(out["accuracy"]) == (margin > 0).mean()
+    assert float(out["margin"]) == pytest.approx(margin.mean(), rel=1e-5, abs=1e-6)
+    assert float(out["grad_norm"]) == pytest.approx(norm, rel=1e-4)
+
+
+@pytest.mark.parametrize("loss", ["dpo", "dpo_norm"])
+def test_jax_dpo_equals_hf(loss, hf):
+    """JAX: the step's loss, margin, accuracy and grad norm, and jax.grad of forward + make_loss, equal HF's."""
+    m, nets, batch = hf
+    value, margin, grads = direct(loss, hf)
+    assert 0 < (margin > 0).mean() < 1 and value > 0.1  # both signs among the pairs: accuracy says something
+    cfg = config(loss, micro=2)  # 2 micro-batches of 2 pairs
+    backend = train.JaxBackend(cfg)
+    backend.load(model.unstack_layers(nets["policy"][0]), None)
+    check_metrics(jax.device_get(backend.step(batch, 1e-3)), value, margin, grads)
+
+    loss_fn, total_of = train.make_loss(cfg, model.cross_entropy, model.label_logps, jnp)
+    tokens, ref = jnp.asarray(batch["tokens"]), dict(ref=jnp.asarray(batch["ref"]))
+    labels = jnp.asarray(model.shift_labels(batch["tokens"], m.pad_token_id, batch["mask"]))
+    assert (total := total_of(labels)) == P
+    ours = jax.jit(jax.grad(lambda p: loss_fn(model.forward(p, tokens, m), labels, ref, total)[0]))(
+        jax.tree.map(jnp.asarray, nets["policy"][0]))
+    check_grads(model.unstack_layers(ours), grads)
+
+
+@pytest.mark.parametrize("loss", ["dpo", "dpo_norm"])
+def test_torch_dpo_equals_hf(loss, hf):
+    """Torch: torch_model + make_loss(…, torch) and its autograd, and TorchBackend.step's metrics, equal HF's."""
+    m, nets, batch = hf
+    value, margin, grads = direct(loss, hf)
+    cfg = config(loss, micro=1)  # 4 micro-batches of 1 pair
+    net = model.torch_model(m, nets["policy"][0])
+    loss_fn, total_of = train.make_loss(cfg, model.cross_entropy_torch, model.label_logps_torch, torch)
+    labels = torch.from_numpy(model.shift_labels(batch["tokens"], m.pad_token_id, batch["mask"]).astype(np.int64))
+    logits = net(torch.from_numpy(batch["tokens"]).long())
+    share, aux = loss_fn(logits, labels, dict(ref=torch.from_numpy(batch["ref"])), total_of(labels))
+    share.backward()
+    assert share.item() == pytest.approx(value, rel=1e-5)
+    assert aux["margin"].item() == pytest.approx(margin.mean(), rel=1e-5)
+    check_grads({k: p.grad.numpy() for k, p in net.named_parameters()}, grads)
+
+    backend = train.TorchBackend(cfg)
+    backend.load(model.unstack_layers(nets["policy"][0]), None)
+    check_metrics(backend.step(batch, 1e-3), value, margin, grads)
+
+
+def test_reference_pass_equals_hf(hf):
+    """score (the reference pass) in both backends: each row's summed answer log-prob as HF computes it."""
+    m, nets, batch = hf
+    cfg = config("dpo")
+    for backend in (train.JaxBackend(cfg), train.TorchBackend(cfg)):
+        backend.load(model.unstack_layers(nets["reference"][0]), None)
+        got = backend.score(dict(tokens=batch["tokens"], mask=batch["mask"]))
+        np.testing.assert_allclose(got, batch["ref"], rtol=1e-5, atol=1e-5, err_msg=type(backend).__name__)
+
+
+def grad_of(xp):
+    """grad(f, x) for f: array -> scalar, in jax or torch; stop-gradient and the array constructor to match."""
+    if xp == "jax":
+        return lambda f, x: np.asarray(jax.grad(f)(jnp.asarray(x))), jax.lax.stop_gradient, jnp.asarray, jnp
+
+    def grad(f, x):
+        x = torch.tensor(x, requires_grad=True)
+        f(x).backward()
+        return x.grad.numpy()
+    return grad, torch.Tensor.detach, torch.from_numpy, torch
+
+
+@pytest.mark.parametrize("xp", ["jax", "torch"])
+def test_grpo_is_reinforce_then_ppo_clip(xp):
+    """grpo_loss: old = stop_gradient(new) gives −A·∇log π; old ≠ new clips as PPO (zero gradient past the clip
+    in the direction the advantage pushes, the unclipped −ρ·A elsewhere)."""
+    grad, stop, X, ops = grad_of(xp)
+    rng = np.random.default_rng(0)
+    logits, labels = rng.standard_normal((2, 5, 7)).astype(np.float32), rng.integers(0, 7, (2, 5))
+    labels[1, 3:] = model.IGNORE_INDEX
+    A = np.array([[1.5], [-0.7]], np.float32)
+    lps = lambda x: (model.label_logps if xp == "jax" else model.label_logps_torch)(x, X(labels))  # noqa: E731
+    got = grad(lambda x: model.grpo_loss(lps(x), stop(lps(x)), X(A), xp=ops).sum(), logits)
+    want = grad(lambda x: -(X(A) * lps(x)).sum(), logits)  # REINFORCE
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    assert np.abs(want).max() > 0.1 and not want[1, 3:].any()  # ignored targets get no gradient
+    # d loss / d log π = −ρ·A, except 0 where the clip binds: ρ > 1.2 with A > 0, ρ < 0.8 with A < 0
+    ratio = np.array([[0.5, 0.9, 1.0, 1.1, 1.5]] * 2, np.float32)  # π/π_old per token
+    clip = grad(lambda lp: model.grpo_loss(lp, X(-np.log(ratio)), X(A), xp=ops).sum(), np.zeros_like(ratio))
+    np.testing.assert_allclose(clip, np.where((A > 0) & (ratio > 1.2) | (A < 0) & (ratio < 0.8), 0.0, -ratio * A),
+                               rtol=1e-6, atol=1e-7)
+    assert (clip == 0).sum() == 2  # ρ = 1.5 with A > 0, ρ = 0.5 with A < 0
+    if xp == "jax":  # and as the step takes it: make_loss's grpo, over the batch's completion tokens
+        cfg = build(dict(model=MODEL, data=dict(seq_len=5, global_batch=2), train=dict(loss="grpo")))
+        loss_fn, total_of = train.make_loss(cfg, model.cross_entropy, model.label_logps, jnp)
+        rows = dict(advantage=A[:, 0], reward=np.ones(2, np.float32))
+        step = grad(lambda x: loss_fn(x, labels, rows, total_of(labels))[0], logits)
+        np.testing.assert_allclose(step, want / (labels != model.IGNORE_INDEX).sum(), rtol=1e-6, atol=1e-8)
