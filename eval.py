@@ -663,7 +663,7 @@ def chat(params, m, tok, template, prompt=None, max_new=256, temperature=0.0, se
             return
         messages.append(dict(role="user", content=text))
         ids = data.render_chat(tok, messages, template, generation_prompt=True)[0]
-        new, _ = generate(params, m, ids, max_new, temperature=temperature, eos=tok.eos_id, seed=seed,
+        new, _ = generate(params, m, ids, min(max_new, m.max_seq_len - len(ids)), temperature=temperature, eos=tok.eos_id, seed=seed,
                           tokenizer_size=tok.vocab_size)
         answer = tok.decode(new[:-1] if new and new[-1] == tok.eos_id else new)
         print(answer if prompt is not None else f"olmo> {answer}")

@@ -8,10 +8,12 @@
     python train.py configs/tiny.toml --eval.tasks=arc_easy,piqa --eval.tasks_limit=100   # + in-loop tasks (eval.py)
     python train.py plot runs/a runs/b                                   # overlay loss curves -> runs/a/loss.png
     python train.py plan configs/olmo3-32b.toml --mesh data=1,fsdp=256,tensor=1 --batch 1024 --seq 8192   # memory
+    python train.py configs/tiny.toml configs/tiny-sft.toml              # post-training: -sft, -dpo, -grpo (make posttrain)
 
 Both backends read the same config, data loader, schedule and checkpoints; everything between the
 loader and the checkpoint is one of two classes, JaxBackend and TorchBackend, with the same methods
-(init, load, step, eval, pieces for the checkpoint writer, host_params), so the loop has no `if backend`.
+(init, load, step, eval, score, pieces for the checkpoint writer, host_params), so the loop has no `if backend`.
+A post-training stage is the same loop: other data (chat, pairs, prompts) and another train.loss (make_loss).
 
 A run directory holds config.json (the resolved config), metrics.jsonl (a line per logged step), loss.png and
 checkpoints step_N/: HF model directories (config.json, model.safetensors) + optimizer.safetensors (AdamW moments,
@@ -245,18 +247,6 @@ def open_checkpoint(path, m, with_optimizer=True, new_stage=False):
     return state, opt, meta
 
 
-# --- the JAX backend: one jitted step over a device mesh -----------------------------------------
-
-def state_shardings(mesh, m):
-    p = shard.param_shardings(mesh, model.param_table(m))
-    return p, dict(m=p, v=p, count=shard.replicated(mesh)), shard.replicated(mesh)
-
-
-def documents(cfg, tokens):
-    """Document ids (model.segment_ids) when data.doc_mask keeps packed documents apart; None: one attention span."""
-    return model.segment_ids(tokens, cfg.model.eos_token_id) if cfg.data.doc_mask else None
-
-
 # --- the losses: pretraining and SFT, DPO, GRPO; the same step takes any of them ----------------------
 
 def make_loss(cfg, cross_entropy, label_logps, xp):
@@ -287,6 +277,18 @@ def make_loss(cfg, cross_entropy, label_logps, xp):
         return math.prod(labels.shape[:-1]) // 2 if tc.loss.startswith("dpo") else (labels != ignore).sum()
 
     return {"ce": ce, "dpo": dpo, "dpo_norm": dpo, "grpo": grpo}[tc.loss], total_of
+
+
+# --- the JAX backend: one jitted step over a device mesh -----------------------------------------
+
+def state_shardings(mesh, m):
+    p = shard.param_shardings(mesh, model.param_table(m))
+    return p, dict(m=p, v=p, count=shard.replicated(mesh)), shard.replicated(mesh)
+
+
+def documents(cfg, tokens):
+    """Document ids (model.segment_ids) when data.doc_mask keeps packed documents apart; None: one attention span."""
+    return model.segment_ids(tokens, cfg.model.eos_token_id) if cfg.data.doc_mask else None
 
 
 def make_train_step(cfg, mesh):
@@ -629,43 +631,6 @@ class TorchBackend:
         return model.stack_layers({n: shard.torch_full(p).detach().cpu().numpy() for n, p in self.named.items()}, self.cfg.model)
 
 
-# --- main: one run, in the sections below -------------------------------------------------------
-
-def open_data(cfg):
-    """(training instances, held-out instances or None, the dataset's tokenizer or None). The data says what it is:
-    text or chat (a prepared folder; chat has label masks), preference pairs (a prepared folder) or prompts (a
-    .jsonl file); train.loss must fit it."""
-    dc, m, tc = cfg.data, cfg.model, cfg.train
-    kind = ("prompts" if dc.path.endswith(".jsonl") else
-            data.load_dataset_info(dc.path).get("kind", "text") if Path(dc.path).is_dir() else "text")
-    fits = {"ce": ("text", "chat"), "dpo": ("pairs",), "dpo_norm": ("pairs",), "grpo": ("prompts",)}[tc.loss]
-    if kind not in fits:
-        raise ConfigError(f"train.loss={tc.loss!r} does not train on {kind} (data.path={dc.path!r}); it takes "
-                          + " or ".join(fits) + " (docs/posttrain.md)")
-    if kind == "prompts":  # the tokenizer and template the policy was fine-tuned with
-        if tc.backend != "jax" or not tc.init_from:
-            raise ConfigError("train.loss='grpo' samples with the JAX KV cache from a fine-tuned model: it needs "
-                              "train.backend='jax' and train.init_from")
-        tok = evaluate.checkpoint_tokenizer(tc.init_from, m)
-        prompts = data.Prompts(dc.path, tok, dc.chat_template)
-        if (P := max(len(p) for p, _ in prompts.items)) + tc.grpo_max_new > dc.seq_len:
-            raise ConfigError(f"data.seq_len={dc.seq_len} cannot hold {dc.path}'s longest prompt ({P} tokens) and "
-                              f"train.grpo_max_new={tc.grpo_max_new} more")
-        return prompts, None, tok
-    packed = dict(eos=m.eos_token_id, pad=m.pad_token_id, group_size=dc.source_group_size,
-                  permutation_seed=dc.source_permutation_seed, long_docs=dc.long_docs) if dc.packing == "packed" else None
-    instances = data.open_instances(dc.path, dc.seq_len, dc.seed, packed)
-    if not Path(dc.path).is_dir():  # a mix file or a bare token file: no tokenizer, no held-out split
-        return instances, None, None
-    if (V := data.load_dataset_info(dc.path)["vocab_size"]) > cfg.model.vocab_size:
-        raise ConfigError(f"{dc.path} was tokenized with {V} ids but model.vocab_size={cfg.model.vocab_size}")
-    held = data.dataset_files(dc.path, "heldout")
-    enough = held and sum(f.tokens for f in held) >= dc.seq_len  # one instance at least
-    heldout = None if not enough else data.open_instances(dc.path, dc.seq_len, split="heldout") \
-        if kind == "pairs" else data.Instances([("heldout", held, None)], dc.seq_len)
-    return instances, heldout, data.dataset_tokenizer(dc.path)
-
-
 # --- post-training: DPO's reference log-probs, GRPO's rollouts ---------------------------------------
 
 def pair_scores(backend, pairs, rows):
@@ -755,6 +720,43 @@ def rollouts(backend, cfg, batch, step, tok):
     return dict(tokens=tokens, mask=mask, advantage=advantage.ravel().astype(np.float32), reward=reward)
 
 
+# --- main: one run, in the sections below -------------------------------------------------------
+
+def open_data(cfg):
+    """(training instances, held-out instances or None, the dataset's tokenizer or None). The data says what it is:
+    text or chat (a prepared folder; chat has label masks), preference pairs (a prepared folder) or prompts (a
+    .jsonl file); train.loss must fit it."""
+    dc, m, tc = cfg.data, cfg.model, cfg.train
+    kind = ("prompts" if dc.path.endswith(".jsonl") else
+            data.load_dataset_info(dc.path).get("kind", "text") if Path(dc.path).is_dir() else "text")
+    fits = {"ce": ("text", "chat"), "dpo": ("pairs",), "dpo_norm": ("pairs",), "grpo": ("prompts",)}[tc.loss]
+    if kind not in fits:
+        raise ConfigError(f"train.loss={tc.loss!r} does not train on {kind} (data.path={dc.path!r}); it takes "
+                          + " or ".join(fits) + " (docs/posttrain.md)")
+    if kind == "prompts":  # the tokenizer and template the policy was fine-tuned with
+        if tc.backend != "jax" or not tc.init_from:
+            raise ConfigError("train.loss='grpo' samples with the JAX KV cache from a fine-tuned model: it needs "
+                              "train.backend='jax' and train.init_from")
+        tok = evaluate.checkpoint_tokenizer(tc.init_from, m)
+        prompts = data.Prompts(dc.path, tok, dc.chat_template)
+        if (P := max(len(p) for p, _ in prompts.items)) + tc.grpo_max_new > dc.seq_len:
+            raise ConfigError(f"data.seq_len={dc.seq_len} cannot hold {dc.path}'s longest prompt ({P} tokens) and "
+                              f"train.grpo_max_new={tc.grpo_max_new} more")
+        return prompts, None, tok
+    packed = dict(eos=m.eos_token_id, pad=m.pad_token_id, group_size=dc.source_group_size,
+                  permutation_seed=dc.source_permutation_seed, long_docs=dc.long_docs) if dc.packing == "packed" else None
+    instances = data.open_instances(dc.path, dc.seq_len, dc.seed, packed)
+    if not Path(dc.path).is_dir():  # a mix file or a bare token file: no tokenizer, no held-out split
+        return instances, None, None
+    if (V := data.load_dataset_info(dc.path)["vocab_size"]) > cfg.model.vocab_size:
+        raise ConfigError(f"{dc.path} was tokenized with {V} ids but model.vocab_size={cfg.model.vocab_size}")
+    held = data.dataset_files(dc.path, "heldout")
+    enough = held and sum(f.tokens for f in held) >= dc.seq_len  # one instance at least
+    heldout = None if not enough else data.open_instances(dc.path, dc.seq_len, split="heldout") \
+        if kind == "pairs" else data.Instances([("heldout", held, None)], dc.seq_len)
+    return instances, heldout, data.dataset_tokenizer(dc.path)
+
+
 def restore(backend, cfg):
     """Resume (latest), start a stage (train.init_from) or initialise -> (checkpoint or None, step, loader step,
     the losses since the last log line)."""
@@ -796,15 +798,14 @@ def held_out_eval(backend, heldout, dc, token_bytes, batches):
     rows = np.arange(dc.global_batch).reshape(backend.world, -1)[backend.ranks].ravel()  # this process's ranks' rows
     nats = count = n_bytes = 0
     for b in range(min(heldout.n // dc.global_batch, batches or heldout.n)):
-        ids = b * dc.global_batch + rows
-        tokens = np.stack([heldout.read(b * dc.global_batch + i) for i in range(dc.global_batch)]).astype(np.int32)
-        batch = dict(tokens=tokens[rows])
-        if heldout.files[0].has_mask:  # chat: the assistant's tokens only
-            batch["mask"] = np.stack([heldout.read(i, "mask") for i in ids])
-        s, n = backend.eval(batch)
+        ids = b * dc.global_batch + np.arange(dc.global_batch)
+        tokens = np.stack([heldout.read(i) for i in ids]).astype(np.int32)
+        # chat data: the assistant's tokens only, in the loss and in the bytes it is divided by
+        mask = np.stack([heldout.read(i, "mask") for i in ids]) if heldout.files[0].has_mask else None
+        s, n = backend.eval(dict(tokens=tokens[rows]) | ({} if mask is None else dict(mask=mask[rows])))
         nats, count = nats + s, count + n
         if token_bytes is not None:
-            n_bytes += int(token_bytes[tokens[:, 1:]].sum())
+            n_bytes += int(token_bytes[tokens[:, 1:]][True if mask is None else mask[:, 1:]].sum())
     return dict(eval_loss=nats / count, eval_bpb=evaluate.bits_per_byte(nats, n_bytes) if n_bytes else None)
 
 
@@ -986,7 +987,7 @@ def main(argv):
     final = evaluate_held_out(backend, heldout, cfg, token_bytes, 0)
     if final and lead and "eval_bpb" in final:
         line = f"held-out loss {final['eval_loss']:.4f} nats/token"
-        if final["eval_bpb"] is not None:
+        if final["eval_bpb"] is not None and not heldout.files[0].has_mask:  # (a unigram of chat data: not comparable)
             final["unigram_bpb"] = evaluate.unigram_bpb(instances, heldout, token_bytes, m.vocab_size)
             line += f", {final['eval_bpb']:.4f} bits/byte (a unigram model of the training tokens: {final['unigram_bpb']:.4f})"
         print(line)
