@@ -807,7 +807,13 @@ class PairInstances:
             raise ValueError(f"{[str(f.path) for f in files]}: not preference pairs (an even number of documents "
                              "with label masks, from `data.py prepare --chat` on chosen/rejected records)")
         self.docs, self.n = np.asarray(docs, np.int64).reshape(-1, 2, 3), len(docs) // 2
-        self.cut = int(np.maximum(self.docs[..., 2] - self.docs[..., 1] - seq_len, 0).sum())
+        # Each side must keep a target within seq_len (open-instruct drops pairs that do not): targets are the
+        # masked tokens after the first, counted with a running sum of each file's mask.
+        sums = [np.concatenate([[0], np.cumsum(tf.mask(), dtype=np.int64)]) for tf in files]
+        kept = [sums[f][min(e, s + seq_len)] - sums[f][s + 1] for f, s, e in self.docs.reshape(-1, 3).tolist()]
+        if (empty := np.flatnonzero(np.asarray(kept) <= 0)).size:
+            raise ValueError(f"{self.where(empty[0] // 2)}: an answer with no token left within seq_len={seq_len} "
+                             f"({empty.size} sides of {len(kept)}): raise data.seq_len")
 
     def read(self, i, what="array"):
         out = np.full((2, self.seq_len), self.pad if what == "array" else False,

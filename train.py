@@ -737,6 +737,9 @@ def open_data(cfg):
         if tc.backend != "jax" or not tc.init_from:
             raise ConfigError("train.loss='grpo' samples with the JAX KV cache from a fine-tuned model: it needs "
                               "train.backend='jax' and train.init_from")
+        if dc.global_batch % tc.grpo_group:
+            raise ConfigError(f"data.global_batch={dc.global_batch} counts completions: a multiple of "
+                              f"train.grpo_group={tc.grpo_group}")
         tok = evaluate.checkpoint_tokenizer(tc.init_from, m)
         prompts = data.Prompts(dc.path, tok, dc.chat_template)
         if (P := max(len(p) for p, _ in prompts.items)) + tc.grpo_max_new > dc.seq_len:

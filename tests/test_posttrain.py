@@ -97,3 +97,10 @@ def test_chat_keeps_the_conversation(setup, monkeypatch, capsys):
     evaluate.chat(random_params(m), m, tok, "tulu", max_new=4)
     assert [len(s) for s in seen] == [1, 3] and seen[1][1]["role"] == "assistant" and seen[1][0] == seen[0][0]
     assert capsys.readouterr().out.count("olmo> ") == 2
+
+
+def test_pairs_cut_to_nothing_are_refused(arith):
+    """A seq_len that leaves an answer without a target would make dpo_norm divide by zero: refused up front."""
+    with pytest.raises(ValueError, match=r"preference pair \d+ .*no token left within seq_len=8.*raise data\.seq_len"):
+        data.open_instances(arith / "dpo", 8)
+    assert data.open_instances(arith / "dpo", 48).n > 0
