@@ -65,7 +65,7 @@ posttrain: $(DATA)/arith-sft/prepare.json $(DATA)/arith-dpo/prepare.json
 		--prompts $(DATA)/arith/heldout.jsonl --template tulu
 
 test: $(VENV)/.installed-test
-	$(VENV)/bin/python -m pytest -q tests
+	$(VENV)/bin/python -m pytest -q -n 2 tests  # pytest-xdist: two workers, one per core
 
 # Every generated table in README.md and docs/*.md, in place (tests/tables.py; the slow ones take minutes).
 tables: $(VENV)/.installed-test
