@@ -930,6 +930,11 @@ def inspect(d, seq_len, global_batch, seed, step, world=1, rank=None, packed=Non
     for r in range(world) if rank is None else [rank]:
         print(f"rank {r}:")
         for i in loader.rank_ids(step, r):
+            if isinstance(loader.inst, PairInstances):  # a preference pair: its two conversations
+                for side, (f, start, end) in zip(("chosen", "rejected"), loader.inst.docs[i].tolist()):
+                    print(f"  id {i:>8}  {side:<8}  {loader.inst.files[f].path}  tokens [{start}, {end})  "
+                          f"{peek(loader.inst.files[f], start, end)}")
+                continue
             if packed is not None:  # an instance is whole documents (or their first seq_len tokens), then padding
                 docs = loader.inst.docs[loader.inst.offsets[i]:loader.inst.offsets[i + 1]].tolist()
                 print(f"  id {i:>8}  {len(docs)} document(s), {seq_len - sum(e - s for _, s, e in docs)} padding")

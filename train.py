@@ -1081,7 +1081,8 @@ def bench(argv, steps=10):
         dtype = changes.get("compute_dtype", tc.compute_dtype)
         label = (f"nanolmo JAX {attention} ({jax.devices()[0].platform}" if backend_cls is JaxBackend else
                  f"nanolmo torch {attention} {'compiled' if changes['compile'] else 'eager'} ({backend.device.type}")
-        rows.append((f"{label}, {dtype})", timed(lambda: backend.step(tokens, tc.lr)), backend.peak, backend.n_devices))
+        rows.append((f"{label}, {dtype})", timed(lambda: backend.step(dict(tokens=tokens), tc.lr)), backend.peak,
+                     backend.n_devices))
 
     if importlib.util.find_spec("transformers"):  # a test extra: without it the table has no reference row
         import transformers
