@@ -307,12 +307,16 @@ def render_chat(tok, messages, template, generation_prompt=False, train_turns="a
 
 def chat_record(rec, tok, template, where):
     """One JSON line -> its documents [(ids, mask)]: a conversation {"messages"} is one, a preference pair
-    {"chosen", "rejected"} (open-instruct's full message lists; only the last turn differs) two, chosen first."""
+    {"chosen", "rejected"} (open-instruct's full message lists; only the last turn differs; or TRL's explicit
+    form, the shared turns in "prompt" and the answers alone in "chosen" and "rejected") two, chosen first."""
+    if not isinstance(rec, dict):
+        raise ValueError(f"{where}: expected a JSON object")
     if "messages" in rec:
         return [render_chat(tok, check_messages(rec["messages"], where), template)]
     if not ("chosen" in rec and "rejected" in rec):
         raise ValueError(f"{where}: expected 'messages' (SFT) or 'chosen' and 'rejected' (preference pair)")
-    c, r = (check_messages(rec[k], f"{where}: {k}") for k in ("chosen", "rejected"))
+    prompt = check_messages(rec["prompt"], f"{where}: prompt", need_assistant=False) if "prompt" in rec else []
+    c, r = (prompt + check_messages(rec[k], f"{where}: {k}") for k in ("chosen", "rejected"))
     if c[:-1] != r[:-1] or c[-1]["role"] != "assistant" or r[-1]["role"] != "assistant":
         raise ValueError(f"{where}: 'chosen' and 'rejected' must share every message but a last assistant turn "
                          "(their prompts differ)")

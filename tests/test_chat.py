@@ -180,3 +180,14 @@ def test_prepare_refuses_bad_chat_input(tmp_path, case):
     with pytest.raises(ValueError, match=rf"bad\.jsonl:2: {match}"):
         data.prepare([src], out, chat="olmo", workers=1, quiet=True)
     assert not out.exists() and not out.with_name("out.tmp").exists()
+
+
+def test_trl_explicit_pairs_equal_open_instruct_ones(tok):
+    """TRL's explicit pair ({"prompt", "chosen", "rejected"}, answers alone) renders as open-instruct's full lists."""
+    user = [dict(role="system", content="Be brief."), dict(role="user", content="What is 17 + 25?")]
+    answers = [[dict(role="assistant", content=a)] for a in ("42", "32")]
+    full = data.chat_record(dict(chosen=user + answers[0], rejected=user + answers[1]), tok, "olmo", "x:1")
+    explicit = data.chat_record(dict(prompt=user, chosen=answers[0], rejected=answers[1]), tok, "olmo", "x:1")
+    for (ids, mask), (ids2, mask2), answer in zip(full, explicit, ("42", "32")):
+        assert ids == ids2 and np.array_equal(mask, mask2)
+        assert tok.decode(np.asarray(ids)[mask]) == answer + "<|endoftext|>"  # only the last answer is trained
