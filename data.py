@@ -199,6 +199,19 @@ def read_records(path):
         raise ValueError(f"{path}: unreadable after line {lineno} ({e}): the file is truncated or corrupt") from None
 
 
+def json_record(raw, where):
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{where}: invalid JSON ({e})") from None
+
+
+def json_lines(path):
+    """(file:line, record) per non-empty line of a .jsonl / .jsonl.gz file; a bad line stops it, named."""
+    for lineno, raw in read_records(Path(path)):
+        yield f"{path}:{lineno}", json_record(raw, f"{path}:{lineno}")
+
+
 def fix_surrogates(text):
     """Python strings can hold lone UTF-16 surrogates (a JSON "\\ud800" escape decodes to one), which UTF-8
     cannot encode. We join valid pairs and replace lone ones with U+FFFD, as tiktoken would, but count them."""
@@ -244,7 +257,7 @@ def heldout_score(text):
 
 # --- chat: templates, label masks, preference pairs (post-training) -----------------------------
 # The two OLMo chat formats, as open-instruct's CHAT_TEMPLATES render them (transformers' apply_chat_template with
-# the released tokenizer configs gives the same ids: tests/test_posttrain.py). "tulu" (OLMo 1/2 Instruct): plain-text
+# the released tokenizer configs gives the same ids: tests/test_chat.py). "tulu" (OLMo 1/2 Instruct): plain-text
 # headers, BOS first, each assistant turn closed by EOS. "olmo" (Olmo 3): ChatML turns between the special tokens
 # <|im_start|> and <|im_end|>, a default system turn, the last assistant turn closed by EOS. Per role: (header, end).
 OLMO_SYSTEM = ("You are OLMo, a helpful function-calling AI assistant built by Ai2. Your date cutoff is November 2024, "
@@ -329,32 +342,18 @@ class Prompts:
     -> {prompts: [ids], answers: [str]} (not token rows: the rollout makes those)."""
 
     def __init__(self, path, tok, template):
-        self.items, self.seq_len = read_prompts(path, tok, template), 0
-
-    @property
-    def n(self):
-        return len(self.items)
+        self.items = []  # (prompt ids, answer)
+        for where, rec in json_lines(path):
+            msgs = check_messages(rec.get("messages") if isinstance(rec, dict) else None, where, need_assistant=False)
+            if msgs[-1]["role"] != "user" or not isinstance(rec.get("answer"), str):
+                raise ValueError(f"{where}: a prompt needs a last 'user' message and a string 'answer'")
+            self.items.append((render_chat(tok, msgs, template, generation_prompt=True)[0], rec["answer"]))
+        if not self.items:
+            raise ValueError(f"{path}: no prompts")
+        self.n, self.seq_len = len(self.items), 0  # (no token rows of its own: Loader.state records seq_len all the same)
 
     def batch(self, ids):
         return dict(prompts=[self.items[i][0] for i in ids], answers=[self.items[i][1] for i in ids])
-
-
-def read_prompts(path, tok, template):
-    """[(prompt ids, answer)] from a prompts file (Prompts)."""
-    out = []
-    for lineno, raw in read_records(Path(path)):
-        where = f"{path}:{lineno}"
-        try:
-            rec = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: invalid JSON ({e.msg})") from None
-        msgs = check_messages(rec.get("messages"), where, need_assistant=False)
-        if msgs[-1]["role"] != "user" or not isinstance(rec.get("answer"), str):
-            raise ValueError(f"{where}: a prompt needs a last 'user' message and a string 'answer'")
-        out.append((render_chat(tok, msgs, template, generation_prompt=True)[0], rec["answer"]))
-    if not out:
-        raise ValueError(f"{path}: no prompts")
-    return out
 
 
 def first_number(text):
@@ -432,10 +431,7 @@ def _process(batch):
     for src, lineno, raw in batch:
         if w["chat"]:  # a conversation or a preference pair: bad ones stop the run (chat_record says where)
             where = f"{w['sources'][src]}:{lineno}"
-            try:
-                docs = chat_record(json.loads(raw), w["tok"], w["chat"], where)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: invalid JSON ({e.msg})") from None
+            docs = chat_record(json_record(raw, where), w["tok"], w["chat"], where)
             split = "heldout" if heldout_score(raw.decode("utf-8", "replace")) < w["heldout"] else "train"
             out.append((src, lineno, split, [(np.asarray(i, np.uint32), m) for i, m in docs], len(raw), 0))
             continue
@@ -871,17 +867,12 @@ class Loader:
         ids = np.concatenate([self.rank_ids(step, r) for r in self.ranks])
         if isinstance(self.inst, Prompts):
             return self.inst.batch(ids)
-        T = self.inst.seq_len
-        tokens = np.stack([self.inst.read(i) for i in ids]).astype(np.int32).reshape(-1, T)  # (B, T)
+        out = read_rows(self.inst, ids)
+        tokens = out["tokens"]
         if self.vocab_size is not None and tokens.size and tokens.max() >= self.vocab_size:
             row = int(np.argmax(tokens.max(axis=1))) * len(ids) // len(tokens)
             raise ValueError(f"{self.inst.where(ids[row])} holds token id {tokens.max()}, "
                              f"out of range for vocab_size={self.vocab_size}")
-        out = dict(tokens=tokens)
-        if self.inst.files[0].has_mask:
-            out["mask"] = np.stack([self.inst.read(i, "mask") for i in ids]).reshape(-1, T)
-        if getattr(self.inst, "ref", None) is not None:
-            out["ref"] = self.inst.ref[ids].reshape(-1).astype(np.float32)
         return out
 
     def state(self):
@@ -894,6 +885,18 @@ class Loader:
             batch = self.batch(self.step)
             self.step += 1
             yield self.step - 1, batch
+
+
+def read_rows(inst, ids):
+    """Instances `ids` as a step's rows: tokens (B, T) int32 (a pair's two rows side by side), with label masks
+    mask (B, T), with reference log-probs ref (B,)."""
+    T = inst.seq_len
+    out = dict(tokens=np.stack([inst.read(i) for i in ids]).astype(np.int32).reshape(-1, T))
+    if inst.files[0].has_mask:
+        out["mask"] = np.stack([inst.read(i, "mask") for i in ids]).reshape(-1, T)
+    if getattr(inst, "ref", None) is not None:
+        out["ref"] = inst.ref[ids].reshape(-1).astype(np.float32)
+    return out
 
 
 def open_instances(spec, seq_len, seed=0, packed=None, split="train"):

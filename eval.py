@@ -213,14 +213,6 @@ def rolling_windows(t, L, prefix):
     return out
 
 
-def _json_lines(path):  # (file:line, record) per non-empty line of a .jsonl / .jsonl.gz file
-    for lineno, raw in data.read_records(path):
-        try:
-            yield f"{path}:{lineno}", json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{path}:{lineno}: invalid JSON ({e})") from None
-
-
 def read_documents(paths, limit=0):
     """(domain, source, text) per document of .jsonl / .jsonl.gz files; the domain is the record's
     `subdomain` or `domain`, else its `source`, else the file's name. Empty texts are skipped, counted."""
@@ -229,7 +221,7 @@ def read_documents(paths, limit=0):
         if not path.is_file() or not path.name.endswith((".jsonl", ".jsonl.gz")):
             raise FileNotFoundError(f"{path}: expected a .jsonl or .jsonl.gz file of documents")
         stem = path.name.removesuffix(".gz").removesuffix(".jsonl")
-        for at, rec in _json_lines(path):
+        for at, rec in data.json_lines(path):
             text, source = data.fix_surrogates(_field(rec, "text", str, at))[0], str(rec.get("source") or stem)
             if text:
                 docs.append((str(rec.get("subdomain") or rec.get("domain") or source), source, text))
@@ -356,7 +348,7 @@ def read_rows(path):
             raise ValueError(f"{path}: expected a JSON array of rows")
         out = [(f"{path}[{i}]", r) for i, r in enumerate(rows)]
     else:
-        out = list(_json_lines(path))
+        out = list(data.json_lines(path))
     if path.name.endswith(".requests.jsonl.gz"):  # a dump: one line per option; each doc once, first-seen order
         out = list({r["doc_id"]: (at, r["doc"]) for at, r in out if r["doc_id"] < 1_000_000}.values())
     for at, rec in out:

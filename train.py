@@ -249,6 +249,14 @@ def open_checkpoint(path, m, with_optimizer=True, new_stage=False):
 
 # --- the losses: pretraining and SFT, DPO, GRPO; the same step takes any of them ----------------------
 
+def dpo_of(scores, ref, n, tc, xp):
+    """model.dpo_loss from each row's summed answer log-probs (policy, reference) and answer length n;
+    dpo_norm (Olmo 2/3) divides each side by its own length, policy and reference alike."""
+    if tc.loss == "dpo_norm":
+        scores, ref = scores / n, ref / n
+    return model.dpo_loss(scores, ref, tc.dpo_beta, xp)
+
+
 def make_loss(cfg, cross_entropy, label_logps, xp):
     """train.loss as (logits, labels, batch, total) -> (this micro-batch's share of the step's loss, metrics'
     shares). total: what the whole global batch is averaged over, total_of(labels). One definition for both
@@ -261,11 +269,8 @@ def make_loss(cfg, cross_entropy, label_logps, xp):
         return loss * share, dict(ce=ce * share)
 
     def dpo(logits, labels, batch, total):  # total: pairs in the global batch
-        scores, ref = label_logps(logits, labels).sum(-1), batch["ref"]  # (2P,) summed over each answer
-        if tc.loss == "dpo_norm":  # Olmo 2/3: each side by its own answer's length, policy and reference alike
-            n = (labels != ignore).sum(-1)
-            scores, ref = scores / n, ref / n
-        losses, margins = model.dpo_loss(scores, ref, tc.dpo_beta, xp)
+        scores = label_logps(logits, labels).sum(-1)  # (2P,) summed over each answer
+        losses, margins = dpo_of(scores, batch["ref"], (labels != ignore).sum(-1), tc, xp)
         return losses.sum() / total, dict(margin=margins.sum() / total, accuracy=(margins > 0).sum() / total)
 
     def grpo(logits, labels, batch, total):  # total: completion tokens in the global batch (JAX only: it samples)
@@ -639,9 +644,8 @@ def pair_scores(backend, pairs, rows):
     sums, counts = np.zeros((pairs.n, 2)), np.zeros((pairs.n, 2))
     for start in tqdm(range(0, pairs.n, rows), desc="log-probs of pairs", leave=False):
         ids = np.arange(start, start + rows) % pairs.n  # the last forward wraps round (same values, written twice)
-        mask = np.stack([pairs.read(i, "mask") for i in ids]).reshape(-1, pairs.seq_len)
-        batch = dict(tokens=np.stack([pairs.read(i) for i in ids]).reshape(-1, pairs.seq_len).astype(np.int32), mask=mask)
-        sums[ids], counts[ids] = backend.score(batch).reshape(-1, 2), mask[:, 1:].sum(-1).reshape(-1, 2)
+        batch = {k: v for k, v in data.read_rows(pairs, ids).items() if k != "ref"}
+        sums[ids], counts[ids] = backend.score(batch).reshape(-1, 2), batch["mask"][:, 1:].sum(-1).reshape(-1, 2)
     return sums, counts
 
 
@@ -690,10 +694,7 @@ def reference_logps(backend, cfg, splits):
 def pair_eval(backend, pairs, cfg):
     """DPO on held-out pairs: the loss, the preference accuracy (chosen preferred over rejected) and the margin."""
     sums, counts = pair_scores(backend, pairs, cfg.data.global_batch)
-    ref = pairs.ref
-    if cfg.train.loss == "dpo_norm":
-        sums, ref = sums / counts, ref / counts
-    losses, margins = model.dpo_loss(sums.ravel(), ref.ravel(), cfg.train.dpo_beta, np)
+    losses, margins = dpo_of(sums.ravel(), pairs.ref.ravel(), counts.ravel(), cfg.train, np)
     return dict(eval_loss=float(losses.mean()), eval_accuracy=float((margins > 0).mean()), eval_margin=float(margins.mean()))
 
 
@@ -787,28 +788,23 @@ def restore(backend, cfg):
     return None, 0, 0, []
 
 
-def evaluate_held_out(backend, heldout, cfg, token_bytes, batches):
-    """The held-out split's loss: cross-entropy and bits per byte, or (DPO) pair_eval's loss and accuracy."""
-    if heldout is not None and cfg.train.loss.startswith("dpo"):
-        return pair_eval(backend, heldout, cfg)
-    return held_out_eval(backend, heldout, cfg.data, token_bytes, batches)
-
-
-def held_out_eval(backend, heldout, dc, token_bytes, batches):
-    """Loss (nats/token) and bits per byte on the held-out split, first `batches` batches (0 = all)."""
+def held_out_eval(backend, heldout, cfg, token_bytes, batches):
+    """Loss (nats/token) and bits per byte on the held-out split, first `batches` batches (0 = all); DPO: pair_eval's
+    loss and preference accuracy on the held-out pairs."""
     if heldout is None:
         return {}
+    if cfg.train.loss.startswith("dpo"):
+        return pair_eval(backend, heldout, cfg)
+    dc = cfg.data
     rows = np.arange(dc.global_batch).reshape(backend.world, -1)[backend.ranks].ravel()  # this process's ranks' rows
     nats = count = n_bytes = 0
     for b in range(min(heldout.n // dc.global_batch, batches or heldout.n)):
-        ids = b * dc.global_batch + np.arange(dc.global_batch)
-        tokens = np.stack([heldout.read(i) for i in ids]).astype(np.int32)
-        # chat data: the assistant's tokens only, in the loss and in the bytes it is divided by
-        mask = np.stack([heldout.read(i, "mask") for i in ids]) if heldout.files[0].has_mask else None
-        s, n = backend.eval(dict(tokens=tokens[rows]) | ({} if mask is None else dict(mask=mask[rows])))
+        batch = data.read_rows(heldout, b * dc.global_batch + np.arange(dc.global_batch))
+        s, n = backend.eval({k: v[rows] for k, v in batch.items()})
         nats, count = nats + s, count + n
-        if token_bytes is not None:
-            n_bytes += int(token_bytes[tokens[:, 1:]][True if mask is None else mask[:, 1:]].sum())
+        if token_bytes is not None:  # chat data: the assistant's tokens only, as in the loss
+            tokens, keep = batch["tokens"][:, 1:], batch["mask"][:, 1:] if "mask" in batch else True
+            n_bytes += int(token_bytes[tokens][keep].sum())
     return dict(eval_loss=nats / count, eval_bpb=evaluate.bits_per_byte(nats, n_bytes) if n_bytes else None)
 
 
@@ -970,7 +966,7 @@ def main(argv):
                           **{k: out[k] for k in POSTTRAIN_METRICS + ("ce",) if k in out})
             t_last, window = time.perf_counter(), []
         if evaluating:
-            record = {"step": step, **record, **evaluate_held_out(backend, heldout, cfg, token_bytes, ec.batches),
+            record = {"step": step, **record, **held_out_eval(backend, heldout, cfg, token_bytes, ec.batches),
                       **task_eval(backend, tasks)}
             t_last = time.perf_counter()  # tokens/s measures training only
         if record and lead:
@@ -987,7 +983,7 @@ def main(argv):
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
     # --- the end: held-out bits per byte against a unigram model, downstream tasks, the plot, a sample
-    final = evaluate_held_out(backend, heldout, cfg, token_bytes, 0)
+    final = held_out_eval(backend, heldout, cfg, token_bytes, 0)
     if final and lead and "eval_bpb" in final:
         line = f"held-out loss {final['eval_loss']:.4f} nats/token"
         if final["eval_bpb"] is not None and not heldout.files[0].has_mask:  # (a unigram of chat data: not comparable)
