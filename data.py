@@ -6,7 +6,6 @@
     python data.py inspect data/tiny --seq-len 256 --global-batch 16 --seed 0 --step 3 [--world 2 --rank 1]
     python data.py verify data/tiny --seq-len 256 --global-batch 16 --seed 0
     python data.py bench
-    python data.py arith --out data/arith                              # the post-training task (docs/posttrain.md)
     python data.py prepare data/arith/sft.jsonl --out data/arith-sft --tokenizer data/bpe4096.tiktoken --chat tulu
 
 Token files are OLMo-core's layout, so its own files read as they are: raw little-endian ids, no header
@@ -336,57 +335,6 @@ def chat_record(rec, tok, template, where):
     return [render_chat(tok, msgs, template, train_turns="last") for msgs in (c, r)]
 
 
-class Prompts:
-    """Prompts with verifiable answers, for RL and exact-match evaluation: a JSON-lines file of {"messages": [...,
-    a last user turn], "answer": "85"}, each rendered up to the assistant's header. Loader-ready: n, and batch(ids)
-    -> {prompts: [ids], answers: [str]} (not token rows: the rollout makes those)."""
-
-    def __init__(self, path, tok, template):
-        self.items = []  # (prompt ids, answer)
-        for where, rec in json_lines(path):
-            msgs = check_messages(rec.get("messages") if isinstance(rec, dict) else None, where, need_assistant=False)
-            if msgs[-1]["role"] != "user" or not isinstance(rec.get("answer"), str):
-                raise ValueError(f"{where}: a prompt needs a last 'user' message and a string 'answer'")
-            self.items.append((render_chat(tok, msgs, template, generation_prompt=True)[0], rec["answer"]))
-        if not self.items:
-            raise ValueError(f"{path}: no prompts")
-        self.n, self.seq_len = len(self.items), 0  # (no token rows of its own: Loader.state records seq_len all the same)
-
-    def batch(self, ids):
-        return dict(prompts=[self.items[i][0] for i in ids], answers=[self.items[i][1] for i in ids])
-
-
-def first_number(text):
-    """The verifiable reward's reading of a completion: its first integer, or None."""
-    found = regex.search(r"-?\d+", text)
-    return found and found.group()
-
-
-def arithmetic(out, seed=0, heldout=0.1):
-    """The post-training task that fits a laptop: "What is a + b?" for a, b in 0..99, split by the numbers (a hash
-    of the pair: held-out sums are never seen). Writes OUT/sft.jsonl (conversations), pref.jsonl (the right sum
-    chosen over a wrong one: off by one or a forgotten carry), rl.jsonl and heldout.jsonl (prompts and answers)."""
-    out, rng = Path(out), np.random.default_rng(seed)
-    out.mkdir(parents=True, exist_ok=True)
-    pairs = [(a, b) for a in range(100) for b in range(100)]
-    held = {p for p in pairs if heldout_score(f"{p[0]}+{p[1]}") < heldout}
-    files = {name: [] for name in ("sft", "pref", "rl", "heldout")}
-    for a, b in pairs:
-        user = [dict(role="user", content=f"What is {a} + {b}?")]
-        answer = dict(role="assistant", content=str(a + b))
-        if (a, b) in held:
-            files["heldout"].append(dict(messages=user, answer=str(a + b)))
-            continue
-        wrong = a + b + int(rng.choice([-10, -1, 1, 10])) if a + b >= 10 else a + b + 1
-        files["sft"].append(dict(messages=user + [answer]))
-        files["pref"].append(dict(chosen=user + [answer], rejected=user + [dict(answer, content=str(wrong))]))
-        files["rl"].append(dict(messages=user, answer=str(a + b)))
-    for name, recs in files.items():
-        order = rng.permutation(len(recs))
-        (out / f"{name}.jsonl").write_text("".join(json.dumps(recs[i]) + "\n" for i in order))
-    return {name: len(recs) for name, recs in files.items()}
-
-
 # --- decontamination ----------------------------------------------------------------------------
 # The OLMo papers drop every training document that shares a paragraph with Paloma. We hash normalised
 # paragraphs (lower case, words only, at least PARA_WORDS words) and every NGRAM-word window of the eval
@@ -672,7 +620,27 @@ def read_mix(path):
     return out
 
 
-class Instances:
+class Pieces:
+    """What every kind of instances shares: instance i is pieces(i), [(row, file, start, end)], stretches of token
+    files laid into row `row` one after another, then PAD (False in the label mask); read(i) -> (T,), or (rows, T)."""
+    rows, pad = 1, 0
+
+    def read(self, i, what="array"):  # what="mask": the label mask instead of the tokens
+        out = np.full((self.rows, self.seq_len), self.pad if what == "array" else False,
+                      np.int32 if what == "array" else np.bool_)
+        used = [0] * self.rows
+        for row, f, s, e in self.pieces(i):
+            out[row, used[row]:used[row] + e - s] = getattr(self.files[f], what)()[s:e]
+            used[row] += e - s
+        return out if self.rows > 1 else out[0]
+
+    def where(self, i):
+        pieces = self.pieces(i)
+        _, f, s, e = pieces[0]
+        return f"{self.kind} {i} ({self.files[f].path} tokens [{s}, {e}){' and more' if pieces[1:] else ''})"
+
+
+class Instances(Pieces):
     """Fixed-length instances over token files in mix order. With weights, source i contributes round(w_i / Σw · N)
     instances: whole repeats of its own plus a seeded sample of the rest, so any repetition is explicit (`repeats`)."""
 
@@ -707,9 +675,9 @@ class Instances:
         f = int(np.searchsorted(self.offsets, j, side="right") - 1)
         return f, j - int(self.offsets[f])
 
-    def read(self, i, what="array"):  # what="mask": the label mask's slice instead of the tokens
+    def pieces(self, i):
         f, k = self.locate(i)
-        return getattr(self.files[f], what)()[k * self.seq_len:(k + 1) * self.seq_len]
+        return [(0, f, k * self.seq_len, (k + 1) * self.seq_len)]
 
     def where(self, i):
         f, k = self.locate(i)
@@ -746,12 +714,13 @@ def pack_documents(lengths, L):
     return order, bins
 
 
-class PackedInstances:
+class PackedInstances(Pieces):
     """OLMo-core's NumpyPackedFSLDataset: token files shuffled by random.Random(permutation_seed) (Python's), taken
     group_size at a time; each group's documents (ends at EOS) packed into instances of L tokens by pack_documents
     and padded with PAD; instances numbered group after group, bin by bin. A document longer than L is cut to its
     first L tokens ("truncate", the default) or into L-token pieces ("fragment"). The padding is never trained:
     shift_labels drops PAD targets, OLMo-core's label mask. Same read(i) as Instances, so the order is the same."""
+    kind = "packed instance"
 
     def __init__(self, files, seq_len, eos, pad, group_size=8, permutation_seed=123, long_docs="truncate"):
         L, order = seq_len, list(range(len(files)))
@@ -782,23 +751,15 @@ class PackedInstances:
         self.offsets = np.concatenate([[0], np.cumsum(sizes)])  # instance i holds docs[offsets[i]:offsets[i+1]]
         self.n = len(sizes)
 
-    def read(self, i, what="array"):  # what="mask": the label mask, False on the padding
-        parts = [getattr(self.files[f], what)()[s:e]
-                 for f, s, e in self.docs[self.offsets[i]:self.offsets[i + 1]].tolist()]
-        out = np.full(self.seq_len, self.pad if what == "array" else False, parts[0].dtype)
-        n = sum(len(p) for p in parts)
-        out[:n] = np.concatenate(parts)
-        return out
-
-    def where(self, i):
-        f, s, e = self.docs[self.offsets[i]].tolist()
-        return f"packed instance {i} (its first document {self.files[f].path} tokens [{s}, {e}))"
+    def pieces(self, i):
+        return [(0, *doc) for doc in self.docs[self.offsets[i]:self.offsets[i + 1]].tolist()]
 
 
-class PairInstances:
+class PairInstances(Pieces):
     """Preference pairs (DPO): instance i is documents 2i (chosen) and 2i + 1 (rejected) as `data.py prepare --chat`
     wrote them, each cut to seq_len and padded with PAD: read(i) -> (2, T). ref (N, 2): the reference model's
     summed log-probs of each side, set by train.py once they are computed (None before)."""
+    rows, kind = 2, "preference pair"
 
     def __init__(self, files, seq_len, pad):
         self.files, self.seq_len, self.pad, self.ref = files, seq_len, pad, None
@@ -815,17 +776,8 @@ class PairInstances:
             raise ValueError(f"{self.where(empty[0] // 2)}: an answer with no token left within seq_len={seq_len} "
                              f"({empty.size} sides of {len(kept)}): raise data.seq_len")
 
-    def read(self, i, what="array"):
-        out = np.full((2, self.seq_len), self.pad if what == "array" else False,
-                      self.files[0].dtype if what == "array" else np.bool_)
-        for row, (f, s, e) in enumerate(self.docs[i].tolist()):
-            piece = getattr(self.files[f], what)()[s:min(e, s + self.seq_len)]
-            out[row, :len(piece)] = piece
-        return out
-
-    def where(self, i):
-        f, s, e = self.docs[i, 0].tolist()
-        return f"preference pair {i} ({self.files[f].path} tokens [{s}, {e}) and the next document)"
+    def pieces(self, i):  # chosen in row 0, rejected in row 1, each cut to seq_len
+        return [(row, f, s, min(e, s + self.seq_len)) for row, (f, s, e) in enumerate(self.docs[i].tolist())]
 
 
 # exercise: data_order
@@ -865,7 +817,7 @@ class Loader:
 
     def batch(self, step):
         ids = np.concatenate([self.rank_ids(step, r) for r in self.ranks])
-        if isinstance(self.inst, Prompts):
+        if hasattr(self.inst, "batch"):  # eval.Prompts: prompts and answers; the rollouts make the rows
             return self.inst.batch(ids)
         out = read_rows(self.inst, ids)
         tokens = out["tokens"]
@@ -937,26 +889,16 @@ def inspect(d, seq_len, global_batch, seed, step, world=1, rank=None, packed=Non
     for r in range(world) if rank is None else [rank]:
         print(f"rank {r}:")
         for i in loader.rank_ids(step, r):
-            if isinstance(loader.inst, PairInstances):  # a preference pair: its two conversations
-                for side, (f, start, end) in zip(("chosen", "rejected"), loader.inst.docs[i].tolist()):
-                    print(f"  id {i:>8}  {side:<8}  {loader.inst.files[f].path}  tokens [{start}, {end})  "
-                          f"{peek(loader.inst.files[f], start, end)}")
-                continue
-            if packed is not None:  # an instance is whole documents (or their first seq_len tokens), then padding
-                docs = loader.inst.docs[loader.inst.offsets[i]:loader.inst.offsets[i + 1]].tolist()
-                print(f"  id {i:>8}  {len(docs)} document(s), {seq_len - sum(e - s for _, s, e in docs)} padding")
-                for f, start, end in docs:
-                    print(f"      {loader.inst.files[f].path}  tokens [{start}, {end})  "
-                          f"{peek(loader.inst.files[f], start, end)}")
-                continue
-            f, k = loader.inst.locate(i)
-            tf, T = loader.inst.files[f], seq_len
-            print(f"  id {i:>8}  {tf.path}  tokens [{k * T}, {(k + 1) * T})  {peek(tf, k * T, (k + 1) * T)}")
-            starts = np.append(tf.docs[:, 0], tf.tokens)  # a prepared folder's files always have their document index
-            for j in range(np.searchsorted(starts, k * T, side="right") - 1, np.searchsorted(starts, (k + 1) * T)):
-                (start, end), (src, lineno) = starts[j:j + 2].tolist(), tf.docs[j, 1:].tolist()
-                where = tf.sources[src] + (f":{lineno}" if lineno else "")
-                print(f"      in doc [{start}, {end})  {where}  {peek(tf, start, end)}")
+            pieces = loader.inst.pieces(i)
+            pad = loader.inst.rows * seq_len - sum(e - s for _, _, s, e in pieces)
+            print(f"  id {i:>8}  {len(pieces)} piece(s), {pad} padding" + " (rows: chosen, rejected)" * (loader.inst.rows > 1))
+            for row, f, start, end in pieces:  # each stretch of a file, then the documents it overlaps
+                tf = loader.inst.files[f]
+                print(f"    row {row}  {tf.path}  tokens [{start}, {end})  {peek(tf, start, end)}")
+                starts = np.append(tf.docs[:, 0], tf.tokens)  # a prepared folder's files always have their document index
+                for j in range(np.searchsorted(starts, start, side="right") - 1, np.searchsorted(starts, end)):
+                    (s, e), (src, lineno) = starts[j:j + 2].tolist(), tf.docs[j, 1:].tolist()
+                    print(f"      in doc [{s}, {e})  {tf.sources[src] + (f':{lineno}' if lineno else '')}")
 
 
 def verify(d, seq_len, global_batch, seed, packed=None):
@@ -1096,8 +1038,6 @@ def main(argv):
             ("--heldout", dict(type=float, default=0.0, help="fraction of documents held out, by their text's hash")),
             ("--decontaminate", dict(nargs="+", default=[], metavar="FILE", help="eval texts (.jsonl[.gz], .txt)")),
             ("--chat", dict(choices=list(CHAT_TEMPLATES), help="conversations / preference pairs in this template"))]),
-        "arith": ("write the arithmetic post-training task (SFT, preference, RL, held-out files)",
-                  [("--out", dict(required=True)), ("--seed", dict(type=count, default=0))]),
         "inspect": ("what step N fed each rank, decoded", order + [("--step", dict(type=count, required=True)),
                     ("--world", dict(type=in_range(int, 1), default=1)), ("--rank", dict(type=count))]),
         "verify": ("check one epoch of the order and the splits", order),
@@ -1132,8 +1072,6 @@ def main(argv):
         if d := r["decontamination"]:
             print(f"decontamination: {d['dropped']} training documents dropped ({d['eval_documents']} eval documents, "
                   f"{d['paragraphs']} paragraphs, {d['ngrams']} {NGRAM}-grams)")
-    elif a.cmd == "arith":
-        print(f"{a.out}: " + ", ".join(f"{n} {k}" for k, n in arithmetic(a.out, a.seed).items()))
     elif a.cmd == "inspect":
         inspect(a.dir, a.seq_len, a.global_batch, a.seed, a.step, a.world, a.rank, packed)
     elif a.cmd == "verify":

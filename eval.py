@@ -9,6 +9,8 @@
     python eval.py positions CKPT... --data data/tiny --seq-len 1024      # held-out loss by position, side by side
     python eval.py chat CKPT [--prompt TEXT] [--template tulu|olmo]       # talk to it (docs/posttrain.md)
     python eval.py exact CKPT... --prompts data/arith/heldout.jsonl --template tulu   # exact-match accuracy
+    python eval.py arith --out data/arith                                 # the post-training task (docs/posttrain.md)
+    python eval.py plot runs/a runs/b                                     # overlay loss curves -> runs/a/loss.png
 
 CKPT: one of our checkpoint directories (HF layout). Its tokenizer: --tokenizer SPEC ("dolma2" or a .tiktoken
 file), else the dataset in CKPT/nanolmo.json, else dolma2 if the ids are dolma2's. bpb and tasks also take
@@ -632,15 +634,68 @@ def until_eos(ids, eos):
     return ids[:ids.index(eos) + 1] if eos in ids else ids
 
 
+# --- a task with verifiable answers: arithmetic (post-training's data, GRPO's reward, exact match) ----------
+
+def arithmetic(out, seed=0, heldout=0.1):
+    """The post-training task that fits a laptop: "What is a + b?" for a, b in 0..99, split by the numbers (a hash
+    of the pair: held-out sums are never seen). Writes OUT/sft.jsonl (conversations), pref.jsonl (the right sum
+    chosen over a wrong one: off by one or a forgotten carry), rl.jsonl and heldout.jsonl (prompts and answers)."""
+    out, rng = Path(out), np.random.default_rng(seed)
+    out.mkdir(parents=True, exist_ok=True)
+    pairs = [(a, b) for a in range(100) for b in range(100)]
+    held = {p for p in pairs if data.heldout_score(f"{p[0]}+{p[1]}") < heldout}
+    files = {name: [] for name in ("sft", "pref", "rl", "heldout")}
+    for a, b in pairs:
+        user = [dict(role="user", content=f"What is {a} + {b}?")]
+        answer = dict(role="assistant", content=str(a + b))
+        if (a, b) in held:
+            files["heldout"].append(dict(messages=user, answer=str(a + b)))
+            continue
+        wrong = a + b + int(rng.choice([-10, -1, 1, 10])) if a + b >= 10 else a + b + 1
+        files["sft"].append(dict(messages=user + [answer]))
+        files["pref"].append(dict(chosen=user + [answer], rejected=user + [dict(answer, content=str(wrong))]))
+        files["rl"].append(dict(messages=user, answer=str(a + b)))
+    for name, recs in files.items():
+        order = rng.permutation(len(recs))
+        (out / f"{name}.jsonl").write_text("".join(json.dumps(recs[i]) + "\n" for i in order))
+    return {name: len(recs) for name, recs in files.items()}
+
+
+class Prompts:
+    """Prompts with verifiable answers, for RL and exact-match evaluation: a JSON-lines file of {"messages": [...,
+    a last user turn], "answer": "85"}, each rendered up to the assistant's header. Loader-ready: n, and batch(ids)
+    -> {prompts: [ids], answers: [str]} (not token rows: the rollout makes those)."""
+
+    def __init__(self, path, tok, template):
+        self.items = []  # (prompt ids, answer)
+        for where, rec in data.json_lines(path):
+            msgs = data.check_messages(rec.get("messages") if isinstance(rec, dict) else None, where, need_assistant=False)
+            if msgs[-1]["role"] != "user" or not isinstance(rec.get("answer"), str):
+                raise ValueError(f"{where}: a prompt needs a last 'user' message and a string 'answer'")
+            self.items.append((data.render_chat(tok, msgs, template, generation_prompt=True)[0], rec["answer"]))
+        if not self.items:
+            raise ValueError(f"{path}: no prompts")
+        self.n, self.seq_len = len(self.items), 0  # (no token rows of its own: Loader.state records seq_len all the same)
+
+    def batch(self, ids):
+        return dict(prompts=[self.items[i][0] for i in ids], answers=[self.items[i][1] for i in ids])
+
+
+def first_number(text):
+    """The verifiable reward's reading of a completion: its first integer, or None."""
+    found = re.search(r"-?\d+", text)
+    return found and found.group()
+
+
 def exact_match(params, m, prompts, tok, max_new=8):
-    """Greedy completions of data.Prompts, batched by prompt length; -> accuracy of data.first_number == answer."""
+    """Greedy completions of Prompts, batched by prompt length; -> accuracy of first_number == answer."""
     by_len = defaultdict(list)
     for ids, answer in prompts.items:
         by_len[len(ids)].append((ids, answer))
     right = 0
     for group in by_len.values():
         new = sample(params, m, np.array([ids for ids, _ in group]), max_new, 0.0, 0, tok.vocab_size)
-        right += sum(data.first_number(tok.decode(until_eos(row, tok.eos_id))) == answer
+        right += sum(first_number(tok.decode(until_eos(row, tok.eos_id))) == answer
                      for row, (_, answer) in zip(new, group))
     return right / prompts.n
 
@@ -662,6 +717,57 @@ def chat(params, m, tok, template, prompt=None, max_new=256, temperature=0.0, se
         messages.append(dict(role="assistant", content=answer))
         if prompt is not None:
             return
+
+
+# --- runs: their metrics and loss curves ------------------------------------------------------
+
+def read_metrics(path):
+    """metrics.jsonl's records, and whether its last line was torn (cut by a kill or power cut during the
+    append: dropped, and said). A bad line anywhere else is an error: nothing writes one."""
+    lines, rows = path.read_text().splitlines() if path.exists() else [], []
+    for i, line in enumerate(lines, 1):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i < len(lines):
+                raise ValueError(f"{path}:{i}: not a JSON line (only the last can be torn by a crash)") from None
+            print(f"{path}: dropped its torn last line ({line[:40]!r}...), as a kill during its write leaves it")
+    return rows, len(rows) < len(lines)
+
+
+def plot(run_dirs, out):
+    """Training loss (held-out dashed) against steps, one colour per run. With several runs, a second panel shows
+    each one's per-step relative difference from the first; returns the largest of each (over common steps)."""
+    import matplotlib.pyplot as plt  # (imported here: a second or more, and only plots need it)
+    many = len(run_dirs) > 1
+    fig, axes = plt.subplots(2 if many else 1, 1, figsize=(8, 7 if many else 5), sharex=True, squeeze=False,
+                             height_ratios=[2, 1] if many else None)
+    first, diffs, ref = None, [], Path(run_dirs[0]).name
+    for i, d in enumerate(map(Path, run_dirs)):
+        rows = read_metrics(d / "metrics.jsonl")[0]
+        rows += [json.loads((d / "final.json").read_text())] if (d / "final.json").is_file() else []
+        loss = {r["step"]: r["loss"] for r in rows if "loss" in r}
+        held = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+        axes[0, 0].plot(list(loss), list(loss.values()), color=f"C{i}", label=f"{d.name} train", lw=1.5 if i else 2.5)
+        if held:
+            axes[0, 0].plot(*zip(*held), "--o", color=f"C{i}", markersize=3, label=f"{d.name} held-out")
+        first = loss if first is None else first
+        common = sorted(set(first) & set(loss)) if i else []
+        if common:
+            rel = {s: abs(loss[s] - first[s]) / abs(first[s]) for s in common}
+            axes[1, 0].semilogy(common, [max(r, 1e-9) for r in rel.values()], color=f"C{i}", lw=1,
+                                label=f"|{d.name} - {ref}| / {ref}")
+            s = max(rel, key=rel.get)  # (the first, on a tie)
+            diffs.append(dict(run=str(d), steps=len(common), step=s, diff=abs(loss[s] - first[s]), rel=rel[s]))
+    for ax, label in zip(axes[:, 0], ("loss (nats/token)", "relative difference")):  # (one panel or two)
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[-1, 0].set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return diffs
 
 
 # --- command line -------------------------------------------------------------------------------
@@ -705,9 +811,14 @@ def main(argv):
     ch.add_argument("--temperature", type=in_range(float, 0), default=0.0)
     ex = sub.add_parser("exact", help="exact-match accuracy of greedy answers, checkpoints side by side")
     ex.add_argument("ckpts", nargs="+", help="our checkpoint directories (HF layout)")
-    ex.add_argument("--prompts", required=True, help="JSON lines of {messages, answer} (data.py arith's heldout.jsonl)")
+    ex.add_argument("--prompts", required=True, help="JSON lines of {messages, answer} (eval.py arith's heldout.jsonl)")
     ex.add_argument("--template", choices=list(data.CHAT_TEMPLATES), required=True)
     ex.add_argument("--tokenizer", help="as for the other commands (default: the first checkpoint's)")
+    ar = sub.add_parser("arith", help="write the arithmetic post-training task (SFT, preference, RL, held-out files)")
+    ar.add_argument("--out", required=True)
+    ar.add_argument("--seed", type=in_range(int, 0), default=0)
+    pl = sub.add_parser("plot", help="overlay runs' loss curves -> RUN/loss.png; the largest per-step difference")
+    pl.add_argument("runs", nargs="+", help="run directories (metrics.jsonl); the first is the reference")
     pos = sub.add_parser("positions", parents=[run], help="held-out loss by position bucket, checkpoints side by side")
     pos.add_argument("ckpts", nargs="+", help="our checkpoint directories (HF layout)")
     pos.add_argument("--data", required=True, help="a folder from `data.py prepare`: its held-out split is read")
@@ -715,6 +826,16 @@ def main(argv):
     pos.add_argument("--buckets", default="", help="comma list of bucket starts (default: 0 and powers of 2 from 64)")
     pos.add_argument("--limit", type=in_range(int, 0), default=0, help="first N instances; 0 = all")
     args = ap.parse_args(argv)
+    if args.command == "arith":
+        print(f"{args.out}: " + ", ".join(f"{n} {k}" for k, n in arithmetic(args.out, args.seed).items()))
+        return
+    if args.command == "plot":
+        out = Path(args.runs[0]) / "loss.png"
+        for d in plot(args.runs, out):
+            print(f"{d['run']} vs {args.runs[0]}: largest per-step loss difference {d['diff']:.3g} "
+                  f"({d['rel']:.2g} relative) at step {d['step']}, over {d['steps']} common steps")
+        print(f"wrote {out}")
+        return
     if args.command == "positions":
         T = args.seq_len
         edges = sorted({0, *(int(b) for b in args.buckets.split(",") if b)} if args.buckets else
@@ -733,7 +854,7 @@ def main(argv):
     if args.command == "exact":  # every checkpoint with the first one's tokenizer
         m, params = convert.load_hf(args.ckpts[0])
         tok = checkpoint_tokenizer(args.ckpts[0], m, args.tokenizer)
-        prompts = data.Prompts(args.prompts, tok, args.template)
+        prompts = Prompts(args.prompts, tok, args.template)
         print(f"exact match of greedy answers to {prompts.n} prompts of {args.prompts} ({args.template} template)")
         for c in args.ckpts:
             m, params = convert.load_hf(c)

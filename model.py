@@ -429,6 +429,41 @@ def grpo_loss(logps, old_logps, advantages, clip=0.2, xp=jnp):
     return -xp.minimum(ratio * advantages, xp.clip(ratio, 1 - clip, 1 + clip) * advantages)
 
 
+def dpo_of(scores, ref, n, tc, xp):
+    """dpo_loss from each row's summed answer log-probs (policy, reference) and answer length n;
+    dpo_norm (Olmo 2/3) divides each side by its own length, policy and reference alike."""
+    if tc.loss == "dpo_norm":
+        scores, ref = scores / n, ref / n
+    return dpo_loss(scores, ref, tc.dpo_beta, xp)
+
+
+def make_loss(cfg, cross_entropy, label_logps, xp):
+    """train.loss as (logits, labels, batch, total) -> (this micro-batch's share of the step's loss, metrics'
+    shares). total: what the whole global batch is averaged over, total_of(labels). One definition for both
+    backends (each passes its cross_entropy, label_logps and array module), but GRPO's, JAX only as its sampler."""
+    tc, ignore = cfg.train, IGNORE_INDEX
+
+    def ce(logits, labels, batch, total):  # OLMo-core: over the target tokens of the global batch, not per micro
+        loss, ce, _ = cross_entropy(logits, labels, tc.z_loss)
+        share = (labels != ignore).sum() / total
+        return loss * share, dict(ce=ce * share)
+
+    def dpo(logits, labels, batch, total):  # total: pairs in the global batch
+        scores = label_logps(logits, labels).sum(-1)  # (2P,) summed over each answer
+        losses, margins = dpo_of(scores, batch["ref"], (labels != ignore).sum(-1), tc, xp)
+        return losses.sum() / total, dict(margin=margins.sum() / total, accuracy=(margins > 0).sum() / total)
+
+    def grpo(logits, labels, batch, total):  # total: completion tokens in the global batch (JAX only: it samples)
+        lp = label_logps(logits, labels)
+        per = grpo_loss(lp, jax.lax.stop_gradient(lp), batch["advantage"][:, None])
+        return xp.where(labels != ignore, per, 0.0).sum() / total, dict(reward=batch["reward"].sum() / cfg.data.global_batch)
+
+    def total_of(labels):
+        return math.prod(labels.shape[:-1]) // 2 if tc.loss.startswith("dpo") else (labels != ignore).sum()
+
+    return {"ce": ce, "dpo": dpo, "dpo_norm": dpo, "grpo": grpo}[tc.loss], total_of
+
+
 def loss_fn(params, tokens, labels, m, dtype=jnp.float32, z_loss=0.0, remat="none"):
     return cross_entropy(forward(params, tokens, m, dtype, remat), labels, z_loss)[0]
 

@@ -1,8 +1,8 @@
 """Device meshes and shardings: this file only lays things out. The model never sees any of this:
 train.py asks here how to lay out the params, the optimizer state and the batch, and jit (GSPMD)
 inserts the communication. The torch backend's equivalent (torchrun processes, FSDP2's fully_shard)
-is the second half. (The ahead-of-time plan, which compiles the train step for a mesh you do not
-have, is `python train.py plan`, next to the step it compiles.)
+is the second half. Between them, the ahead-of-time plan: train.py's step, passed in, compiled for a mesh you
+do not have, and what it costs per device (`python train.py plan`).
 
     python shard.py configs/olmo3-7b.toml --mesh.data=1 --mesh.fsdp=-1   # the mesh and each parameter's layout here
 
@@ -18,12 +18,16 @@ dimension, through RULES:
 Context parallelism (context_attention) is the one place that writes its communication by hand.
 """
 
+import argparse
 import math
 import os
+import time
 
 import jax
+import jax.numpy as jnp
 import torch
 import torch.distributed as dist
+from jax.experimental import topologies
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import model
@@ -77,6 +81,12 @@ def param_shardings(mesh, table):
 
 def replicated(mesh):
     return NamedSharding(mesh, P())
+
+
+def state_shardings(mesh, table):
+    """(params, AdamW's m, v and count, the skip-step history): the moments laid out as their params."""
+    p = param_shardings(mesh, table)
+    return p, dict(m=p, v=p, count=replicated(mesh)), replicated(mesh)
 
 
 def batch_sharding(mesh, ndim=2):
@@ -187,6 +197,64 @@ def start_distributed():
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(os.environ["JAX_COORDINATOR_ADDRESS"], int(os.environ["JAX_NUM_PROCESSES"]),
                                    int(os.environ["JAX_PROCESS_ID"]))
+
+
+# --- the ahead-of-time plan: compile the train step for a mesh we do not have ---------------------
+
+HBM_GIB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32, "a100": 80, "h100": 80, "h200": 141, "b200": 180}
+
+
+def plan(argv, make_step, history):
+    """python train.py plan CONFIG.toml... --mesh data=D,fsdp=F,context=C,tensor=T [--batch B --seq T]
+    [--device h100] [--topology v5p:8x8x4] [--section.key=value ...]: the train step compiled for that mesh, and
+    its memory per device read off the compiler (memory_analysis), against the device's HBM. The step is train.py's,
+    passed in (make_step(cfg, mesh), and its skip-step `history`), so that nothing here imports train.py."""
+    ap = argparse.ArgumentParser(prog="train.py plan", description=plan.__doc__)
+    ap.add_argument("configs", nargs="+")
+    ap.add_argument("--mesh", required=True, help="data=D,fsdp=F,context=C,tensor=T (those left out: the config's)")
+    ap.add_argument("--batch", type=int, help="instances per step (global); default data.global_batch")
+    ap.add_argument("--seq", type=int, help="tokens per instance; default data.seq_len")
+    ap.add_argument("--device", default="h100", choices=sorted(HBM_GIB), help="whose memory to compare against")
+    ap.add_argument("--topology", default=None, help="with libtpu installed: compile for this TPU topology, e.g. v5p:8x8x4")
+    args, extra = ap.parse_known_args(argv)  # extra: --section.key=value config overrides
+    sizes = dict(part.split("=") for part in args.mesh.split(","))
+    cfg = load_config(args.configs + extra + [f"--mesh.{k}={v}" for k, v in sizes.items()]
+                      + [f"--data.global_batch={args.batch}"] * bool(args.batch) + [f"--data.seq_len={args.seq}"] * bool(args.seq))
+    args.batch, args.seq = cfg.data.global_batch, cfg.data.seq_len
+    n = math.prod(int(v) for v in sizes.values())
+    if args.topology:
+        devices, device = topologies.get_topology_desc(args.topology, "tpu").devices, args.topology.split(":")[0]
+        caveat = f"TPU compiler for {args.topology} (libtpu): its own memory figures"
+    else:
+        jax.config.update("jax_num_cpu_devices", n)  # must happen before anything touches a backend
+        devices, device = jax.devices(), args.device
+        caveat = ("CPU compiler on fake devices: it lowers gradient reductions as all-reduce, not reduce-scatter, "
+                  "so 'temporary' over-states what a TPU/GPU needs; params and optimizer state are exact")
+    mesh = make_mesh(cfg.mesh, devices[:n])
+    m, tc = cfg.model, cfg.train
+    _, micro, accum = check_batch(args.batch, tc.micro_batch, dp_size(mesh), mesh_where(mesh))
+    check_context(mesh.shape["context"], args.seq)
+    p_sh, o_sh, h_sh = state_shardings(mesh, model.param_table(m))
+    abstract = lambda shape, dtype, sh: jax.ShapeDtypeStruct(shape, dtype, sharding=sh)  # noqa: E731
+    params = {k: abstract(p.shape, jnp.float32, p_sh[k]) for k, p in model.param_table(m).items()}
+    opt = dict(m=params, v=params, count=abstract((), jnp.int32, o_sh["count"]))
+    hist = jax.tree.map(lambda x: abstract(x.shape, x.dtype, h_sh), history)
+    batch = dict(tokens=abstract((accum, args.batch // accum, args.seq), jnp.int32, batch_sharding(mesh)))
+    t0 = time.perf_counter()
+    compiled = make_step(cfg, mesh).lower(params, opt, hist, batch, jnp.float32(1e-4)).compile()
+    seconds = time.perf_counter() - t0
+    per_dev = lambda tree: sum(math.prod(s.sharding.shard_shape(s.shape)) * s.dtype.itemsize for s in jax.tree.leaves(tree))  # noqa: E731
+    p_bytes, o_bytes, temp = per_dev(params), per_dev(opt), compiled.memory_analysis().temp_size_in_bytes
+    total, hbm = p_bytes + o_bytes + per_dev(batch) + temp, HBM_GIB[device]
+    gib = lambda b: f"{b / 2**30:8.2f} GiB"  # noqa: E731
+    print(f"{m.family} {model.count_params(m) / 1e9:.2f}B params, mesh {dict(mesh.shape)} ({n} devices), "
+          f"batch {args.batch} x {args.seq} tokens, {accum} micro-batch(es) of {micro} per rank, "
+          f"remat={tc.remat}, compute {tc.compute_dtype}; compiled in {seconds:.0f} s")
+    print(f"  params            {gib(p_bytes)} per device (fp32)")
+    print(f"  optimizer state   {gib(o_bytes)} per device (AdamW m, v)")
+    print(f"  gradients + activations + workspace (XLA temporary) {gib(temp)}")
+    print(f"  total             {gib(total)} of {hbm} GiB ({device}): {'fits' if total <= hbm * 2**30 else 'does NOT fit'}")
+    print(f"  ({caveat})")
 
 
 # --- PyTorch: torchrun processes and FSDP2 --------------------------------------------------------

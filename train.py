@@ -6,14 +6,13 @@
     torchrun --nproc_per_node=8 train.py configs/olmo2-1b.toml --train.backend=torch --mesh.data=1 --mesh.fsdp=-1
     python train.py configs/tiny.toml --bench                            # tokens/s, MFU: JAX, torch eager, compiled
     python train.py configs/tiny.toml --eval.tasks=arc_easy,piqa --eval.tasks_limit=100   # + in-loop tasks (eval.py)
-    python train.py plot runs/a runs/b                                   # overlay loss curves -> runs/a/loss.png
     python train.py plan configs/olmo3-32b.toml --mesh data=1,fsdp=256,tensor=1 --batch 1024 --seq 8192   # memory
     python train.py configs/tiny.toml configs/tiny-sft.toml              # post-training: -sft, -dpo, -grpo (make posttrain)
 
 Both backends read the same config, data loader, schedule and checkpoints; everything between the
 loader and the checkpoint is one of two classes, JaxBackend and TorchBackend, with the same methods
 (init, load, step, eval, score, pieces for the checkpoint writer, host_params), so the loop has no `if backend`.
-A post-training stage is the same loop: other data (chat, pairs, prompts) and another train.loss (make_loss).
+A post-training stage is the same loop: other data (chat, pairs, prompts) and another train.loss (model.make_loss).
 
 A run directory holds config.json (the resolved config), metrics.jsonl (a line per logged step), loss.png and
 checkpoints step_N/: HF model directories (config.json, model.safetensors) + optimizer.safetensors (AdamW moments,
@@ -36,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from jax.experimental import multihost_utils, topologies
+from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 import convert
@@ -247,49 +246,7 @@ def open_checkpoint(path, m, with_optimizer=True, new_stage=False):
     return state, opt, meta
 
 
-# --- the losses: pretraining and SFT, DPO, GRPO; the same step takes any of them ----------------------
-
-def dpo_of(scores, ref, n, tc, xp):
-    """model.dpo_loss from each row's summed answer log-probs (policy, reference) and answer length n;
-    dpo_norm (Olmo 2/3) divides each side by its own length, policy and reference alike."""
-    if tc.loss == "dpo_norm":
-        scores, ref = scores / n, ref / n
-    return model.dpo_loss(scores, ref, tc.dpo_beta, xp)
-
-
-def make_loss(cfg, cross_entropy, label_logps, xp):
-    """train.loss as (logits, labels, batch, total) -> (this micro-batch's share of the step's loss, metrics'
-    shares). total: what the whole global batch is averaged over, total_of(labels). One definition for both
-    backends (each passes its cross_entropy, label_logps and array module), but GRPO's, JAX only as its sampler."""
-    tc, ignore = cfg.train, model.IGNORE_INDEX
-
-    def ce(logits, labels, batch, total):  # OLMo-core: over the target tokens of the global batch, not per micro
-        loss, ce, _ = cross_entropy(logits, labels, tc.z_loss)
-        share = (labels != ignore).sum() / total
-        return loss * share, dict(ce=ce * share)
-
-    def dpo(logits, labels, batch, total):  # total: pairs in the global batch
-        scores = label_logps(logits, labels).sum(-1)  # (2P,) summed over each answer
-        losses, margins = dpo_of(scores, batch["ref"], (labels != ignore).sum(-1), tc, xp)
-        return losses.sum() / total, dict(margin=margins.sum() / total, accuracy=(margins > 0).sum() / total)
-
-    def grpo(logits, labels, batch, total):  # total: completion tokens in the global batch (JAX only: it samples)
-        lp = label_logps(logits, labels)
-        per = model.grpo_loss(lp, jax.lax.stop_gradient(lp), batch["advantage"][:, None])
-        return xp.where(labels != ignore, per, 0.0).sum() / total, dict(reward=batch["reward"].sum() / cfg.data.global_batch)
-
-    def total_of(labels):
-        return math.prod(labels.shape[:-1]) // 2 if tc.loss.startswith("dpo") else (labels != ignore).sum()
-
-    return {"ce": ce, "dpo": dpo, "dpo_norm": dpo, "grpo": grpo}[tc.loss], total_of
-
-
 # --- the JAX backend: one jitted step over a device mesh -----------------------------------------
-
-def state_shardings(mesh, m):
-    p = shard.param_shardings(mesh, model.param_table(m))
-    return p, dict(m=p, v=p, count=shard.replicated(mesh)), shard.replicated(mesh)
-
 
 def documents(cfg, tokens):
     """Document ids (model.segment_ids) when data.doc_mask keeps packed documents apart; None: one attention span."""
@@ -300,7 +257,7 @@ def make_train_step(cfg, mesh):
     m, tc = cfg.model, cfg.train
     dtype, constrain = jnp.dtype(tc.compute_dtype), shard.residual_constraint(mesh)
     decay = {k: p.decay and tc.weight_decay > 0 for k, p in model.param_table(m).items()}
-    loss_of, total_of = make_loss(cfg, model.cross_entropy, model.label_logps, jnp)
+    loss_of, total_of = model.make_loss(cfg, model.cross_entropy, model.label_logps, jnp)
     attend_fn = shard.context_attention(mesh)  # None unless mesh.context > 1
 
     def micro_loss(params, batch, labels, total):
@@ -333,7 +290,7 @@ def make_train_step(cfg, mesh):
         metrics = dict(loss=loss, grad_norm=grad_norm, skipped=~ok, **aux)
         return keep(new_params, params), keep(new_opt, opt), push_history(history, loss, grad_norm), metrics
 
-    p, o, h = state_shardings(mesh, m)
+    p, o, h = shard.state_shardings(mesh, model.param_table(m))
     return jax.jit(step, in_shardings=(p, o, h, None, None),  # the batch: laid out by JaxBackend.step
                    out_shardings=(p, o, h, shard.replicated(mesh)), donate_argnums=(0, 1, 2))
 
@@ -350,7 +307,7 @@ class JaxBackend:
         _, self.micro, self.accum = shard.check_batch(cfg.data.global_batch, cfg.train.micro_batch, self.world,
                                                       shard.mesh_where(mesh))
         shard.check_context(mesh.shape["context"], cfg.data.seq_len)
-        self.param_sh, self.opt_sh, hist_sh = state_shardings(mesh, m)  # checks every split divides before anything compiles
+        self.param_sh, self.opt_sh, hist_sh = shard.state_shardings(mesh, model.param_table(m))  # checks every split divides before anything compiles
         self.layout = shard.jax_layout(mesh, model.param_table(m)) + [shard.describe(mesh)]  # lines for the log
         self.peak = PEAK_FLOPS.get(jax.devices()[0].device_kind)
         self.history = jax.device_put(new_history(), hist_sh)
@@ -439,64 +396,6 @@ class JaxBackend:
         return jax.device_get(self.params)
 
 
-# --- the ahead-of-time plan: compile this step for a mesh we do not have --------------------------
-
-HBM_GIB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32, "a100": 80, "h100": 80, "h200": 141, "b200": 180}
-
-
-def plan(argv):
-    """python train.py plan CONFIG.toml... --mesh data=D,fsdp=F,context=C,tensor=T [--batch B --seq T]
-    [--device h100] [--topology v5p:8x8x4] [--section.key=value ...]: make_train_step compiled for that mesh, and
-    its memory per device read off the compiler (memory_analysis), against the device's HBM."""
-    import argparse
-    ap = argparse.ArgumentParser(prog="train.py plan", description=plan.__doc__)
-    ap.add_argument("configs", nargs="+")
-    ap.add_argument("--mesh", required=True, help="data=D,fsdp=F,context=C,tensor=T (those left out: the config's)")
-    ap.add_argument("--batch", type=int, help="instances per step (global); default data.global_batch")
-    ap.add_argument("--seq", type=int, help="tokens per instance; default data.seq_len")
-    ap.add_argument("--device", default="h100", choices=sorted(HBM_GIB), help="whose memory to compare against")
-    ap.add_argument("--topology", default=None, help="with libtpu installed: compile for this TPU topology, e.g. v5p:8x8x4")
-    args, extra = ap.parse_known_args(argv)  # extra: --section.key=value config overrides
-    sizes = dict(part.split("=") for part in args.mesh.split(","))
-    cfg = load_config(args.configs + extra + [f"--mesh.{k}={v}" for k, v in sizes.items()]
-                      + [f"--data.global_batch={args.batch}"] * bool(args.batch) + [f"--data.seq_len={args.seq}"] * bool(args.seq))
-    args.batch, args.seq = cfg.data.global_batch, cfg.data.seq_len
-    n = math.prod(int(v) for v in sizes.values())
-    if args.topology:
-        devices, device = topologies.get_topology_desc(args.topology, "tpu").devices, args.topology.split(":")[0]
-        caveat = f"TPU compiler for {args.topology} (libtpu): its own memory figures"
-    else:
-        jax.config.update("jax_num_cpu_devices", n)  # must happen before anything touches a backend
-        devices, device = jax.devices(), args.device
-        caveat = ("CPU compiler on fake devices: it lowers gradient reductions as all-reduce, not reduce-scatter, "
-                  "so 'temporary' over-states what a TPU/GPU needs; params and optimizer state are exact")
-    mesh = shard.make_mesh(cfg.mesh, devices[:n])
-    m, tc = cfg.model, cfg.train
-    _, micro, accum = shard.check_batch(args.batch, tc.micro_batch, shard.dp_size(mesh), shard.mesh_where(mesh))
-    shard.check_context(mesh.shape["context"], args.seq)
-    p_sh, o_sh, h_sh = state_shardings(mesh, m)
-    abstract = lambda shape, dtype, sh: jax.ShapeDtypeStruct(shape, dtype, sharding=sh)  # noqa: E731
-    params = {k: abstract(p.shape, jnp.float32, p_sh[k]) for k, p in model.param_table(m).items()}
-    opt = dict(m=params, v=params, count=abstract((), jnp.int32, o_sh["count"]))
-    hist = jax.tree.map(lambda x: abstract(x.shape, x.dtype, h_sh), new_history())
-    batch = dict(tokens=abstract((accum, args.batch // accum, args.seq), jnp.int32, shard.batch_sharding(mesh)))
-    t0 = time.perf_counter()
-    compiled = make_train_step(cfg, mesh).lower(params, opt, hist, batch, jnp.float32(1e-4)).compile()
-    seconds = time.perf_counter() - t0
-    per_dev = lambda tree: sum(math.prod(s.sharding.shard_shape(s.shape)) * s.dtype.itemsize for s in jax.tree.leaves(tree))  # noqa: E731
-    p_bytes, o_bytes, temp = per_dev(params), per_dev(opt), compiled.memory_analysis().temp_size_in_bytes
-    total, hbm = p_bytes + o_bytes + per_dev(batch) + temp, HBM_GIB[device]
-    gib = lambda b: f"{b / 2**30:8.2f} GiB"  # noqa: E731
-    print(f"{m.family} {model.count_params(m) / 1e9:.2f}B params, mesh {dict(mesh.shape)} ({n} devices), "
-          f"batch {args.batch} x {args.seq} tokens, {accum} micro-batch(es) of {micro} per rank, "
-          f"remat={tc.remat}, compute {tc.compute_dtype}; compiled in {seconds:.0f} s")
-    print(f"  params            {gib(p_bytes)} per device (fp32)")
-    print(f"  optimizer state   {gib(o_bytes)} per device (AdamW m, v)")
-    print(f"  gradients + activations + workspace (XLA temporary) {gib(temp)}")
-    print(f"  total             {gib(total)} of {hbm} GiB ({device}): {'fits' if total <= hbm * 2**30 else 'does NOT fit'}")
-    print(f"  ({caveat})")
-
-
 # --- the PyTorch backend: model.py's nn.Module, torch.optim.AdamW, FSDP2 under torchrun ----------
 
 class TorchBackend:
@@ -529,7 +428,7 @@ class TorchBackend:
              dict(params=[p for n, p in self.named.items() if not decay[n]], weight_decay=0.0)],
             lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps)
         self.history = new_history()  # on the host, read by is_outlier
-        self.loss, self.total_of = make_loss(cfg, model.cross_entropy_torch, model.label_logps_torch, torch)
+        self.loss, self.total_of = model.make_loss(cfg, model.cross_entropy_torch, model.label_logps_torch, torch)
         kind = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         self.peak = PEAK_FLOPS.get(kind)
         self.layout[-1] += f" on {kind}" + (", torch.compile" if tc.compile else "")
@@ -694,7 +593,7 @@ def reference_logps(backend, cfg, splits):
 def pair_eval(backend, pairs, cfg):
     """DPO on held-out pairs: the loss, the preference accuracy (chosen preferred over rejected) and the margin."""
     sums, counts = pair_scores(backend, pairs, cfg.data.global_batch)
-    losses, margins = dpo_of(sums.ravel(), pairs.ref.ravel(), counts.ravel(), cfg.train, np)
+    losses, margins = model.dpo_of(sums.ravel(), pairs.ref.ravel(), counts.ravel(), cfg.train, np)
     return dict(eval_loss=float(losses.mean()), eval_accuracy=float((margins > 0).mean()), eval_margin=float(margins.mean()))
 
 
@@ -715,7 +614,7 @@ def rollouts(backend, cfg, batch, step, tok):
             done, r = evaluate.until_eos(row, tok.eos_id), j * G + g
             tokens[r, :len(prompt) + len(done)] = prompt + done
             mask[r, len(prompt):len(prompt) + len(done)] = True
-            reward[r] = data.first_number(tok.decode(done)) == answer
+            reward[r] = evaluate.first_number(tok.decode(done)) == answer
     groups = reward.reshape(-1, G)
     advantage = (groups - groups.mean(1, keepdims=True)) / (groups.std(1, keepdims=True) + 1e-8)
     return dict(tokens=tokens, mask=mask, advantage=advantage.ravel().astype(np.float32), reward=reward)
@@ -742,7 +641,7 @@ def open_data(cfg):
             raise ConfigError(f"data.global_batch={dc.global_batch} counts completions: a multiple of "
                               f"train.grpo_group={tc.grpo_group}")
         tok = evaluate.checkpoint_tokenizer(tc.init_from, m)
-        prompts = data.Prompts(dc.path, tok, dc.chat_template)
+        prompts = evaluate.Prompts(dc.path, tok, dc.chat_template)
         if (P := max(len(p) for p, _ in prompts.items)) + tc.grpo_max_new > dc.seq_len:
             raise ConfigError(f"data.seq_len={dc.seq_len} cannot hold {dc.path}'s longest prompt ({P} tokens) and "
                               f"train.grpo_max_new={tc.grpo_max_new} more")
@@ -854,24 +753,10 @@ def log(record, metrics_path, write):
             f.write(json.dumps(record) + "\n")
 
 
-def read_metrics(path):
-    """metrics.jsonl's records, and whether its last line was torn (cut by a kill or power cut during the
-    append: dropped, and said). A bad line anywhere else is an error: nothing writes one."""
-    lines, rows = path.read_text().splitlines() if path.exists() else [], []
-    for i, line in enumerate(lines, 1):
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i < len(lines):
-                raise ValueError(f"{path}:{i}: not a JSON line (only the last can be torn by a crash)") from None
-            print(f"{path}: dropped its torn last line ({line[:40]!r}...), as a kill during its write leaves it")
-    return rows, len(rows) < len(lines)
-
-
 def trim_metrics(path, start):
     """Keep the lines of steps <= start (a crashed run logged more than its checkpoint holds); rewritten only when
     lines must go, through a temporary file and a rename, so that a kill during the rewrite loses nothing."""
-    rows, torn = read_metrics(path)
+    rows, torn = evaluate.read_metrics(path)
     kept = [r for r in rows if r["step"] <= start]
     if torn or len(kept) < len(rows):
         tmp = path.with_name(path.name + ".tmp")
@@ -998,50 +883,13 @@ def main(argv):
         log(dict(step=tc.steps, **final), None, print)  # (no "loss": the accuracies' line only)
         if final:
             (run_dir / "final.json").write_text(json.dumps(dict(step=tc.steps, **final), indent=1) + "\n")
-        plot([run_dir], run_dir / "loss.png")
+        evaluate.plot([run_dir], run_dir / "loss.png")
     print(f"checkpoint {last_saved}; metrics {run_dir / 'metrics.jsonl'}; plot {run_dir / 'loss.png'}")
     if ec.prompt and tok is not None and backend.processes == 1:  # (the sampler wants every weight on one host)
         ids = tok.enc.encode(ec.prompt, allowed_special="all")
         new, _ = evaluate.generate(backend.host_params(), m, ids, ec.sample_tokens, temperature=ec.temperature,
                                    eos=m.eos_token_id, seed=tc.init_seed, tokenizer_size=tok.vocab_size)
         print(f"sample: {ec.prompt}{tok.decode(new)!r}")
-
-
-# --- plot ---------------------------------------------------------------------------------------
-
-def plot(run_dirs, out):
-    """Training loss (held-out dashed) against steps, one colour per run. With several runs, a second panel shows
-    each one's per-step relative difference from the first; returns the largest of each (over common steps)."""
-    import matplotlib.pyplot as plt  # (imported here: a second or more, and only plots need it)
-    many = len(run_dirs) > 1
-    fig, axes = plt.subplots(2 if many else 1, 1, figsize=(8, 7 if many else 5), sharex=True, squeeze=False,
-                             height_ratios=[2, 1] if many else None)
-    first, diffs, ref = None, [], Path(run_dirs[0]).name
-    for i, d in enumerate(map(Path, run_dirs)):
-        rows = read_metrics(d / "metrics.jsonl")[0]
-        rows += [json.loads((d / "final.json").read_text())] if (d / "final.json").is_file() else []
-        loss = {r["step"]: r["loss"] for r in rows if "loss" in r}
-        held = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
-        axes[0, 0].plot(list(loss), list(loss.values()), color=f"C{i}", label=f"{d.name} train", lw=1.5 if i else 2.5)
-        if held:
-            axes[0, 0].plot(*zip(*held), "--o", color=f"C{i}", markersize=3, label=f"{d.name} held-out")
-        first = loss if first is None else first
-        common = sorted(set(first) & set(loss)) if i else []
-        if common:
-            rel = {s: abs(loss[s] - first[s]) / abs(first[s]) for s in common}
-            axes[1, 0].semilogy(common, [max(r, 1e-9) for r in rel.values()], color=f"C{i}", lw=1,
-                                label=f"|{d.name} - {ref}| / {ref}")
-            s = max(rel, key=rel.get)  # (the first, on a tie)
-            diffs.append(dict(run=str(d), steps=len(common), step=s, diff=abs(loss[s] - first[s]), rel=rel[s]))
-    for ax, label in zip(axes[:, 0], ("loss (nats/token)", "relative difference")):  # (one panel or two)
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    axes[-1, 0].set_xlabel("step")
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return diffs
 
 
 # --- bench --------------------------------------------------------------------------------------
@@ -1104,14 +952,8 @@ def bench(argv, steps=10):
 
 
 def cli(args):
-    if args[:1] == ["plot"]:
-        out = Path(args[1]) / "loss.png"
-        for d in plot(args[1:], out):
-            print(f"{d['run']} vs {args[1]}: largest per-step loss difference {d['diff']:.3g} "
-                  f"({d['rel']:.2g} relative) at step {d['step']}, over {d['steps']} common steps")
-        print(f"wrote {out}")
-    elif args[:1] == ["plan"]:
-        plan(args[1:])
+    if args[:1] == ["plan"]:
+        shard.plan(args[1:], make_train_step, new_history())
     elif "--bench" in args:
         bench([a for a in args if a != "--bench"])
     else:

@@ -368,11 +368,11 @@ def train_runs(runs, steps, extra):
 def curves():
     runs = [("runs/tables/jax", "", None), ("runs/tables/torch", "--train.backend=torch", None)]
     rel, finals = train_runs(runs, 300, "--train.lr=1e-3")
-    run("python train.py plot runs/tables/jax runs/tables/torch")
+    run("python eval.py plot runs/tables/jax runs/tables/torch")
     shutil.copy(ROOT / "runs/tables/jax/loss.png", ROOT / "docs/jax-vs-torch-lr1e-3.png")
     cmds = "\n".join(f"python train.py configs/tiny.toml --train.steps=300 --train.lr=1e-3 --train.log_every=1 "
                      f"--eval.every=100 --train.run_dir={d} {f}".rstrip() for d, f, _ in runs)
-    plot = "python train.py plot runs/tables/jax runs/tables/torch   # -> docs/jax-vs-torch-lr1e-3.png"
+    plot = "python eval.py plot runs/tables/jax runs/tables/torch   # -> docs/jax-vs-torch-lr1e-3.png"
     return (f"```\n{cmds}\n{plot}\n```\n\n"
             f"The torch loss equals JAX's at every step to **{max(rel[0]):.1e} relative at worst, "
             f"{statistics.mean(rel[0]):.1e} on average**; held-out bits per byte after 300 steps "
@@ -384,11 +384,11 @@ def curves_own_lr():
     runs = [("runs/tables/jax3", "", None), ("runs/tables/torch3", "--train.backend=torch", None),
             ("runs/tables/jax3-2dev", "--mesh.data=2", two)]
     rel, _ = train_runs(runs, 300, "")
-    run("python train.py plot runs/tables/jax3 runs/tables/torch3 runs/tables/jax3-2dev")
+    run("python eval.py plot runs/tables/jax3 runs/tables/torch3 runs/tables/jax3-2dev")
     shutil.copy(ROOT / "runs/tables/jax3/loss.png", ROOT / "docs/jax-vs-torch-own-lr.png")
     return (f"The same three runs at the tiny config's own `lr={TINY.train.lr:g}`: torch, and JAX with `--mesh.data=2` "
             f"under `XLA_FLAGS=--xla_force_host_platform_device_count=2`, each against JAX on one device "
-            f"(`python train.py plot runs/tables/jax3 runs/tables/torch3 runs/tables/jax3-2dev`). Over the first "
+            f"(`python eval.py plot runs/tables/jax3 runs/tables/torch3 runs/tables/jax3-2dev`). Over the first "
             f"25 steps torch is within {max(rel[0][:25]):.1e} relative; over all 300, torch wanders up to "
             f"{max(rel[0]):.1e} (mean {statistics.mean(rel[0]):.1e}) and two devices up to {max(rel[1]):.1e} "
             f"(mean {statistics.mean(rel[1]):.1e}).\n")

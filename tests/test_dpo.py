@@ -1,7 +1,7 @@
 """DPO and GRPO against a reference nobody here wrote: Hugging Face transformers' log-probs of a checkpoint that
 convert.save_hf writes, put through the losses as open-instruct's dpo_loss / _get_batch_logps and TRL's "sigmoid" /
 "sigmoid_norm" compute them (reference/longctx-posttrain-facts.md §2.7), with torch autograd for the gradients.
-Ours: the JAX step (JaxBackend.step), jax.grad of model.forward + train.make_loss, the torch backend, the reference
+Ours: the JAX step (JaxBackend.step), jax.grad of model.forward + model.make_loss, the torch backend, the reference
 pass (score); and GRPO's clipped loss against REINFORCE and PPO's clip."""
 import jax
 import jax.numpy as jnp
@@ -116,7 +116,7 @@ def test_jax_dpo_equals_hf(loss, hf):
     backend.load(model.unstack_layers(nets["policy"][0]), None)
     check_metrics(jax.device_get(backend.step(batch, 1e-3)), value, margin, grads)
 
-    loss_fn, total_of = train.make_loss(cfg, model.cross_entropy, model.label_logps, jnp)
+    loss_fn, total_of = model.make_loss(cfg, model.cross_entropy, model.label_logps, jnp)
     tokens, ref = jnp.asarray(batch["tokens"]), dict(ref=jnp.asarray(batch["ref"]))
     labels = jnp.asarray(model.shift_labels(batch["tokens"], m.pad_token_id, batch["mask"]))
     assert (total := total_of(labels)) == P
@@ -132,7 +132,7 @@ def test_torch_dpo_equals_hf(loss, hf):
     value, margin, grads = direct(loss, hf)
     cfg = config(loss, micro=1)  # 4 micro-batches of 1 pair
     net = model.torch_model(m, nets["policy"][0])
-    loss_fn, total_of = train.make_loss(cfg, model.cross_entropy_torch, model.label_logps_torch, torch)
+    loss_fn, total_of = model.make_loss(cfg, model.cross_entropy_torch, model.label_logps_torch, torch)
     labels = torch.from_numpy(model.shift_labels(batch["tokens"], m.pad_token_id, batch["mask"]).astype(np.int64))
     logits = net(torch.from_numpy(batch["tokens"]).long())
     share, aux = loss_fn(logits, labels, dict(ref=torch.from_numpy(batch["ref"])), total_of(labels))
@@ -190,7 +190,7 @@ def test_grpo_is_reinforce_then_ppo_clip(xp):
     assert (clip == 0).sum() == 2  # ρ = 1.5 with A > 0, ρ = 0.5 with A < 0
     if xp == "jax":  # and as the step takes it: make_loss's grpo, over the batch's completion tokens
         cfg = build(dict(model=MODEL, data=dict(seq_len=5, global_batch=2), train=dict(loss="grpo")))
-        loss_fn, total_of = train.make_loss(cfg, model.cross_entropy, model.label_logps, jnp)
+        loss_fn, total_of = model.make_loss(cfg, model.cross_entropy, model.label_logps, jnp)
         rows = dict(advantage=A[:, 0], reward=np.ones(2, np.float32))
         step = grad(lambda x: loss_fn(x, labels, rows, total_of(labels))[0], logits)
         np.testing.assert_allclose(step, want / (labels != model.IGNORE_INDEX).sum(), rtol=1e-6, atol=1e-8)

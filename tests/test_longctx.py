@@ -140,7 +140,7 @@ def test_verify_and_inspect_packed(setup, tmp_path, capsys):
     problems, summary = data.verify(d, 32, 4, 0, packed)
     assert not problems and "packed instances of 32 tokens" in summary
     data.main(["inspect", str(d), "--seq-len", "32", "--global-batch", "2", "--seed", "0", "--step", "1", "--packed"])
-    assert "document(s)" in capsys.readouterr().out
+    assert "piece(s)" in capsys.readouterr().out
     # A PAD id inside a document would be dropped from the loss as if it were padding: verify says so.
     f = next((d / "train").glob("part-*.bin"))
     arr = np.memmap(f, np.uint16, "r+")

@@ -18,7 +18,7 @@ def arith(setup, tmp_path_factory):
     """The arithmetic task prepared with the small fixture's 384-id tokenizer: SFT conversations, pairs, prompts."""
     root, _ = setup
     d = tmp_path_factory.mktemp("arith")
-    counts = data.arithmetic(d / "task")
+    counts = evaluate.arithmetic(d / "task")
     assert counts["heldout"] > 0.05 * 10000 and counts["sft"] + counts["heldout"] == 10000
     held = {json.loads(line)["messages"][0]["content"] for line in (d / "task/heldout.jsonl").read_text().splitlines()}
     trained = {json.loads(line)["messages"][0]["content"] for line in (d / "task/sft.jsonl").read_text().splitlines()}

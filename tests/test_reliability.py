@@ -285,7 +285,7 @@ def test_a_signal_during_the_final_eval_stops_the_run(setup, tmp_path, monkeypat
     def plot(*a):
         os.kill(os.getpid(), signal.SIGINT)
         raise AssertionError("the signal was swallowed")
-    monkeypatch.setattr(train, "plot", plot)
+    monkeypatch.setattr(train.evaluate, "plot", plot)
     run = tmp_path / "run"
     assert "interrupted" in fails(capsys, train.cli, [setup[1], f"--train.run_dir={run}", "--train.steps=2",
                                                       "--eval.prompt="], status=130)

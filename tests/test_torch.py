@@ -107,7 +107,7 @@ def test_a_run_changes_backend_mid_way(setup, straight, tmp_path):
         a, b = losses(straight / then), losses(d)
         assert a.keys() == b.keys() == set(range(1, 13))
         assert all(b[s] == pytest.approx(a[s], rel=REL) for s in a), (first, then, a, b)
-        (diff,) = train.plot([straight / then, d], tmp_path / "both.png")
+        (diff,) = train.evaluate.plot([straight / then, d], tmp_path / "both.png")
         assert diff["steps"] == 12 and diff["rel"] < REL
     x, y = (convert.read_safetensors(straight / b / "step_12" / "model.safetensors")[0] for b in ("jax", "torch"))
     assert max(float(np.abs(x[k] - y[k]).max()) for k in x) < 1e-4
