@@ -204,11 +204,11 @@ def start_distributed():
 HBM_GIB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32, "a100": 80, "h100": 80, "h200": 141, "b200": 180}
 
 
-def plan(argv, make_step, history):
+def plan(argv, make_step, new_history):
     """python train.py plan CONFIG.toml... --mesh data=D,fsdp=F,context=C,tensor=T [--batch B --seq T]
     [--device h100] [--topology v5p:8x8x4] [--section.key=value ...]: the train step compiled for that mesh, and
     its memory per device read off the compiler (memory_analysis), against the device's HBM. The step is train.py's,
-    passed in (make_step(cfg, mesh), and its skip-step `history`), so that nothing here imports train.py."""
+    passed in (make_step(cfg, mesh), and new_history() its skip-step state), so that nothing here imports train.py."""
     ap = argparse.ArgumentParser(prog="train.py plan", description=plan.__doc__)
     ap.add_argument("configs", nargs="+")
     ap.add_argument("--mesh", required=True, help="data=D,fsdp=F,context=C,tensor=T (those left out: the config's)")
@@ -238,7 +238,7 @@ def plan(argv, make_step, history):
     abstract = lambda shape, dtype, sh: jax.ShapeDtypeStruct(shape, dtype, sharding=sh)  # noqa: E731
     params = {k: abstract(p.shape, jnp.float32, p_sh[k]) for k, p in model.param_table(m).items()}
     opt = dict(m=params, v=params, count=abstract((), jnp.int32, o_sh["count"]))
-    hist = jax.tree.map(lambda x: abstract(x.shape, x.dtype, h_sh), history)
+    hist = jax.tree.map(lambda x: abstract(x.shape, x.dtype, h_sh), jax.eval_shape(new_history))
     batch = dict(tokens=abstract((accum, args.batch // accum, args.seq), jnp.int32, batch_sharding(mesh)))
     t0 = time.perf_counter()
     compiled = make_step(cfg, mesh).lower(params, opt, hist, batch, jnp.float32(1e-4)).compile()

@@ -953,7 +953,7 @@ def bench(argv, steps=10):
 
 def cli(args):
     if args[:1] == ["plan"]:
-        shard.plan(args[1:], make_train_step, new_history())
+        shard.plan(args[1:], make_train_step, new_history)
     elif "--bench" in args:
         bench([a for a in args if a != "--bench"])
     else:

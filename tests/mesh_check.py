@@ -29,7 +29,7 @@ for name, (d, f, c, t) in MESHES.items():
                  "mesh": dict(data=d, fsdp=f, context=c, tensor=t), "train": dict(lr=1e-2, warmup=0)})
     devices = jax.devices()[: d * f * c * t]
     mesh = shard.make_mesh(cfg.mesh, devices)
-    p_sh, o_sh, h_sh = train.state_shardings(mesh, cfg.model)
+    p_sh, o_sh, h_sh = shard.state_shardings(mesh, model.param_table(cfg.model))
     params = jax.jit(lambda k: model.init_params(cfg.model, k), out_shardings=p_sh)(jax.random.PRNGKey(0))
     opt = jax.jit(train.new_optimizer, out_shardings=o_sh)(params)
     history = jax.device_put(train.new_history(), h_sh)
