@@ -715,11 +715,8 @@ def soup(srcs, out):
     """The fp32 average of checkpoints of one model (any formats), as OLMo 2 7B / 13B average their annealing runs."""
     sources = [open_source(s) for s in srcs]
     first = sources[0]
-    fields = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in ("init", "init_std")]
     for s in sources[1:]:
-        diff = [f"{f}: {getattr(first.m, f)!r} vs {getattr(s.m, f)!r}" for f in fields
-                if getattr(first.m, f) != getattr(s.m, f)]
-        if diff:
+        if diff := first.m.differences(s.m):
             raise ConfigError(f"{s.path} is a different model from {first.path} ({'; '.join(diff)})")
     n = np.float32(len(sources))
     tensors = {k: Lazy(t.shape, t.dtype, lambda k=k: sum(s.tensors[k].load().astype(np.float32) for s in sources) / n)

@@ -80,7 +80,7 @@ class Tokenizer:
         return self.enc.decode(list(ids), errors="replace")
 
 
-def _sha256(path):
+def sha256(path):
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
@@ -104,7 +104,7 @@ def load_tokenizer(spec):
         specials = {s: len(ranks) + i for i, s in enumerate(BPE_SPECIALS)}
     enc = tiktoken.Encoding(Path(spec).stem, pat_str=PATTERN, mergeable_ranks=ranks, special_tokens=specials)
     return Tokenizer(enc, "dolma2" if spec == "dolma2" else str(path), specials["<|endoftext|>"], specials["<|pad|>"],
-                     max(specials.values()) + 1, _sha256(path))
+                     max(specials.values()) + 1, sha256(path))
 
 
 def train_bpe(texts, vocab_size):
@@ -503,7 +503,7 @@ def prepare(inputs, out, tokenizer="dolma2", heldout=0.0, decontaminate=(), work
             tokenizer=Path(tok.name).name, tokenizer_sha256=tok.sha256, vocab_size=tok.vocab_size,
             eos_token_id=tok.eos_id, pad_token_id=tok.pad_id, dtype=np.dtype(dtype).name, heldout_fraction=heldout,
             # A second read of the inputs, but sha256 runs ~100x faster than tokenizing them.
-            sources=[dict(path=str(p), bytes=p.stat().st_size, sha256=_sha256(p)) for p in sources],
+            sources=[dict(path=str(p), bytes=p.stat().st_size, sha256=sha256(p)) for p in sources],
             splits={s: dict(documents=w.documents, tokens=w.tokens, parts=w.part + 1) for s, w in writers.items()},
             skipped=dict(skipped), skipped_examples=examples, surrogates_replaced=surrogates,
             decontamination=decon and dict(
@@ -908,7 +908,7 @@ def verify(d, seq_len, global_batch, seed, packed=None):
     for tf in tqdm(train + held, desc="token ids", leave=False):
         if (top := int(tf.array().max())) >= V:
             problems.append(f"{tf.path}: token id {top} at {int(np.argmax(tf.array() >= V))} is >= vocab_size {V}")
-        if _sha256(tf.path) != tf.sha256:
+        if sha256(tf.path) != tf.sha256:
             problems.append(f"{tf.path}: sha256 differs from {tf.path.with_suffix('.json').name}")
 
     def docs(files):  # {hash of a document's tokens: where it came from}

@@ -603,10 +603,11 @@ def _steps(params, m, S, backend, dtype, cache):
 _SAMPLERS = {}
 
 
-def sample(params, m, prompts, max_new, temperature, seed, vocab):
+def sample(params, m, prompts, max_new, temperature, seed, vocab, eos):
     """Completions of prompts (n, P), all one length, drawn together through the KV cache (model.forward_step): the
     prompts in one call, then max_new positions under lax.scan, each token from softmax(logits / temperature) over
-    the first `vocab` ids (greedy at 0). -> (n, max_new) ids; what follows a row's first EOS is noise: cut it."""
+    the first `vocab` ids (greedy at 0). -> n lists of ids, each up to and including its first EOS (the scan runs
+    all max_new positions: what follows a row's EOS is noise, cut here)."""
     import jax
     import jax.numpy as jnp
     n, P = prompts.shape
@@ -625,13 +626,7 @@ def sample(params, m, prompts, max_new, temperature, seed, vocab):
             return jax.lax.scan(one, (first, cache, jnp.int32(P)), jax.random.split(rng, max_new))[1].T
         _SAMPLERS[key] = jax.jit(run)
     out = _SAMPLERS[key](params, jnp.asarray(prompts, jnp.int32), jnp.float32(temperature), jax.random.PRNGKey(seed))
-    return np.asarray(out)
-
-
-def until_eos(ids, eos):
-    """A completion up to and including its first EOS (all of it if none)."""
-    ids = [int(t) for t in ids]
-    return ids[:ids.index(eos) + 1] if eos in ids else ids
+    return [row[:row.index(eos) + 1] if eos in row else row for row in np.asarray(out).tolist()]
 
 
 # --- a task with verifiable answers: arithmetic (post-training's data, GRPO's reward, exact match) ----------
@@ -681,22 +676,21 @@ class Prompts:
         return dict(prompts=[self.items[i][0] for i in ids], answers=[self.items[i][1] for i in ids])
 
 
-def first_number(text):
-    """The verifiable reward's reading of a completion: its first integer, or None."""
-    found = re.search(r"-?\d+", text)
-    return found and found.group()
+def reward(tok, completion, answer):
+    """The verifiable reward: 1 when the completion's first integer is the answer, else 0."""
+    found = re.search(r"-?\d+", tok.decode(completion))
+    return float(found is not None and found.group() == answer)
 
 
 def exact_match(params, m, prompts, tok, max_new=8):
-    """Greedy completions of Prompts, batched by prompt length; -> accuracy of first_number == answer."""
+    """Greedy completions of Prompts, batched by prompt length; -> the mean reward, the share answered right."""
     by_len = defaultdict(list)
     for ids, answer in prompts.items:
         by_len[len(ids)].append((ids, answer))
     right = 0
     for group in by_len.values():
-        new = sample(params, m, np.array([ids for ids, _ in group]), max_new, 0.0, 0, tok.vocab_size)
-        right += sum(first_number(tok.decode(until_eos(row, tok.eos_id))) == answer
-                     for row, (_, answer) in zip(new, group))
+        new = sample(params, m, np.array([ids for ids, _ in group]), max_new, 0.0, 0, tok.vocab_size, tok.eos_id)
+        right += sum(reward(tok, c, answer) for c, (_, answer) in zip(new, group))
     return right / prompts.n
 
 

@@ -3,7 +3,6 @@ JAX first (pure functions over a flat params dict), then PyTorch (nn.Module). Th
 init, loss and the parameter/FLOP counts come first and serve both.
 
     python model.py configs/olmo2-7b.toml            # parameter table, FLOPs/token, total_params=...
-    python model.py configs/tiny.toml --check        # also: init, forward in JAX and torch, compare
     python model.py --attention-bench                # sliding against full layers: the time a window saves
 
 Notation (shape comments and einsum strings): B batch, T sequence, S key positions, D d_model,
@@ -780,22 +779,6 @@ def print_table(m):
     print(f"total_params={count_params(m)}")
 
 
-def check(m, B=2, T=64):
-    """Init in JAX, copy the weights into torch, run both on the same random tokens, compare."""
-    T = min(T, m.max_seq_len)
-    params = init_params(m, jax.random.PRNGKey(0))
-    tokens = np.random.default_rng(0).integers(0, m.vocab_size, (B, T))
-    labels = shift_labels(tokens)
-    logits_j = forward(params, jnp.asarray(tokens), m)
-    loss_j = float(cross_entropy(logits_j, jnp.asarray(labels))[0])
-    with torch.no_grad():
-        logits_t = torch_model(m, params)(torch.from_numpy(tokens))
-    loss_t = float(cross_entropy_torch(logits_t, torch.from_numpy(labels))[0])
-    diff = np.abs(np.asarray(logits_j) - logits_t.numpy()).max()
-    print(f"check: B={B} T={T} loss jax {loss_j:.4f} torch {loss_t:.4f} (ln V = {math.log(m.vocab_size):.4f}); "
-          f"max |logit jax - torch| = {diff:.2e}")
-
-
 def attention_bench():
     """Forward + backward time of a model of sliding layers against the same model of full layers, on this
     device's default attention: the work a window saves. D 256, 4 heads of 64, 2 layers, W 512, B 1."""
@@ -821,10 +804,8 @@ def attention_bench():
 def main(argv):
     if "--attention-bench" in argv:
         return attention_bench()
-    cfg = load_config([a for a in argv if a != "--check"])
+    cfg = load_config(argv)
     print(describe(cfg), end="\n\n")
-    if "--check" in argv:
-        check(cfg.model)
     print_table(cfg.model)
 
 

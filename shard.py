@@ -1,8 +1,8 @@
 """Device meshes and shardings: this file only lays things out. The model never sees any of this:
 train.py asks here how to lay out the params, the optimizer state and the batch, and jit (GSPMD)
 inserts the communication. The torch backend's equivalent (torchrun processes, FSDP2's fully_shard)
-is the second half. Between them, the ahead-of-time plan: train.py's step, passed in, compiled for a mesh you
-do not have, and what it costs per device (`python train.py plan`).
+is the second half. Between them: which piece of each array a process writes to a checkpoint and reads back, and
+the ahead-of-time plan (train.py's step, passed in, compiled for a mesh you do not have: `python train.py plan`).
 
     python shard.py configs/olmo3-7b.toml --mesh.data=1 --mesh.fsdp=-1   # the mesh and each parameter's layout here
 
@@ -25,11 +25,13 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 import torch.distributed as dist
-from jax.experimental import topologies
+from jax.experimental import multihost_utils, topologies
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
+import convert
 import model
 from configs import load_config, run_cli
 
@@ -189,6 +191,11 @@ def describe(mesh):
             f"{jax.process_count()} process(es)")
 
 
+def jax_barrier():
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("barrier")
+
+
 def start_distributed():
     """Multi-host: when the launcher set JAX_COORDINATOR_ADDRESS (and JAX_NUM_PROCESSES, JAX_PROCESS_ID),
     join the other processes. TPU pods and SLURM fill these in by themselves; call before any device use."""
@@ -197,6 +204,39 @@ def start_distributed():
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(os.environ["JAX_COORDINATOR_ADDRESS"], int(os.environ["JAX_NUM_PROCESSES"]),
                                    int(os.environ["JAX_PROCESS_ID"]))
+
+
+# --- checkpoints: the piece of each array this process writes (train.save_checkpoint), and reads back ---------
+
+def stored(name, shape, prefix, idx):
+    """[(stored name, index)] that slice idx of a param covers, one per layer if stacked; prefix "model.": HF names."""
+    rename = convert.hf_name if prefix == "model." else lambda n: prefix + n  # noqa: E731
+    if not name.startswith("layers."):
+        return [(rename(name), idx)]
+    return [(rename(model.layer_name(name, i)), idx[1:]) for i in range(*idx[0].indices(shape[0]))]
+
+
+def jax_pieces(trees):
+    """(stored name, index, numpy) for replica 0 of every shard this process holds, of [(prefix, {name: array})]."""
+    for prefix, tree in trees:
+        for name, a in tree.items():
+            for sh in a.addressable_shards:
+                if sh.replica_id:
+                    continue  # another device holds the same values and writes them
+                value = np.asarray(sh.data)
+                values = value if name.startswith("layers.") else [value]  # one per stored tensor
+                for (fname, idx), v in zip(stored(name, a.shape, prefix, sh.index), values):
+                    yield fname, idx, v
+
+
+def jax_read(views, prefix, table, shardings):
+    """{name: global array}, each device's slice read straight from the stored tensors (fp32 whatever they hold)."""
+    def read(name, idx):
+        parts = [np.asarray(views[f][i], np.float32) for f, i in stored(name, table[name].shape, prefix, idx)]
+        return np.stack(parts) if name.startswith("layers.") else parts[0]
+
+    return {k: jax.make_array_from_callback(p.shape, shardings[k], lambda idx, k=k: read(k, idx))
+            for k, p in table.items()}
 
 
 # --- the ahead-of-time plan: compile the train step for a mesh we do not have ---------------------

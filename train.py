@@ -19,7 +19,6 @@ checkpoints step_N/: HF model directories (config.json, model.safetensors) + opt
 same names) + nanolmo.json (config, step, data position, skip-step history); `latest` names the newest whole one.
 """
 
-import hashlib
 import importlib.util
 import json
 import math
@@ -35,7 +34,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 import convert
@@ -128,14 +126,6 @@ def push_history(history, loss, grad_norm):
 # writes the pieces it holds into the shared files, and a restore reads only the slices it needs, so a
 # checkpoint written on one mesh (or by one backend) resumes on another and no host holds a whole array.
 
-def stored(name, shape, prefix, idx):
-    """[(stored name, index)] that slice idx of a param covers, one per layer if stacked; prefix "model.": HF names."""
-    rename = convert.hf_name if prefix == "model." else lambda n: prefix + n  # noqa: E731
-    if not name.startswith("layers."):
-        return [(rename(name), idx)]
-    return [(rename(model.layer_name(name, i)), idx[1:]) for i in range(*idx[0].indices(shape[0]))]
-
-
 def checkpoint_entries(m):
     """{name: (shape, dtype)} of model.safetensors and optimizer.safetensors: both backends write these, in fp32."""
     shapes = convert.expected_tensors(m)  # unstacked names, as stored
@@ -205,10 +195,7 @@ def discard(path):
 def clear_leftovers(run_dir):
     """What killed runs leave: step_N.tmp (a save cut short) and step_N.trash (a delete cut short)."""
     for p in [*run_dir.glob("step_*.tmp"), *run_dir.glob("step_*.trash"), *run_dir.glob("*.jsonl.tmp")]:
-        if p.is_dir():
-            shutil.rmtree(p)
-        else:
-            p.unlink()
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
         print(f"removed {p}, left by a run that was killed")
 
 
@@ -233,10 +220,8 @@ def open_checkpoint(path, m, with_optimizer=True, new_stage=False):
     fix = f"delete {path} (and fix {path.parent / 'latest'}) to go on from the checkpoint before it"
     meta = read_json(path / "nanolmo.json", fix) if (path / "nanolmo.json").is_file() else {}
     theirs = build({"model": meta["config"]["model"]}).model if meta else saved_m
-    diff = [f"{k}: {getattr(theirs, k)!r} there, {getattr(m, k)!r} here" for k in to_dict(m)
-            if k not in ("init", "init_std", *(STAGE_MAY_CHANGE if new_stage else ())) and getattr(theirs, k) != getattr(m, k)]
-    if diff:
-        raise ConfigError(f"{path} holds a different model ({'; '.join(diff)})")
+    if diff := theirs.differences(m, STAGE_MAY_CHANGE if new_stage else ()):
+        raise ConfigError(f"{path} holds a different model (there vs here: {'; '.join(diff)})")
     opt = None
     if with_optimizer and (path / "optimizer.safetensors").is_file():
         opt, _ = convert.read_safetensors(path / "optimizer.safetensors")
@@ -253,30 +238,36 @@ def documents(cfg, tokens):
     return model.segment_ids(tokens, cfg.model.eos_token_id) if cfg.data.doc_mask else None
 
 
+def labelled_logits(cfg, mesh, params, batch, remat="none"):
+    """(logits, next-token labels) of rows {tokens, mask?} over the mesh: the train step's forward, eval's, score's.
+    shard.py pins the residual stream's layout and, with a context axis, passes the attention that gathers keys."""
+    m, tokens = cfg.model, batch["tokens"]
+    logits = model.forward(params, tokens, m, jnp.dtype(cfg.train.compute_dtype), remat,
+                           shard.residual_constraint(mesh), documents(cfg, tokens), attend_fn=shard.context_attention(mesh))
+    return logits, model.shift_labels(tokens, m.pad_token_id, batch.get("mask"))
+
+
+def nats(logits, labels):
+    """Summed next-token cross-entropy of a batch and the targets it covers (held-out bits per byte sum these)."""
+    return -model.label_logps(logits, labels).sum(), (labels != model.IGNORE_INDEX).sum()
+
+
 def make_train_step(cfg, mesh):
     m, tc = cfg.model, cfg.train
-    dtype, constrain = jnp.dtype(tc.compute_dtype), shard.residual_constraint(mesh)
     decay = {k: p.decay and tc.weight_decay > 0 for k, p in model.param_table(m).items()}
     loss_of, total_of = model.make_loss(cfg, model.cross_entropy, model.label_logps, jnp)
-    attend_fn = shard.context_attention(mesh)  # None unless mesh.context > 1
-
-    def micro_loss(params, batch, labels, total):
-        tokens = batch["tokens"]
-        logits = model.forward(params, tokens, m, dtype, tc.remat, constrain, documents(cfg, tokens),
-                               attend_fn=attend_fn)
-        return loss_of(logits, labels, batch, total)
 
     def step(params, opt, history, batch, lr):
         """batch: tokens (A, B, T) (A micro-batches of B rows, B split over the data axis), and per loss its mask
         (A, B, T), ref or advantage (A, B)."""
-        labels = model.shift_labels(batch["tokens"], m.pad_token_id, batch.get("mask"))
-        total = jnp.maximum(total_of(labels), 1)
+        total = jnp.maximum(total_of(model.shift_labels(batch["tokens"], m.pad_token_id, batch.get("mask"))), 1)
 
-        def accumulate(grads, xs):
-            (loss, aux), g = jax.value_and_grad(micro_loss, has_aux=True)(params, *xs, total)
+        def accumulate(grads, micro):
+            loss_fn = lambda p: loss_of(*labelled_logits(cfg, mesh, p, micro, tc.remat), micro, total)  # noqa: E731
+            (loss, aux), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
             return jax.tree.map(jnp.add, grads, g), (loss, aux)
 
-        grads, (losses, aux) = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), (batch, labels))
+        grads, (losses, aux) = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), batch)
         loss, aux = losses.sum(), jax.tree.map(jnp.sum, aux)
         grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
         if tc.clip:  # torch.nn.utils.clip_grad_norm_: scale by min(1, clip / (norm + 1e-6))
@@ -299,7 +290,6 @@ class JaxBackend:
     """State as global jax.Arrays over the mesh; one jitted step (micro-batches inside) per step; any processes."""
 
     def __init__(self, cfg):
-        m = cfg.model
         shard.start_distributed()
         self.cfg, self.lead, self.processes = cfg, jax.process_index() == 0, jax.process_count()
         self.mesh = mesh = shard.make_mesh(cfg.mesh)
@@ -307,18 +297,17 @@ class JaxBackend:
         _, self.micro, self.accum = shard.check_batch(cfg.data.global_batch, cfg.train.micro_batch, self.world,
                                                       shard.mesh_where(mesh))
         shard.check_context(mesh.shape["context"], cfg.data.seq_len)
-        self.param_sh, self.opt_sh, hist_sh = shard.state_shardings(mesh, model.param_table(m))  # checks every split divides before anything compiles
-        self.layout = shard.jax_layout(mesh, model.param_table(m)) + [shard.describe(mesh)]  # lines for the log
+        table = model.param_table(cfg.model)
+        self.param_sh, self.opt_sh, hist_sh = shard.state_shardings(mesh, table)  # every split checked, before compiling
+        self.layout = shard.jax_layout(mesh, table) + [shard.describe(mesh)]  # lines for the log
         self.peak = PEAK_FLOPS.get(jax.devices()[0].device_kind)
         self.history = jax.device_put(new_history(), hist_sh)
         self.train_step = make_train_step(cfg, mesh)
-        self.eval_step = jax.jit(self._eval_step)
-        self.score_step = jax.jit(lambda p, b: model.label_logps(*self._logits(p, b)).sum(-1))
+        self.eval_step = jax.jit(lambda p, b: nats(*labelled_logits(cfg, mesh, p, b)))
+        self.score_step = jax.jit(lambda p, b: model.label_logps(*labelled_logits(cfg, mesh, p, b)).sum(-1))
         self.new_optimizer = jax.jit(new_optimizer, out_shardings=self.opt_sh)
 
-    def barrier(self):
-        if self.processes > 1:
-            multihost_utils.sync_global_devices("barrier")
+    barrier = staticmethod(shard.jax_barrier)
 
     def init(self, seed):
         """Initialised where it lives: each device draws only its own shard."""
@@ -327,21 +316,11 @@ class JaxBackend:
         self.opt = self.new_optimizer(self.params)
 
     def load(self, state, views):
-        self.params = self._read(state, "")
+        read = lambda views, prefix: shard.jax_read(views, prefix, model.param_table(self.cfg.model), self.param_sh)  # noqa: E731
+        self.params = read(state, "")
         self.opt = self.new_optimizer(self.params) if views is None else dict(
-            m=self._read(views, "exp_avg."), v=self._read(views, "exp_avg_sq."),
+            m=read(views, "exp_avg."), v=read(views, "exp_avg_sq."),
             count=jax.device_put(jnp.asarray(int(views["step"]), jnp.int32), self.opt_sh["count"]))
-
-    def _read(self, views, prefix):
-        """{name: global array}, each device's slice read straight from the stored tensors (fp32 whatever they hold)."""
-        table = model.param_table(self.cfg.model)
-
-        def read(name, idx):
-            parts = [np.asarray(views[f][i], np.float32) for f, i in stored(name, table[name].shape, prefix, idx)]
-            return np.stack(parts) if name.startswith("layers.") else parts[0]
-
-        return {k: jax.make_array_from_callback(p.shape, self.param_sh[k], lambda idx, k=k: read(k, idx))
-                for k, p in table.items()}
 
     def step(self, batch, lr):
         """batch: {tokens (B_local, T), ...} for this process's ranks' rows, rank-major (Loader.batch)."""
@@ -366,31 +345,9 @@ class JaxBackend:
         """Each row's summed log-prob of its targets (B,), as numpy (one process: the reference pass)."""
         return np.asarray(self.score_step(self.params, self._put(batch)))
 
-    def _logits(self, params, batch):
-        m, tokens = self.cfg.model, batch["tokens"]
-        labels = model.shift_labels(tokens, m.pad_token_id, batch.get("mask"))
-        return model.forward(params, tokens, m, jnp.dtype(self.cfg.train.compute_dtype),
-                             constrain=shard.residual_constraint(self.mesh), segments=documents(self.cfg, tokens),
-                             attend_fn=shard.context_attention(self.mesh)), labels
-
-    def _eval_step(self, params, batch):
-        """Summed cross-entropy (nats) and the tokens it covers, for one batch (B, T); jitted in __init__."""
-        logits, labels = self._logits(params, batch)
-        n = (labels != model.IGNORE_INDEX).sum()
-        return model.cross_entropy(logits, labels)[1] * n, n
-
     def pieces(self, kind):
-        """(file name, index, numpy) for replica 0 of every shard this process holds."""
         opt = [("exp_avg.", self.opt["m"]), ("exp_avg_sq.", self.opt["v"]), ("", {"step": self.opt["count"]})]
-        trees = [("model.", self.params)] if kind == "model." else opt
-        for name, a, prefix in [(k, v, prefix) for prefix, tree in trees for k, v in tree.items()]:
-            for sh in a.addressable_shards:
-                if sh.replica_id:
-                    continue  # another device holds the same values and writes them
-                value = np.asarray(sh.data)
-                values = value if name.startswith("layers.") else [value]  # one per stored tensor
-                for (fname, idx), v in zip(stored(name, a.shape, prefix, sh.index), values):
-                    yield fname, idx, v
+        return shard.jax_pieces([("model.", self.params)] if kind == "model." else opt)
 
     def host_params(self):
         return jax.device_get(self.params)
@@ -471,13 +428,12 @@ class TorchBackend:
         total = shard.torch_sum(torch.as_tensor(self.total_of(y), device=self.device)).clamp(min=1)  # global batch's
         per = self.micro * (2 if tc.loss.startswith("dpo") else 1)  # rows per micro-batch: a pair's two together
         sums = {}
-        docs = [None] * self.accum if docs is None else docs.split(per)
-        parts = zip(x.split(per), y.split(per), docs, [{k: v[a * per:(a + 1) * per] for k, v in rows.items()}
-                                                        for a in range(self.accum)])
-        for a, (xa, ya, da, ra) in enumerate(parts):
+        for a in range(self.accum):
+            at = slice(a * per, (a + 1) * per)
             if self.processes > 1:
                 self.net.set_requires_gradient_sync(a == self.accum - 1)  # reduce-scatter once, after the last
-            share, aux = self.loss(self.net(xa, self.dtype, tc.remat, da), ya, ra, total)
+            logits = self.net(x[at], self.dtype, tc.remat, None if docs is None else docs[at])
+            share, aux = self.loss(logits, y[at], {k: v[at] for k, v in rows.items()}, total)
             # FSDP2 averages gradients over ranks; each rank's loss is already its share of the global
             # mean, so scale by the rank count to get their sum.
             (share * self.world).backward()
@@ -548,53 +504,34 @@ def pair_scores(backend, pairs, rows):
     return sums, counts
 
 
-def checkpoint_sha256(path):
-    h = hashlib.sha256()
-    for f in sorted(Path(path).glob("model*.safetensors")):
-        with open(f, "rb") as fh:
-            h.update(hashlib.file_digest(fh, "sha256").digest())
-    return h.hexdigest()
-
-
 def reference_logps(backend, cfg, splits):
     """DPO's reference: each pair's summed log-probs under the frozen start (train.init_from), computed once by a
-    pass before the first step and kept beside the data (DATA/reference_logps.SPLIT.npy, and .json naming the
-    checkpoint by sha256), as open-instruct caches them. A file for another checkpoint or seq_len is refused."""
+    pass before the first step and kept beside the data in DATA/reference_logps.npz (an array per split, and the
+    checkpoint, the sha256 of its weights and seq_len they belong to), as open-instruct caches them. A file for
+    another checkpoint or seq_len is refused."""
     dc, tc = cfg.data, cfg.train
     if not tc.init_from:
         raise ConfigError(f"train.loss={tc.loss!r} needs train.init_from: the SFT model, policy and reference both")
-    meta_path, want = Path(dc.path) / "reference_logps.json", dict(sha256=checkpoint_sha256(tc.init_from), seq_len=dc.seq_len)
-    if meta_path.is_file():
-        have = read_json(meta_path, f"delete {meta_path} to recompute the reference log-probs")
-        if {k: have.get(k) for k in want} != want:
-            raise ValueError(f"{meta_path}: reference log-probs of {have.get('checkpoint')} at seq_len "
-                             f"{have.get('seq_len')}, not of train.init_from={tc.init_from} at data.seq_len={dc.seq_len}"
-                             f" (sha256 {str(have.get('sha256'))[:12]}... vs {want['sha256'][:12]}...); delete "
-                             f"{meta_path} and reference_logps.*.npy beside it to recompute them")
-        for name, pairs in splits.items():
-            pairs.ref = np.load(meta_path.with_name(f"reference_logps.{name}.npy"), allow_pickle=False)
-            if pairs.ref.shape != (pairs.n, 2):
-                raise ValueError(f"{meta_path.with_name(f'reference_logps.{name}.npy')}: shape {pairs.ref.shape}, "
-                                 f"expected ({pairs.n}, 2): delete it and {meta_path} to recompute")
+    path, weights = Path(dc.path) / "reference_logps.npz", sorted(Path(tc.init_from).glob("model*.safetensors"))
+    want = dict(sha256=[data.sha256(f) for f in weights], seq_len=dc.seq_len)
+    if path.is_file():
+        with np.load(path, allow_pickle=False) as f:  # plain arrays; strings as unicode arrays, never pickles
+            have = {k: f[k].tolist() for k in f.files}
+        if {k: have.get(k) for k in want} != want or any(len(have.get(k, ())) != p.n for k, p in splits.items()):
+            raise ValueError(f"{path}: reference log-probs of {have.get('checkpoint')} at seq_len {have.get('seq_len')}"
+                             f", not of train.init_from={tc.init_from} at data.seq_len={dc.seq_len} (or not of these "
+                             f"pairs): delete {path} to recompute them")
+        for k, pairs in splits.items():
+            pairs.ref = np.asarray(have[k], np.float32)
         return
     if backend.processes > 1:
         raise ConfigError("the reference pass runs in one process: start the DPO run once on one host, then resume")
-    for name, pairs in splits.items():
+    for pairs in splits.values():
         pairs.ref = pair_scores(backend, pairs, cfg.data.global_batch)[0].astype(np.float32)
-        tmp = meta_path.with_name(f"reference_logps.{name}.tmp.npy")
-        np.save(tmp, pairs.ref)
-        convert.replace(tmp, meta_path.with_name(f"reference_logps.{name}.npy"))
-    tmp = meta_path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(dict(checkpoint=str(tc.init_from), **want), indent=1) + "\n")
-    convert.replace(tmp, meta_path)
-    print(f"reference log-probs of {tc.init_from} for {', '.join(f'{p.n} {k}' for k, p in splits.items())} pairs: {meta_path}")
-
-
-def pair_eval(backend, pairs, cfg):
-    """DPO on held-out pairs: the loss, the preference accuracy (chosen preferred over rejected) and the margin."""
-    sums, counts = pair_scores(backend, pairs, cfg.data.global_batch)
-    losses, margins = model.dpo_of(sums.ravel(), pairs.ref.ravel(), counts.ravel(), cfg.train, np)
-    return dict(eval_loss=float(losses.mean()), eval_accuracy=float((margins > 0).mean()), eval_margin=float(margins.mean()))
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez(tmp, checkpoint=str(tc.init_from), **want, **{k: p.ref for k, p in splits.items()})
+    convert.replace(tmp, path)
+    print(f"reference log-probs of {tc.init_from} for {', '.join(f'{p.n} {k}' for k, p in splits.items())} pairs: {path}")
 
 
 def rollouts(backend, cfg, batch, step, tok):
@@ -609,12 +546,11 @@ def rollouts(backend, cfg, batch, step, tok):
     for j, (prompt, answer) in enumerate(zip(batch["prompts"], batch["answers"])):
         seed = int(np.random.SeedSequence([tc.init_seed, step, backend.ranks[0], j]).generate_state(1)[0])
         new = evaluate.sample(backend.params, cfg.model, np.tile(prompt, (G, 1)), tc.grpo_max_new,
-                              tc.grpo_temperature, seed, tok.vocab_size)
-        for g, row in enumerate(new):
-            done, r = evaluate.until_eos(row, tok.eos_id), j * G + g
+                              tc.grpo_temperature, seed, tok.vocab_size, tok.eos_id)
+        for r, done in enumerate(new, j * G):
             tokens[r, :len(prompt) + len(done)] = prompt + done
             mask[r, len(prompt):len(prompt) + len(done)] = True
-            reward[r] = evaluate.first_number(tok.decode(done)) == answer
+            reward[r] = evaluate.reward(tok, done, answer)
     groups = reward.reshape(-1, G)
     advantage = (groups - groups.mean(1, keepdims=True)) / (groups.std(1, keepdims=True) + 1e-8)
     return dict(tokens=tokens, mask=mask, advantage=advantage.ravel().astype(np.float32), reward=reward)
@@ -655,8 +591,7 @@ def open_data(cfg):
         raise ConfigError(f"{dc.path} was tokenized with {V} ids but model.vocab_size={cfg.model.vocab_size}")
     held = data.dataset_files(dc.path, "heldout")
     enough = held and sum(f.tokens for f in held) >= dc.seq_len  # one instance at least
-    heldout = None if not enough else data.open_instances(dc.path, dc.seq_len, split="heldout") \
-        if kind == "pairs" else data.Instances([("heldout", held, None)], dc.seq_len)
+    heldout = data.open_instances(dc.path, dc.seq_len, split="heldout") if enough else None
     return instances, heldout, data.dataset_tokenizer(dc.path)
 
 
@@ -688,12 +623,15 @@ def restore(backend, cfg):
 
 
 def held_out_eval(backend, heldout, cfg, token_bytes, batches):
-    """Loss (nats/token) and bits per byte on the held-out split, first `batches` batches (0 = all); DPO: pair_eval's
-    loss and preference accuracy on the held-out pairs."""
+    """Loss (nats/token) and bits per byte on the held-out split, first `batches` batches (0 = all); DPO: the loss,
+    the preference accuracy (chosen preferred over rejected) and the mean margin on every held-out pair."""
     if heldout is None:
         return {}
     if cfg.train.loss.startswith("dpo"):
-        return pair_eval(backend, heldout, cfg)
+        sums, counts = pair_scores(backend, heldout, cfg.data.global_batch)
+        losses, margins = model.dpo_of(sums.ravel(), heldout.ref.ravel(), counts.ravel(), cfg.train, np)
+        return dict(eval_loss=float(losses.mean()), eval_accuracy=float((margins > 0).mean()),
+                    eval_margin=float(margins.mean()))
     dc = cfg.data
     rows = np.arange(dc.global_batch).reshape(backend.world, -1)[backend.ranks].ravel()  # this process's ranks' rows
     nats = count = n_bytes = 0
@@ -712,13 +650,12 @@ def in_loop_tasks(cfg, tok, backend):
     ec = cfg.eval
     if not ec.tasks:
         return None
-    names = ec.tasks.replace(",", " ").split()  # an unknown name: eval.load_task says which are known
     if tok is None:
         raise ConfigError(f"eval.tasks needs a tokenizer, and data.path={cfg.data.path!r} is not a folder from `data.py prepare`")
     if backend.processes > 1:
         print("eval.tasks: skipped (in-loop tasks run in single-process runs; use `eval.py tasks` on a checkpoint)")
         return None
-    tasks = evaluate.prepare_tasks(names, ec.tasks_data, tok, ec.tasks_norm, ec.tasks_limit)
+    tasks = evaluate.prepare_tasks(ec.tasks.replace(",", " ").split(), ec.tasks_data, tok, ec.tasks_norm, ec.tasks_limit)
     tasks["scorer"] = evaluate.Scorer(cfg.model, None, "jax", cfg.train.compute_dtype)  # params: each eval's
     print("in-loop tasks: " + ", ".join(f"{n} ({len(t['items'])} docs)" for n, t in tasks["tasks"].items())
           + f", {ec.tasks_norm} prompts and normalisation")
@@ -798,8 +735,10 @@ def main(argv):
         tc.warmup = round(tc.warmup_fraction * tc.steps * (tokens_per_step if tc.units == "tokens" else 1))
     # The step's rows: the loader's, or (GRPO) completions sampled from the policy of the moment for its prompts.
     make_batch = (lambda step, b: rollouts(backend, cfg, b, step, tok)) if tc.loss == "grpo" else lambda step, b: b
+    metrics_path = run_dir / "metrics.jsonl" if lead else None
     if lead:
         save_json(cfg, run_dir / "config.json")
+        trim_metrics(metrics_path, start)
     # what this run is: the config, params, the batch arithmetic, the layout, the data
     print(describe(cfg))
     print(f"params {model.count_params(m):,} (by tensor: python model.py CONFIG)")
@@ -818,9 +757,6 @@ def main(argv):
         signal.signal(sig, lambda signum, _frame: stop.update(signal=signal.Signals(signum).name))
 
     # --- the loop
-    metrics_path = run_dir / "metrics.jsonl" if lead else None
-    if lead:
-        trim_metrics(metrics_path, start)
     bar = tqdm(range(start + 1, tc.steps + 1), initial=start, total=tc.steps, desc="train", dynamic_ncols=True,
                disable=not lead)
     t_last, pending = time.perf_counter(), []  # pending: (step, lr, metrics still on the device)

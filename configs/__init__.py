@@ -125,6 +125,11 @@ class ModelConfig:
         """Per-layer "S"/"F", the pattern repeated to n_layers."""
         return self.layer_pattern * (self.n_layers // len(self.layer_pattern))
 
+    def differences(self, other, ignore=()):
+        """'field: this vs other' where two models differ, init and init_std aside (they shape no tensor)."""
+        return [f"{f.name}: {getattr(self, f.name)!r} vs {getattr(other, f.name)!r}" for f in dataclasses.fields(self)
+                if f.name not in ("init", "init_std", *ignore) and getattr(self, f.name) != getattr(other, f.name)]
+
 
 @dataclass
 class DataConfig:

@@ -136,7 +136,7 @@ def test_prepare_outputs_metadata_and_index(tmp_path, bpe):
         ids = tf.array()[start:starts[j + 1]]
         assert ids[-1] == tok.eos_id
         assert tok.decode(ids[:-1]) == Path(tf.sources[src]).read_text()
-    assert json.loads((tmp_path / "out/prepare.json").read_text())["sources"][0]["sha256"] == data._sha256(docs / "doc000.txt")
+    assert json.loads((tmp_path / "out/prepare.json").read_text())["sources"][0]["sha256"] == data.sha256(docs / "doc000.txt")
 
 
 def test_prepare_parallel_equals_serial(tmp_path, bpe):

@@ -53,7 +53,7 @@ def test_sft_dpo_grpo_chain(setup, arith, tmp_path):
     assert first["loss"] == pytest.approx(np.log(2), rel=1e-5)
     final = json.loads((dpo / "final.json").read_text())
     assert 0 <= final["eval_accuracy"] <= 1 and "eval_margin" in final
-    ref = arith / "dpo/reference_logps.train.npy"
+    ref = arith / "dpo/reference_logps.npz"
     before = ref.stat().st_mtime_ns
     train.main(args(setup, tmp_path / "dpo-again", *pairs))
     assert ref.stat().st_mtime_ns == before  # reused, not recomputed
@@ -65,16 +65,17 @@ def test_sft_dpo_grpo_chain(setup, arith, tmp_path):
 
 
 def test_reference_file_of_another_checkpoint_is_refused(setup, arith, tmp_path):
-    """A reference_logps.json written for other weights stops the run before any step, and names the fix."""
+    """A reference_logps.npz written for other weights stops the run before any step, and names the fix."""
     sft, pairs = tmp_path / "sft", tmp_path / "pairs"
     train.main(args(setup, sft, f"--data.path={arith / 'sft'}", "--data.packing=packed", "--data.doc_mask=true",
                     "--data.source_group_size=1", "--train.steps=1"))
     shutil.copytree(arith / "dpo", pairs, ignore=shutil.ignore_patterns("reference_logps.*"))
-    (pairs / "reference_logps.json").write_text(json.dumps(dict(checkpoint="elsewhere", sha256="0" * 64, seq_len=48)))
-    with pytest.raises(ValueError, match=r"reference_logps\.json: reference log-probs of elsewhere .* delete"):
+    np.savez(pairs / "reference_logps.npz", checkpoint="elsewhere", sha256=["0" * 64], seq_len=48, train=np.zeros((4, 2)))
+    with pytest.raises(ValueError, match=r"reference_logps\.npz: reference log-probs of elsewhere .* delete"):
         train.main(args(setup, tmp_path / "dpo", f"--data.path={pairs}", "--data.seq_len=48",
                         f"--train.init_from={sft / 'step_1'}", "--train.loss=dpo"))
-    assert not (tmp_path / "dpo" / "step_1").exists() and not list(pairs.glob("reference_logps.*.npy"))
+    assert not (tmp_path / "dpo" / "step_1").exists()
+    assert np.load(pairs / "reference_logps.npz")["checkpoint"] == "elsewhere"  # left as it was
 
 
 @pytest.mark.parametrize("loss, data_kind", [("dpo", "sft"), ("ce", "dpo"), ("grpo", "sft")])

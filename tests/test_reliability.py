@@ -147,7 +147,7 @@ def test_bad_runs(setup, tmp_path, capsys):
     toml, d = setup[1], tmp_path / "run"
     train_run(toml, d, "--train.steps=2")
     line = fails(capsys, train.cli, [toml, f"--train.run_dir={d}", "--train.steps=4", "--model.n_layers=4"])
-    assert "holds a different model (n_layers: 2 there, 4 here)" in line
+    assert "holds a different model (there vs here: n_layers: 2 vs 4)" in line
     st = d / "step_2" / "model.safetensors"
     st.write_bytes(st.read_bytes()[:-50])
     line = fails(capsys, train.cli, [toml, f"--train.run_dir={d}", "--train.steps=4"])
