@@ -220,7 +220,7 @@ def attend(q, k, v, window, scale, segments=None, offset=0):
     temporaries for one 8192-token layer's gradient against 1.1 GiB here. The kernels skip the hidden blocks.)
     segments (B, S) or None: queries read only keys of their own document. Softmax in fp32.
     offset: where q's rows sit among the keys; 0 (the same T) unless q is one context-parallel shard of the sequence
-    (shard.context_attention), and then it is traced."""
+    (shard.attention), and then it is traced."""
     Tq, S = q.shape[1], k.shape[1]
     if Tq <= Q_BLOCK and isinstance(offset, int):  # one block: only the keys it can see
         lo = max(0, offset - window + 1) if window else 0
@@ -268,17 +268,25 @@ def splash_kernel(T, N, window, interpret):
 
 
 def splash_attend(q, k, v, window, scale, segments=None):
-    """attend on TPUs; elsewhere the same kernel runs interpreted (slow, exact: what the tests compare)."""
+    """attend on TPUs; elsewhere the same kernel runs interpreted (slow, exact: what the tests compare). Which one
+    is decided where the step is lowered (lax.platform_dependent), not by the host's default backend: a CPU host
+    compiling ahead of time for a TPU topology (`train.py plan --topology`) gets the real kernel."""
     T = q.shape[1]
     Tp = -(-T // 128) * 128  # pad to the kernel's 128 lanes: causality hides the padded keys, the rows are cut
     pad = [(0, 0), (0, Tp - T), (0, 0), (0, 0)]
     q = jnp.pad(q * jnp.asarray(scale, q.dtype), pad)  # the kernel has no scale argument: fold it into q
     k, v = jnp.pad(k, pad), jnp.pad(v, pad)
     seg = None if segments is None else jnp.pad(segments.astype(jnp.int32), [(0, 0), (0, Tp - T)], mode="edge")
-    kernel = splash_kernel(Tp, q.shape[2], window, jax.default_backend() != "tpu")
     heads_first = partial(jnp.swapaxes, axis1=1, axis2=2)  # (B, T, N, H) <-> (B, N, T, H)
-    y = jax.vmap(kernel)(heads_first(q), heads_first(k), heads_first(v),
-                         segment_ids=None if seg is None else splash.SegmentIds(q=seg, kv=seg))
+
+    kernels = [splash_kernel(Tp, q.shape[2], window, interpret) for interpret in (False, True)]  # (built out here:
+    # inside a branch, the arrays of the cached kernel's masks would be that branch's tracers)
+
+    def run(interpret, q, k, v, *seg):
+        return jax.vmap(kernels[interpret])(q, k, v, segment_ids=splash.SegmentIds(q=seg[0], kv=seg[0]) if seg else None)
+
+    y = jax.lax.platform_dependent(heads_first(q), heads_first(k), heads_first(v), *([] if seg is None else [seg]),
+                                   tpu=partial(run, False), default=partial(run, True))
     return heads_first(y)[:, :T]  # (B, T, N, H)
 
 
@@ -345,13 +353,15 @@ def block(p, x, attn, m, ffn=mlp):
 
 
 def forward(params, tokens, m, dtype=jnp.float32, remat="none", constrain=lambda x: x, segments=None, positions=None,
-            attend_fn=None):
-    """tokens (B, T) int -> logits (B, T, V) in `dtype`. Ids must be < V: JAX clamps silently, so callers check
+            attend_fn=None, head=True):
+    """tokens (B, T) int -> logits (B, T, V) in `dtype` (head=False: the last layer's output (B, T, D), for
+    token_logps to run the head in chunks). Ids must be < V: JAX clamps silently, so callers check
     (check_tokens) first. `remat` trades compute for memory: "block" keeps only each layer's input for the backward
     pass, "mlp" recomputes just the MLPs. `constrain` (shard.py's pins the layout) follows every layer (B, T, D).
     segments (B, T): document ids (segment_ids) to keep packed documents apart; positions (T,): RoPE positions
-    (default 0..T-1). attend_fn: attend's signature, in place of model.attention's pick (shard.py's context
-    parallelism passes one that gathers keys over devices; the maths here does not change)."""
+    (default 0..T-1). attend_fn: attend's signature, in place of model.attention's pick (shard.attention runs a
+    kernel on each device's own instances and heads, or gathers keys for context parallelism; the maths here does
+    not change)."""
     x = constrain(params["embed_tokens.weight"][tokens].astype(dtype))  # (B, T, D)
     positions = jnp.arange(tokens.shape[1]) if positions is None else positions
     # One scan step is one repeat of layer_pattern (OLMo 3: SSSF), so every layer in it has its window as a Python
@@ -376,7 +386,7 @@ def forward(params, tokens, m, dtype=jnp.float32, remat="none", constrain=lambda
         return x, None
 
     x, _ = jax.lax.scan(step, x, groups)
-    return unembed(params, x, m)
+    return unembed(params, x, m) if head else x
 
 
 def unembed(params, x, m):
@@ -405,6 +415,25 @@ def label_logps(logits, labels):
     valid = labels != IGNORE_INDEX
     target = jnp.take_along_axis(logits, jnp.where(valid, labels, 0)[..., None], axis=-1)[..., 0]
     return jnp.where(valid, target - jax.nn.logsumexp(logits, axis=-1), 0.0)
+
+
+def token_logps(params, x, labels, m, chunk=0):
+    """(log p(label), logsumexp of the logits) per position (B, T), fp32, from the last layer's output x (B, T, D):
+    the final norm, head and softmax run on `chunk` positions at a time (0 = all), each chunk recomputed in the
+    backward pass, so the (B, T, V) logits never exist whole: at V = 100352 and T = 8192 they were most of a step's
+    memory (`train.py plan`). Chunk j holds the positions t = j (mod n): a reshape (B, T/n, n) that keeps the
+    positions' split over devices (context parallelism) on the T/n axis. log p is 0 where labels == IGNORE_INDEX."""
+    def one(x, labels):
+        logits = unembed(params, x, m).astype(jnp.float32)
+        return label_logps(logits, labels), jax.nn.logsumexp(logits, axis=-1)
+    (B, T, D), n = x.shape, -(-x.shape[1] // chunk) if chunk else 1
+    if n == 1:
+        return one(x, labels)
+    pad = -T % n  # positions added to make T a multiple of n: no targets, cut below
+    x = jnp.pad(x, [(0, 0), (0, pad), (0, 0)]).reshape(B, -1, n, D)                            # (B, T/n, n, D)
+    labels = jnp.pad(labels, [(0, 0), (0, pad)], constant_values=IGNORE_INDEX).reshape(B, -1, n)  # (B, T/n, n)
+    out = jax.lax.map(jax.checkpoint(lambda a: one(*a)), (jnp.moveaxis(x, 2, 0), jnp.moveaxis(labels, 2, 0)))
+    return tuple(jnp.moveaxis(a, 0, 2).reshape(B, -1)[:, :T] for a in out)  # (n, B, T/n) -> (B, T)
 
 
 # exercise: dpo
@@ -436,24 +465,22 @@ def dpo_of(scores, ref, n, tc, xp):
     return dpo_loss(scores, ref, tc.dpo_beta, xp)
 
 
-def make_loss(cfg, cross_entropy, label_logps, xp):
-    """train.loss as (logits, labels, batch, total) -> (this micro-batch's share of the step's loss, metrics'
-    shares). total: what the whole global batch is averaged over, total_of(labels). One definition for both
-    backends (each passes its cross_entropy, label_logps and array module), but GRPO's, JAX only as its sampler."""
+def make_loss(cfg, xp):
+    """train.loss as (logp, lse, labels, batch, total) -> (this micro-batch's share of the step's loss, metrics'
+    shares), from each position's log p(label) and logsumexp (B, T) (token_logps; the torch backend takes them from
+    its logits). total: what the whole global batch is averaged over, total_of(labels). One definition for both
+    backends (xp: jnp or torch), but GRPO's, JAX only as its sampler."""
     tc, ignore = cfg.train, IGNORE_INDEX
 
-    def ce(logits, labels, batch, total):  # OLMo-core: over the target tokens of the global batch, not per micro
-        loss, ce, _ = cross_entropy(logits, labels, tc.z_loss)
-        share = (labels != ignore).sum() / total
-        return loss * share, dict(ce=ce * share)
+    def ce(logp, lse, labels, batch, total):  # OLMo-core: over the target tokens of the global batch, not per micro
+        nll = -logp.sum() / total  # z-loss (OLMo 2/3: 1e-5) keeps logsumexp near 0: the exercise's cross_entropy
+        return nll + tc.z_loss * xp.where(labels != ignore, lse * lse, 0.0).sum() / total, dict(ce=nll)
 
-    def dpo(logits, labels, batch, total):  # total: pairs in the global batch
-        scores = label_logps(logits, labels).sum(-1)  # (2P,) summed over each answer
-        losses, margins = dpo_of(scores, batch["ref"], (labels != ignore).sum(-1), tc, xp)
+    def dpo(logp, lse, labels, batch, total):  # total: pairs in the global batch
+        losses, margins = dpo_of(logp.sum(-1), batch["ref"], (labels != ignore).sum(-1), tc, xp)  # (2P,) summed
         return losses.sum() / total, dict(margin=margins.sum() / total, accuracy=(margins > 0).sum() / total)
 
-    def grpo(logits, labels, batch, total):  # total: completion tokens in the global batch (JAX only: it samples)
-        lp = label_logps(logits, labels)
+    def grpo(lp, lse, labels, batch, total):  # total: completion tokens in the global batch (JAX only: it samples)
         per = grpo_loss(lp, jax.lax.stop_gradient(lp), batch["advantage"][:, None])
         return xp.where(labels != ignore, per, 0.0).sum() / total, dict(reward=batch["reward"].sum() / cfg.data.global_batch)
 

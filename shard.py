@@ -15,7 +15,7 @@ dimension, through RULES:
              (measured with `train.py plan`: 32 GiB more per device at 64 x 65536)
     heads, kv_heads, mlp, vocab -> tensor (Megatron-style tensor parallelism)
     layers -> not split (the scan walks over it)
-Context parallelism (context_attention) is the one place that writes its communication by hand.
+Context parallelism (`attention`) is the one place that writes its communication by hand.
 """
 
 import argparse
@@ -109,27 +109,35 @@ def residual_constraint(mesh):
     return lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(BATCH, "context", None)))
 
 
-def context_attention(mesh):
-    """None without a context axis; else an attend_fn for model.forward (OLMo-core's "llama3" context parallelism,
-    MaxText's all_gather): device c of the context axis holds positions [c·T/C, (c+1)·T/C) of every instance it
-    shares. Each keeps its queries, all-gathers the keys, values and document ids of the whole sequence, and
-    attends from its own offset, so causal, sliding and document masks are exactly those of one device; the
-    backward pass reduce-scatters dK, dV (JAX transposes the gather). No load balancing (OLMo-core's choice too):
-    the offset is traced, so a full layer scores its T/C queries against all T keys and masks, the same work on
-    every shard (twice the causal minimum), and a sliding layer (3 of Olmo 3's 4) W keys on every shard. MaxText's
-    zig-zag order pays only with a kernel that skips masked blocks. The XLA attention runs inside, whatever
-    model.attention says (splash's masks are built for one T)."""
-    if mesh.shape["context"] == 1:
+def attention(mesh, m):
+    """None where GSPMD splits model.attend (XLA) by itself; else an attend_fn for model.forward that runs attention
+    on each device's own data under shard_map: its instances (data x fsdp) and heads (tensor), and with a context
+    axis its slice of every sequence's positions.
+    A kernel (model.attention splash or cudnn) is a custom call the partitioner cannot split: left to GSPMD it would
+    gather every instance onto every device. Context parallelism (OLMo-core's "llama3", MaxText's all_gather):
+    device c of the context axis holds positions [c·T/C, (c+1)·T/C) of every instance it shares. Each keeps its
+    queries, all-gathers the keys, values and document ids of the whole sequence, and attends from its own offset,
+    so causal, sliding and document masks are exactly those of one device; the backward pass reduce-scatters dK,
+    dV (JAX transposes the gather). No load balancing (OLMo-core's choice too): the offset is traced, so a full
+    layer scores its T/C queries against all T keys and masks, the same work on every shard (twice the causal
+    minimum), and a sliding layer (3 of Olmo 3's 4) W keys on every shard. MaxText's zig-zag order pays only with a
+    kernel that skips masked blocks. The XLA attention runs inside, whatever model.attention says (splash's masks
+    are built for one T)."""
+    impl, context = model.pick_attention(m), mesh.shape["context"]
+    if context == 1 and (impl == "xla" or mesh.devices.size == 1):
         return None
     qkv, ids = P(BATCH, "context", "tensor", None), P(BATCH, "context")
 
     def attend_fn(q, k, v, window, scale, segments=None):
         def local(q, k, v, *segments):  # q (B/dp, T/C, N/tp, H), k and v (B/dp, T/C, K/tp, H)
+            if context == 1:
+                return model.ATTEND[impl](q, k, v, window, scale, *segments)
             gather = lambda x: jax.lax.all_gather(x, "context", axis=1, tiled=True)  # noqa: E731  (.., T, ..)
             offset = jax.lax.axis_index("context") * q.shape[1]
             return model.attend(q, gather(k), gather(v), window, scale, *map(gather, segments), offset=offset)
         args = (q, k, v) + (() if segments is None else (segments,))
-        return jax.shard_map(local, mesh=mesh, in_specs=(qkv,) * 3 + (ids,) * (len(args) - 3), out_specs=qkv)(*args)
+        return jax.shard_map(local, mesh=mesh, in_specs=(qkv,) * 3 + (ids,) * (len(args) - 3), out_specs=qkv,
+                             check_vma=False)(*args)  # (a kernel's custom call has no replication rule to check)
     return attend_fn
 
 

@@ -238,24 +238,21 @@ def documents(cfg, tokens):
     return model.segment_ids(tokens, cfg.model.eos_token_id) if cfg.data.doc_mask else None
 
 
-def labelled_logits(cfg, mesh, params, batch, remat="none"):
-    """(logits, next-token labels) of rows {tokens, mask?} over the mesh: the train step's forward, eval's, score's.
-    shard.py pins the residual stream's layout and, with a context axis, passes the attention that gathers keys."""
+def token_stats(cfg, mesh, params, batch, remat="none"):
+    """(log p(label), logsumexp, next-token labels) per position (B, T) of rows {tokens, mask?} over the mesh: the
+    train step's forward, eval's and score's, the head in chunks of train.loss_chunk positions (model.token_logps).
+    shard.py pins the residual stream's layout and runs a kernel (or context parallelism's attention) per device."""
     m, tokens = cfg.model, batch["tokens"]
-    logits = model.forward(params, tokens, m, jnp.dtype(cfg.train.compute_dtype), remat,
-                           shard.residual_constraint(mesh), documents(cfg, tokens), attend_fn=shard.context_attention(mesh))
-    return logits, model.shift_labels(tokens, m.pad_token_id, batch.get("mask"))
-
-
-def nats(logits, labels):
-    """Summed next-token cross-entropy of a batch and the targets it covers (held-out bits per byte sum these)."""
-    return -model.label_logps(logits, labels).sum(), (labels != model.IGNORE_INDEX).sum()
+    x = model.forward(params, tokens, m, jnp.dtype(cfg.train.compute_dtype), remat, shard.residual_constraint(mesh),
+                      documents(cfg, tokens), attend_fn=shard.attention(mesh, m), head=False)
+    labels = model.shift_labels(tokens, m.pad_token_id, batch.get("mask"))
+    return (*model.token_logps(params, x, labels, m, cfg.train.loss_chunk), labels)
 
 
 def make_train_step(cfg, mesh):
     m, tc = cfg.model, cfg.train
     decay = {k: p.decay and tc.weight_decay > 0 for k, p in model.param_table(m).items()}
-    loss_of, total_of = model.make_loss(cfg, model.cross_entropy, model.label_logps, jnp)
+    loss_of, total_of = model.make_loss(cfg, jnp)
 
     def step(params, opt, history, batch, lr):
         """batch: tokens (A, B, T) (A micro-batches of B rows, B split over the data axis), and per loss its mask
@@ -263,7 +260,7 @@ def make_train_step(cfg, mesh):
         total = jnp.maximum(total_of(model.shift_labels(batch["tokens"], m.pad_token_id, batch.get("mask"))), 1)
 
         def accumulate(grads, micro):
-            loss_fn = lambda p: loss_of(*labelled_logits(cfg, mesh, p, micro, tc.remat), micro, total)  # noqa: E731
+            loss_fn = lambda p: loss_of(*token_stats(cfg, mesh, p, micro, tc.remat), micro, total)  # noqa: E731
             (loss, aux), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
             return jax.tree.map(jnp.add, grads, g), (loss, aux)
 
@@ -303,8 +300,11 @@ class JaxBackend:
         self.peak = PEAK_FLOPS.get(jax.devices()[0].device_kind)
         self.history = jax.device_put(new_history(), hist_sh)
         self.train_step = make_train_step(cfg, mesh)
-        self.eval_step = jax.jit(lambda p, b: nats(*labelled_logits(cfg, mesh, p, b)))
-        self.score_step = jax.jit(lambda p, b: model.label_logps(*labelled_logits(cfg, mesh, p, b)).sum(-1))
+        def nats(params, batch):  # summed next-token nats and the targets they cover (held-out bits per byte)
+            logp, _, labels = token_stats(cfg, mesh, params, batch)
+            return -logp.sum(), (labels != model.IGNORE_INDEX).sum()
+        self.eval_step = jax.jit(nats)
+        self.score_step = jax.jit(lambda p, b: token_stats(cfg, mesh, p, b)[0].sum(-1))  # each row's log-prob (DPO)
         self.new_optimizer = jax.jit(new_optimizer, out_shardings=self.opt_sh)
 
     barrier = staticmethod(shard.jax_barrier)
@@ -385,7 +385,7 @@ class TorchBackend:
              dict(params=[p for n, p in self.named.items() if not decay[n]], weight_decay=0.0)],
             lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps)
         self.history = new_history()  # on the host, read by is_outlier
-        self.loss, self.total_of = model.make_loss(cfg, model.cross_entropy_torch, model.label_logps_torch, torch)
+        self.loss, self.total_of = model.make_loss(cfg, torch)
         kind = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         self.peak = PEAK_FLOPS.get(kind)
         self.layout[-1] += f" on {kind}" + (", torch.compile" if tc.compile else "")
@@ -432,16 +432,16 @@ class TorchBackend:
             at = slice(a * per, (a + 1) * per)
             if self.processes > 1:
                 self.net.set_requires_gradient_sync(a == self.accum - 1)  # reduce-scatter once, after the last
-            logits = self.net(x[at], self.dtype, tc.remat, None if docs is None else docs[at])
-            share, aux = self.loss(logits, y[at], {k: v[at] for k, v in rows.items()}, total)
+            logits = self.net(x[at], self.dtype, tc.remat, None if docs is None else docs[at])  # (the head unchunked)
+            logp, lse = model.label_logps_torch(logits, y[at]), torch.logsumexp(logits.float(), dim=-1)
+            share, aux = self.loss(logp, lse, y[at], {k: v[at] for k, v in rows.items()}, total)
             # FSDP2 averages gradients over ranks; each rank's loss is already its share of the global
             # mean, so scale by the rank count to get their sum.
             (share * self.world).backward()
             for k, v in dict(loss=share, **aux).items():
                 sums[k] = sums.get(k, 0.0) + v.detach().double()
         sums = dict(zip(sums, shard.torch_sum(torch.stack(list(sums.values()))).tolist()))
-        loss = sums["loss"]
-        norm = shard.torch_full(torch.nn.utils.get_total_norm([p.grad for p in self.named.values()]))
+        loss, norm = sums["loss"], shard.torch_full(torch.nn.utils.get_total_norm([p.grad for p in self.named.values()]))
         grad_norm = float(norm)
         ok = math.isfinite(loss) and math.isfinite(grad_norm)
         if ok and tc.skip_step:

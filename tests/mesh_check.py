@@ -1,6 +1,7 @@
 """Run by test_shard.py in a subprocess with 8 fake CPU devices (XLA_FLAGS set before jax starts):
-three train steps of the tiny config at T = 512, documents kept apart, on data, FSDP, tensor and context-
-parallel meshes; prints losses and whether shardings held."""
+three train steps of the tiny config at T = 512, documents kept apart, the head in chunks, on data, FSDP,
+tensor and context-parallel meshes, and the splash kernel (interpreted) per device under shard.attention's
+shard_map; prints losses and whether shardings held."""
 import json
 import sys
 from pathlib import Path
@@ -18,15 +19,17 @@ from configs import build, load_config  # noqa: E402
 
 TINY = load_config(["configs/tiny.toml", "--model.max_seq_len=512"]).model.__dict__
 MESHES = {"one": (1, 1, 1, 1), "fsdp": (1, 8, 1, 1), "tensor": (1, 1, 1, 2), "mixed": (2, 2, 1, 2),  # (d, f, c, t)
-          "context": (1, 1, 4, 1), "fsdp_context": (1, 2, 4, 1)}
+          "context": (1, 1, 4, 1), "fsdp_context": (1, 2, 4, 1), "splash_fsdp_tensor": (1, 2, 1, 2)}
 out = {}
 rng = np.random.default_rng(0)
 tokens = rng.integers(0, 4094, (3, 1, 8, 512)).astype(np.int32)  # (steps, micro-batches, B, T)
 tokens[rng.random(tokens.shape) < 1 / 60] = TINY["eos_token_id"]  # documents of ~60 tokens, kept apart
 for name, (d, f, c, t) in MESHES.items():
-    cfg = build({"model": {k: v for k, v in TINY.items() if k != "derived"},
+    attention = "splash" if name.startswith("splash") else "xla"
+    cfg = build({"model": {**{k: v for k, v in TINY.items() if k != "derived"}, "attention": attention},
                  "data": dict(global_batch=8, seq_len=512, doc_mask=True),
-                 "mesh": dict(data=d, fsdp=f, context=c, tensor=t), "train": dict(lr=1e-2, warmup=0)})
+                 "mesh": dict(data=d, fsdp=f, context=c, tensor=t),
+                 "train": dict(lr=1e-2, warmup=0, loss_chunk=128)})  # the head in 4 chunks, on every mesh
     devices = jax.devices()[: d * f * c * t]
     mesh = shard.make_mesh(cfg.mesh, devices)
     p_sh, o_sh, h_sh = shard.state_shardings(mesh, model.param_table(cfg.model))

@@ -24,7 +24,8 @@ MODEL = dict(VARIANTS["olmo3"], n_layers=2, layer_pattern="SF")  # sliding (wind
 
 def config(loss, micro=0):
     return build(dict(model=MODEL, data=dict(seq_len=T, global_batch=P),
-                      train=dict(loss=loss, dpo_beta=BETA[loss], micro_batch=micro, steps=1)))
+                      train=dict(loss=loss, dpo_beta=BETA[loss], micro_batch=micro, steps=1,
+                                 loss_chunk=5)))  # JAX: the head in 5 chunks of 24 positions, one position padded
 
 
 def pairs(m, seed=1):
@@ -116,12 +117,15 @@ def test_jax_dpo_equals_hf(loss, hf):
     backend.load(model.unstack_layers(nets["policy"][0]), None)
     check_metrics(jax.device_get(backend.step(batch, 1e-3)), value, margin, grads)
 
-    loss_fn, total_of = model.make_loss(cfg, model.cross_entropy, model.label_logps, jnp)
+    loss_fn, total_of = model.make_loss(cfg, jnp)
     tokens, ref = jnp.asarray(batch["tokens"]), dict(ref=jnp.asarray(batch["ref"]))
     labels = jnp.asarray(model.shift_labels(batch["tokens"], m.pad_token_id, batch["mask"]))
     assert (total := total_of(labels)) == P
-    ours = jax.jit(jax.grad(lambda p: loss_fn(model.forward(p, tokens, m), labels, ref, total)[0]))(
-        jax.tree.map(jnp.asarray, nets["policy"][0]))
+
+    def loss(p):  # model.token_logps as the step runs it
+        logp, lse = model.token_logps(p, model.forward(p, tokens, m, head=False), labels, m, cfg.train.loss_chunk)
+        return loss_fn(logp, lse, labels, ref, total)[0]
+    ours = jax.jit(jax.grad(loss))(jax.tree.map(jnp.asarray, nets["policy"][0]))
     check_grads(model.unstack_layers(ours), grads)
 
 
@@ -132,10 +136,11 @@ def test_torch_dpo_equals_hf(loss, hf):
     value, margin, grads = direct(loss, hf)
     cfg = config(loss, micro=1)  # 4 micro-batches of 1 pair
     net = model.torch_model(m, nets["policy"][0])
-    loss_fn, total_of = model.make_loss(cfg, model.cross_entropy_torch, model.label_logps_torch, torch)
+    loss_fn, total_of = model.make_loss(cfg, torch)
     labels = torch.from_numpy(model.shift_labels(batch["tokens"], m.pad_token_id, batch["mask"]).astype(np.int64))
     logits = net(torch.from_numpy(batch["tokens"]).long())
-    share, aux = loss_fn(logits, labels, dict(ref=torch.from_numpy(batch["ref"])), total_of(labels))
+    share, aux = loss_fn(model.label_logps_torch(logits, labels), torch.logsumexp(logits, -1), labels,
+                         dict(ref=torch.from_numpy(batch["ref"])), total_of(labels))
     share.backward()
     assert share.item() == pytest.approx(value, rel=1e-5)
     assert aux["margin"].item() == pytest.approx(margin.mean(), rel=1e-5)
@@ -190,7 +195,7 @@ def test_grpo_is_reinforce_then_ppo_clip(xp):
     assert (clip == 0).sum() == 2  # ρ = 1.5 with A > 0, ρ = 0.5 with A < 0
     if xp == "jax":  # and as the step takes it: make_loss's grpo, over the batch's completion tokens
         cfg = build(dict(model=MODEL, data=dict(seq_len=5, global_batch=2), train=dict(loss="grpo")))
-        loss_fn, total_of = model.make_loss(cfg, model.cross_entropy, model.label_logps, jnp)
+        loss_fn, total_of = model.make_loss(cfg, jnp)
         rows = dict(advantage=A[:, 0], reward=np.ones(2, np.float32))
-        step = grad(lambda x: loss_fn(x, labels, rows, total_of(labels))[0], logits)
+        step = grad(lambda x: loss_fn(lps(x), jax.nn.logsumexp(x, -1), labels, rows, total_of(labels))[0], logits)
         np.testing.assert_allclose(step, want / (labels != model.IGNORE_INDEX).sum(), rtol=1e-6, atol=1e-8)

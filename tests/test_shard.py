@@ -24,7 +24,7 @@ def test_meshes_train_like_one_device():
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     one = out["one"]["losses"]
-    for name in ("fsdp", "tensor", "mixed", "context", "fsdp_context"):
+    for name in ("fsdp", "tensor", "mixed", "context", "fsdp_context", "splash_fsdp_tensor"):
         np.testing.assert_allclose(out[name]["losses"], one, rtol=1e-5, err_msg=name)
         assert out[name]["shardings_kept"], name
     assert out["fsdp"]["q_spec"] == "P(None, None, 'fsdp')" and out["tensor"]["q_spec"] == "P(None, 'tensor', None)"
