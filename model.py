@@ -410,23 +410,24 @@ def cross_entropy(logits, labels, z_loss=0.0):
 
 
 def label_logps(logits, labels):
-    """log p(label) at each position (B, T) in fp32, 0 where labels == IGNORE_INDEX: what DPO and GRPO sum."""
+    """(log p(label), logsumexp of the logits) at each position (B, T), fp32; log p is 0 where labels ==
+    IGNORE_INDEX. What every loss is written on (make_loss): the losses sum log p, z-loss squares the logsumexp."""
     logits = logits.astype(jnp.float32)
-    valid = labels != IGNORE_INDEX
+    lse, valid = jax.nn.logsumexp(logits, axis=-1), labels != IGNORE_INDEX
     target = jnp.take_along_axis(logits, jnp.where(valid, labels, 0)[..., None], axis=-1)[..., 0]
-    return jnp.where(valid, target - jax.nn.logsumexp(logits, axis=-1), 0.0)
+    return jnp.where(valid, target - lse, 0.0), lse
 
 
-def token_logps(params, x, labels, m, chunk=0):
+def token_logps(params, x, labels, m, chunks=1):
     """(log p(label), logsumexp of the logits) per position (B, T), fp32, from the last layer's output x (B, T, D):
-    the final norm, head and softmax run on `chunk` positions at a time (0 = all), each chunk recomputed in the
-    backward pass, so the (B, T, V) logits never exist whole: at V = 100352 and T = 8192 they were most of a step's
-    memory (`train.py plan`). Chunk j holds the positions t = j (mod n): a reshape (B, T/n, n) that keeps the
-    positions' split over devices (context parallelism) on the T/n axis. log p is 0 where labels == IGNORE_INDEX."""
+    the final norm, head and softmax in `chunks` passes over the positions, each recomputed in the backward pass, so
+    the (B, T, V) logits never exist whole: at V = 100352 and T = 8192 they were most of a step's memory (`train.py
+    plan`), and on a CPU a chunk that stays in cache is faster too (`train.py --bench`). Chunk j holds the positions
+    t = j (mod n): a reshape (B, T/n, n) that keeps the positions' split over devices (context parallelism) on the
+    T/n axis. log p is 0 where labels == IGNORE_INDEX."""
     def one(x, labels):
-        logits = unembed(params, x, m).astype(jnp.float32)
-        return label_logps(logits, labels), jax.nn.logsumexp(logits, axis=-1)
-    (B, T, D), n = x.shape, -(-x.shape[1] // chunk) if chunk else 1
+        return label_logps(unembed(params, x, m), labels)
+    (B, T, D), n = x.shape, min(chunks, x.shape[1])
     if n == 1:
         return one(x, labels)
     pad = -T % n  # positions added to make T a multiple of n: no targets, cut below
@@ -780,10 +781,10 @@ def cross_entropy_torch(logits, labels, z_loss=0.0):
 
 
 def label_logps_torch(logits, labels):
-    """As label_logps."""
+    """As label_logps: (log p(label), logsumexp)."""
     logits = logits.float()
-    target = logits.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return torch.where(labels != IGNORE_INDEX, target - torch.logsumexp(logits, dim=-1), 0.0)
+    lse, target = torch.logsumexp(logits, dim=-1), logits.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(labels != IGNORE_INDEX, target - lse, 0.0), lse
 
 
 def torch_model(m, params=None):

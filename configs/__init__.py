@@ -174,7 +174,7 @@ class TrainConfig:
     micro_batch: int = 0          # instances per device per forward/backward; 0 = all of them (no accumulation)
     compute_dtype: str = "float32"  # float32 | bfloat16 (params and optimizer state stay fp32)
     remat: str = "none"           # activation checkpointing: none | block (each layer) | mlp (OLMo 3 mid-training)
-    loss_chunk: int = 1024        # JAX: positions per pass of the head and softmax (model.token_logps); 0 = all at once
+    loss_chunks: int = 8          # JAX: the head and softmax in this many passes over the positions (token_logps)
     init_seed: int = 0
     init_from: str = ""           # start a new stage from this checkpoint: its params (and moments), step 0
     load_optimizer: bool = True   # with init_from: also take its AdamW moments (OLMo 3 mid-training does)
@@ -204,9 +204,9 @@ class TrainConfig:
     grpo_group: int = 8           # GRPO: completions per prompt (Olmo 3: 8); data.global_batch counts completions
     grpo_max_new: int = 8         # GRPO: tokens per completion at most
     grpo_temperature: float = 1.0  # GRPO: sampling temperature (Olmo 3: 1.0)
-    __post_init__ = _checks(positive="steps log_every checkpoint_every keep eps dpo_beta grpo_group grpo_max_new "
+    __post_init__ = _checks(positive="steps log_every checkpoint_every keep eps dpo_beta grpo_group grpo_max_new loss_chunks "
                                      "grpo_temperature", unit="beta1 beta2 warmup_fraction",
-                            nonneg="micro_batch warmup t_max lr warmup_min_lr alpha_f weight_decay clip z_loss epochs loss_chunk",
+                            nonneg="micro_batch warmup t_max lr warmup_min_lr alpha_f weight_decay clip z_loss epochs",
                             backend=["jax", "torch"], compute_dtype=["float32", "bfloat16"], units=["steps", "tokens"],
                             remat=["none", "block", "mlp"], schedule=["cosine", "linear", "half_cosine", "constant"],
                             loss=["ce", "dpo", "dpo_norm", "grpo"])

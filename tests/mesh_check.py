@@ -29,7 +29,7 @@ for name, (d, f, c, t) in MESHES.items():
     cfg = build({"model": {**{k: v for k, v in TINY.items() if k != "derived"}, "attention": attention},
                  "data": dict(global_batch=8, seq_len=512, doc_mask=True),
                  "mesh": dict(data=d, fsdp=f, context=c, tensor=t),
-                 "train": dict(lr=1e-2, warmup=0, loss_chunk=128)})  # the head in 4 chunks, on every mesh
+                 "train": dict(lr=1e-2, warmup=0, loss_chunks=4)})  # the head in 4 passes, on every mesh
     devices = jax.devices()[: d * f * c * t]
     mesh = shard.make_mesh(cfg.mesh, devices)
     p_sh, o_sh, h_sh = shard.state_shardings(mesh, model.param_table(cfg.model))

@@ -269,10 +269,10 @@ PLAN_ROWS = [  # (config, batch, mesh, device, micro-batch, remat): Olmo 3's bat
 ]
 
 
-def plan_command(config, batch, mesh, device, micro, remat, topology=None):
+def plan_command(config, batch, mesh, device, micro, remat, topology=None, extra=""):
     where = f"--topology {topology}" if topology else f"--device {device}"
     return (f"python train.py plan configs/{config}.toml --mesh {mesh} --batch {batch} --seq 8192 {where} "
-            f"--train.compute_dtype=bfloat16 --train.remat={remat} --train.micro_batch={micro}")
+            f"--train.compute_dtype=bfloat16 --train.remat={remat} --train.micro_batch={micro}" + extra)
 
 
 def plan_table(rows, command, what="batch × 8192"):
@@ -283,11 +283,12 @@ def plan_table(rows, command, what="batch × 8192"):
             raise RuntimeError(f"train.py plan printed no {pattern!r}:\n{text}")
         return found.group(1)
 
+    settings = any(len(row) > 6 for row in rows)  # a 7th field: flags of the row's own (its own column)
     lines = [f"| model | {what} | mesh (data × fsdp × context × tensor) | device | micro-batch (steps) | remat | "
-             "params + AdamW / device | XLA temporaries / device | total | fits? | compile |",
-             "|---" * 11 + "|"]
+             + "settings | " * settings + "params + AdamW / device | XLA temporaries / device | total | fits? | compile |",
+             "|---" * (11 + settings) + "|"]
     for row in rows:
-        config, batch, mesh, device, micro, remat = row
+        (config, batch, mesh, device, micro, remat), extra = row[:6], row[6:]
         out, _ = run(command(*row))
         p, o = float(number(r"params\s+([\d.]+) GiB", out)), float(number(r"optimizer state\s+([\d.]+) GiB", out))
         temp, total = float(number(r"temporary\)?\s+([\d.]+) GiB", out)), float(number(r"total\s+([\d.]+) GiB", out))
@@ -295,7 +296,8 @@ def plan_table(rows, command, what="batch × 8192"):
         seconds = number(r"compiled in (\d+) s", out)
         sizes = dict(data=1, fsdp=1, context=1, tensor=1) | {k: int(v) for k, v in (x.split("=") for x in mesh.split(","))}
         lines.append(f"| {config} | {batch} | {' × '.join(map(str, sizes.values()))} | {math.prod(sizes.values())} × "
-                     f"{device} ({hbm} GiB) | {micro} ({accum}) | {remat} | {p + o:.2f} GiB | {temp:.1f} GiB | "
+                     f"{device} ({hbm} GiB) | {micro} ({accum}) | {remat} | "
+                     + "".join(f"`{e.strip()}` | " for e in extra) + f"{p + o:.2f} GiB | {temp:.2f} GiB | "
                      f"{total:.1f} GiB | "
                      f"{'fits' if 'NOT' not in out else 'does not fit'} | {seconds} s |")
     return "\n".join(lines) + "\n"
@@ -310,9 +312,12 @@ def plan_tpu():
     import importlib.util
     if importlib.util.find_spec("libtpu") is None:
         raise Skip('libtpu is not installed (pip install "jax[tpu]"; not a project dependency)')
-    rows = [r for r in PLAN_ROWS if r[3] == "v5p"]
-    return ("The v5p rows again with `--topology v5p:8x8x4` (the TPU compiler, through libtpu):\n\n"
-            + plan_table(rows, lambda *row: plan_command(*row, topology="v5p:8x8x4")))
+    # The head unchunked (the logits whole) and the XLA attention, then each change on its own, then both.
+    settings = ["--model.attention=xla --train.loss_chunks=1", "--model.attention=xla", "--model.attention=splash"]
+    rows = [(*PLAN_ROWS[0], f" {s}") for s in settings] + [(*PLAN_ROWS[3], f" {settings[-1]}")]
+    return ("The v5p rows again with `--topology v5p:8x8x4` (the TPU compiler, through libtpu, on this CPU), "
+            "with the attention and the head's passes (`train.loss_chunks`, default 8) as the settings say:\n\n"
+            + plan_table(rows, lambda *row: plan_command(*row[:6], topology="v5p:8x8x4", extra=row[6])))
 
 
 # Stage 3 (docs/longctx.md): the stage-3 file stacked on its model, batch and sequence from the stage-3 file.

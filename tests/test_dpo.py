@@ -25,7 +25,7 @@ MODEL = dict(VARIANTS["olmo3"], n_layers=2, layer_pattern="SF")  # sliding (wind
 def config(loss, micro=0):
     return build(dict(model=MODEL, data=dict(seq_len=T, global_batch=P),
                       train=dict(loss=loss, dpo_beta=BETA[loss], micro_batch=micro, steps=1,
-                                 loss_chunk=5)))  # JAX: the head in 5 chunks of 24 positions, one position padded
+                                 loss_chunks=5)))  # JAX: the head in 5 passes over 24 positions, one padded
 
 
 def pairs(m, seed=1):
@@ -123,7 +123,7 @@ def test_jax_dpo_equals_hf(loss, hf):
     assert (total := total_of(labels)) == P
 
     def loss(p):  # model.token_logps as the step runs it
-        logp, lse = model.token_logps(p, model.forward(p, tokens, m, head=False), labels, m, cfg.train.loss_chunk)
+        logp, lse = model.token_logps(p, model.forward(p, tokens, m, head=False), labels, m, cfg.train.loss_chunks)
         return loss_fn(logp, lse, labels, ref, total)[0]
     ours = jax.jit(jax.grad(loss))(jax.tree.map(jnp.asarray, nets["policy"][0]))
     check_grads(model.unstack_layers(ours), grads)
@@ -139,7 +139,7 @@ def test_torch_dpo_equals_hf(loss, hf):
     loss_fn, total_of = model.make_loss(cfg, torch)
     labels = torch.from_numpy(model.shift_labels(batch["tokens"], m.pad_token_id, batch["mask"]).astype(np.int64))
     logits = net(torch.from_numpy(batch["tokens"]).long())
-    share, aux = loss_fn(model.label_logps_torch(logits, labels), torch.logsumexp(logits, -1), labels,
+    share, aux = loss_fn(*model.label_logps_torch(logits, labels), labels,
                          dict(ref=torch.from_numpy(batch["ref"])), total_of(labels))
     share.backward()
     assert share.item() == pytest.approx(value, rel=1e-5)
@@ -182,7 +182,7 @@ def test_grpo_is_reinforce_then_ppo_clip(xp):
     logits, labels = rng.standard_normal((2, 5, 7)).astype(np.float32), rng.integers(0, 7, (2, 5))
     labels[1, 3:] = model.IGNORE_INDEX
     A = np.array([[1.5], [-0.7]], np.float32)
-    lps = lambda x: (model.label_logps if xp == "jax" else model.label_logps_torch)(x, X(labels))  # noqa: E731
+    lps = lambda x: (model.label_logps if xp == "jax" else model.label_logps_torch)(x, X(labels))[0]  # noqa: E731
     got = grad(lambda x: model.grpo_loss(lps(x), stop(lps(x)), X(A), xp=ops).sum(), logits)
     want = grad(lambda x: -(X(A) * lps(x)).sum(), logits)  # REINFORCE
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)

@@ -187,8 +187,8 @@ def test_query_blocks_give_the_same_attention(monkeypatch):
         np.testing.assert_allclose(np.asarray(blocks[1][k]), ref, rtol=0, atol=1e-5 * np.abs(ref).max(), err_msg=k)
 
 
-@pytest.mark.parametrize("chunk", [5, 8])  # T = 24: 5 chunks with one padded position, or 3 chunks
-def test_head_in_chunks_equals_the_whole_head(chunk):
+@pytest.mark.parametrize("chunks", [5, 3])  # T = 24: 5 chunks with one padded position, or 3 of 8
+def test_head_in_chunks_equals_the_whole_head(chunks):
     """token_logps in chunks (strided positions, each recomputed in the backward pass) gives the whole head's
     log p(label) and logsumexp, and the cross-entropy + z-loss built from them the same gradients."""
     m = variant("olmo3")
@@ -200,10 +200,10 @@ def test_head_in_chunks_equals_the_whole_head(chunk):
         return model.token_logps(p, model.forward(p, toks, m, head=False), labels, m, c)
 
     logits = model.forward(params, toks, m)
-    whole = (model.label_logps(logits, labels), jax.nn.logsumexp(logits.astype(jnp.float32), -1))
-    for got, want in zip(stats(params, chunk), whole):
+    whole = model.label_logps(logits, labels)
+    for got, want in zip(stats(params, chunks), whole):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     loss = lambda p, c: -stats(p, c)[0].sum() + 1e-2 * (stats(p, c)[1] ** 2).sum()  # noqa: E731
-    got, want = jax.grad(loss)(params, chunk), jax.grad(loss)(params, 0)
+    got, want = jax.grad(loss)(params, chunks), jax.grad(loss)(params, 1)
     for k in want:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6 * float(np.abs(want[k]).max()), err_msg=k)
