@@ -494,8 +494,7 @@ class TorchBackend:
 # --- post-training: DPO's reference log-probs, GRPO's rollouts ---------------------------------------
 
 def pair_scores(backend, pairs, rows):
-    """(N, 2) summed log-probs of each pair's answers under the backend's params, and their target counts; `rows`
-    pairs per forward (this process holds every row: the reference pass runs in one process)."""
+    """(N, 2) summed log-probs of each pair's answers and their target counts; `rows` pairs per forward (one process)."""
     sums, counts = np.zeros((pairs.n, 2)), np.zeros((pairs.n, 2))
     for start in tqdm(range(0, pairs.n, rows), desc="log-probs of pairs", leave=False):
         ids = np.arange(start, start + rows) % pairs.n  # the last forward wraps round (same values, written twice)
@@ -505,22 +504,24 @@ def pair_scores(backend, pairs, rows):
 
 
 def reference_logps(backend, cfg, splits):
-    """DPO's reference: each pair's summed log-probs under the frozen start (train.init_from), computed once by a
-    pass before the first step and kept beside the data in DATA/reference_logps.npz (an array per split, and the
-    checkpoint, the sha256 of its weights and seq_len they belong to), as open-instruct caches them. A file for
-    another checkpoint or seq_len is refused."""
+    """DPO's reference: each pair's summed log-probs under the frozen start (train.init_from), computed by one pass
+    before the first step and kept beside the data (DATA/reference_logps.npz: an array per split, the checkpoint, its
+    weights' sha256, seq_len), as open-instruct caches them; one for other weights or seq_len is refused."""
     dc, tc = cfg.data, cfg.train
     if not tc.init_from:
         raise ConfigError(f"train.loss={tc.loss!r} needs train.init_from: the SFT model, policy and reference both")
-    path, weights = Path(dc.path) / "reference_logps.npz", sorted(Path(tc.init_from).glob("model*.safetensors"))
-    want = dict(sha256=[data.sha256(f) for f in weights], seq_len=dc.seq_len)
+    sha = [data.sha256(f) for f in sorted(Path(tc.init_from).glob("model*.safetensors"))]
+    path = Path(dc.path) / "reference_logps.npz"
     if path.is_file():
         with np.load(path, allow_pickle=False) as f:  # plain arrays; strings as unicode arrays, never pickles
             have = {k: f[k].tolist() for k in f.files}
-        if {k: have.get(k) for k in want} != want or any(len(have.get(k, ())) != p.n for k, p in splits.items()):
+        why = [what for what, differs in [("its weights (sha256)", have.get("sha256") != sha),
+                                          ("seq_len", have.get("seq_len") != dc.seq_len),
+                                          ("the pairs", any(len(have.get(k, ())) != p.n for k, p in splits.items()))] if differs]
+        if why:
             raise ValueError(f"{path}: reference log-probs of {have.get('checkpoint')} at seq_len {have.get('seq_len')}"
-                             f", not of train.init_from={tc.init_from} at data.seq_len={dc.seq_len} (or not of these "
-                             f"pairs): delete {path} to recompute them")
+                             f", not of train.init_from={tc.init_from} at data.seq_len={dc.seq_len} ({', '.join(why)} "
+                             f"differ): delete {path} to recompute them")
         for k, pairs in splits.items():
             pairs.ref = np.asarray(have[k], np.float32)
         return
@@ -529,17 +530,16 @@ def reference_logps(backend, cfg, splits):
     for pairs in splits.values():
         pairs.ref = pair_scores(backend, pairs, cfg.data.global_batch)[0].astype(np.float32)
     tmp = path.with_suffix(".tmp.npz")
-    np.savez(tmp, checkpoint=str(tc.init_from), **want, **{k: p.ref for k, p in splits.items()})
+    np.savez(tmp, checkpoint=str(tc.init_from), sha256=sha, seq_len=dc.seq_len, **{k: p.ref for k, p in splits.items()})
     convert.replace(tmp, path)
     print(f"reference log-probs of {tc.init_from} for {', '.join(f'{p.n} {k}' for k, p in splits.items())} pairs: {path}")
 
 
 def rollouts(backend, cfg, batch, step, tok):
-    """GRPO's batch for this step: train.grpo_group completions of each prompt, sampled from the current policy with
-    the KV cache, each rewarded 1 if its first number is the answer (the verifiable reward) else 0; advantages
-    normalised in the group, (r - mean) / (std + 1e-8) (open-instruct's "standard"; all equal: no signal). Rows:
-    prompt + completion padded to seq_len, the mask on the completion. Each step draws from its own seed, so a
-    resumed run samples what the first would have."""
+    """GRPO's batch for this step: train.grpo_group completions of each prompt from the current policy (KV cache),
+    each rewarded by eval.reward; advantages normalised in the group, (r - mean) / (std + 1e-8) (open-instruct's
+    "standard"; all equal: no signal). Rows: prompt + completion padded to seq_len, the mask on the completion.
+    Each step draws from its own seed, so a resumed run samples what the first would have."""
     tc, T, G = cfg.train, cfg.data.seq_len, cfg.train.grpo_group
     tokens = np.full((len(batch["prompts"]) * G, T), cfg.model.pad_token_id, np.int32)
     mask, reward = np.zeros_like(tokens, bool), np.zeros(len(tokens), np.float32)
