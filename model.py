@@ -395,20 +395,6 @@ def unembed(params, x, m):
     return linear(x, params["embed_tokens.weight" if m.tie_embeddings else "lm_head.weight"])
 
 
-# exercise: z_loss
-def cross_entropy(logits, labels, z_loss=0.0):
-    """Mean cross-entropy over labels != IGNORE_INDEX, in fp32, plus z_loss · mean(logsumexp²)
-    (OLMo 2/3 use 1e-5). Returns (loss, ce, z). Labels are already shifted (shift_labels)."""
-    logits = logits.astype(jnp.float32)
-    lse = jax.nn.logsumexp(logits, axis=-1)                          # (B, T)
-    valid = labels != IGNORE_INDEX
-    target = jnp.take_along_axis(logits, jnp.where(valid, labels, 0)[..., None], axis=-1)[..., 0]
-    n = jnp.maximum(valid.sum(), 1)
-    ce = jnp.sum(jnp.where(valid, lse - target, 0.0)) / n
-    z = jnp.sum(jnp.where(valid, lse * lse, 0.0)) / n
-    return ce + z_loss * z, ce, z
-
-
 def label_logps(logits, labels):
     """(log p(label), logsumexp of the logits) at each position (B, T), fp32; log p is 0 where labels ==
     IGNORE_INDEX. What every loss is written on (make_loss): the losses sum log p, z-loss squares the logsumexp."""
@@ -416,6 +402,23 @@ def label_logps(logits, labels):
     lse, valid = jax.nn.logsumexp(logits, axis=-1), labels != IGNORE_INDEX
     target = jnp.take_along_axis(logits, jnp.where(valid, labels, 0)[..., None], axis=-1)[..., 0]
     return jnp.where(valid, target - lse, 0.0), lse
+
+
+# exercise: z_loss
+def cross_entropy_of(logp, lse, labels, n, z_loss=0.0, xp=jnp):
+    """Cross-entropy plus z_loss · logsumexp² from each position's log p(label) and logsumexp (label_logps), both
+    summed over the targets (labels != IGNORE_INDEX) and divided by n: the batch's own target count (cross_entropy)
+    or the global batch's (the train step, make_loss). OLMo 2/3 use z_loss 1e-5: it keeps the softmax's normaliser
+    near 1. Returns (loss, ce, z); xp: jnp or torch."""
+    ce = -logp.sum() / n
+    z = xp.where(labels != IGNORE_INDEX, lse * lse, 0.0).sum() / n
+    return ce + z_loss * z, ce, z
+
+
+def cross_entropy(logits, labels, z_loss=0.0):
+    """Mean cross-entropy over labels != IGNORE_INDEX, in fp32, plus z_loss · mean(logsumexp²). Returns (loss, ce,
+    z). Labels are already shifted (shift_labels)."""
+    return cross_entropy_of(*label_logps(logits, labels), labels, jnp.maximum((labels != IGNORE_INDEX).sum(), 1), z_loss)
 
 
 def token_logps(params, x, labels, m, chunks=1):
@@ -474,8 +477,8 @@ def make_loss(cfg, xp):
     tc, ignore = cfg.train, IGNORE_INDEX
 
     def ce(logp, lse, labels, batch, total):  # OLMo-core: over the target tokens of the global batch, not per micro
-        nll = -logp.sum() / total  # z-loss (OLMo 2/3: 1e-5) keeps logsumexp near 0: the exercise's cross_entropy
-        return nll + tc.z_loss * xp.where(labels != ignore, lse * lse, 0.0).sum() / total, dict(ce=nll)
+        loss, ce, _ = cross_entropy_of(logp, lse, labels, total, tc.z_loss, xp)
+        return loss, dict(ce=ce)
 
     def dpo(logp, lse, labels, batch, total):  # total: pairs in the global batch
         losses, margins = dpo_of(logp.sum(-1), batch["ref"], (labels != ignore).sum(-1), tc, xp)  # (2P,) summed
@@ -768,23 +771,17 @@ class OLMo(nn.Module):
         return F_.linear(x, head.to(dtype))
 
 
-def cross_entropy_torch(logits, labels, z_loss=0.0):
-    """As cross_entropy: returns (loss, ce, z)."""
-    logits = logits.float()
-    lse = torch.logsumexp(logits, dim=-1)
-    valid = labels != IGNORE_INDEX
-    target = logits.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    n = valid.sum().clamp(min=1)
-    ce = torch.where(valid, lse - target, 0.0).sum() / n
-    z = torch.where(valid, lse * lse, 0.0).sum() / n
-    return ce + z_loss * z, ce, z
-
-
 def label_logps_torch(logits, labels):
     """As label_logps: (log p(label), logsumexp)."""
     logits = logits.float()
     lse, target = torch.logsumexp(logits, dim=-1), logits.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     return torch.where(labels != IGNORE_INDEX, target - lse, 0.0), lse
+
+
+def cross_entropy_torch(logits, labels, z_loss=0.0):
+    """As cross_entropy: returns (loss, ce, z)."""
+    n = (labels != IGNORE_INDEX).sum().clamp(min=1)
+    return cross_entropy_of(*label_logps_torch(logits, labels), labels, n, z_loss, torch)
 
 
 def torch_model(m, params=None):
