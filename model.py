@@ -263,8 +263,10 @@ def splash_kernel(T, N, window, interpret):
     mask = splash_mask.LocalMask(shape, (window - 1, 0), offset=0) if window else splash_mask.CausalMask(shape)
     b = next(b for b in (512, 256, 128) if T % b == 0)
     sizes = splash.BlockSizes(block_q=b, block_kv=b, block_q_dkv=b, block_kv_dkv=b, block_q_dq=b, block_kv_dq=b)
-    return splash.make_splash_mha(splash_mask.MultiHeadMask([mask] * N), block_sizes=sizes, head_shards=1,
-                                  q_seq_shards=1, interpret=interpret)
+    with jax.ensure_compile_time_eval():  # concrete mask arrays even when first built inside a trace (a scan's
+        # body): a cached kernel holding that trace's tracers breaks every later call
+        return splash.make_splash_mha(splash_mask.MultiHeadMask([mask] * N), block_sizes=sizes, head_shards=1,
+                                      q_seq_shards=1, interpret=interpret)
 
 
 def splash_attend(q, k, v, window, scale, segments=None):
@@ -353,7 +355,7 @@ def block(p, x, attn, m, ffn=mlp):
 
 
 def forward(params, tokens, m, dtype=jnp.float32, remat="none", constrain=lambda x: x, segments=None, positions=None,
-            attend_fn=None, head=True):
+            attend_fn=None, head=True, scan_layers=True):
     """tokens (B, T) int -> logits (B, T, V) in `dtype` (head=False: the last layer's output (B, T, D), for
     token_logps to run the head in chunks). Ids must be < V: JAX clamps silently, so callers check
     (check_tokens) first. `remat` trades compute for memory: "block" keeps only each layer's input for the backward
@@ -361,7 +363,7 @@ def forward(params, tokens, m, dtype=jnp.float32, remat="none", constrain=lambda
     segments (B, T): document ids (segment_ids) to keep packed documents apart; positions (T,): RoPE positions
     (default 0..T-1). attend_fn: attend's signature, in place of model.attention's pick (shard.attention runs a
     kernel on each device's own instances and heads, or gathers keys for context parallelism; the maths here does
-    not change)."""
+    not change). scan_layers=False unrolls the loop over the repeats (train.scan_layers)."""
     x = constrain(params["embed_tokens.weight"][tokens].astype(dtype))  # (B, T, D)
     positions = jnp.arange(tokens.shape[1]) if positions is None else positions
     # One scan step is one repeat of layer_pattern (OLMo 3: SSSF), so every layer in it has its window as a Python
@@ -385,7 +387,7 @@ def forward(params, tokens, m, dtype=jnp.float32, remat="none", constrain=lambda
             x = constrain(layer(p, x, *ropes[i], segments, int(window[i])))
         return x, None
 
-    x, _ = jax.lax.scan(step, x, groups)
+    x, _ = jax.lax.scan(step, x, groups, unroll=not scan_layers)  # unrolled: the same maths, no loop
     return unembed(params, x, m) if head else x
 
 

@@ -247,10 +247,17 @@ def jax_read(views, prefix, table, shardings):
             for k, p in table.items()}
 
 
-# --- the ahead-of-time plan: compile the train step for a mesh we do not have ---------------------
-
+# --- what each device has, from the vendors' spec sheets ------------------------------------------
+# Dense bf16 peak FLOP/s (the MFU in train.py's log; unknown devices, CPUs, get none) and HBM (a plan's budget).
+PEAK_FLOPS = {
+    "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v6 lite": 918e12,
+    "TPU v6e": 918e12, "NVIDIA A100-SXM4-40GB": 312e12, "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H200": 989e12, "NVIDIA GH200 480GB": 989e12,
+}  # (JAX's device_kind and torch.cuda.get_device_name give the same strings)
 HBM_GIB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32, "a100": 80, "h100": 80, "h200": 141, "b200": 180}
 
+
+# --- the ahead-of-time plan: compile the train step for a mesh we do not have ---------------------
 
 def plan(argv, make_step, new_history):
     """python train.py plan CONFIG.toml... --mesh data=D,fsdp=F,context=C,tensor=T [--batch B --seq T]

@@ -43,12 +43,6 @@ import model
 import shard
 from configs import ConfigError, build, describe, load_config, read_json, run_cli, save_json, to_dict
 
-# Dense bf16 peak FLOP/s per device, from the vendors' spec sheets. Unknown devices (CPUs) get no MFU.
-PEAK_FLOPS = {
-    "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v6 lite": 918e12,
-    "TPU v6e": 918e12, "NVIDIA A100-SXM4-40GB": 312e12, "NVIDIA A100-SXM4-80GB": 312e12,
-    "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H200": 989e12, "NVIDIA GH200 480GB": 989e12,
-}  # (JAX's device_kind and torch.cuda.get_device_name give the same strings)
 SKIP_WINDOW, SKIP_MIN, SKIP_SIGMA = 128, 64, 6.0  # OLMo-core SkipStepAdamW defaults
 
 
@@ -225,8 +219,7 @@ def open_checkpoint(path, m, with_optimizer=True, new_stage=False):
     opt = None
     if with_optimizer and (path / "optimizer.safetensors").is_file():
         opt, _ = convert.read_safetensors(path / "optimizer.safetensors")
-        missing = [f for f in checkpoint_entries(m)[1] if f not in opt]
-        if missing:
+        if missing := [f for f in checkpoint_entries(m)[1] if f not in opt]:
             raise ValueError(f"{path / 'optimizer.safetensors'}: no tensor {missing[0]}")
     return state, opt, meta
 
@@ -244,7 +237,8 @@ def token_stats(cfg, mesh, params, batch, remat="none"):
     shard.py pins the residual stream's layout and runs a kernel (or context parallelism's attention) per device."""
     m, tokens = cfg.model, batch["tokens"]
     x = model.forward(params, tokens, m, jnp.dtype(cfg.train.compute_dtype), remat, shard.residual_constraint(mesh),
-                      documents(cfg, tokens), attend_fn=shard.attention(mesh, m), head=False)
+                      documents(cfg, tokens), attend_fn=shard.attention(mesh, m), head=False,
+                      scan_layers=cfg.train.scan_layers)
     labels = model.shift_labels(tokens, m.pad_token_id, batch.get("mask"))
     return (*model.token_logps(params, x, labels, m, cfg.train.loss_chunks), labels)
 
@@ -297,7 +291,7 @@ class JaxBackend:
         table = model.param_table(cfg.model)
         self.param_sh, self.opt_sh, hist_sh = shard.state_shardings(mesh, table)  # every split checked, before compiling
         self.layout = shard.jax_layout(mesh, table) + [shard.describe(mesh)]  # lines for the log
-        self.peak = PEAK_FLOPS.get(jax.devices()[0].device_kind)
+        self.peak = shard.PEAK_FLOPS.get(jax.devices()[0].device_kind)
         self.history = jax.device_put(new_history(), hist_sh)
         self.train_step = make_train_step(cfg, mesh)
         def nats(params, batch):  # summed next-token nats and the targets they cover (held-out bits per byte)
@@ -387,7 +381,7 @@ class TorchBackend:
         self.history = new_history()  # on the host, read by is_outlier
         self.loss, self.total_of = model.make_loss(cfg, torch)
         kind = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-        self.peak = PEAK_FLOPS.get(kind)
+        self.peak = shard.PEAK_FLOPS.get(kind)
         self.layout[-1] += f" on {kind}" + (", torch.compile" if tc.compile else "")
 
     barrier = staticmethod(shard.torch_barrier)
@@ -830,9 +824,9 @@ def main(argv):
 
 # --- bench --------------------------------------------------------------------------------------
 
-def bench(argv, steps=10, rounds=3):
+def bench(argv, steps=10, rounds=3, seconds=5.0):
     """Tokens/s of train steps of the configured model and batch, in one process: every row warmed up (2 untimed
-    steps), then `rounds` rounds timing each row in turn for `steps` steps; each row's best round (noise only slows)."""
+    steps), then `rounds` rounds timing each row in turn for `steps` steps (fewer past `seconds`); its best round."""
     cfg = load_config(argv)
     m, tc, B, T = cfg.model, cfg.train, cfg.data.global_batch, cfg.data.seq_len
     tokens = np.random.default_rng(0).integers(0, m.vocab_size, (B, T)).astype(np.int32)
@@ -870,21 +864,27 @@ def bench(argv, steps=10, rounds=3):
 
         rows.append((f"transformers {transformers.__version__} (torch CPU, fp32)", hf_step, None, 1))
 
-    best = [0.0] * len(rows)
-    for r in range(-1, rounds):  # round -1: 2 untimed steps each (compiles, warm caches)
+    best, reps = [0.0] * len(rows), [steps] * len(rows)  # reps: steps per round, per row
+    for r in range(-1, rounds):  # round -1: 2 untimed steps each (compiles, warm caches); the second's time sets reps
         for i, (_, step, _, _) in enumerate(rows):
+            if r < 0:
+                jax.block_until_ready(step())
             t0 = time.perf_counter()
-            for _ in range(2 if r < 0 else steps):
+            for _ in range(1 if r < 0 else reps[i]):
                 out = step()
             jax.block_until_ready(out)  # the JAX steps are still running
-            best[i] = max(best[i], steps * B * T / (time.perf_counter() - t0)) if r >= 0 else 0.0
+            dt = time.perf_counter() - t0
+            if r < 0:
+                reps[i] = max(1, min(steps, int(seconds / dt)))
+            else:
+                best[i] = max(best[i], reps[i] * B * T / dt)
     ref = best[-1]  # transformers when installed, else the last torch row
     print(f"{'':<48} {'tokens/s':>10} {'vs ' + rows[-1][0].split()[0]:>16} {'MFU':>6} {'GFLOP/s':>9}")
-    for (label, _, peak, n), tps in zip(rows, best):
-        mfu = f"{100 * flops * tps / (peak * n):.1f}%" if peak else "n/a"
+    for (label, _, peak, devices), tps in zip(rows, best):
+        mfu = f"{100 * flops * tps / (peak * devices):.1f}%" if peak else "n/a"
         print(f"{label:<48} {tps:>10,.0f} {tps / ref:>15.2f}x {mfu:>6} {flops * tps / 1e9:>9.1f}")
-    print(f"(B={B}, T={T}, {model.count_params(m):,} params; best of {rounds} rounds of {steps} steps each, the rows "
-          "taking turns, one process)")
+    print(f"(B={B}, T={T}, {model.count_params(m):,} params; best of {rounds} rounds of {'/'.join(map(str, sorted(set(reps))))} "
+          "steps each, the rows taking turns, one process)")
 
 
 def cli(args):

@@ -175,6 +175,8 @@ class TrainConfig:
     compute_dtype: str = "float32"  # float32 | bfloat16 (params and optimizer state stay fp32)
     remat: str = "none"           # activation checkpointing: none | block (each layer) | mlp (OLMo 3 mid-training)
     loss_chunks: int = 8          # JAX: the head and softmax in this many passes over the positions (token_logps)
+    scan_layers: bool = True      # JAX: layers in a loop over repeats of layer_pattern (compile time flat in L); false
+                                  # unrolls it: on a CPU faster (XLA's CPU loop keeps the saved activations stacked)
     init_seed: int = 0
     init_from: str = ""           # start a new stage from this checkpoint: its params (and moments), step 0
     load_optimizer: bool = True   # with init_from: also take its AdamW moments (OLMo 3 mid-training does)

@@ -187,6 +187,21 @@ def test_query_blocks_give_the_same_attention(monkeypatch):
         np.testing.assert_allclose(np.asarray(blocks[1][k]), ref, rtol=0, atol=1e-5 * np.abs(ref).max(), err_msg=k)
 
 
+def test_unrolled_layers_equal_the_scan():
+    """train.scan_layers=false: the loop over the repeats of layer_pattern unrolled, the same logits and gradients."""
+    m = variant("olmo3", n_layers=2 * len(variant("olmo3").layer_pattern))  # two repeats: a loop of 2
+    params = jax.tree.map(jnp.asarray, random_params(m, std=0.1))
+    t = jnp.asarray(tokens(m, T=16))
+
+    def run(scan):
+        loss = lambda p: jnp.sum(model.forward(p, t, m, scan_layers=scan) ** 2) / t.size  # noqa: E731
+        return jax.jit(jax.value_and_grad(loss))(params)
+    (a, ga), (b, gb) = run(True), run(False)
+    assert float(a) == pytest.approx(float(b), rel=1e-6)
+    for k in ga:
+        np.testing.assert_allclose(gb[k], ga[k], rtol=1e-5, atol=1e-6 * float(np.abs(ga[k]).max()), err_msg=k)
+
+
 @pytest.mark.parametrize("chunks", [5, 3])  # T = 24: 5 chunks with one padded position, or 3 of 8
 def test_head_in_chunks_equals_the_whole_head(chunks):
     """token_logps in chunks (strided positions, each recomputed in the backward pass) gives the whole head's
