@@ -865,7 +865,7 @@ def bench(argv, steps=10, rounds=3, seconds=5.0):
         rows.append((f"transformers {transformers.__version__} (torch CPU, fp32)", hf_step, None, 1))
 
     best, reps = [0.0] * len(rows), [steps] * len(rows)  # reps: steps per round, per row
-    for r in range(-1, rounds):  # round -1: 2 untimed steps each (compiles, warm caches); the second's time sets reps
+    for r in range(-1, rounds):  # round -1: 2 steps each, not counted (compiles, warm caches); the second sets reps
         for i, (_, step, _, _) in enumerate(rows):
             if r < 0:
                 jax.block_until_ready(step())
