@@ -247,7 +247,7 @@ def jax_read(views, prefix, table, shardings):
             for k, p in table.items()}
 
 
-# --- what each device has, from the vendors' spec sheets ------------------------------------------
+# --- what each device has (from the vendors' spec sheets) and how XLA compiles for it -------------
 # Dense bf16 peak FLOP/s (the MFU in train.py's log; unknown devices, CPUs, get none) and HBM (a plan's budget).
 PEAK_FLOPS = {
     "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v6 lite": 918e12,
@@ -255,6 +255,18 @@ PEAK_FLOPS = {
     "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H200": 989e12, "NVIDIA GH200 480GB": 989e12,
 }  # (JAX's device_kind and torch.cuda.get_device_name give the same strings)
 HBM_GIB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32, "a100": 80, "h100": 80, "h200": 141, "b200": 180}
+
+
+def compiler_options(mesh, dtype):
+    """XLA options for the train step on this mesh's devices. On one CPU, XLA's own code for an elementwise fusion
+    that also transposes (the MLP's gate gradient, laid out for its weight's matmul) runs ~15x slower than the same
+    fusion untransposed; YNNPACK's elementwise fusions avoid it: fp32 steps ~12% faster (docs/backends.md). bf16
+    steps ran slower with them, and on a mesh of CPU devices context parallelism's layouts make XLA refuse them
+    ("unsupported layout in YNN fusion": they are experimental), so one CPU in fp32 only."""
+    if mesh.devices.size > 1 or mesh.devices.flat[0].platform != "cpu" or dtype != "float32":
+        return None
+    kinds = ("INDIVIDUAL_DOT", "ELTWISE", "REDUCE")  # (XLA's default is the first and last)
+    return {"xla_cpu_experimental_ynn_fusion_type": ",".join(f"LIBRARY_FUSION_TYPE_{k}" for k in kinds)}
 
 
 # --- the ahead-of-time plan: compile the train step for a mesh we do not have ---------------------

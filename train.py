@@ -44,6 +44,7 @@ import shard
 from configs import ConfigError, build, describe, load_config, read_json, run_cli, save_json, to_dict
 
 SKIP_WINDOW, SKIP_MIN, SKIP_SIGMA = 128, 64, 6.0  # OLMo-core SkipStepAdamW defaults
+POSTTRAIN_METRICS = ("margin", "accuracy", "reward", "eval_accuracy")  # DPO's and GRPO's, logged as they come
 
 
 # --- learning rate and AdamW (pure functions) ---------------------------------------------------
@@ -274,7 +275,8 @@ def make_train_step(cfg, mesh):
 
     p, o, h = shard.state_shardings(mesh, model.param_table(m))
     return jax.jit(step, in_shardings=(p, o, h, None, None),  # the batch: laid out by JaxBackend.step
-                   out_shardings=(p, o, h, shard.replicated(mesh)), donate_argnums=(0, 1, 2))
+                   out_shardings=(p, o, h, shard.replicated(mesh)), donate_argnums=(0, 1, 2),
+                   compiler_options=shard.compiler_options(mesh, tc.compute_dtype))
 
 
 class JaxBackend:
@@ -662,9 +664,6 @@ def task_eval(backend, tasks):
         return {}
     tasks["scorer"].params = backend.host_params()
     return {f"{name}_acc": r["acc"] for name, r in evaluate.score_tasks(tasks["scorer"], tasks).items()}
-
-
-POSTTRAIN_METRICS = ("margin", "accuracy", "reward", "eval_accuracy")  # DPO's and GRPO's, logged as they come
 
 
 def log(record, metrics_path, write):
