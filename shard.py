@@ -1,8 +1,9 @@
-"""Device meshes and shardings: this file only lays things out. The model never sees any of this:
+"""Device meshes and shardings: this file lays things out for the devices. The model never sees any of this:
 train.py asks here how to lay out the params, the optimizer state and the batch, and jit (GSPMD)
 inserts the communication. The torch backend's equivalent (torchrun processes, FSDP2's fully_shard)
-is the second half. Between them: which piece of each array a process writes to a checkpoint and reads back, and
-the ahead-of-time plan (train.py's step, passed in, compiled for a mesh you do not have: `python train.py plan`).
+is the second half. Between them: which piece of each array a process writes to a checkpoint and reads back, what
+each device has (peak FLOP/s, HBM, and the XLA options its train step compiles with), and the ahead-of-time plan
+(train.py's step, passed in, compiled for a mesh you do not have: `python train.py plan`).
 
     python shard.py configs/olmo3-7b.toml --mesh.data=1 --mesh.fsdp=-1   # the mesh and each parameter's layout here
 
