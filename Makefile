@@ -4,6 +4,14 @@
 PYTHON ?= python3.11
 VENV := .venv
 PIP := $(VENV)/bin/pip install --quiet --disable-pip-version-check
+# On a CPU, XLA and torch allocate each step's temporaries afresh, which glibc's malloc serves poorly (a block over
+# 32 MB is a new mapping the kernel zero-fills page by page, every step). tcmalloc keeps freed memory for the next
+# step: it is preloaded where installed (Debian: libtcmalloc-minimal4), for speed only (docs/backends.md#speed);
+# `LD_PRELOAD= make demo` runs without it.
+TCMALLOC := $(firstword $(wildcard /usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4))
+ifneq ($(TCMALLOC),)
+export LD_PRELOAD ?= $(TCMALLOC)
+endif
 
 .PHONY: demo test longctx posttrain tables exercises clean
 

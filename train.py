@@ -883,7 +883,7 @@ def bench(argv, steps=10, rounds=3, seconds=5.0):
         mfu = f"{100 * flops * tps / (peak * devices):.1f}%" if peak else "n/a"
         print(f"{label:<48} {tps:>10,.0f} {tps / ref:>15.2f}x {mfu:>6} {flops * tps / 1e9:>9.1f}")
     print(f"(B={B}, T={T}, {model.count_params(m):,} params; best of {rounds} rounds of {'/'.join(map(str, sorted(set(reps))))} "
-          "steps each, the rows taking turns, one process)")
+          f"steps each, the rows taking turns, one process; malloc: {Path(os.environ.get('LD_PRELOAD') or 'glibc').name})")
 
 
 def cli(args):

@@ -11,7 +11,7 @@ here (no `make demo` run, no ../shared, no libtpu) is left as it is and reported
 fails leaves its block alone too, and the script exits non-zero at the end.
 
     seconds  configs, paramtable, corpus, demo, parity, check   (configs, model.py, data/, runs/tiny/, transformers)
-    minutes  bench, bench100m (~15), attention, databench, eval_tasks, eval_bpb, generate, plan, plan_stage3, plan_tpu (libtpu only),
+    minutes  bench, bench100m (~5), bench_tcmalloc, bench100m_tcmalloc (where installed), attention, databench, eval_tasks, eval_bpb, generate, plan, plan_stage3, plan_tpu (libtpu only),
              longctx (after `make longctx`), posttrain (after `make posttrain`)
     longest  curves, curves_own_lr: five 300-step training runs from scratch under runs/tables/, and the PNGs
 """
@@ -46,9 +46,15 @@ class Skip(Exception):
 
 
 def run(cmd, env=None):
-    """Run a shown command (`python ...` means this interpreter) in the repo root; (stdout, stderr)."""
-    argv = [sys.executable if a == "python" else a for a in shlex.split(cmd)]
-    p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    """Run a shown command as shown, in the repo root; (stdout, stderr). `python ...` means this interpreter and
+    leading VAR=value words set the environment; the LD_PRELOAD the Makefile exports (tcmalloc) is dropped unless
+    the command sets it, so a table's speed is glibc malloc's unless its command says otherwise."""
+    argv, env = shlex.split(cmd), {**{k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}, **(env or {})}
+    while "=" in argv[0]:
+        key, value = argv.pop(0).split("=", 1)
+        env[key] = value
+    argv = [sys.executable if a == "python" else a for a in argv]
+    p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, env=env)
     if p.returncode:
         raise RuntimeError(f"`{cmd}` exited {p.returncode}:\n{p.stderr[-3000:]}")
     return p.stdout, p.stderr
@@ -214,6 +220,13 @@ def bench():
 
 def bench100m():
     return shown("python train.py configs/bench-100m.toml --bench")
+
+
+def tcmalloc(config):
+    """The same bench with tcmalloc preloaded, where it is installed (Debian's libtcmalloc-minimal4, on x86-64)."""
+    lib = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+    needs(lib)
+    return shown(f"LD_PRELOAD={lib} python train.py configs/{config}.toml --bench")
 
 
 def attention():
@@ -404,7 +417,8 @@ def curves_own_lr():
 
 
 TABLES = {"configs": configs, "paramtable": paramtable, "corpus": corpus, "demo": demo, "parity": parity,
-          "check": check, "bench": bench, "bench100m": bench100m, "attention": attention, "databench": databench, "eval_tasks": eval_tasks,
+          "check": check, "bench": bench, "bench100m": bench100m,
+          "bench_tcmalloc": lambda: tcmalloc("tiny"), "bench100m_tcmalloc": lambda: tcmalloc("bench-100m"), "attention": attention, "databench": databench, "eval_tasks": eval_tasks,
           "eval_bpb": eval_bpb, "generate": generate, "plan": plan, "plan_tpu": plan_tpu, "plan_stage3": plan_stage3,
           "longctx": longctx, "posttrain": posttrain, "curves": curves,
           "curves_own_lr": curves_own_lr}
