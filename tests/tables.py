@@ -11,7 +11,8 @@ here (no `make demo` run, no ../shared, no libtpu) is left as it is and reported
 fails leaves its block alone too, and the script exits non-zero at the end.
 
     seconds  configs, paramtable, corpus, demo, parity, check   (configs, model.py, data/, runs/tiny/, transformers)
-    minutes  bench, bench100m (~5), bench_tcmalloc, bench100m_tcmalloc (where installed), attention, databench, eval_tasks, eval_bpb, generate, plan, plan_stage3, plan_tpu (libtpu only),
+    minutes  bench, bench100m (~5), bench_tcmalloc and bench100m_tcmalloc (where tcmalloc is installed), attention,
+             databench, eval_tasks, eval_bpb, generate, plan, plan_stage3, plan_tpu (libtpu only),
              longctx (after `make longctx`), posttrain (after `make posttrain`)
     longest  curves, curves_own_lr: five 300-step training runs from scratch under runs/tables/, and the PNGs
 """
@@ -417,9 +418,9 @@ def curves_own_lr():
 
 
 TABLES = {"configs": configs, "paramtable": paramtable, "corpus": corpus, "demo": demo, "parity": parity,
-          "check": check, "bench": bench, "bench100m": bench100m,
-          "bench_tcmalloc": lambda: tcmalloc("tiny"), "bench100m_tcmalloc": lambda: tcmalloc("bench-100m"), "attention": attention, "databench": databench, "eval_tasks": eval_tasks,
-          "eval_bpb": eval_bpb, "generate": generate, "plan": plan, "plan_tpu": plan_tpu, "plan_stage3": plan_stage3,
+          "check": check, "bench": bench, "bench100m": bench100m, "bench_tcmalloc": lambda: tcmalloc("tiny"),
+          "bench100m_tcmalloc": lambda: tcmalloc("bench-100m"), "attention": attention, "databench": databench,
+          "eval_tasks": eval_tasks, "eval_bpb": eval_bpb, "generate": generate, "plan": plan, "plan_tpu": plan_tpu, "plan_stage3": plan_stage3,
           "longctx": longctx, "posttrain": posttrain, "curves": curves,
           "curves_own_lr": curves_own_lr}
 
