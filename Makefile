@@ -13,11 +13,27 @@ ifneq ($(TCMALLOC),)
 export LD_PRELOAD ?= $(TCMALLOC)
 endif
 
-.PHONY: demo test longctx posttrain tables exercises clean
+.PHONY: demo test longctx posttrain tables exercises device-check clean
 
-$(VENV)/.installed: requirements.txt
+# On an accelerator, name it once: `make demo ACCEL=cuda` (NVIDIA GPUs) or `make demo ACCEL=tpu`
+# installs JAX's plugin for it beside the CPU jaxlib (pinned to jax's version); torch's PyPI wheel
+# for Linux x86-64 is already its CUDA 13 build, and jax[cuda13] shares its CUDA libraries. Without
+# it JAX runs on the CPU (train.py says so in one line).
+ACCEL ?=
+JAX_cuda := jax[cuda13]==0.10.2
+JAX_tpu := jax[tpu]==0.10.2
+JAX_FOR := $(JAX_$(ACCEL))
+ifneq ($(filter-out cuda tpu,$(ACCEL)),)
+$(error ACCEL=$(ACCEL): use ACCEL=cuda or ACCEL=tpu, or leave it out for the CPU)
+endif
+
+$(VENV)/.installed: requirements.txt $(if $(ACCEL),$(VENV)/.accel-$(ACCEL))
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) -r requirements.txt
+	$(PIP) -r requirements.txt $(if $(JAX_FOR),"$(JAX_FOR)")
+	touch $@
+
+$(VENV)/.accel-%:  # (naming a new ACCEL installs once more)
+	mkdir -p $(VENV)
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed requirements-test.txt
@@ -91,6 +107,12 @@ tables: $(VENV)/.installed-test
 # docs/exercises.md: each exercise's tests fail with its code removed and pass with it (tests/exercises.py).
 exercises: $(VENV)/.installed-test
 	$(PY) tests/exercises.py check
+
+# The check for the day a GPU is lent (tests/device_check.py, minutes): kernels against XLA/SDPA,
+# then short runs of OLMo-2-1B's shape in JAX, torch and transformers; its table goes into
+# docs/backends.md by `make tables`.
+device-check: $(VENV)/.installed-test
+	$(PY) tests/device_check.py --out runs/device_check.md
 
 clean:
 	rm -rf $(VENV) $(DATA) runs

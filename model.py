@@ -153,10 +153,19 @@ def yarn_inv_freq(m, pos_freqs):
 
 # === JAX =========================================================================================
 
+def matmul_precision(dtype):
+    """fp32 compute means fp32 matmuls: JAX's default rounds fp32 operands on GPUs (TF32) and TPUs
+    (bf16 passes), where torch's fp32 is exact, and the parity tests' 1e-5 would not hold there.
+    bf16 keeps the default."""
+    return jax.default_matmul_precision("highest" if jnp.dtype(dtype) == jnp.float32 else None)
+
+
 def linear(x, w):
     """x @ w.T with w (out, in) fp32, cast to the compute dtype at use. The products are summed in fp32 and the
     result cast back, as TPU and GPU matmul units do anyway (and on CPUs it is the fast bf16 path: AMX)."""
-    return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+    with matmul_precision(x.dtype):
+        y = jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)
 
 
 # exercise: rmsnorm
@@ -251,65 +260,123 @@ def attend_block(q, k, v, seg, scale, first, lo, window):
     mask = attention_mask(first + jnp.arange(q.shape[1]), lo + jnp.arange(k.shape[1]), window)[None, None]
     if seg is not None:
         mask = mask & (seg[0][:, None, :, None] == seg[1][:, None, None, :])  # (B, 1, Tq, S)
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale)
+    with matmul_precision(q.dtype):
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale)
 
 
 @lru_cache(maxsize=None)
-def splash_kernel(T, N, window, interpret):
-    """Pallas splash attention for one sequence, q (N, T, H), k and v (K, T, H): GQA inside (query head n reads kv
-    head n // (N/K), and its backward sums each group into the shared kv head). LocalMask keeps key j for query i
-    when i - left <= j <= i + right: (W - 1, 0) is our window. Blocks must divide T and be multiples of 128; the
-    backward pass needs its own block sizes."""
-    shape = (T, T)
-    mask = splash_mask.LocalMask(shape, (window - 1, 0), offset=0) if window else splash_mask.CausalMask(shape)
-    b = next(b for b in (512, 256, 128) if T % b == 0)
-    sizes = splash.BlockSizes(block_q=b, block_kv=b, block_q_dkv=b, block_kv_dkv=b, block_q_dq=b, block_kv_dq=b)
-    with jax.ensure_compile_time_eval():  # concrete mask arrays even when first built inside a trace (a scan's
-        # body): a cached kernel holding that trace's tracers breaks every later call
-        return splash.make_splash_mha(splash_mask.MultiHeadMask([mask] * N), block_sizes=sizes, head_shards=1,
-                                      q_seq_shards=1, interpret=interpret)
+def splash_kernel(Tq, S, N, window, offset, interpret):
+    """Pallas splash attention for one sequence, q (N, Tq, H) at positions offset.., k and v
+    (K, S, H) at 0..: GQA inside (query head n reads kv head n // (N/K); the backward sums each
+    group into its kv head). Blocks divide Tq and S, multiples of 128; the backward's its own."""
+    shape = (Tq, S)
+    if window:  # key j is kept for query i when i + offset - left <= j <= i + offset + right
+        mask = splash_mask.LocalMask(shape, (window - 1, 0), offset=offset)
+    else:
+        mask = splash_mask.CausalMask(shape, offset=offset)
+    b = next(b for b in (512, 256, 128) if Tq % b == 0 and S % b == 0)
+    sizes = splash.BlockSizes(block_q=b, block_kv=b, block_q_dkv=b, block_kv_dkv=b, block_q_dq=b,
+                              block_kv_dq=b)
+    # Concrete mask arrays even when first built inside a trace (a scan's body): a cached kernel
+    # holding that trace's tracers breaks every later call
+    with jax.ensure_compile_time_eval():
+        heads = splash_mask.MultiHeadMask([mask] * N)
+        return splash.make_splash_mha(heads, block_sizes=sizes, head_shards=1, q_seq_shards=1,
+                                      interpret=interpret)
 
 
-def splash_attend(q, k, v, window, scale, segments=None):
-    """attend on TPUs; elsewhere the same kernel runs interpreted (slow, exact: what the tests compare). Which one
-    is decided where the step is lowered (lax.platform_dependent), not by the host's default backend: a CPU host
-    compiling ahead of time for a TPU topology (`train.py plan --topology`) gets the real kernel."""
-    T = q.shape[1]
-    Tp = -(-T // 128) * 128  # pad to the kernel's 128 lanes: causality hides the padded keys, the rows are cut
-    pad = [(0, 0), (0, Tp - T), (0, 0), (0, 0)]
-    q = jnp.pad(q * jnp.asarray(scale, q.dtype), pad)  # the kernel has no scale argument: fold it into q
-    k, v = jnp.pad(k, pad), jnp.pad(v, pad)
-    seg = None if segments is None else jnp.pad(segments.astype(jnp.int32), [(0, 0), (0, Tp - T)], mode="edge")
+def splash_attend(q, k, v, window, scale, segments=None, offset=0):
+    """attend on TPUs, with attend's arguments; elsewhere the same kernel interpreted (slow, exact:
+    what the tests compare). Which one is decided where the step is lowered (platform_dependent), so
+    a CPU host compiling for a TPU topology (`train.py plan --topology`) gets the real kernel. A
+    traced offset (q is a context-parallel shard, shard.attention) picks that shard's kernel."""
+    Tq, S = q.shape[1], k.shape[1]
+    # Padded to the kernel's 128 lanes: causality hides the padded keys, and the padded rows are cut
+    Tqp, Sp = -(-Tq // 128) * 128, -(-S // 128) * 128
+    q = q * jnp.asarray(scale, q.dtype)  # (the kernel has no scale argument)
+    q = jnp.pad(q, [(0, 0), (0, Tqp - Tq), (0, 0), (0, 0)])
+    k, v = (jnp.pad(x, [(0, 0), (0, Sp - S), (0, 0), (0, 0)]) for x in (k, v))
+    seg = []
+    if segments is not None:  # (B, S) document ids of the keys; q's are those at its own positions
+        q_seg = jax.lax.dynamic_slice_in_dim(segments, offset, Tq, axis=1)
+        seg = [jnp.pad(s.astype(jnp.int32), [(0, 0), (0, n - s.shape[1])], mode="edge")
+               for s, n in ((q_seg, Tqp), (segments, Sp))]
     heads_first = partial(jnp.swapaxes, axis1=1, axis2=2)  # (B, T, N, H) <-> (B, N, T, H)
-
-    kernels = [splash_kernel(Tp, q.shape[2], window, interpret) for interpret in (False, True)]  # (built out here:
-    # inside a branch, the arrays of the cached kernel's masks would be that branch's tracers)
+    traced = not isinstance(offset, int)
+    offsets = range(0, S, Tq) if traced else [offset]  # (a traced offset is one of these)
+    # Built out here: inside a branch, the arrays of a cached kernel's masks would be its tracers
+    kernels = [[splash_kernel(Tqp, Sp, q.shape[2], window, o, interpret) for o in offsets]
+               for interpret in (False, True)]
 
     def run(interpret, q, k, v, *seg):
-        return jax.vmap(kernels[interpret])(q, k, v, segment_ids=splash.SegmentIds(q=seg[0], kv=seg[0]) if seg else None)
+        ids = splash.SegmentIds(q=seg[0], kv=seg[1]) if seg else None
+        calls = [partial(jax.vmap(kernel), segment_ids=ids) for kernel in kernels[interpret]]
+        return jax.lax.switch(offset // Tq, calls, q, k, v) if traced else calls[0](q, k, v)
 
-    y = jax.lax.platform_dependent(heads_first(q), heads_first(k), heads_first(v), *([] if seg is None else [seg]),
+    y = jax.lax.platform_dependent(heads_first(q), heads_first(k), heads_first(v), *seg,
                                    tpu=partial(run, False), default=partial(run, True))
-    return heads_first(y)[:, :T]  # (B, T, N, H)
+    return heads_first(y)[:, :Tq]  # (B, Tq, N, H)
 
 
-def cudnn_attend(q, k, v, window, scale, segments=None):
-    """attend on NVIDIA GPUs: cuDNN's flash kernel skips the masked blocks itself. It takes no segment ids in JAX,
-    so packed documents go to the XLA path."""
-    if segments is not None:
-        return attend(q, k, v, window, scale, segments)
+def cudnn_attend(q, k, v, window, scale):
+    """attend on NVIDIA GPUs: cuDNN's flash kernel skips the masked blocks itself. bf16/fp16 only,
+    and no document ids or offset in JAX's call: pick_attention sends those cases to xla."""
+    window = (window - 1, 0) if window else None
     return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation="cudnn",
-                                        local_window_size=(window - 1, 0) if window else None)
+                                        local_window_size=window)
 
 
-ATTEND = {"xla": attend, "splash": splash_attend, "cudnn": cudnn_attend}  # model.attention -> the JAX function
+ATTEND = {"xla": attend, "splash": splash_attend, "cudnn": cudnn_attend}  # model.attention -> JAX's
 
 
-def pick_attention(m):
-    """model.attention="auto" -> the implementation for the device jax runs on; decided while tracing, once."""
+def accelerator(device=None):
+    """(platform, CUDA compute capability as (major, minor) or None) of `device`, default JAX's
+    first: "cpu", "gpu" or "tpu". What `auto` attention is chosen for (lowering tests stub it)."""
+    d = device or jax.devices()[0]
+    capability = getattr(d, "compute_capability", None)
+    return d.platform, tuple(int(x) for x in capability.split(".")) if capability else None
+
+
+def cudnn_refusal(m, dtype, documents, context, platform, capability):
+    """Why JAX's cuDNN flash attention cannot run this case ("" if it can), checked before tracing:
+    jax 0.10.2's _src/cudnn/fused_attention_stablehlo.py check_layout, check_is_flash_attention."""
+    if platform != "gpu" or capability is None:
+        return f"cuDNN needs an NVIDIA GPU, and JAX runs on {platform}"
+    if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+        return (f"cuDNN takes bfloat16 or float16, not {jnp.dtype(dtype)}: set "
+                "train.compute_dtype=bfloat16 (eval.py: --dtype bfloat16)")
+    cc = ".".join(map(str, capability))
+    if capability < (8, 0):
+        return f"cuDNN's flash attention needs compute capability 8.0 (Ampere) or later, not {cc}"
+    most = 256 if capability >= (9, 0) else 128  # Hopper and later take wider heads
+    if m.head_dim > most or m.head_dim % 8:
+        return (f"cuDNN takes head_dim <= {most}, a multiple of 8, on compute capability {cc}; "
+                f"not {m.head_dim}")
+    if documents:
+        return ("JAX's cuDNN call takes no document ids: packed documents (data.doc_mask) need xla "
+                "or splash")
+    if context > 1:
+        return ("JAX's cuDNN call takes no query offset: context parallelism (mesh.context > 1) "
+                "needs xla or splash")
+    return ""
+
+
+def pick_attention(m, dtype, documents=False, device=None, context=1):
+    """model.attention -> "xla", "splash" or "cudnn" for compute `dtype` on `device` (default JAX's
+    first), with or without document ids, over `context` devices per sequence. auto takes the
+    device's kernel (TPU splash, GPU cudnn) where it supports the case; a kernel named in the config
+    that cannot run is refused, with the reason, before anything compiles."""
     if m.attention in ("sdpa", "flex"):
-        raise ValueError(f"model.attention={m.attention!r} is a torch implementation: JAX takes auto, xla, splash, cudnn")
-    return {"tpu": "splash", "gpu": "cudnn"}.get(jax.default_backend(), "xla") if m.attention == "auto" else m.attention
+        raise ValueError(f"model.attention={m.attention!r} is a torch implementation: JAX takes "
+                         "auto, xla, splash, cudnn")
+    platform, capability = accelerator(device)
+    refusal = partial(cudnn_refusal, m, dtype, documents, context, platform, capability)
+    if m.attention == "auto":
+        kernel = {"tpu": "splash", "gpu": "cudnn"}.get(platform, "xla")
+        return "xla" if kernel == "cudnn" and refusal() else kernel
+    if m.attention == "cudnn" and (why := refusal()):
+        raise ValueError(f"model.attention='cudnn' cannot run here: {why}")
+    return m.attention  # (splash off a TPU runs interpreted: exact and slow, as the tests use it)
 
 
 # exercise: qk_norm
@@ -333,7 +400,10 @@ def project_qkv(p, x, cos, sin, m):
 def attention(p, x, cos, sin, window, m, segments=None, attend_fn=None):
     B, T, _ = x.shape
     q, k, v = project_qkv(p, x, cos, sin, m)
-    y = (attend_fn or ATTEND[pick_attention(m)])(q, k, v, window, m.head_dim ** -0.5, segments)  # (B, T, N, H)
+    if attend_fn is None:  # no mesh (shard.attention): the implementation for JAX's own device
+        attend_fn = ATTEND[pick_attention(m, q.dtype, segments is not None)]
+    documents = () if segments is None else (segments,)
+    y = attend_fn(q, k, v, window, m.head_dim ** -0.5, *documents)  # (B, T, N, H)
     return linear(y.reshape(B, T, m.n_heads * m.head_dim), p["self_attn.o_proj.weight"])  # (B, T, D)
 
 
@@ -563,8 +633,10 @@ def cached_attention(p, x, cos, sin, cache, pos, window, m):
     mask = attention_mask(pos + jnp.arange(T), key_pos, window) & (key_pos >= 0)  # (T, C + T)
     keys = jnp.concatenate([cache["k"], k.astype(cache["k"].dtype)], axis=1)    # (B, C + T, K, H)
     values = jnp.concatenate([cache["v"], v.astype(cache["v"].dtype)], axis=1)  # (B, C + T, K, H)
-    y = jax.nn.dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask=mask[None, None],
-                                     scale=m.head_dim ** -0.5)    # (B, T, N, H)
+    keys, values = keys.astype(q.dtype), values.astype(q.dtype)
+    with matmul_precision(q.dtype):
+        y = jax.nn.dot_product_attention(q, keys, values, mask=mask[None, None],
+                                         scale=m.head_dim ** -0.5)  # (B, T, N, H)
     first = max(0, T - C)  # only the last C new keys fit; each lands in its own slot
     slots = (pos + jnp.arange(first, T)) % C
     cache = dict(k=cache["k"].at[:, slots].set(k[:, first:].astype(cache["k"].dtype)),
@@ -671,38 +743,73 @@ class Attention(nn.Module):
 
 
 def attention_masks_torch(m, windows, T, segments, device):
-    """{window: mask} for the distinct windows of the layers, made once per forward: None where SDPA's causal path
-    serves (a full layer, no documents), else what model.attention asks for: a bool (B|1, 1, T, T) tensor for SDPA
-    or a flex_attention BlockMask, which lets the kernel skip the blocks the mask hides (auto: flex on GPUs)."""
+    """{window: mask} for the distinct windows of the layers: None where SDPA's causal path serves
+    (a full layer, no documents), else what model.attention asks for: a bool (B|1, 1, T, T) tensor
+    for SDPA or a flex_attention BlockMask, which lets the kernel skip the blocks the mask hides
+    (auto: flex on GPUs)."""
     if m.attention not in ("auto", "sdpa", "flex"):
-        raise ValueError(f"model.attention={m.attention!r} is a JAX implementation: torch takes auto, sdpa, flex")
+        raise ValueError(f"model.attention={m.attention!r} is a JAX implementation: "
+                         "torch takes auto, sdpa, flex")
     flex = m.attention == "flex" or (m.attention == "auto" and device.type == "cuda")
     out = {}
     for w in set(windows):
         if w == 0 and segments is None:
             out[w] = None
+        elif flex and segments is None:
+            out[w] = window_block_mask(T, w, device)
         elif flex:
-            from torch.nn.attention.flex_attention import create_block_mask
-
-            def visible(b, h, i, j, w=w):  # the JAX attention_mask, and the same document
-                ok = (j <= i) & ((w == 0) | (i - j < w))
-                return ok if segments is None else ok & (segments[b, i] == segments[b, j])
-            B = None if segments is None else segments.shape[0]
-            out[w] = create_block_mask(visible, B, None, T, T, device=device)
+            out[w] = document_block_mask(segments, w, device)
         else:
-            i = torch.arange(T, device=device)[:, None]  # query positions; i.T are the key positions
+            i = torch.arange(T, device=device)[:, None]  # query positions; i.T the key positions
             mask = ((i.T <= i) & ((w == 0) | (i - i.T < w)))[None, None]  # (1, 1, T, T)
-            out[w] = mask if segments is None else mask & (segments[:, None, :, None] == segments[:, None, None, :])
+            if segments is not None:  # and the same document: (B, 1, T, T)
+                mask = mask & (segments[:, None, :, None] == segments[:, None, None, :])
+            out[w] = mask
     return out
 
 
+@lru_cache(maxsize=16)
+def window_block_mask(T, w, device):
+    """The BlockMask of a window without documents: the same every step, so made once (eager,
+    it takes seconds at T = 8192), and the same object each time, which a compiled block's guards
+    like too."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def visible(b, h, i, j):  # the JAX attention_mask
+        return (j <= i) & ((w == 0) | (i - j < w))
+    return create_block_mask(visible, None, None, T, T, device=device)
+
+
+def document_block_mask(segments, w, device):
+    """The BlockMask of a window within documents (B, T), new each batch. Compiled,
+    create_block_mask never holds the whole (B, T, T) mask; a cold compile takes half a minute on a
+    CPU: GPUs only."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def visible(b, h, i, j):  # the JAX attention_mask, and the same document
+        return (j <= i) & ((w == 0) | (i - j < w)) & (segments[b, i] == segments[b, j])
+    build = compiled(create_block_mask) if device.type == "cuda" else create_block_mask
+    B, T = segments.shape
+    return build(visible, B, None, T, T, device=device)
+
+
+@lru_cache(maxsize=None)
+def compiled(fn):
+    """torch.compile(fn), made once: a new wrapper each call would start from an empty cache."""
+    return torch.compile(fn)
+
+
+# Eager flex_attention warns once that it is unfused: known, and the test path. A filter here, not a
+# catch_warnings block inside flex_attention, where it cost 3 graph breaks per compiled block.
+warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
+
+
 def flex_attention(q, k, v, block_mask, scale):
-    """torch's flex_attention, compiled on GPUs (a fused kernel); eager elsewhere (correct, but it builds the scores)."""
+    """torch's flex_attention, compiled on GPUs (a fused kernel); eager elsewhere (correct, but it
+    builds the scores). Inside a compiled block dynamo traces flex itself into the block's graph."""
     from torch.nn.attention.flex_attention import flex_attention as flex
-    run = torch.compile(flex) if q.is_cuda else flex
-    with warnings.catch_warnings():  # eager, it warns that it is unfused: known, and the test path
-        warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
-        return run(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
+    run = compiled(flex) if q.is_cuda and not torch.compiler.is_compiling() else flex
+    return run(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
 
 
 class MLP(nn.Module):
@@ -825,7 +932,8 @@ def attention_bench():
                 jax.block_until_ready(step(params, toks, toks))
             times[kind] = (time.perf_counter() - t0) / 3 * 1e3
         ideal = 512 / (T / 2)  # keys per query: W against T/2 on average under the causal mask
-        print(f"{T:>6} {pick_attention(m):>6} {times['F']:>9.0f} {times['S']:>11.0f} {times['S'] / times['F']:>6.2f} "
+        impl, ratio = pick_attention(m, jnp.float32), times["S"] / times["F"]
+        print(f"{T:>6} {impl:>6} {times['F']:>9.0f} {times['S']:>11.0f} {ratio:>6.2f} "
               f"{ideal:>6.3f}")
 
 

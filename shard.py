@@ -20,9 +20,13 @@ Context parallelism (`attention`) is the one place that writes its communication
 """
 
 import argparse
+import glob
+import hashlib
 import math
 import os
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +38,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import convert
 import model
-from configs import load_config, run_cli
+from configs import ConfigError, load_config, run_cli
 
 
 RULES = {"embed": ("fsdp",), "heads": ("tensor",), "kv_heads": ("tensor",), "mlp": ("tensor",),
@@ -110,42 +114,51 @@ def residual_constraint(mesh):
     return lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(BATCH, "context", None)))
 
 
-def attention(mesh, m):
-    """None where GSPMD splits model.attend (XLA) by itself; else an attend_fn for model.forward that runs attention
-    on each device's own data under shard_map: its instances (data x fsdp) and heads (tensor), and with a context
-    axis its slice of every sequence's positions.
-    A kernel (model.attention splash or cudnn) is a custom call the partitioner cannot split: left to GSPMD it would
-    gather every instance onto every device. Context parallelism (OLMo-core's "llama3", MaxText's all_gather):
-    device c of the context axis holds positions [c·T/C, (c+1)·T/C) of every instance it shares. Each keeps its
-    queries, all-gathers the keys, values and document ids of the whole sequence, and attends from its own offset,
-    so causal, sliding and document masks are exactly those of one device; the backward pass reduce-scatters dK,
-    dV (JAX transposes the gather). No load balancing (OLMo-core's choice too): the offset is traced, so a full
-    layer scores its T/C queries against all T keys and masks, the same work on every shard (twice the causal
-    minimum), and a sliding layer (3 of Olmo 3's 4) W keys on every shard. MaxText's zig-zag order pays only with a
-    kernel that skips masked blocks. The XLA attention runs inside, whatever model.attention says (splash's masks
-    are built for one T)."""
-    impl, context = model.pick_attention(m), mesh.shape["context"]
+def attention(mesh, m, dtype, documents):
+    """attend's function for model.forward on this mesh: what model.pick_attention chooses for its
+    devices, `dtype` and `documents` (document ids or not). XLA's is left to GSPMD, which splits it
+    itself. A kernel (splash, cudnn) is a custom call the partitioner cannot split (it would gather
+    every instance onto every device): it runs under shard_map on each device's own instances
+    (data x fsdp) and heads (tensor). With a context axis each device keeps its slice of the
+    queries, gathers the keys, values and document ids, and attends from its offset
+    (docs/longctx.md)."""
+    context = mesh.shape["context"]
+    impl = model.pick_attention(m, dtype, documents, mesh.devices.flat[0], context)
     if context == 1 and (impl == "xla" or mesh.devices.size == 1):
-        return None
+        return model.ATTEND[impl]
     qkv, ids = P(BATCH, "context", "tensor", None), P(BATCH, "context")
 
     def attend_fn(q, k, v, window, scale, segments=None):
         def local(q, k, v, *segments):  # q (B/dp, T/C, N/tp, H), k and v (B/dp, T/C, K/tp, H)
             if context == 1:
                 return model.ATTEND[impl](q, k, v, window, scale, *segments)
-            gather = lambda x: jax.lax.all_gather(x, "context", axis=1, tiled=True)  # noqa: E731  (.., T, ..)
+
+            def gather(x):  # (B/dp, T, ...): JAX transposes it to a reduce-scatter of dK, dV
+                return jax.lax.all_gather(x, "context", axis=1, tiled=True)
             offset = jax.lax.axis_index("context") * q.shape[1]
-            return model.attend(q, gather(k), gather(v), window, scale, *map(gather, segments), offset=offset)
+            segments = [gather(s) for s in segments]
+            k, v = gather(k), gather(v)
+            return model.ATTEND[impl](q, k, v, window, scale, *segments, offset=offset)
         args = (q, k, v) + (() if segments is None else (segments,))
-        return jax.shard_map(local, mesh=mesh, in_specs=(qkv,) * 3 + (ids,) * (len(args) - 3), out_specs=qkv,
-                             check_vma=False)(*args)  # (a kernel's custom call has no replication rule to check)
+        in_specs = (qkv,) * 3 + (ids,) * (len(args) - 3)
+        # check_vma off: a kernel's custom call has no replication rule to check
+        run = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=qkv, check_vma=False)
+        return run(*args)
     return attend_fn
 
 
-def check_context(context, seq_len):
-    if seq_len % context:
-        raise ValueError(f"data.seq_len={seq_len} does not divide over mesh.context={context}: each context "
-                         "device holds an equal slice of every instance")
+def check_mesh(sizes, m, seq_len):
+    """What a mesh of these axis sizes needs of the model and data beyond each parameter's split."""
+    if seq_len % sizes["context"]:
+        raise ValueError(f"data.seq_len={seq_len} does not divide over mesh.context="
+                         f"{sizes['context']}: each context device holds an equal slice of every "
+                         "instance")
+    tensor = sizes["tensor"]
+    if m.n_heads % tensor or m.n_kv_heads % tensor:  # attention runs per device on whole heads
+        fits = [t for t in range(1, m.n_kv_heads + 1) if m.n_kv_heads % t == m.n_heads % t == 0]
+        raise ValueError(f"mesh.tensor={tensor} splits the attention heads, and model.n_heads="
+                         f"{m.n_heads} / n_kv_heads={m.n_kv_heads} do not divide over it: use "
+                         f"mesh.tensor in {fits} and put the other devices on mesh.fsdp")
 
 
 def mesh_where(mesh):
@@ -173,6 +186,18 @@ def check_batch(global_batch, micro_batch, dp, where):
     return per_rank, micro, per_rank // micro
 
 
+def split_over(spec, sizes):
+    """How many devices a PartitionSpec splits a tensor over, on a mesh of these axis sizes."""
+    return math.prod(sizes[a] for d in spec if d for a in (d if isinstance(d, tuple) else (d,)))
+
+
+def state_gib(table, sizes):
+    """GiB per device of the fp32 params and AdamW's two moments on a mesh of these axis sizes."""
+    per_device = [12 * math.prod(p.shape) / split_over(spec_for(name, p, sizes), sizes)
+                  for name, p in table.items()]
+    return sum(per_device) / 2**30
+
+
 def layout_table(table, split, dtype_bytes=4):
     """One line per parameter: how it is split and its bytes per device (params only; AdamW adds 2x that).
     split(name, param) -> (where, the fraction of the tensor one device holds)."""
@@ -189,8 +214,9 @@ def layout_table(table, split, dtype_bytes=4):
 def jax_layout(mesh, table):
     """layout_table for a JAX mesh: each parameter's PartitionSpec."""
     specs = {name: sh.spec for name, sh in param_shardings(mesh, table).items()}
-    axes = lambda spec: [a for d in spec if d for a in (d if isinstance(d, tuple) else (d,))]  # noqa: E731
-    split = lambda name, p: (str(specs[name]), 1 / math.prod(mesh.shape[a] for a in axes(specs[name])))  # noqa: E731
+
+    def split(name, p):
+        return str(specs[name]), 1 / split_over(specs[name], mesh.shape)
     return layout_table(table, split)
 
 
@@ -205,14 +231,88 @@ def jax_barrier():
         multihost_utils.sync_global_devices("barrier")
 
 
+def jax_allgather(values):
+    """Every process's int32 `values` (n,) -> (processes, n), on every process."""
+    every = multihost_utils.process_allgather(np.asarray(values, np.int32))
+    return np.asarray(every).reshape(-1, len(values))
+
+
+def check_hosts_agree(backend, run_dir, data_path):
+    """With several processes: every host sees the lead's run folder (each writes its pieces of
+    every checkpoint into it) and reads the same data. One clear error on every process at the
+    start, not a hang or a checkpoint of mixed pieces later. backend: processes, lead, barrier,
+    allgather."""
+    if backend.processes == 1:
+        return
+    if filesystem(run_dir) == "fuse.gcsfuse":  # (a checkpoint file is written by every host)
+        raise OSError(f"train.run_dir={run_dir} is on GCS FUSE, which keeps one writer's copy of a "
+                      "file that several hosts write: every process writes its pieces of each "
+                      "checkpoint, so put the run folder on Filestore or NFS (data may stay on GCS "
+                      "FUSE), docs/sharding.md#a-real-launch")
+    token = int(backend.allgather([int.from_bytes(os.urandom(3), "little")])[0, 0])  # the lead's
+    stamp = Path(run_dir) / ".hosts"
+    if backend.lead:
+        stamp.write_text(f"{token}\n")
+    backend.barrier()
+    seen = stamp.is_file() and stamp.read_text().strip() == str(token)
+    rows = backend.allgather([seen, data_fingerprint(data_path)])
+    backend.barrier()
+    if backend.lead:
+        stamp.unlink()
+    if blind := [i for i, (ok, _) in enumerate(rows) if not ok]:
+        raise OSError(f"train.run_dir={run_dir} is not one folder for every host: process(es) "
+                      f"{blind} do not see what process 0 wrote there; put it on a filesystem all "
+                      "hosts mount (NFS, Filestore), docs/sharding.md#a-real-launch")
+    if other := [i for i, (_, data) in enumerate(rows) if data != rows[0][1]]:
+        raise ValueError(f"data.path={data_path} is not the same files on every host: "
+                         f"process(es) {other} see other file names or sizes than process 0; put "
+                         "the data where all hosts read it")
+
+
+def filesystem(path, mounts="/proc/mounts"):
+    """The type of the filesystem `path` is on ("nfs4", "fuse.gcsfuse", ...), from the longest mount
+    point that holds it; "" where that cannot be read."""
+    path, best = Path(path).resolve(), ("", "")
+    try:
+        lines = Path(mounts).read_text().splitlines()
+    except OSError:
+        return ""
+    for line in lines:
+        _, point, kind, *_ = line.split() + ["", "", ""]
+        point = point.replace("\\040", " ")  # (the file's escape for a space)
+        if path.is_relative_to(point) and len(point) > len(best[0]):
+            best = (point, kind)
+    return best[1]
+
+
+def data_fingerprint(path):
+    """31 bits of the names and sizes of the files under `path` (stat only): same data, same id."""
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file())
+    else:
+        files = [path] if path.is_file() else []
+    names = [p.relative_to(path) if path.is_dir() else p.name for p in files]
+    listing = "".join(f"{name}:{p.stat().st_size}\n" for name, p in zip(names, files))
+    return int.from_bytes(hashlib.sha256(listing.encode()).digest()[:4], "little") >> 1
+
+
 def start_distributed():
-    """Multi-host: when the launcher set JAX_COORDINATOR_ADDRESS (and JAX_NUM_PROCESSES, JAX_PROCESS_ID),
-    join the other processes. TPU pods and SLURM fill these in by themselves; call before any device use."""
-    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
-        if os.environ.get("JAX_PLATFORMS") == "cpu":  # CPU processes talk over gloo (tests, laptops)
-            jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(os.environ["JAX_COORDINATOR_ADDRESS"], int(os.environ["JAX_NUM_PROCESSES"]),
-                                   int(os.environ["JAX_PROCESS_ID"]))
+    """Join this launch's other processes: those JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
+    JAX_PROCESS_ID name, or a cluster JAX detects (SLURM, Open MPI, TPU pods) of several processes.
+    Call before any device use. (Those clusters set no JAX_* variables: each node ran alone.)"""
+    if address := os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        args = (address, int(os.environ["JAX_NUM_PROCESSES"]), int(os.environ["JAX_PROCESS_ID"]))
+    else:
+        from jax._src import clusters  # JAX's own detection; private, but jax is pinned to 0.10.2
+        env = next((c for c in clusters.ClusterEnv._cluster_types
+                    if not c.opt_in_only_method and c.is_env_present()), None)
+        if env is None or env.get_process_count() == 1:
+            return  # no cluster, a one-host TPU VM, srun -n1: nothing to join
+        args = ()  # initialize() takes the coordinator, process count and id from the cluster
+    if os.environ.get("JAX_PLATFORMS") == "cpu":  # CPU processes talk over gloo (tests, laptops)
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(*args)
 
 
 # --- checkpoints: the piece of each array this process writes (train.save_checkpoint), and reads back ---------
@@ -248,14 +348,67 @@ def jax_read(views, prefix, table, shardings):
             for k, p in table.items()}
 
 
-# --- what each device has (from the vendors' spec sheets) and how XLA compiles for it -------------
-# Dense bf16 peak FLOP/s (the MFU in train.py's log; unknown devices, CPUs, get none) and HBM (a plan's budget).
-PEAK_FLOPS = {
-    "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v6 lite": 918e12,
-    "TPU v6e": 918e12, "NVIDIA A100-SXM4-40GB": 312e12, "NVIDIA A100-SXM4-80GB": 312e12,
-    "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H200": 989e12, "NVIDIA GH200 480GB": 989e12,
-}  # (JAX's device_kind and torch.cuda.get_device_name give the same strings)
-HBM_GIB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32, "a100": 80, "h100": 80, "h200": 141, "b200": 180}
+# --- what each device has, and how XLA compiles for it ---------------------------------------
+# One JAX device is a TPU v4/v5p chip (its two TensorCores act as one), a TPU7x TensorCore (two a
+# chip), or one GPU. kinds: the device_kind strings JAX reports (torch.cuda.get_device_name gives
+# the same for NVIDIA GPUs); peak: dense bf16 FLOP/s per device, MFU's denominator; hbm: GiB each.
+# Sources: Google's TPU pages, NVIDIA's data sheets, jax's Pallas tpu_info.py (docs/sharding.md).
+
+@dataclass(frozen=True)
+class Device:
+    kinds: tuple
+    peak: float
+    hbm: float
+
+
+DEVICES = {
+    "v4": Device(("TPU v4",), 275e12, 32),
+    "v5e": Device(("TPU v5 lite", "TPU v5e"), 197e12, 16),
+    "v5p": Device(("TPU v5", "TPU v5p"), 459e12, 95),  # (a v5p chip says "TPU v5")
+    "v6e": Device(("TPU v6 lite", "TPU v6e"), 918e12, 32),
+    "tpu7x": Device(("TPU7x",), 1153.5e12, 96),  # Ironwood: 2 a chip (2,307 TFLOP/s, 192 GiB)
+    "a100-40gb": Device(("NVIDIA A100-SXM4-40GB", "NVIDIA A100-PCIE-40GB"), 312e12, 40),
+    "a100": Device(("NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe"), 312e12, 80),
+    "h100": Device(("NVIDIA H100 80GB HBM3",), 989e12, 79.6),
+    "h100-pcie": Device(("NVIDIA H100 PCIe",), 756e12, 79.6),
+    "h100-nvl": Device(("NVIDIA H100 NVL",), 835e12, 93.6),
+    "h200": Device(("NVIDIA H200",), 989e12, 140.4),
+    "gh200": Device(("NVIDIA GH200 480GB",), 989e12, 95.6),
+    "b200": Device(("NVIDIA B200",), 2250e12, 179),
+    "gb200": Device(("NVIDIA GB200",), 2500e12, 185),
+}
+
+
+def device_named(kind):
+    """The DEVICES entry of a device_kind as JAX or torch reports it; None for others (CPUs)."""
+    return next((d for d in DEVICES.values() if kind in d.kinds), None)
+
+
+def usable_gib(name):
+    """Memory per device a JAX run may use: on GPUs JAX's allocator stops at 75% of it, preallocated
+    or not (XLA_CLIENT_MEM_FRACTION, or the older XLA_PYTHON_CLIENT_MEM_FRACTION, moves that); TPUs
+    give it all."""
+    device = DEVICES[name]
+    if not device.kinds[0].startswith("NVIDIA"):
+        return device.hbm
+    fraction = (os.environ.get("XLA_CLIENT_MEM_FRACTION")
+                or os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION") or 0.75)
+    return device.hbm * float(fraction)
+
+
+def unseen_accelerator(platform):
+    """A one-line warning when this machine has an accelerator and the framework runs on `platform`
+    "cpu" (a CPU-only jaxlib or torch): JAX only logs it where nobody looks, and the run goes on."""
+    if platform != "cpu":
+        return None
+    if glob.glob("/dev/nvidia[0-9]*"):
+        found, accel = "an NVIDIA GPU", "cuda"
+    elif glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"):
+        found, accel = "a TPU", "tpu"
+    else:
+        return None
+    return (f"warning: this machine has {found} and this run uses the CPU: install for it with "
+            f"`make demo ACCEL={accel}` (docs/sharding.md#installing-on-accelerators)")
 
 
 def compiler_options(mesh, dtype):
@@ -273,55 +426,81 @@ def compiler_options(mesh, dtype):
 # --- the ahead-of-time plan: compile the train step for a mesh we do not have ---------------------
 
 def plan(argv, make_step, new_history):
-    """python train.py plan CONFIG.toml... --mesh data=D,fsdp=F,context=C,tensor=T [--batch B --seq T]
-    [--device h100] [--topology v5p:8x8x4] [--section.key=value ...]: the train step compiled for that mesh, and
-    its memory per device read off the compiler (memory_analysis), against the device's HBM. The step is train.py's,
-    passed in (make_step(cfg, mesh), and new_history() its skip-step state), so that nothing here imports train.py."""
+    """python train.py plan CONFIG.toml... [--mesh data=D,fsdp=F,context=C,tensor=T] [--device v5p]
+    [--devices 256] [--batch B --seq T] [--topology v5p:8x8x4] [--section.key=value ...]: the train
+    step compiled for the config's target (mesh.device x mesh.devices, its mesh; flags change them)
+    and its memory per device, read off the compiler, against what JAX can use there. The step is
+    train.py's, passed in (make_step(cfg, mesh), new_history() its skip-step state), so that nothing
+    here imports train.py."""
     ap = argparse.ArgumentParser(prog="train.py plan", description=plan.__doc__)
     ap.add_argument("configs", nargs="+")
-    ap.add_argument("--mesh", required=True, help="data=D,fsdp=F,context=C,tensor=T (those left out: the config's)")
+    ap.add_argument("--mesh", default="", help="data=D,fsdp=F,context=C,tensor=T: these axes")
+    ap.add_argument("--device", choices=sorted(DEVICES), help="the target's; default mesh.device")
+    ap.add_argument("--devices", type=int, help="how many of them; default mesh.devices")
     ap.add_argument("--batch", type=int, help="instances per step (global); default data.global_batch")
     ap.add_argument("--seq", type=int, help="tokens per instance; default data.seq_len")
-    ap.add_argument("--device", default="h100", choices=sorted(HBM_GIB), help="whose memory to compare against")
-    ap.add_argument("--topology", default=None, help="with libtpu installed: compile for this TPU topology, e.g. v5p:8x8x4")
+    ap.add_argument("--topology", help="with libtpu: compile for this TPU topology, e.g. v5p:8x8x4")
     args, extra = ap.parse_known_args(argv)  # extra: --section.key=value config overrides
-    sizes = dict(part.split("=") for part in args.mesh.split(","))
-    cfg = load_config(args.configs + extra + [f"--mesh.{k}={v}" for k, v in sizes.items()]
-                      + [f"--data.global_batch={args.batch}"] * bool(args.batch) + [f"--data.seq_len={args.seq}"] * bool(args.seq))
-    args.batch, args.seq = cfg.data.global_batch, cfg.data.seq_len
-    n = math.prod(int(v) for v in sizes.values())
+    flags = [f"--mesh.{axis}" for axis in args.mesh.split(",") if axis]
+    flags += [f"--mesh.device={args.device}"] * bool(args.device)
+    flags += [f"--mesh.devices={args.devices}"] * bool(args.devices)
+    flags += [f"--data.global_batch={args.batch}"] * bool(args.batch)
+    flags += [f"--data.seq_len={args.seq}"] * bool(args.seq)
+    cfg = load_config(args.configs + extra + flags)
+    m, dc, tc, target = cfg.model, cfg.data, cfg.train, cfg.mesh
+    if not (target.device and target.devices):
+        raise ConfigError(f"{' + '.join(args.configs)} names no target to plan for: set "
+                          "mesh.device and mesh.devices in the config (e.g. [mesh] device = "
+                          "\"v5p\", devices = 256) or pass --device and --devices")
+    if target.device not in DEVICES:
+        raise ConfigError(f"mesh.device={target.device!r}: plan knows {', '.join(DEVICES)}")
+    n = target.devices
     if args.topology:
-        devices, device = topologies.get_topology_desc(args.topology, "tpu").devices, args.topology.split(":")[0]
+        devices = topologies.get_topology_desc(args.topology, "tpu").devices
         caveat = f"TPU compiler for {args.topology} (libtpu): its own memory figures"
     else:
         jax.config.update("jax_num_cpu_devices", n)  # must happen before anything touches a backend
-        devices, device = jax.devices(), args.device
+        devices = jax.devices()
         caveat = ("CPU compiler on fake devices: it lowers gradient reductions as all-reduce, not reduce-scatter, "
                   "so 'temporary' over-states what a TPU/GPU needs; params and optimizer state are exact")
-    mesh = make_mesh(cfg.mesh, devices[:n])
-    m, tc = cfg.model, cfg.train
-    _, micro, accum = check_batch(args.batch, tc.micro_batch, dp_size(mesh), mesh_where(mesh))
-    check_context(mesh.shape["context"], args.seq)
+    if len(devices) < n:
+        raise ValueError(f"--topology {args.topology} has {len(devices)} devices, the target {n}")
+    mesh = make_mesh(target, devices[:n])
+    _, micro, accum = check_batch(dc.global_batch, tc.micro_batch, dp_size(mesh), mesh_where(mesh))
+    check_mesh(mesh.shape, m, dc.seq_len)
     p_sh, o_sh, h_sh = state_shardings(mesh, model.param_table(m))
     abstract = lambda shape, dtype, sh: jax.ShapeDtypeStruct(shape, dtype, sharding=sh)  # noqa: E731
     params = {k: abstract(p.shape, jnp.float32, p_sh[k]) for k, p in model.param_table(m).items()}
     opt = dict(m=params, v=params, count=abstract((), jnp.int32, o_sh["count"]))
     hist = jax.tree.map(lambda x: abstract(x.shape, x.dtype, h_sh), jax.eval_shape(new_history))
-    batch = dict(tokens=abstract((accum, args.batch // accum, args.seq), jnp.int32, batch_sharding(mesh)))
+    rows = dc.global_batch * (2 if tc.loss.startswith("dpo") else 1)  # (a pair is two rows)
+    shape = (accum, rows // accum)
+    batch = dict(tokens=abstract(shape + (dc.seq_len,), jnp.int32, batch_sharding(mesh)))
+    if tc.loss != "ce":  # post-training's rows: the answer's mask, and a value per row
+        batch["mask"] = abstract(batch["tokens"].shape, jnp.bool_, batch_sharding(mesh))
+        for name in {"grpo": ("advantage", "reward")}.get(tc.loss, ("ref",)):
+            batch[name] = abstract(shape, jnp.float32, batch_sharding(mesh, 1))
     t0 = time.perf_counter()
     compiled = make_step(cfg, mesh).lower(params, opt, hist, batch, jnp.float32(1e-4)).compile()
     seconds = time.perf_counter() - t0
-    per_dev = lambda tree: sum(math.prod(s.sharding.shard_shape(s.shape)) * s.dtype.itemsize for s in jax.tree.leaves(tree))  # noqa: E731
+    def per_dev(tree):  # bytes one device holds
+        return sum(math.prod(s.sharding.shard_shape(s.shape)) * s.dtype.itemsize
+                   for s in jax.tree.leaves(tree))
     p_bytes, o_bytes, temp = per_dev(params), per_dev(opt), compiled.memory_analysis().temp_size_in_bytes
-    total, hbm = p_bytes + o_bytes + per_dev(batch) + temp, HBM_GIB[device]
+    total, usable = p_bytes + o_bytes + per_dev(batch) + temp, usable_gib(target.device)
+    attention = model.pick_attention(m, tc.compute_dtype, dc.doc_mask, mesh.devices.flat[0],
+                                     mesh.shape["context"])
     gib = lambda b: f"{b / 2**30:8.2f} GiB"  # noqa: E731
-    print(f"{m.family} {model.count_params(m) / 1e9:.2f}B params, mesh {dict(mesh.shape)} ({n} devices), "
-          f"batch {args.batch} x {args.seq} tokens, {accum} micro-batch(es) of {micro} per rank, "
-          f"remat={tc.remat}, compute {tc.compute_dtype}; compiled in {seconds:.0f} s")
+    print(f"{m.family} {model.count_params(m) / 1e9:.2f}B params, mesh {dict(mesh.shape)} ({n} x "
+          f"{target.device}), batch {dc.global_batch} x {dc.seq_len} tokens, {accum} "
+          f"micro-batch(es) of {micro} per rank, remat={tc.remat}, compute {tc.compute_dtype}, "
+          f"attention {attention}; compiled in {seconds:.0f} s")
     print(f"  params            {gib(p_bytes)} per device (fp32)")
     print(f"  optimizer state   {gib(o_bytes)} per device (AdamW m, v)")
     print(f"  gradients + activations + workspace (XLA temporary) {gib(temp)}")
-    print(f"  total             {gib(total)} of {hbm} GiB ({device}): {'fits' if total <= hbm * 2**30 else 'does NOT fit'}")
+    fits = "fits" if total <= usable * 2**30 else "does NOT fit"
+    print(f"  total             {gib(total)} of {usable:.1f} GiB JAX can use on a {target.device} "
+          f"({DEVICES[target.device].hbm:g} GiB): {fits}")
     print(f"  ({caveat})")
 
 
@@ -341,19 +520,26 @@ def torch_start():
     return rank, world, device
 
 
-def torch_shard(net, mesh_cfg, world, device):
-    """fully_shard each block, then the root (embedding, final norm, head), over a (data, fsdp) device mesh."""
+def torch_shard(net, mesh_cfg, world, device, dtype):
+    """fully_shard each block, then the root (embedding, final norm, head), over a (data, fsdp)
+    device mesh. With bf16 compute (`dtype`), OLMo-core's mixed precision: FSDP2 gathers the weights
+    in bf16 and reduces the gradients in fp32; the sharded weights and AdamW stay fp32."""
     data, fsdp, _, _ = mesh_shape(mesh_cfg, world)
     if world == 1:
         return net
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     # fully_shard on a 2-D mesh replicates over the first axis and shards over the second (HSDP);
     # data=N, fsdp=1 is plain data parallelism, each rank keeping whole weights.
     mesh = init_device_mesh(device.type, (data, fsdp), mesh_dim_names=("data", "fsdp"))
+    policy = {}
+    if dtype == torch.bfloat16:  # else autograd keeps each Linear's .to(bf16) copy: a bf16 model
+        # a rank. The norm weights are rounded to bf16 too, as OLMo-core's; RoPE's cos, sin: fp32.
+        policy["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32,
+                                                   cast_forward_inputs=False)
     for block in net.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(net, mesh=mesh)
+        fully_shard(block, mesh=mesh, **policy)
+    fully_shard(net, mesh=mesh, **policy)
     return net
 
 
@@ -417,6 +603,16 @@ def torch_sum(t):
 def torch_barrier():
     if dist.is_initialized():
         dist.barrier()
+
+
+def torch_allgather(values, device):
+    """Every process's int `values` (n,) -> (processes, n) numpy, on every process (no pickles)."""
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    if not dist.is_initialized():
+        return mine[None].cpu().numpy()
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return torch.stack(every).cpu().numpy()
 
 
 def main(argv):

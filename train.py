@@ -6,7 +6,7 @@
     torchrun --nproc_per_node=8 train.py configs/olmo2-1b.toml --train.backend=torch --mesh.data=1 --mesh.fsdp=-1
     python train.py configs/tiny.toml --bench                            # tokens/s, MFU: JAX, torch eager, compiled
     python train.py configs/tiny.toml --eval.tasks=arc_easy,piqa --eval.tasks_limit=100   # + in-loop tasks (eval.py)
-    python train.py plan configs/olmo3-32b.toml --mesh data=1,fsdp=256,tensor=1 --batch 1024 --seq 8192   # memory
+    python train.py plan configs/olmo3-32b.toml                          # fits on its target?
     python train.py configs/tiny.toml configs/tiny-sft.toml              # post-training: -sft, -dpo, -grpo (make posttrain)
 
 Both backends read the same config, data loader, schedule and checkpoints; everything between the
@@ -19,6 +19,8 @@ checkpoints step_N/: HF model directories (config.json, model.safetensors) + opt
 same names) + nanolmo.json (config, step, data position, skip-step history); `latest` names the newest whole one.
 """
 
+import dataclasses
+import gc
 import importlib.util
 import json
 import math
@@ -28,6 +30,7 @@ import shutil
 import signal
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -237,9 +240,10 @@ def token_stats(cfg, mesh, params, batch, remat="none"):
     train step's forward, eval's and score's, the head in train.loss_chunks passes (model.token_logps).
     shard.py pins the residual stream's layout and runs a kernel (or context parallelism's attention) per device."""
     m, tokens = cfg.model, batch["tokens"]
-    x = model.forward(params, tokens, m, jnp.dtype(cfg.train.compute_dtype), remat, shard.residual_constraint(mesh),
-                      documents(cfg, tokens), attend_fn=shard.attention(mesh, m), head=False,
-                      scan_layers=cfg.train.scan_layers)
+    dtype, docs = jnp.dtype(cfg.train.compute_dtype), documents(cfg, tokens)
+    attend_fn = shard.attention(mesh, m, dtype, docs is not None)
+    x = model.forward(params, tokens, m, dtype, remat, shard.residual_constraint(mesh), docs,
+                      attend_fn=attend_fn, head=False, scan_layers=cfg.train.scan_layers)
     labels = model.shift_labels(tokens, m.pad_token_id, batch.get("mask"))
     return (*model.token_logps(params, x, labels, m, cfg.train.loss_chunks), labels)
 
@@ -289,11 +293,17 @@ class JaxBackend:
         self.n_devices, self.world, self.ranks = mesh.devices.size, shard.dp_size(mesh), shard.local_ranks(mesh)
         _, self.micro, self.accum = shard.check_batch(cfg.data.global_batch, cfg.train.micro_batch, self.world,
                                                       shard.mesh_where(mesh))
-        shard.check_context(mesh.shape["context"], cfg.data.seq_len)
+        shard.check_mesh(mesh.shape, cfg.model, cfg.data.seq_len)
         table = model.param_table(cfg.model)
         self.param_sh, self.opt_sh, hist_sh = shard.state_shardings(mesh, table)  # every split checked, before compiling
-        self.layout = shard.jax_layout(mesh, table) + [shard.describe(mesh)]  # lines for the log
-        self.peak = shard.PEAK_FLOPS.get(jax.devices()[0].device_kind)
+        # The attention each step runs (a kernel that cannot run the case is refused now, not later)
+        attention = model.pick_attention(cfg.model, cfg.train.compute_dtype, cfg.data.doc_mask,
+                                         mesh.devices.flat[0], mesh.shape["context"])
+        self.layout = shard.jax_layout(mesh, table)
+        self.layout.append(f"{shard.describe(mesh)}; attention {attention}")
+        if warning := shard.unseen_accelerator(jax.default_backend()):
+            print(warning, file=sys.stderr)
+        self.peak = getattr(shard.device_named(jax.devices()[0].device_kind), "peak", None)
         self.history = jax.device_put(new_history(), hist_sh)
         self.train_step = make_train_step(cfg, mesh)
         def nats(params, batch):  # summed next-token nats and the targets they cover (held-out bits per byte)
@@ -303,7 +313,7 @@ class JaxBackend:
         self.score_step = jax.jit(lambda p, b: token_stats(cfg, mesh, p, b)[0].sum(-1))  # each row's log-prob (DPO)
         self.new_optimizer = jax.jit(new_optimizer, out_shardings=self.opt_sh)
 
-    barrier = staticmethod(shard.jax_barrier)
+    barrier, allgather = staticmethod(shard.jax_barrier), staticmethod(shard.jax_allgather)
 
     def init(self, seed):
         """Initialised where it lives: each device draws only its own shard."""
@@ -366,14 +376,17 @@ class TorchBackend:
         with torch.device("meta"):  # no memory until the weights are sharded: each rank allocates its piece
             net = model.OLMo(m)
         self.layout = shard.torch_layout(cfg.mesh, self.processes, model.param_table(m))  # checks the mesh
-        net = shard.torch_shard(net, cfg.mesh, self.processes, self.device)
+        if warning := shard.unseen_accelerator(self.device.type):
+            print(warning, file=sys.stderr)
+        dtype = getattr(torch, tc.compute_dtype)
+        net = shard.torch_shard(net, cfg.mesh, self.processes, self.device, dtype)
         net.to_empty(device=self.device)
         with torch.no_grad():
             net.reset_buffers()
         if tc.compile:
             for block in net.layers:
                 block.compile()  # in place: parameter names stay the HF ones (no _orig_mod.)
-        self.net, self.dtype = net, getattr(torch, tc.compute_dtype)
+        self.net, self.dtype = net, dtype
         self.named = dict(net.named_parameters())  # unstacked HF names: "layers.3.mlp.up_proj.weight"
         decay = {n: model.param_table(m)[re.sub(r"^layers\.\d+\.", "layers.", n)].decay for n in self.named}
         self.optim = torch.optim.AdamW(
@@ -383,10 +396,13 @@ class TorchBackend:
         self.history = new_history()  # on the host, read by is_outlier
         self.loss, self.total_of = model.make_loss(cfg, torch)
         kind = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-        self.peak = shard.PEAK_FLOPS.get(kind)
+        self.peak = getattr(shard.device_named(kind), "peak", None)
         self.layout[-1] += f" on {kind}" + (", torch.compile" if tc.compile else "")
 
     barrier = staticmethod(shard.torch_barrier)
+
+    def allgather(self, values):
+        return shard.torch_allgather(values, self.device)
 
     def _fill(self, tensors, source):
         """Copy into each tensor the piece this rank holds, from source(unstacked name, index) -> numpy."""
@@ -705,6 +721,7 @@ def main(argv):
     run_dir.mkdir(parents=True, exist_ok=True)
     backend = (TorchBackend if tc.backend == "torch" else JaxBackend)(cfg)
     lead = backend.lead  # the one process that prints and writes files other than checkpoints
+    shard.check_hosts_agree(backend, run_dir, cfg.data.path)  # several hosts: one folder, same data
     if not lead:
         sys.stdout = open(os.devnull, "w")
     else:
@@ -823,67 +840,136 @@ def main(argv):
 
 # --- bench --------------------------------------------------------------------------------------
 
-def bench(argv, steps=10, rounds=3, seconds=5.0):
-    """Tokens/s of train steps of the configured model and batch, in one process: every row warmed up (2 untimed
-    steps), then `rounds` rounds timing each row in turn for `steps` steps (fewer past `seconds`); its best round."""
-    cfg = load_config(argv)
-    m, tc, B, T = cfg.model, cfg.train, cfg.data.global_batch, cfg.data.seq_len
-    tokens = np.random.default_rng(0).integers(0, m.vocab_size, (B, T)).astype(np.int32)
-    flops = model.flops_per_token(m, T)
+def bench_rows(cfg, platform, cuda):
+    """[(label, dtype, on the accelerator, make)] of --bench; make(tokens) -> (step, peak FLOP/s,
+    devices). JAX with each attention this device runs (splash only on TPUs: elsewhere interpreted,
+    not a speed), torch eager and compiled where torch runs on JAX's device, transformers, the
+    reference. Only rows that can run: a kernel that refuses a case (cuDNN in fp32) is left out."""
+    m, tc = cfg.model, cfg.train
+    dtypes = ("float32", "bfloat16")
+    rows = []
 
-    # A row per attention implementation this device runs (splash only interpreted off TPUs: not a speed), JAX in
-    # fp32 and bf16, torch eager and compiled; then transformers, the reference.
-    jax_attention = {"tpu": ["splash", "xla"], "gpu": ["cudnn", "xla"]}.get(jax.default_backend(), ["xla"])
-    torch_attention = ["sdpa", "flex"] if torch.cuda.is_available() else ["sdpa"]
-    runs = [(JaxBackend, a, dict(compute_dtype=d)) for a in jax_attention for d in ("float32", "bfloat16")]
-    runs += [(TorchBackend, a, dict(compile=c)) for a in torch_attention for c in (False, True)]
-    rows = []  # (label, step, peak, devices)
-    for backend_cls, attention, changes in runs:
-        c = to_dict(cfg)
-        c["model"]["attention"], c["train"] = attention, {**c["train"], **changes}
-        backend = backend_cls(build(c))
+    def changed(**sections):  # the config with {section: {key: value}} changed
+        return build({k: {**v, **sections.get(k, {})} for k, v in to_dict(cfg).items()})
+
+    for dtype in dtypes:
+        for attention in {"tpu": ["splash", "xla"], "gpu": ["cudnn", "xla"]}.get(platform, ["xla"]):
+            try:
+                model.pick_attention(dataclasses.replace(m, attention=attention), dtype)
+            except ValueError:
+                continue  # (cudnn in fp32)
+            run = changed(model=dict(attention=attention), train=dict(compute_dtype=dtype))
+            label = f"nanolmo JAX {attention} ({platform}, {dtype})"
+            rows.append((label, dtype, platform != "cpu", partial(BenchRow.of, JaxBackend, run)))
+    if platform != ("gpu" if cuda else "cpu"):
+        return rows  # torch is on another device than JAX (a TPU host): it would compare machines
+    device = "cuda" if cuda else "cpu"
+    for dtype in dtypes if cuda else (tc.compute_dtype,):  # (torch's bf16 on a CPU is not its path)
+        for attention in ["sdpa", "flex"] if cuda else ["sdpa"]:
+            for compiled in (False, True):
+                run = changed(model=dict(attention=attention),
+                              train=dict(compute_dtype=dtype, compile=compiled))
+                how = "compiled" if compiled else "eager"
+                label = f"nanolmo torch {attention} {how} ({device}, {dtype})"
+                rows.append((label, dtype, cuda, partial(BenchRow.of, TorchBackend, run)))
+    if importlib.util.find_spec("transformers"):  # a test extra: without it, no reference row
+        for dtype in dtypes if cuda else ("float32",):
+            label = f"transformers ({device}, {dtype})"
+            rows.append((label, dtype, cuda, partial(BenchRow.hf, cfg, device, dtype)))
+    return rows
+
+
+class BenchRow:
+    """One --bench row's train step on its own state, and how to measure it."""
+
+    @staticmethod
+    def of(backend_cls, cfg, tokens):
+        backend = backend_cls(cfg)
         backend.init(0)
-        label = (f"nanolmo JAX {attention} ({jax.devices()[0].platform}" if backend_cls is JaxBackend else
-                 f"nanolmo torch {attention} {'compiled' if changes['compile'] else 'eager'} ({backend.device.type}")
-        rows.append((f"{label}, {changes.get('compute_dtype', tc.compute_dtype)})", lambda b=backend: b.step(dict(tokens=tokens), tc.lr), backend.peak,
-                     backend.n_devices))
 
-    if importlib.util.find_spec("transformers"):  # a test extra: without it the table has no reference row
+        def step():
+            return backend.step(dict(tokens=tokens), cfg.train.lr)
+        return step, backend.peak, backend.n_devices
+
+    @staticmethod
+    def hf(cfg, device, dtype, tokens):
+        """transformers' model of the shape, torch.optim.AdamW; bf16: autocast, fp32 weights."""
         import transformers
-        hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**{
-            k: v for k, v in convert.config_to_hf(m).items() if k != "architectures"}))  # (in train mode)
-        optim = torch.optim.AdamW(hf.parameters(), lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps, weight_decay=tc.weight_decay)
-        ids = torch.from_numpy(tokens.astype(np.int64))
+        m, tc = cfg.model, cfg.train
+        hf_cfg = {k: v for k, v in convert.config_to_hf(m).items() if k != "architectures"}
+        hf_cfg = transformers.AutoConfig.for_model(**hf_cfg)
+        hf = transformers.AutoModelForCausalLM.from_config(hf_cfg).to(device)  # (in train mode)
+        optim = torch.optim.AdamW(hf.parameters(), lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps,
+                                  weight_decay=tc.weight_decay)
+        ids = torch.from_numpy(tokens.astype(np.int64)).to(device)
+        autocast = torch.autocast(device, getattr(torch, dtype), enabled=dtype != "float32")
 
-        def hf_step():
-            hf(ids, labels=ids).loss.backward()
+        def step():
+            with autocast:
+                loss = hf(ids, labels=ids).loss
+            loss.backward()
             torch.nn.utils.clip_grad_norm_(hf.parameters(), tc.clip or 1e9)
             optim.step()
             optim.zero_grad()
+            if device == "cuda":
+                torch.cuda.synchronize()  # (the JAX rows block on their output)
+        kind = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+        return step, getattr(shard.device_named(kind), "peak", None), 1
 
-        rows.append((f"transformers {transformers.__version__} (torch CPU, fp32)", hf_step, None, 1))
 
-    best, reps = [0.0] * len(rows), [steps] * len(rows)  # reps: steps per round, per row
-    for r in range(-1, rounds):  # round -1: 2 steps each, not counted (compiles, warm caches); the second sets reps
-        for i, (_, step, _, _) in enumerate(rows):
-            if r < 0:
-                jax.block_until_ready(step())
-            t0 = time.perf_counter()
-            for _ in range(1 if r < 0 else reps[i]):
-                out = step()
-            jax.block_until_ready(out)  # the JAX steps are still running
-            dt = time.perf_counter() - t0
-            if r < 0:
-                reps[i] = max(1, min(steps, int(seconds / dt)))
-            else:
-                best[i] = max(best[i], reps[i] * B * T / dt)
-    ref = best[-1]  # transformers when installed, else the last torch row
-    print(f"{'':<48} {'tokens/s':>10} {'vs ' + rows[-1][0].split()[0]:>16} {'MFU':>6} {'GFLOP/s':>9}")
-    for (label, _, peak, devices), tps in zip(rows, best):
-        mfu = f"{100 * flops * tps / (peak * devices):.1f}%" if peak else "n/a"
-        print(f"{label:<48} {tps:>10,.0f} {tps / ref:>15.2f}x {mfu:>6} {flops * tps / 1e9:>9.1f}")
-    print(f"(B={B}, T={T}, {model.count_params(m):,} params; best of {rounds} rounds of {'/'.join(map(str, sorted(set(reps))))} "
-          f"steps each, the rows taking turns, one process; malloc: {Path(os.environ.get('LD_PRELOAD') or 'glibc').name})")
+def bench(argv, steps=10, rounds=3, seconds=5.0):
+    """Tokens/s of train steps of the configured model and batch in each backend, in one process
+    (bench_rows). Each row warms up (2 untimed steps), then is timed in `rounds` rounds of `steps`
+    steps (fewer past `seconds`), keeping its best. On a CPU (shared, noisy) the rows take turns
+    round by round; on an accelerator each runs alone, torch's first, its memory freed before the
+    next (JAX's allocator keeps what it took until the process ends)."""
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # else JAX takes 75% of a GPU
+    cfg = load_config(argv)
+    m, B, T = cfg.model, cfg.data.global_batch, cfg.data.seq_len
+    tokens = np.random.default_rng(0).integers(0, m.vocab_size, (B, T)).astype(np.int32)
+    flops = model.flops_per_token(m, T)
+    platform = jax.default_backend()
+    rows = bench_rows(cfg, platform, torch.cuda.is_available())
+    if platform == "cpu":
+        groups = [list(range(len(rows)))]  # all at once, taking turns
+    else:
+        later = lambda i: rows[i][0].startswith("nanolmo JAX")  # noqa: E731  (JAX's memory stays)
+        groups = [[i] for i in sorted(range(len(rows)), key=later)]
+    best, reps, peaks = [0.0] * len(rows), [steps] * len(rows), [None] * len(rows)
+    for group in groups:
+        made = {i: rows[i][3](tokens) for i in group}  # i -> (step, peak, devices)
+        # Round -1: 2 steps each, not counted (compiles, warm caches); the second sets reps
+        for r in range(-1, rounds):
+            for i, (step, _, _) in made.items():
+                if r < 0:
+                    jax.block_until_ready(step())
+                t0 = time.perf_counter()
+                for _ in range(1 if r < 0 else reps[i]):
+                    out = step()
+                jax.block_until_ready(out)  # the JAX steps are still running
+                dt = time.perf_counter() - t0
+                if r < 0:
+                    reps[i] = max(1, min(steps, int(seconds / dt)))
+                else:
+                    best[i] = max(best[i], reps[i] * B * T / dt)
+        for i, (_, peak, devices) in made.items():
+            peaks[i] = peak and peak * devices
+        del made, step, out
+        gc.collect()  # the row's state, before the next row's
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    refs = {dtype: tps for (label, dtype, *_), tps in zip(rows, best) if "transformers" in label}
+    print(f"{'':<52} {'tokens/s':>10} {'vs transformers':>16} {'MFU':>6} {'GFLOP/s':>9}")
+    for (label, dtype, _, _), tps, peak in zip(rows, best, peaks):
+        ref = refs.get(dtype) or refs.get("float32")
+        mfu = f"{100 * flops * tps / peak:.1f}%" if peak else "n/a"
+        ratio = f"{tps / ref:.2f}x" if ref else "n/a"
+        print(f"{label:<52} {tps:>10,.0f} {ratio:>16} {mfu:>6} {flops * tps / 1e9:>9.1f}")
+    how = "the rows taking turns" if platform == "cpu" else "one row at a time"
+    malloc = Path(os.environ.get("LD_PRELOAD") or "glibc").name
+    print(f"(B={B}, T={T}, {model.count_params(m):,} params; best of {rounds} rounds of "
+          f"{'/'.join(map(str, sorted(set(reps))))} steps each, {how}, one process; each ratio "
+          f"against transformers in its dtype where that has a row; malloc: {malloc})")
 
 
 def cli(args):

@@ -155,14 +155,18 @@ class DataConfig:
 
 @dataclass
 class MeshConfig:
-    # Devices along each mesh axis; one may be -1 (= what remains). The batch splits over data x fsdp, each
-    # instance's positions over context; weights split over fsdp x context (their embed dimension) and tensor
-    # (heads, mlp, vocab). See shard.py.
+    # Devices along each mesh axis; one may be -1 (= what remains). The batch splits over data x
+    # fsdp, each instance's positions over context; weights split over fsdp (their embed dimension)
+    # and tensor (heads, mlp, vocab), and are whole on every data and context device. See shard.py.
     data: int = -1
     fsdp: int = 1
     context: int = 1              # context parallelism (long sequences): devices that share one instance's tokens
     tensor: int = 1
-    __post_init__ = _checks(devices="data fsdp context tensor")
+    # The target this config is made for: `python train.py plan CONFIG` compiles the step for it and
+    # says if it fits. A run goes wherever it is started, any device count the mesh divides.
+    device: str = ""              # a name in shard.DEVICES (v5p, h100, ...); "" = none named
+    devices: int = 0              # how many JAX devices: TPU chips (v5p-512 is 256 chips); 0 = none
+    __post_init__ = _checks(devices="data fsdp context tensor", nonneg="devices")
 
 
 @dataclass

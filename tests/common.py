@@ -37,3 +37,13 @@ def random_params(m, seed=0, std=0.2):
 
 def tokens(m, B=2, T=24, seed=0):
     return np.random.default_rng(seed).integers(0, m.vocab_size, (B, T))
+
+
+# The real-size configs as shipped, each with the files it stacks on (tests/tables.py plans each on
+# its target, test_accelerators.py checks each fits).
+SHIPPED = [["olmo1-1b"], ["olmo1-7b"], ["olmo2-1b"], ["olmo2-7b"], ["olmo2-13b"], ["olmo3-7b"],
+           ["olmo3-7b-h256"], ["olmo3-32b"],
+           ["olmo3-7b", "olmo3-7b-stage3"], ["olmo3-32b", "olmo3-32b-stage3"],
+           ["olmo3-7b", "olmo3-7b-stage3", "olmo3-7b-sft"],
+           ["olmo3-7b", "olmo3-7b-stage3", "olmo3-7b-dpo"],
+           ["olmo3-7b", "olmo3-7b-stage3", "olmo3-7b-rl"]]

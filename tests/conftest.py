@@ -68,3 +68,8 @@ def setup(tmp_path_factory):
     toml = root / "small.toml"
     toml.write_text(SMALL.replace("[data]\n", f'[data]\npath = "{root / "data"}"\n'))
     return root, toml
+
+
+def pytest_configure(config):
+    # model.py filters this warning at import; pytest resets filters per test, so say it here too
+    config.addinivalue_line("filterwarnings", "ignore:flex_attention called without torch.compile")

@@ -1,7 +1,8 @@
 """Run by test_shard.py in a subprocess with 8 fake CPU devices (XLA_FLAGS set before jax starts):
 three train steps of the tiny config at T = 512, documents kept apart, the head in chunks, on data, FSDP,
 tensor and context-parallel meshes, and the splash kernel (interpreted) per device under shard.attention's
-shard_map; prints losses and whether shardings held."""
+shard_map, with a context axis too (one kernel per shard's offset); prints losses and whether
+shardings held."""
 import json
 import sys
 from pathlib import Path
@@ -19,7 +20,8 @@ from configs import build, load_config  # noqa: E402
 
 TINY = load_config(["configs/tiny.toml", "--model.max_seq_len=512"]).model.__dict__
 MESHES = {"one": (1, 1, 1, 1), "fsdp": (1, 8, 1, 1), "tensor": (1, 1, 1, 2), "mixed": (2, 2, 1, 2),  # (d, f, c, t)
-          "context": (1, 1, 4, 1), "fsdp_context": (1, 2, 4, 1), "splash_fsdp_tensor": (1, 2, 1, 2)}
+          "context": (1, 1, 4, 1), "fsdp_context": (1, 2, 4, 1), "splash_fsdp_tensor": (1, 2, 1, 2),
+          "splash_context": (1, 2, 2, 1)}
 out = {}
 rng = np.random.default_rng(0)
 tokens = rng.integers(0, 4094, (3, 1, 8, 512)).astype(np.int32)  # (steps, micro-batches, B, T)

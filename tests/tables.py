@@ -11,14 +11,16 @@ here (no `make demo` run, no ../shared, no libtpu) is left as it is and reported
 fails leaves its block alone too, and the script exits non-zero at the end.
 
     seconds  configs, paramtable, corpus, demo, parity, check   (configs, model.py, data/, runs/tiny/, transformers)
+    seconds  devices (shard.DEVICES), gpu (runs/device_check.md, from `make device-check` on a GPU
+             machine)
     minutes  bench, bench100m (~5), bench_tcmalloc and bench100m_tcmalloc (where tcmalloc is installed), attention,
-             databench, eval_tasks, eval_bpb, generate, plan, plan_stage3, plan_tpu (libtpu only),
+             databench, eval_tasks, eval_bpb, generate, plan (~10), plan_stage3,
+             plan_tpu (libtpu only),
              longctx (after `make longctx`), posttrain (after `make posttrain`)
     longest  curves, curves_own_lr: five 300-step training runs from scratch under runs/tables/, and the PNGs
 """
 
 import json
-import math
 import os
 import re
 import shlex
@@ -279,83 +281,177 @@ def generate():
     return "\n".join(lines) + "\n"
 
 
-PLAN_ROWS = [  # (config, batch, mesh, device, micro-batch, remat): Olmo 3's batches at sequence 8192
-    ("olmo3-7b", 512, "data=1,fsdp=256,tensor=1", "v5p", 2, "block"),
-    ("olmo3-7b", 512, "data=8,fsdp=8,tensor=1", "h100", 2, "block"),
-    ("olmo3-7b", 512, "data=8,fsdp=8,tensor=1", "h100", 2, "none"),
-    ("olmo3-32b", 1024, "data=1,fsdp=256,tensor=1", "v5p", 2, "block"),
-    ("olmo3-32b", 1024, "data=1,fsdp=64,tensor=4", "h200", 4, "block"),
-]
+PLAN_CELLS = {  # cell: what `train.py plan` prints it as (a regex per number, joined by the format)
+    "target": (r"\((\d+) x ", r" x ([\w-]+)\), batch", "{} × {}"),
+    "mesh": (r"'data': (\d+)", r"'fsdp': (\d+)", r"'context': (\d+)", r"'tensor': (\d+)",
+             "{} × {} × {} × {}"),
+    "batch": (r"batch (\d+) x", r"x (\d+) tokens", "{} × {}"),
+    "micro": (r"of (\d+) per rank", r"(\d+) micro-batch", "{} ({})"),
+    "remat": (r"remat=(\w+)", "{}"), "attention": (r"attention (\w+)", "{}"),
+    "params": (r"params\s+([\d.]+) GiB", "{}"), "opt": (r"optimizer state\s+([\d.]+) GiB", "{}"),
+    "temp": (r"temporary\)\s+([\d.]+) GiB", "{} GiB"), "total": (r"total\s+([\d.]+) GiB", "{} GiB"),
+    "usable": (r"of ([\d.]+) GiB JAX can use", "{} GiB"),
+    "compile": (r"compiled in (\d+) s", "{} s"),
+}
 
 
-def plan_command(config, batch, mesh, device, micro, remat, topology=None, extra=""):
-    where = f"--topology {topology}" if topology else f"--device {device}"
-    return (f"python train.py plan configs/{config}.toml --mesh {mesh} --batch {batch} --seq 8192 {where} "
-            f"--train.compute_dtype=bfloat16 --train.remat={remat} --train.micro_batch={micro}" + extra)
+def plan_row(cmd):
+    """The cells of one `train.py plan`, read off what it printed."""
+    out, _ = run(cmd)
+    cells = {}
+    for cell, (*patterns, form) in PLAN_CELLS.items():
+        found = [re.search(p, out) for p in patterns]
+        if not all(found):
+            raise RuntimeError(f"`{cmd}` printed no {patterns[found.index(None)]!r}:\n{out}")
+        cells[cell] = form.format(*(f.group(1) for f in found))
+    cells["state"] = f"{float(cells.pop('params')) + float(cells.pop('opt')):.2f} GiB"
+    cells["fits"] = "fits" if "does NOT fit" not in out else "**does not fit**"
+    return cells
 
 
-def plan_table(rows, command, what="batch × 8192"):
-    """One `train.py plan` per row (config, batch, mesh, device, micro, remat), by command(*row)."""
-    def number(pattern, text):
-        found = re.search(pattern, text)
-        if not found:
-            raise RuntimeError(f"train.py plan printed no {pattern!r}:\n{text}")
-        return found.group(1)
+PLAN_COLUMNS = [("target", "target"), ("mesh", "mesh (data × fsdp × context × tensor)"),
+                ("batch", "batch × tokens"), ("micro", "micro-batch (steps)"), ("remat", "remat"),
+                ("attention", "attention"), ("state", "params + AdamW / device"),
+                ("temp", "XLA temporaries / device"), ("total", "total"),
+                ("usable", "JAX can use"), ("fits", "fits?"), ("compile", "compile")]
 
-    settings = any(len(row) > 6 for row in rows)  # a 7th field: flags of the row's own (its own column)
-    lines = [f"| model | {what} | mesh (data × fsdp × context × tensor) | device | micro-batch (steps) | remat | "
-             + "settings | " * settings + "params + AdamW / device | XLA temporaries / device | total | fits? | compile |",
-             "|---" * (11 + settings) + "|"]
-    for row in rows:
-        (config, batch, mesh, device, micro, remat), extra = row[:6], row[6:]
-        out, _ = run(command(*row))
-        p, o = float(number(r"params\s+([\d.]+) GiB", out)), float(number(r"optimizer state\s+([\d.]+) GiB", out))
-        temp, total = float(number(r"temporary\)?\s+([\d.]+) GiB", out)), float(number(r"total\s+([\d.]+) GiB", out))
-        hbm, accum = number(r"of (\d+) GiB", out), number(r"(\d+) micro-batch", out)
-        seconds = number(r"compiled in (\d+) s", out)
-        sizes = dict(data=1, fsdp=1, context=1, tensor=1) | {k: int(v) for k, v in (x.split("=") for x in mesh.split(","))}
-        lines.append(f"| {config} | {batch} | {' × '.join(map(str, sizes.values()))} | {math.prod(sizes.values())} × "
-                     f"{device} ({hbm} GiB) | {micro} ({accum}) | {remat} | "
-                     + "".join(f"`{e.strip()}` | " for e in extra) + f"{p + o:.2f} GiB | {temp:.2f} GiB | "
-                     f"{total:.1f} GiB | "
-                     f"{'fits' if 'NOT' not in out else 'does not fit'} | {seconds} s |")
+
+def plan_table(rows):
+    """rows: (first cell, command); a markdown table of what each `train.py plan` printed."""
+    lines = ["| config | " + " | ".join(h for _, h in PLAN_COLUMNS) + " |",
+             "|---" * (len(PLAN_COLUMNS) + 1) + "|"]
+    for label, cmd in rows:
+        cells = plan_row(cmd)
+        lines.append(f"| {label} | " + " | ".join(cells[k] for k, _ in PLAN_COLUMNS) + " |")
     return "\n".join(lines) + "\n"
 
 
+def stack(files):
+    return " ".join(f"configs/{f}.toml" for f in files)
+
+
 def plan():
-    template = plan_command("MODEL", "BATCH", "MESH", "DEVICE", "M", "REMAT")
-    return f"Each row is `{template}` on this machine's CPU compiler (fake devices):\n\n" + plan_table(PLAN_ROWS, plan_command)
+    """docs/sharding.md: every real-size config as shipped, on the target it names."""
+    from common import SHIPPED
+    rows = [(f"`{' + '.join(files)}`", f"python train.py plan {stack(files)}") for files in SHIPPED]
+    return ("Each row is `python train.py plan CONFIG...` on this machine's CPU compiler "
+            "(fake devices): the config as shipped, on the target it names "
+            "([mesh] device × devices), against the memory JAX can use there (75% of a GPU's):\n\n"
+            + plan_table(rows))
 
 
 def plan_tpu():
     import importlib.util
     if importlib.util.find_spec("libtpu") is None:
-        raise Skip('libtpu is not installed (pip install "jax[tpu]"; not a project dependency)')
-    # The head unchunked (the logits whole) and the XLA attention, then each change on its own, then both.
-    settings = ["--model.attention=xla --train.loss_chunks=1", "--model.attention=xla", "--model.attention=splash"]
-    rows = [(*PLAN_ROWS[0], f" {s}") for s in settings] + [(*PLAN_ROWS[3], f" {settings[-1]}")]
-    return ("The v5p rows again with `--topology v5p:8x8x4` (the TPU compiler, through libtpu, on this CPU), "
-            "with the attention and the head's passes (`train.loss_chunks`, default 8) as the settings say:\n\n"
-            + plan_table(rows, lambda *row: plan_command(*row[:6], topology="v5p:8x8x4", extra=row[6])))
-
-
-# Stage 3 (docs/longctx.md): the stage-3 file stacked on its model, batch and sequence from the stage-3 file.
-STAGE3_ROWS = [("olmo3-7b", 64, "data=1,fsdp=32,context=8", "v5p", 1, "none"),
-               ("olmo3-7b", 64, "data=1,fsdp=32,context=8", "v5p", 1, "block"),
-               ("olmo3-32b", 128, "data=1,fsdp=32,context=8", "v5p", 1, "block"),
-               ("olmo3-32b", 128, "data=1,fsdp=128,context=8", "v5p", 1, "block")]
-
-
-def stage3_command(config, batch, mesh, device, micro, remat):
-    return (f"python train.py plan configs/{config}.toml configs/{config}-stage3.toml --mesh {mesh} --device {device} "
-            f"--train.remat={remat}")
+        raise Skip('libtpu is not installed '
+                   '(pip install "jax[tpu]==0.10.2"; not a project dependency)')
+    # The head unchunked (the logits whole) and the XLA attention, then each change on its own:
+    # auto is splash.
+    settings = ["--model.attention=xla --train.loss_chunks=1", "--model.attention=xla", ""]
+    rows = [(f"`olmo3-7b` `{s}`" if s else "`olmo3-7b`",
+             f"python train.py plan configs/olmo3-7b.toml --topology v5p:8x8x4 {s}")
+            for s in settings]
+    rows += [("`olmo3-32b`", "python train.py plan configs/olmo3-32b.toml --topology v5p:8x8x4"),
+             ("`olmo3-7b + olmo3-7b-stage3`", "python train.py plan configs/olmo3-7b.toml "
+              "configs/olmo3-7b-stage3.toml --topology v5p:8x8x4")]
+    return ("The v5p configs again with `--topology v5p:8x8x4` (the TPU compiler, through libtpu, "
+            "on this CPU; 256 chips), with the attention and the head's passes "
+            "(`train.loss_chunks`, default 8) as the flags after the config's name say; stage 3 "
+            "runs splash under context parallelism, one kernel per context shard:\n\n"
+            + plan_table(rows))
 
 
 def plan_stage3():
-    template = stage3_command("MODEL", "B", "MESH", "DEVICE", 1, "REMAT")
-    return (f"Each row is `{template}` on this machine's CPU compiler (fake devices); the stage-3 files set the "
-            f"batch, 65,536 tokens, bf16 and one instance per micro-batch:\n\n"
-            + plan_table(STAGE3_ROWS, stage3_command, "batch × 65536"))
+    """docs/longctx.md: stage 3 as shipped, without remat, and the 32B on a slice four times
+    larger."""
+    rows = [("`olmo3-7b + olmo3-7b-stage3`",
+             f"python train.py plan {stack(['olmo3-7b', 'olmo3-7b-stage3'])}"),
+            ("`olmo3-7b + olmo3-7b-stage3` `--train.remat=none`",
+             f"python train.py plan {stack(['olmo3-7b', 'olmo3-7b-stage3'])} --train.remat=none"),
+            ("`olmo3-32b + olmo3-32b-stage3`",
+             f"python train.py plan {stack(['olmo3-32b', 'olmo3-32b-stage3'])}"),
+            ("`olmo3-32b + olmo3-32b-stage3` `--devices 1024`",
+             f"python train.py plan {stack(['olmo3-32b', 'olmo3-32b-stage3'])} --devices 1024")]
+    return ("Each row is "
+            "`python train.py plan configs/MODEL.toml configs/MODEL-stage3.toml [FLAGS]` "
+            "on this machine's CPU compiler (fake devices); the stage-3 files set the batch, "
+            "65,536 tokens, bf16, one instance per micro-batch and the target:\n\n"
+            + plan_table(rows))
+
+
+def devices():
+    """docs/sharding.md: shard.DEVICES, what MFU and the plans know of each device."""
+    import shard
+    lines = ["From `shard.DEVICES` and `shard.usable_gib` (`python tests/tables.py devices`):", "",
+             "| `mesh.device` | `device_kind` | bf16 peak / device | memory / device "
+             "| JAX can use |",
+             "|---|---|---|---|---|"]
+    for name, d in shard.DEVICES.items():
+        kinds = ", ".join(f'"{k}"' for k in d.kinds)
+        lines.append(f"| {name} | {kinds} | {d.peak / 1e12:g} TFLOP/s | {d.hbm:g} GiB | "
+                     f"{shard.usable_gib(name):.1f} GiB |")
+    return "\n".join(lines) + "\n"
+
+
+def xla_cost():
+    """docs/backends.md: what the XLA attention costs where no kernel can run, against a kernel
+    that skips the hidden blocks, in FLOPs per token (model.flops_per_token's count)."""
+    import model
+    lines = ["From `model.flops_per_token` (`python tests/tables.py xla_cost`): "
+             "XLA scores all T keys of a full layer"
+             " (masked; a flash kernel about T/2) and 1.5W − 1 keys for each block of W/2 "
+             "queries on a sliding one (a kernel about W):", "",
+             "| run | T | counted FLOPs/token | with XLA | with a kernel | XLA's extra work |",
+             "|---|---|---|---|---|---|"]
+    for files in (["olmo3-7b", "olmo3-7b-stage3"], ["olmo3-7b", "olmo3-7b-stage3", "olmo3-7b-sft"],
+                  ["olmo3-32b", "olmo3-32b-stage3"]):
+        cfg = load_config([str(ROOT / f"configs/{f}.toml") for f in files])
+        m, T = cfg.model, cfg.data.seq_len
+        per_key = 12 * m.n_heads * m.head_dim
+        kinds = m.layer_types()
+        full = kinds.count("F") * per_key * T
+        sliding = kinds.count("S") * per_key * min(m.sliding_window, T)
+        counted = model.flops_per_token(m, T)
+        xla, kernel = counted + sliding / 2, counted - full / 2
+        lines.append(f"| `{' + '.join(files)}` | {T:,} | {counted / 1e9:.1f} G | "
+                     f"{xla / 1e9:.1f} G | {kernel / 1e9:.1f} G | "
+                     f"+{100 * (xla / kernel - 1):.0f}% |")
+    return "\n".join(lines) + "\n"
+
+
+def lowering():
+    """docs/backends.md: tests/lower_check.py's summary, per config and device."""
+    out, _ = run("XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/lower_check.py")
+    cases = json.loads(out.strip().splitlines()[-1])
+    lines = ["`XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/lower_check.py` "
+             "(the train step of 4 layers; custom calls counted in the lowered program's text, where "
+             "a scan's body, one repeat of layer_pattern, appears once, and remat's recomputed "
+             "forward again):", "",
+             "| config | lowered for | attention | cuDNN forward / backward | Mosaic kernels "
+             "| matmuls (HIGHEST) | eval forward | generation |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, c in cases.items():
+        config, device = name.rsplit(" ", 1)
+        step = c["step"]
+
+        def calls(path):  # what eval.py's paths lower attention to
+            if path is None:
+                return "n/a"
+            if path["cudnn_forward"]:
+                return f"cuDNN × {path['cudnn_forward']}"
+            return f"Mosaic × {path['mosaic']}" if path["mosaic"] else "XLA"
+        lines.append(f"| `{config}` | {device} | {c['attention']} "
+                     f"| {step['cudnn_forward']} / {step['cudnn_backward']}"
+                     f" | {step['mosaic']} | {step['dots']} ({step['highest']}) "
+                     f"| {calls(c.get('forward'))} | {calls(c.get('generate'))} |")
+    return "\n".join(lines) + "\n"
+
+
+def gpu():
+    """docs/backends.md: the device check's table, from its last run on a GPU
+    (tests/device_check.py)."""
+    needs(ROOT / "runs/device_check.md")
+    return (ROOT / "runs/device_check.md").read_text()
 
 
 def longctx():
@@ -422,7 +518,8 @@ TABLES = {"configs": configs, "paramtable": paramtable, "corpus": corpus, "demo"
           "check": check, "bench": bench, "bench100m": bench100m, "bench_tcmalloc": lambda: tcmalloc("tiny"),
           "bench100m_tcmalloc": lambda: tcmalloc("bench-100m"), "attention": attention, "databench": databench,
           "eval_tasks": eval_tasks, "eval_bpb": eval_bpb, "generate": generate, "plan": plan, "plan_tpu": plan_tpu,
-          "plan_stage3": plan_stage3, "longctx": longctx, "posttrain": posttrain, "curves": curves,
+          "plan_stage3": plan_stage3, "devices": devices, "gpu": gpu, "xla_cost": xla_cost,
+          "lowering": lowering, "longctx": longctx, "posttrain": posttrain, "curves": curves,
           "curves_own_lr": curves_own_lr}
 
 

@@ -93,6 +93,30 @@ def test_torch_keeps_documents_apart_as_jax_does(impl):
     assert np.abs(plain - ref).max() > 1e-2
 
 
+def test_flex_traces_whole_and_builds_window_masks_once(monkeypatch):
+    """A flex sliding layer is one graph to torch.compile (a catch_warnings block around the call
+    cost 3 graph breaks); a second forward reuses the first's BlockMask object (made once per T,
+    window and device, not each step); and flex's logits are SDPA's."""
+    m = dataclasses.replace(variant("olmo3"), attention="flex")  # SSSF, window 5
+    params = random_params(m, std=0.1)
+    net = model.torch_model(m, params)
+    x = torch.randn(B, T, m.d_model)
+    cos, sin = model.rope_cos_sin_torch(torch.arange(T), net.inv_freq[0], net.rope_scale[0])
+    mask = model.attention_masks_torch(m, net.windows, T, None, x.device)[net.windows[0]]
+    with torch.no_grad():  # (traced on a CPU, flex_attention has no backward)
+        explained = torch._dynamo.explain(net.layers[0])(x, cos, sin, mask)
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    seen, flex = [], model.flex_attention
+    monkeypatch.setattr(model, "flex_attention", lambda *a: seen.append(a[3]) or flex(*a))
+    toks = torch.from_numpy(np.random.default_rng(0).integers(0, m.vocab_size, (B, T)))
+    with torch.no_grad():
+        ours = [net(toks) for _ in range(2)]
+        sdpa = model.torch_model(dataclasses.replace(m, attention="sdpa"), params)(toks).numpy()
+    assert len(seen) == 6 and all(s is mask for s in seen)  # 3 sliding layers, 2 forwards
+    for y in ours:
+        np.testing.assert_allclose(y.numpy(), sdpa, rtol=0, atol=1e-5 * np.abs(sdpa).max())
+
+
 def test_wrong_backend_implementations_are_refused():
     m = variant("olmo3")
     with pytest.raises(ValueError, match="model.attention='flex' is a torch implementation"):

@@ -158,9 +158,9 @@ def test_bad_stage3_settings_are_refused(setup, tmp_path):
         build({"data": dict(packing="packed")})
     with pytest.raises(ConfigError, match=r"data.long_docs='cut': must be one of"):
         build({"data": dict(long_docs="cut")})
-    with pytest.raises(ValueError, match=r"data.seq_len=100 does not divide over mesh.context=8"):
-        shard.check_context(8, 100)
     cfg = load_config([str(setup[1]), "--mesh.context=2", "--train.backend=torch"])
+    with pytest.raises(ValueError, match=r"data.seq_len=100 does not divide over mesh.context=8"):
+        shard.check_mesh(dict(context=8, tensor=1), cfg.model, 100)
     with pytest.raises(ValueError, match=r"mesh.context=2: the torch backend shards with FSDP2 only"):
         shard.torch_layout(cfg.mesh, 2, model.param_table(cfg.model))
     mix = tmp_path / "mix.txt"

@@ -24,7 +24,8 @@ def test_meshes_train_like_one_device():
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     one = out["one"]["losses"]
-    for name in ("fsdp", "tensor", "mixed", "context", "fsdp_context", "splash_fsdp_tensor"):
+    for name in ("fsdp", "tensor", "mixed", "context", "fsdp_context", "splash_fsdp_tensor",
+                 "splash_context"):
         np.testing.assert_allclose(out[name]["losses"], one, rtol=1e-5, err_msg=name)
         assert out[name]["shardings_kept"], name
     assert out["fsdp"]["q_spec"] == "P(None, None, 'fsdp')" and out["tensor"]["q_spec"] == "P(None, 'tensor', None)"
@@ -82,6 +83,8 @@ def test_remat_policies_compute_the_same_gradients():
 
 def test_plan_compiles_for_a_simulated_mesh():
     r = subprocess.run([sys.executable, "train.py", "plan", "configs/tiny.toml", "--mesh", "data=2,fsdp=2,tensor=2",
-                        "--batch", "16", "--seq", "128", "--device", "v5e"], cwd=ROOT, capture_output=True, text=True)
+                        "--batch", "16", "--seq", "128", "--device", "v5e", "--devices", "8"],
+                       cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "(8 devices)" in r.stdout and "of 16 GiB (v5e): fits" in r.stdout and "optimizer state" in r.stdout
+    assert "(8 x v5e)" in r.stdout and "of 16.0 GiB JAX can use on a v5e (16 GiB): fits" in r.stdout
+    assert "optimizer state" in r.stdout

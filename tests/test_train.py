@@ -4,10 +4,12 @@ import math
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -240,26 +242,94 @@ def test_elastic_resume_on_other_meshes(setup, tmp_path):
         assert a.keys() == b.keys() and all(b[s] == pytest.approx(a[s], rel=1e-5) for s in a), (name, a, b)
 
 
-def test_two_processes_train_like_one(setup, tmp_path):
-    """jax.distributed over gloo on loopback: 2 processes x 4 CPU devices = 1 process x 8 devices."""
-    import socket
-    root, toml = setup
-    mesh = ["--mesh.data=2", "--mesh.fsdp=4", "--train.steps=4"]
-    run(toml, tmp_path / "one", *mesh, env=devices(8))
+TWO_BY_FOUR = ["--mesh.data=2", "--mesh.fsdp=4", "--train.steps=4"]
+
+
+@pytest.fixture(scope="module")
+def one_process(setup, tmp_path_factory):
+    """The 1 process x 8 devices run that the multi-process runs must match (run once, shared)."""
+    d = tmp_path_factory.mktemp("one") / "one"
+    run(setup[1], d, *TWO_BY_FOUR, env=devices(8))
+    return d
+
+
+def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for i in range(2):
-        env = dict(devices(4), JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-                   JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i))
-        procs.append(subprocess.Popen([sys.executable, "train.py", str(toml), f"--train.run_dir={tmp_path / 'two'}", *mesh],
-                                      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        return s.getsockname()[1]
+
+
+def two_processes(toml, run_dir, launcher, flags=lambda i: [], check=True):
+    """Outputs of train.py as 2 processes x 4 CPU devices; launcher(i): process i's variables,
+    flags(i) its own command-line flags."""
+    cmd = [sys.executable, "train.py", str(toml), f"--train.run_dir={run_dir}", *TWO_BY_FOUR]
+    envs = [dict(devices(4), JAX_PLATFORMS="cpu", **launcher(i)) for i in range(2)]
+    procs = [subprocess.Popen(cmd + flags(i), cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT) for i, env in enumerate(envs)]
     outs = [p.communicate(timeout=300)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs[0][-2000:] + outs[1][-2000:]
+    assert not check or all(p.returncode == 0 for p in procs), outs[0][-2000:] + outs[1][-2000:]
+    return outs
+
+
+def test_two_processes_train_like_one(setup, one_process, tmp_path):
+    """jax.distributed over gloo on loopback: 2 processes x 4 CPU devices = 1 process x 8."""
+    root, toml = setup
+    port = free_port()
+    outs = two_processes(toml, tmp_path / "two", lambda i: dict(
+        JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)))
     assert "over 8 device(s)" in outs[0] and "2 process(es)" in outs[0]
-    a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
+    a, b = losses(one_process), losses(tmp_path / "two")
     assert a.keys() == b.keys() and all(b[s] == pytest.approx(a[s], rel=1e-5) for s in a)
     # Each process wrote its own shards into the one checkpoint: it reads back whole on one process.
-    x, y = final_params(tmp_path / "one", 4), final_params(tmp_path / "two", 4)
+    x, y = final_params(one_process, 4), final_params(tmp_path / "two", 4)
     assert all(np.allclose(x[k], y[k], rtol=1e-5, atol=1e-6) for k in x)
+
+
+def test_two_slurm_tasks_train_like_one(setup, one_process, tmp_path):
+    """SLURM sets no JAX_COORDINATOR_ADDRESS: its 2 tasks still join one world and split batches."""
+    port = str(free_port())  # JAX's own port, from the job id, could be taken
+    outs = two_processes(setup[1], tmp_path / "two", lambda i: dict(
+        SLURM_JOB_ID="4242", SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2", SLURM_PROCID=str(i),
+        SLURM_LOCALID=str(i), JAX_COORDINATOR_PORT=port))
+    assert "over 8 device(s)" in outs[0] and "2 process(es)" in outs[0], outs[0][-2000:]
+    a, b = losses(one_process), losses(tmp_path / "two")
+    assert a.keys() == b.keys() and all(b[s] == pytest.approx(a[s], rel=1e-5) for s in a)
+
+
+def test_start_distributed_only_for_several_processes(monkeypatch):
+    """No cluster, or a one-task SLURM step (srun -n1): nothing to join; two tasks: JAX joins up."""
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *a: calls.append(a))
+    slurm = dict(SLURM_JOB_ID="7", SLURM_STEP_NODELIST="n1", SLURM_PROCID="0", SLURM_LOCALID="0")
+    cases = [({}, []), (dict(slurm, SLURM_NTASKS="1"), []), (dict(slurm, SLURM_NTASKS="2"), [()])]
+    for env, want in cases:
+        calls.clear()
+        with mock.patch.dict(os.environ, env, clear=True):
+            shard.start_distributed()
+        assert calls == want, env
+
+
+def test_hosts_must_share_the_run_folder_and_the_data(setup, tmp_path):
+    """Every host writes its pieces of each checkpoint into the one run folder and reads its
+    instances from the same data: a host given another folder, or data that differs, stops every
+    process at the start, saying so."""
+    root, toml = setup
+    coordinator = lambda i, port=free_port(): dict(  # noqa: E731
+        JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i))
+    outs = two_processes(toml, tmp_path / "a", coordinator,
+                         flags=lambda i: [f"--train.run_dir={tmp_path / 'ab'[i]}"], check=False)
+    for i, out in enumerate(outs):  # (each names its own folder)
+        said = (f"train.run_dir={tmp_path / 'ab'[i]} is not one folder for every host: "
+                "process(es) [1] do not see ")
+        assert said in out, out[-2000:]
+    other = tmp_path / "data"
+    shutil.copytree(root / "data", other)
+    (other / "stray.txt").write_text("a file only this host has\n")
+    coordinator = lambda i, port=free_port(): dict(  # noqa: E731
+        JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i))
+    outs = two_processes(toml, tmp_path / "c", coordinator,
+                         flags=lambda i: [f"--data.path={[root / 'data', other][i]}"], check=False)
+    for i, out in enumerate(outs):
+        said = (f"data.path={[root / 'data', other][i]} is not the same files on every host: "
+                "process(es) [1]")
+        assert said in out, out[-2000:]
