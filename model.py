@@ -761,11 +761,16 @@ def attention_masks_torch(m, windows, T, segments, device):
             out[w] = document_block_mask(segments, w, device)
         else:
             i = torch.arange(T, device=device)[:, None]  # query positions; i.T the key positions
-            mask = ((i.T <= i) & ((w == 0) | (i - i.T < w)))[None, None]  # (1, 1, T, T)
+            mask = visible_torch(i, i.T, w)[None, None]  # (1, 1, T, T)
             if segments is not None:  # and the same document: (B, 1, T, T)
                 mask = mask & (segments[:, None, :, None] == segments[:, None, None, :])
             out[w] = mask
     return out
+
+
+def visible_torch(i, j, w):
+    """The JAX attention_mask: key j is visible to query i (causal; the last w keys if w > 0)."""
+    return (j <= i) & ((w == 0) | (i - j < w))
 
 
 @lru_cache(maxsize=16)
@@ -775,8 +780,8 @@ def window_block_mask(T, w, device):
     like too."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    def visible(b, h, i, j):  # the JAX attention_mask
-        return (j <= i) & ((w == 0) | (i - j < w))
+    def visible(b, h, i, j):
+        return visible_torch(i, j, w)
     return create_block_mask(visible, None, None, T, T, device=device)
 
 
@@ -786,8 +791,8 @@ def document_block_mask(segments, w, device):
     CPU: GPUs only."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    def visible(b, h, i, j):  # the JAX attention_mask, and the same document
-        return (j <= i) & ((w == 0) | (i - j < w)) & (segments[b, i] == segments[b, j])
+    def visible(b, h, i, j):  # and the same document
+        return visible_torch(i, j, w) & (segments[b, i] == segments[b, j])
     build = compiled(create_block_mask) if device.type == "cuda" else create_block_mask
     B, T = segments.shape
     return build(visible, B, None, T, T, device=device)

@@ -122,8 +122,7 @@ def attention(mesh, m, dtype, documents):
     (data x fsdp) and heads (tensor). With a context axis each device keeps its slice of the
     queries, gathers the keys, values and document ids, and attends from its offset
     (docs/longctx.md)."""
-    context = mesh.shape["context"]
-    impl = model.pick_attention(m, dtype, documents, mesh.devices.flat[0], context)
+    context, impl = mesh.shape["context"], attention_impl(mesh, m, dtype, documents)
     if context == 1 and (impl == "xla" or mesh.devices.size == 1):
         return model.ATTEND[impl]
     qkv, ids = P(BATCH, "context", "tensor", None), P(BATCH, "context")
@@ -145,6 +144,11 @@ def attention(mesh, m, dtype, documents):
         run = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=qkv, check_vma=False)
         return run(*args)
     return attend_fn
+
+
+def attention_impl(mesh, m, dtype, documents):
+    """model.pick_attention for this mesh's devices and context axis: what `attention` runs."""
+    return model.pick_attention(m, dtype, documents, mesh.devices.flat[0], mesh.shape["context"])
 
 
 def check_mesh(sizes, m, seq_len):
@@ -277,11 +281,10 @@ def filesystem(path, mounts="/proc/mounts"):
         lines = Path(mounts).read_text().splitlines()
     except OSError:
         return ""
-    for line in lines:
-        _, point, kind, *_ = line.split() + ["", "", ""]
-        point = point.replace("\\040", " ")  # (the file's escape for a space)
+    for fields in (line.split() for line in lines):  # device, mount point, type, options, ...
+        point = fields[1].replace("\\040", " ")  # (the file's escape for a space)
         if path.is_relative_to(point) and len(point) > len(best[0]):
-            best = (point, kind)
+            best = (point, fields[2])
     return best[1]
 
 
@@ -488,8 +491,7 @@ def plan(argv, make_step, new_history):
                    for s in jax.tree.leaves(tree))
     p_bytes, o_bytes, temp = per_dev(params), per_dev(opt), compiled.memory_analysis().temp_size_in_bytes
     total, usable = p_bytes + o_bytes + per_dev(batch) + temp, usable_gib(target.device)
-    attention = model.pick_attention(m, tc.compute_dtype, dc.doc_mask, mesh.devices.flat[0],
-                                     mesh.shape["context"])
+    attention = attention_impl(mesh, m, tc.compute_dtype, dc.doc_mask)
     gib = lambda b: f"{b / 2**30:8.2f} GiB"  # noqa: E731
     print(f"{m.family} {model.count_params(m) / 1e9:.2f}B params, mesh {dict(mesh.shape)} ({n} x "
           f"{target.device}), batch {dc.global_batch} x {dc.seq_len} tokens, {accum} "

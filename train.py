@@ -297,8 +297,8 @@ class JaxBackend:
         table = model.param_table(cfg.model)
         self.param_sh, self.opt_sh, hist_sh = shard.state_shardings(mesh, table)  # every split checked, before compiling
         # The attention each step runs (a kernel that cannot run the case is refused now, not later)
-        attention = model.pick_attention(cfg.model, cfg.train.compute_dtype, cfg.data.doc_mask,
-                                         mesh.devices.flat[0], mesh.shape["context"])
+        attention = shard.attention_impl(mesh, cfg.model, cfg.train.compute_dtype,
+                                         cfg.data.doc_mask)
         self.layout = shard.jax_layout(mesh, table)
         self.layout.append(f"{shard.describe(mesh)}; attention {attention}")
         if warning := shard.unseen_accelerator(jax.default_backend()):
