@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import json
 import math
+import mmap
 import os
 import pickle
 import shutil
@@ -62,9 +63,10 @@ def read_safetensors(path, writable=False):
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ValueError(f"{path}: the safetensors header is not valid JSON ({e})") from None
     metadata, data_size = header.pop("__metadata__", None) or {}, size - 8 - n
-    # A plain ndarray view of the map: still read lazily, and without np.memmap's reshape quirks (no 0-d arrays).
-    data = np.memmap(path, np.uint8, "r+" if writable else "r", offset=8 + n,
-                     shape=(data_size,)).view(np.ndarray) if data_size else np.zeros(0, np.uint8)
+    # A plain ndarray over the map (its .base): read lazily, and the pages can be handed back (release).
+    with open(path, "r+b" if writable else "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ)
+    data = np.frombuffer(mapped, np.uint8, data_size, 8 + n) if data_size else np.zeros(0, np.uint8)
     out = {}
     for name, info in header.items():
         if info.get("dtype") not in DTYPES:
@@ -77,6 +79,19 @@ def read_safetensors(path, writable=False):
                              f"{start + want}) of {data_size}: the file is truncated or corrupt")
         out[name] = data[start:end].view(dtype).reshape(info["shape"])
     return out, metadata
+
+
+def release(view):
+    """Hand a read view's pages back to the page cache: a mapped page, once read, counts in the
+    process's memory (RSS) until unmapped, so a model copied out of its file would count twice."""
+    mapped = view.base
+    while isinstance(mapped, (np.ndarray, memoryview)):  # view -> the whole map's array -> the map
+        mapped = mapped.obj if isinstance(mapped, memoryview) else mapped.base
+    if not isinstance(mapped, mmap.mmap) or not hasattr(mapped, "madvise"):  # (madvise: not on macOS)
+        return
+    start = view.ctypes.data - np.frombuffer(mapped, np.uint8, 1).ctypes.data
+    first = start - start % mmap.PAGESIZE
+    mapped.madvise(mmap.MADV_DONTNEED, first, start + view.nbytes - first)
 
 
 def allocate_safetensors(path, entries, metadata=None):
@@ -269,10 +284,32 @@ def open_hf(d):
     return m, _bind(_weights(d, HF_SAFETENSORS), None, m, str(d), "config.json")
 
 
-def load_hf(d):
-    """An HF OLMo directory -> (ModelConfig, params: name -> fp32 numpy, stacked on L), all in memory."""
+def load_hf(d, dtype=None):
+    """An HF OLMo directory -> (ModelConfig, params: name -> numpy stacked on L), in each tensor's stored dtype
+    (or `dtype`). Each tensor is copied once, from the file's map into its place in the stacked array, and its
+    pages handed back: the model is in memory once (and JAX on a CPU uses these arrays in place: aligned)."""
     m, state = open_hf(d)
-    return m, {k: v.astype(np.float32) for k, v in stack_layers(state, m).items()}
+    total = sum(v.nbytes for v in state.values())
+    params = {}
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"load {d}", disable=total < 2**30) as bar:
+        for name in param_table(m):
+            stacked = name.startswith("layers.")
+            parts = [state[model.layer_name(name, i)] for i in range(m.n_layers)] if stacked else [state[name]]
+            out = aligned((len(parts), *parts[0].shape), dtype or parts[0].dtype)
+            for part, src in zip(out, parts):
+                part[...] = src  # (a cast where dtype asks)
+                release(src)
+                bar.update(src.nbytes)
+            params[name] = out if stacked else out[0]
+    return m, params
+
+
+def aligned(shape, dtype, align=64):
+    """An empty array starting on a 64-byte boundary: JAX's CPU client then takes it without a copy."""
+    n = math.prod(shape) * np.dtype(dtype).itemsize
+    raw = np.empty(n + align, np.uint8)
+    start = -raw.ctypes.data % align
+    return raw[start:start + n].view(dtype).reshape(shape)
 
 
 def save_hf(d, m, params, dtype=np.float32):

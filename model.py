@@ -729,10 +729,14 @@ class Attention(nn.Module):
         v = v.view(B, T, m.n_kv_heads, m.head_dim).transpose(1, 2)                        # (B, K, T, H)
         return q, k, v
 
-    def forward(self, x, cos, sin, mask):
-        """mask from attention_masks_torch: None (full causal), a bool tensor, or a flex BlockMask."""
+    def forward(self, x, cos, sin, mask, cache=None, pos=0):
+        """mask from attention_masks_torch: None (full causal), a bool tensor, or a flex BlockMask.
+        cache (generation): this layer's keys and values (B, K, S, H), filled at pos..pos+T-1 here."""
         m, (B, T, _) = self.m, x.shape
         q, k, v = self.project(x, cos, sin)
+        if cache is not None:  # the keys before pos come from earlier calls
+            cache["k"][:, :, pos:pos + T], cache["v"][:, :, pos:pos + T] = k, v
+            k, v = cache["k"][:, :, :pos + T], cache["v"][:, :, :pos + T]  # (B, K, pos + T, H)
         scale = m.head_dim ** -0.5
         if isinstance(mask, torch.Tensor) or mask is None:  # is_causal lets SDPA pick a flash kernel on GPUs
             y = F_.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
@@ -742,26 +746,28 @@ class Attention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(B, T, m.n_heads * m.head_dim))  # (B, T, D)
 
 
-def attention_masks_torch(m, windows, T, segments, device):
+def attention_masks_torch(m, windows, T, segments, device, pos=0):
     """{window: mask} for the distinct windows of the layers: None where SDPA's causal path serves
     (a full layer, no documents), else what model.attention asks for: a bool (B|1, 1, T, T) tensor
     for SDPA or a flex_attention BlockMask, which lets the kernel skip the blocks the mask hides
-    (auto: flex on GPUs)."""
+    (auto: flex on GPUs). pos > 0 (a KV cache): T queries from pos on see keys 0..pos+T-1, a bool
+    (1, 1, T, pos + T) mask (SDPA's is_causal would align the square top-left: wrong)."""
     if m.attention not in ("auto", "sdpa", "flex"):
         raise ValueError(f"model.attention={m.attention!r} is a JAX implementation: "
                          "torch takes auto, sdpa, flex")
     flex = m.attention == "flex" or (m.attention == "auto" and device.type == "cuda")
     out = {}
     for w in set(windows):
-        if w == 0 and segments is None:
+        if w == 0 and segments is None and not pos:
             out[w] = None
-        elif flex and segments is None:
+        elif flex and segments is None and not pos:
             out[w] = window_block_mask(T, w, device)
-        elif flex:
+        elif flex and not pos:
             out[w] = document_block_mask(segments, w, device)
         else:
-            i = torch.arange(T, device=device)[:, None]  # query positions; i.T the key positions
-            mask = visible_torch(i, i.T, w)[None, None]  # (1, 1, T, T)
+            i = torch.arange(pos, pos + T, device=device)[:, None]  # query positions
+            j = torch.arange(pos + T, device=device)[None, :]       # key positions
+            mask = visible_torch(i, j, w)[None, None]  # (1, 1, T, pos + T)
             if segments is not None:  # and the same document: (B, 1, T, T)
                 mask = mask & (segments[:, None, :, None] == segments[:, None, None, :])
             out[w] = mask
@@ -836,13 +842,13 @@ class Block(nn.Module):
             self.post_attention_layernorm = RMSNorm(m.d_model, m.norm_eps)
             self.post_feedforward_layernorm = RMSNorm(m.d_model, m.norm_eps)
 
-    def forward(self, x, cos, sin, mask, remat_mlp=False):
+    def forward(self, x, cos, sin, mask, remat_mlp=False, cache=None, pos=0):
         """The JAX `block`."""
         ffn = partial(checkpoint, self.mlp, use_reentrant=False) if remat_mlp else self.mlp
         if self.m.family == "olmo1":
-            x = x + self.self_attn(layer_norm_torch(x, self.m.norm_eps), cos, sin, mask)
+            x = x + self.self_attn(layer_norm_torch(x, self.m.norm_eps), cos, sin, mask, cache, pos)
             return x + ffn(layer_norm_torch(x, self.m.norm_eps))
-        x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, mask))
+        x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, mask, cache, pos))
         return x + self.post_feedforward_layernorm(ffn(x))
 
 
@@ -867,17 +873,27 @@ class OLMo(nn.Module):
         self.inv_freq.copy_(torch.from_numpy(inv_freq))
         self.rope_scale.copy_(torch.from_numpy(rope_scale))
 
-    def forward(self, tokens, dtype=torch.float32, remat="none", segments=None):
+    def forward(self, tokens, dtype=torch.float32, remat="none", segments=None, cache=None, pos=0):
         """tokens (B, T) long -> logits (B, T, V) in `dtype`; `remat` ("none", "block", "mlp") and segments (B, T)
-        document ids as in the JAX forward."""
+        document ids as in the JAX forward. With a cache (new_cache) tokens sit at positions pos..pos+T-1 and
+        attend to the keys that earlier calls left in it, as JAX's forward_step."""
+        T = tokens.shape[1]
         x = self.embed_tokens(tokens).to(dtype)  # (B, T, D)
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        masks = attention_masks_torch(self.m, self.windows, tokens.shape[1], segments, tokens.device)
-        for layer, w, f, s in zip(self.layers, self.windows, self.inv_freq, self.rope_scale):
+        positions = torch.arange(pos, pos + T, device=tokens.device)
+        masks = attention_masks_torch(self.m, self.windows, T, segments, tokens.device, pos)
+        layers = zip(self.layers, self.windows, self.inv_freq, self.rope_scale, cache or [None] * len(self.layers))
+        for layer, w, f, s, c in layers:
             cos, sin = rope_cos_sin_torch(positions, f, s)
             run = partial(checkpoint, layer, use_reentrant=False) if remat == "block" else layer
-            x = run(x, cos, sin, masks[w], remat == "mlp")  # remat_mlp
+            x = run(x, cos, sin, masks[w], remat == "mlp", c, pos)  # remat_mlp, the layer's cache
         return self.unembed(x, dtype)
+
+    def new_cache(self, B, S, dtype):
+        """Empty keys and values for B sequences of up to S positions: per layer (B, K, S, H). Unlike JAX's
+        ring (new_cache), sliding layers keep all S: the window is applied by the mask."""
+        m, device = self.m, self.embed_tokens.weight.device
+        shape = (B, m.n_kv_heads, S, m.head_dim)
+        return [{n: torch.zeros(shape, dtype=dtype, device=device) for n in "kv"} for _ in self.layers]
 
     def unembed(self, x, dtype):
         """The final norm and the head: x (B, T, D) -> (B, T, V)."""
@@ -900,11 +916,21 @@ def cross_entropy_torch(logits, labels, z_loss=0.0):
 
 
 def torch_model(m, params=None):
-    """An OLMo module holding `params` (stacked, any array type), or init_params' draws (seed 0)."""
+    """An OLMo module over `params` (stacked, any array type and dtype), or init_params' draws (seed 0).
+    Built on the meta device and given the arrays' own memory where numpy can lend it: no second copy."""
     params = init_params(m, jax.random.PRNGKey(0)) if params is None else params
-    model = OLMo(m)
-    model.load_state_dict({k: torch.from_numpy(np.array(v, np.float32)) for k, v in unstack_layers(params).items()})
-    return model
+    with torch.device("meta"):
+        net = OLMo(m)
+    net.load_state_dict({k: as_torch(v) for k, v in unstack_layers(params).items()}, assign=True)
+    net.inv_freq, net.rope_scale = torch.empty_like(net.inv_freq, device="cpu"), torch.empty(m.n_layers)
+    net.reset_buffers()
+    return net
+
+
+def as_torch(a):
+    """A numpy array as a torch tensor sharing its memory (bf16 through int16); read-only ones copied."""
+    a = a if a.flags.writeable else a.copy()
+    return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) if a.dtype == jnp.bfloat16 else torch.from_numpy(a)
 
 
 # --- command line -------------------------------------------------------------------------------

@@ -261,7 +261,7 @@ def generate():
     speed, texts = {}, {}
     for backend in ("jax", "torch"):
         for dtype in ("float32", "bfloat16"):
-            for cache in (True, False) if backend == "jax" else (False,):  # torch has no cached path
+            for cache in (True, False):
                 p = subprocess.run(base + ["--backend", backend, "--dtype", dtype] + ([] if cache else ["--no-cache"]),
                                    cwd=ROOT, capture_output=True, text=True, check=True)
                 found = re.search(r"at ([\d,.]+) tokens/s", p.stderr).group(1)
@@ -272,13 +272,18 @@ def generate():
     lines = [f'`python eval.py generate {ckpt} --prompt "{prompt}" --max-new 100 --backend B --dtype D [--no-cache]` '
              "(greedy; the median step's tokens/s, after compiling):", "",
              "| | " + " | ".join(name(b, d) for b, d in cols) + " |", "|---" * (len(cols) + 1) + "|",
-             "| KV cache | " + " | ".join(speed.get((b, d, True), "n/a") for b, d in cols) + " |",
+             "| KV cache | " + " | ".join(speed[b, d, True] for b, d in cols) + " |",
              "| no cache (the whole sequence each token) | "
              + " | ".join(speed[b, d, False] for b, d in cols) + " |", ""]
     ref = texts["jax", "float32", True]
     same = [f"{name(b, d)}{'' if c else ' no cache'}" for (b, d, c), t in texts.items() if t == ref]
     lines.append(f"The same 100 greedy tokens as JAX fp32 with the cache: {', '.join(same)}.")
     return "\n".join(lines) + "\n"
+
+
+def generate_bench(shape):
+    """nanolmo JAX, torch and transformers on a released shape in bf16 (eval.py generate --bench; minutes)."""
+    return shown(f"python eval.py generate --bench {shape}")
 
 
 PLAN_CELLS = {  # cell: what `train.py plan` prints it as (a regex per number, joined by the format)
@@ -517,7 +522,9 @@ def curves_own_lr():
 TABLES = {"configs": configs, "paramtable": paramtable, "corpus": corpus, "demo": demo, "parity": parity,
           "check": check, "bench": bench, "bench100m": bench100m, "bench_tcmalloc": lambda: tcmalloc("tiny"),
           "bench100m_tcmalloc": lambda: tcmalloc("bench-100m"), "attention": attention, "databench": databench,
-          "eval_tasks": eval_tasks, "eval_bpb": eval_bpb, "generate": generate, "plan": plan, "plan_tpu": plan_tpu,
+          "eval_tasks": eval_tasks, "eval_bpb": eval_bpb, "generate": generate,
+          "generate_1b": lambda: generate_bench("olmo2-1b"), "generate_7b": lambda: generate_bench("olmo3-7b"),
+          "plan": plan, "plan_tpu": plan_tpu,
           "plan_stage3": plan_stage3, "devices": devices, "gpu": gpu, "xla_cost": xla_cost,
           "lowering": lowering, "longctx": longctx, "posttrain": posttrain, "curves": curves,
           "curves_own_lr": curves_own_lr}

@@ -1,0 +1,76 @@
+"""Released checkpoints at their size: a bf16 checkpoint is read once, stays bf16, and both backends use those
+arrays in place; greedy tokens equal transformers' in fp32 and bf16; a damaged file is one clean line."""
+import subprocess
+import sys
+import tracemalloc
+from pathlib import Path
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+import convert
+import eval as evaluate
+import model
+from common import random_params, variant
+
+tf = pytest.importorskip("transformers")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bf16_checkpoint(d, name="olmo2", **changes):
+    m = variant(name, **changes)
+    convert.save_hf(d, m, random_params(m, std=0.15), dtype=ml_dtypes.bfloat16)
+    return m
+
+
+def test_bf16_checkpoint_is_held_once_in_bf16(tmp_path):
+    m = bf16_checkpoint(tmp_path, d_model=256, mlp_hidden=1024, vocab_size=4096, n_heads=4)
+    stored = (tmp_path / "model.safetensors").stat().st_size
+    tracemalloc.start()
+    m, params = convert.load_hf(tmp_path)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    held = sum(a.nbytes for a in params.values())
+    assert {a.dtype for a in params.values()} == {np.dtype(ml_dtypes.bfloat16)}
+    assert held <= stored and peak < 1.05 * stored, (peak, held, stored)  # no float32 copy, no second copy
+    on_device = jax.device_put(params)  # a CPU device takes the host arrays as they are
+    for k, a in params.items():
+        assert on_device[k].dtype == a.dtype and on_device[k].unsafe_buffer_pointer() == a.ctypes.data, k
+    net = model.torch_model(m, params)
+    w = net.layers[1].mlp.up_proj.weight
+    assert w.dtype == torch.bfloat16 and w.data_ptr() == params["layers.mlp.up_proj.weight"][1].ctypes.data
+    assert convert.load_hf(tmp_path, "float32")[1]["lm_head.weight"].dtype == np.float32  # --dtype float32
+
+
+@pytest.mark.parametrize("name, dtype", [("olmo3", "float32"), ("olmo2", "bfloat16"), ("olmo3", "bfloat16")])
+def test_greedy_tokens_equal_transformers(tmp_path, name, dtype):
+    """transformers writes the checkpoint (in `dtype`) and generates; both our backends, with their KV caches,
+    choose the same 24 tokens from its weights in that dtype. bf16 JAX sums in another order than torch, so
+    it need only agree up to a near tie (transformers' top two within 0.03, bf16's step at these logits)."""
+    from test_hf import hf_model
+    net = hf_model(name).to(getattr(torch, dtype))
+    net.save_pretrained(tmp_path)
+    prompt = [5, 17, 3, 99, 42]
+    with torch.no_grad():
+        out = net.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
+                           pad_token_id=1, output_scores=True, return_dict_in_generate=True)
+    want = out.sequences[0, len(prompt):].tolist()
+    tie = next((i for i, s in enumerate(out.scores) if -torch.topk(s[0].float(), 2).values.diff() < 0.03), 24)
+    m, params = convert.load_hf(tmp_path)
+    assert params["embed_tokens.weight"].dtype.name == dtype
+    assert evaluate.generate(params, m, prompt, 24, "torch", dtype)[0] == want
+    upto = 24 if dtype == "float32" else tie
+    assert evaluate.generate(params, m, prompt, 24, "jax", dtype)[0][:upto] == want[:upto]
+
+
+def test_a_damaged_checkpoint_is_one_line(tmp_path):
+    bf16_checkpoint(tmp_path)
+    st = tmp_path / "model.safetensors"
+    st.write_bytes(st.read_bytes()[:-64])
+    r = subprocess.run([sys.executable, "eval.py", "generate", str(tmp_path), "--prompt", "hi", "--tokenizer",
+                        "dolma2"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    assert f"{st}: tensor" in r.stderr and "the file is truncated or corrupt" in r.stderr
