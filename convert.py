@@ -63,9 +63,10 @@ def read_safetensors(path, writable=False):
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ValueError(f"{path}: the safetensors header is not valid JSON ({e})") from None
     metadata, data_size = header.pop("__metadata__", None) or {}, size - 8 - n
-    # A plain ndarray over the map (its .base): read lazily, and the pages can be handed back (release).
+    # A plain ndarray over the map (its .base): read lazily; release() hands its pages back.
+    access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
     with open(path, "r+b" if writable else "rb") as f:
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ)
+        mapped = mmap.mmap(f.fileno(), 0, access=access)
     data = np.frombuffer(mapped, np.uint8, data_size, 8 + n) if data_size else np.zeros(0, np.uint8)
     out = {}
     for name, info in header.items():
@@ -87,7 +88,7 @@ def release(view):
     mapped = view.base
     while isinstance(mapped, (np.ndarray, memoryview)):  # view -> the whole map's array -> the map
         mapped = mapped.obj if isinstance(mapped, memoryview) else mapped.base
-    if not isinstance(mapped, mmap.mmap) or not hasattr(mapped, "madvise"):  # (madvise: not on macOS)
+    if not isinstance(mapped, mmap.mmap) or not hasattr(mapped, "madvise"):  # (none on macOS)
         return
     start = view.ctypes.data - np.frombuffer(mapped, np.uint8, 1).ctypes.data
     first = start - start % mmap.PAGESIZE
@@ -285,16 +286,19 @@ def open_hf(d):
 
 
 def load_hf(d, dtype=None):
-    """An HF OLMo directory -> (ModelConfig, params: name -> numpy stacked on L), in each tensor's stored dtype
-    (or `dtype`). Each tensor is copied once, from the file's map into its place in the stacked array, and its
-    pages handed back: the model is in memory once (and JAX on a CPU uses these arrays in place: aligned)."""
+    """An HF OLMo directory -> (ModelConfig, params: name -> numpy stacked on L), in each tensor's
+    stored dtype (or `dtype`). Each tensor is copied once, from the file's map into its place in the
+    stacked array, and its pages handed back: the model is in memory once (JAX on a CPU and
+    torch_model use these arrays in place)."""
     m, state = open_hf(d)
     total = sum(v.nbytes for v in state.values())
     params = {}
-    with tqdm(total=total, unit="B", unit_scale=True, desc=f"load {d}", disable=total < 2**30) as bar:
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"load {d}", disable=total < 2**30)
+    with bar:
         for name in param_table(m):
             stacked = name.startswith("layers.")
-            parts = [state[model.layer_name(name, i)] for i in range(m.n_layers)] if stacked else [state[name]]
+            layers = [model.layer_name(name, i) for i in range(m.n_layers)]
+            parts = [state[n] for n in layers] if stacked else [state[name]]
             out = aligned((len(parts), *parts[0].shape), dtype or parts[0].dtype)
             for part, src in zip(out, parts):
                 part[...] = src  # (a cast where dtype asks)
@@ -305,7 +309,7 @@ def load_hf(d, dtype=None):
 
 
 def aligned(shape, dtype, align=64):
-    """An empty array starting on a 64-byte boundary: JAX's CPU client then takes it without a copy."""
+    """An empty array on a 64-byte boundary, which JAX's CPU client takes without a copy."""
     n = math.prod(shape) * np.dtype(dtype).itemsize
     raw = np.empty(n + align, np.uint8)
     start = -raw.ctypes.data % align

@@ -6,7 +6,7 @@
     python eval.py logits DIR --tokens IN.npy --out OUT.npy [--backend jax|torch] [--dtype float32|bfloat16]
     python eval.py generate CKPT --prompt TEXT [--max-new 64] [--temperature 0.8 --top-k 50 --top-p 0.95]
                                  [--backend jax|torch] [--dtype bfloat16] [--no-cache]
-    python eval.py generate --bench olmo2-1b|olmo3-7b     # nanolmo JAX, torch and transformers side by side
+    python eval.py generate --bench olmo2-1b|olmo3-7b   # nanolmo and transformers, side by side
     python eval.py positions CKPT... --data data/tiny --seq-len 1024      # held-out loss by position, side by side
     python eval.py chat CKPT [--prompt TEXT] [--template tulu|olmo]       # talk to it (docs/posttrain.md)
     python eval.py exact CKPT... --prompts data/arith/heldout.jsonl --template tulu   # exact-match accuracy
@@ -97,6 +97,12 @@ def unigram_bpb(instances, heldout, token_bytes, V):
 
 
 # --- checkpoints and tokenizers -------------------------------------------------------------------
+
+def load_checkpoint(ckpt, dtype=None):
+    """(ModelConfig, params, dtype): the weights in `dtype`, by default the checkpoint's own."""
+    m, params = convert.load_hf(ckpt, dtype)
+    return m, params, dtype or params["embed_tokens.weight"].dtype.name
+
 
 def checkpoint_tokenizer(ckpt, m, spec=None):
     """CKPT's tokenizer (see the module docstring). It must fit the model's ids and share its EOS, the empty context."""
@@ -554,9 +560,10 @@ def pick(logits, temperature=0.0, top_k=0, top_p=1.0, rng=None):
 
 def generate(params, m, prompt_ids, n_new, backend="jax", dtype="float32", temperature=0.0, top_k=0, top_p=1.0,
              eos=None, seed=0, cache=True, tokenizer_size=None):
-    """Up to n_new tokens after prompt_ids (stopping after `eos`), and timings. With the KV cache the prompt runs
-    once (prefill), then each token is one position through every layer; without it every token
-    re-reads the whole sequence, the reference the cache is tested against. Ids >= tokenizer_size are never picked."""
+    """Up to n_new tokens after prompt_ids (stopping after `eos`), and timings. With the KV cache
+    the prompt runs once (prefill), then each token is one position through every layer; without it
+    every token re-reads the whole sequence, the reference the cache is tested against. Ids >=
+    tokenizer_size are never picked."""
     prompt = [int(t) for t in prompt_ids] or [m.eos_token_id]  # an empty prompt starts from EOS
     if len(prompt) >= m.max_seq_len:
         raise ValueError(f"the prompt has {len(prompt)} tokens; max_seq_len={m.max_seq_len} leaves no room to generate")
@@ -582,7 +589,7 @@ def generate(params, m, prompt_ids, n_new, backend="jax", dtype="float32", tempe
 
 def _steps(params, m, S, backend, dtype, cache):
     """run(ids, n): the logits (V,) that follow ids, given that ids[:n] were seen by earlier calls."""
-    # Without the cache the whole sequence, read at its last position; in JAX a fixed (1, S) buffer, one compile.
+    # No cache: the whole sequence, read at its last position (JAX: a (1, S) buffer, one compile)
     if not cache:
         load, last = _backend(m, backend, dtype, lambda xp, x, t, n: x[0, n - 1])
         net, pad = load(params), S if backend == "jax" else 0
@@ -639,14 +646,15 @@ def sample(params, m, prompts, max_new, temperature, seed, vocab, eos):
     return [row[:row.index(eos) + 1] if eos in row else row for row in np.asarray(out).tolist()]
 
 
-# --- generation benchmark: a released shape, nanolmo and transformers side by side ------------------
-# Random weights (no download) in a release's shape and dtype, written by transformers once; each runner in a
-# process of its own, so that its peak memory (the OS's max RSS, wait4) is its own.
+# --- generation benchmark: a released shape, nanolmo and transformers side by side -------------
+# Random weights (no download) in a release's shape and dtype, written by transformers once. Each
+# runner is a process of its own, so that its peak memory (the OS's max RSS, from wait4) is its own.
 BENCH_SHAPES = {"olmo2-1b": "configs/olmo2-1b.toml", "olmo3-7b": "configs/olmo3-7b.toml"}
+RUNNERS = {"hf": "transformers", "jax": "nanolmo JAX", "torch": "nanolmo torch"}
 
 
 def bench_checkpoint(shape, root="data/bench"):
-    """data/bench/SHAPE: a bf16 checkpoint of random weights in the shape of a release, made once by transformers."""
+    """data/bench/SHAPE: random weights in a release's shape, bf16, made once by transformers."""
     import configs
     d = Path(root) / shape
     if (d / "config.json").is_file():
@@ -654,9 +662,8 @@ def bench_checkpoint(shape, root="data/bench"):
     import torch
     import transformers
     m = configs.load_config([str(Path(__file__).parent / BENCH_SHAPES[shape])]).model
-    hf = convert.config_to_hf(m)
-    cfg = transformers.AutoConfig.for_model(**{**hf, "dtype": "bfloat16"})
-    print(f"writing {d}: random {shape} weights in bf16 (transformers {transformers.__version__}), once")
+    cfg = transformers.AutoConfig.for_model(**{**convert.config_to_hf(m), "dtype": "bfloat16"})
+    print(f"writing {d}: random {shape} weights in bf16 (transformers {transformers.__version__})")
     torch.manual_seed(0)
     net = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     net.save_pretrained(d.with_name(shape + ".tmp"))
@@ -666,34 +673,35 @@ def bench_checkpoint(shape, root="data/bench"):
 
 
 def timed_generate(ckpt, runner, prompt, n_new):
-    """One runner ("jax", "torch": ours; "hf": transformers' generate) on ckpt in its dtype: its timings as JSON."""
+    """One runner of RUNNERS on ckpt, in its dtype, greedy: {ids, load_s, prefill_s, step_s}."""
     t0 = time.perf_counter()
     if runner != "hf":
-        m, params = convert.load_hf(ckpt)
-        load_s, dtype = time.perf_counter() - t0, params["embed_tokens.weight"].dtype.name
+        m, params, dtype = load_checkpoint(ckpt)
+        load_s = time.perf_counter() - t0
         ids, t = generate(params, m, prompt, n_new, runner, dtype)
         return dict(ids=ids, load_s=load_s, prefill_s=t["prefill_s"], step_s=t["step_s"])
     import torch
     import transformers
-    net = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype="auto", local_files_only=True).eval()
+    auto = transformers.AutoModelForCausalLM
+    net = auto.from_pretrained(ckpt, dtype="auto", local_files_only=True)
     load_s, times = time.perf_counter() - t0, []
 
-    class Clock(transformers.generation.BaseStreamer):  # a time for the prompt, then one per new token
+    class Clock(transformers.generation.BaseStreamer):  # called with the prompt, then each token
         def put(self, value):
             times.append(time.perf_counter())
 
         def end(self):
             pass
     start = time.perf_counter()
-    out = net.generate(torch.tensor([prompt]), max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
-                       streamer=Clock(), pad_token_id=net.config.pad_token_id)
-    steps = np.diff(times[1:])  # times[0]: the prompt handed over; times[1]: the first new token (the prefill)
+    out = net.eval().generate(torch.tensor([prompt]), max_new_tokens=n_new, min_new_tokens=n_new,
+                              do_sample=False, streamer=Clock(),
+                              pad_token_id=net.config.pad_token_id)
     return dict(ids=out[0, len(prompt):].tolist(), load_s=load_s, prefill_s=times[1] - start,
-                step_s=float(np.median(steps)))
+                step_s=float(np.median(np.diff(times[1:]))))  # times[1]: the first new token
 
 
 def read_bandwidth(gib=1):
-    """Memory read bandwidth (bytes/s): torch summing a buffer much larger than the caches, best of 5."""
+    """Memory read bandwidth (bytes/s): torch summing 1 GiB (far past the caches), best of 5."""
     import torch
     x, best = torch.ones(gib * 2**28), float("inf")
     for _ in range(5):
@@ -704,38 +712,41 @@ def read_bandwidth(gib=1):
 
 
 def generate_bench(shape, n_new=16, prompt_len=32):
-    """Peak RSS, load time, prefill and decode tokens/s of nanolmo JAX, nanolmo torch and transformers on SHAPE."""
+    """Peak RSS, load time, prefill and decode tokens/s of RUNNERS on SHAPE, side by side."""
     import os
     import subprocess
     d = bench_checkpoint(shape)
     m = convert.open_hf(d)[0]
-    prompt = [int(i) for i in np.random.default_rng(0).integers(1000, 50000, prompt_len)]
+    prompt = np.random.default_rng(0).integers(1000, 50000, prompt_len).tolist()
     rows = {}
-    for runner in ("hf", "jax", "torch"):
-        code = f"import eval, json; print(json.dumps(eval.timed_generate({str(d)!r}, {runner!r}, {prompt}, {n_new})))"
-        p = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).parent, stdout=subprocess.PIPE)
+    for runner in RUNNERS:
+        code = f"import eval, json; print(json.dumps(eval.timed_generate({str(d)!r}, {runner!r}, " \
+               f"{prompt}, {n_new})))"
+        p = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).parent,
+                             stdout=subprocess.PIPE)
         out = p.stdout.read()
-        _, status, usage = os.wait4(p.pid, 0)
+        _, status, usage = os.wait4(p.pid, 0)  # ru_maxrss: KiB on Linux
         rows[runner] = dict(json.loads(out.splitlines()[-1]) if status == 0 else {}, status=status,
-                            rss=usage.ru_maxrss * 1024)  # KiB on Linux
-    stored = sum(math.prod(s) for s in convert.expected_tensors(m).values()) * 2  # bf16
-    per_token = stored - m.vocab_size * m.d_model * 2 * (not m.tie_embeddings)  # one embedding row is read
-    bw = read_bandwidth()
+                            rss=usage.ru_maxrss * 1024)
     ref = rows["hf"]
     if ref["status"]:
-        raise RuntimeError(f"transformers' runner failed (wait status {ref['status']}): no reference")
-    print(f"{shape}: {stored / 2e9:.2f}B params, bf16 ({stored / 2**30:.2f} GiB); {prompt_len} prompt tokens, "
-          f"{n_new} new, greedy; read bandwidth {bw / 1e9:.1f} GB/s -> decode bound {bw / per_token:.2f} tokens/s")
-    print(f"{'':<22}{'peak RSS':>10}{'':>8}{'load':>8}{'prefill':>10}{'decode':>10}{'':>8}{'same ids':>10}")
-    names = dict(hf="transformers", jax="nanolmo JAX", torch="nanolmo torch")
+        raise RuntimeError(f"transformers' runner failed (wait status {ref['status']})")
+    stored = sum(math.prod(s) for s in convert.expected_tensors(m).values()) * 2  # bytes in bf16
+    per_token = stored - 2 * m.vocab_size * m.d_model * (not m.tie_embeddings)  # one embedding row
+    bw = read_bandwidth()
+    print(f"{shape}: {stored / 2e9:.2f}B params, bf16 ({stored / 2**30:.2f} GiB); "
+          f"{prompt_len} prompt tokens, {n_new} new, greedy; read bandwidth {bw / 1e9:.1f} GB/s "
+          f"-> decode bound {bw / per_token:.2f} tokens/s")
+    print(f"{'':<16}{'peak RSS':>15}{'load':>8}{'prefill':>10}{'decode':>17}{'same ids':>10}")
     for k, r in rows.items():
+        memory = f"{RUNNERS[k]:<16}{r['rss'] / 2**30:>7.2f} GiB{r['rss'] / ref['rss']:>5.2f}x"
         if r["status"]:
-            killed = os.WIFSIGNALED(r["status"]) and os.WTERMSIG(r["status"]) == 9  # the kernel's OOM killer
-            print(f"{names[k]:<22}{r['rss'] / 2**30:>7.2f} GiB{r['rss'] / ref['rss']:>7.2f}x  failed: wait "
-                  f"status {r['status']}{' (SIGKILL: out of memory?)' if killed else ''}")
+            killed = os.WIFSIGNALED(r["status"]) and os.WTERMSIG(r["status"]) == 9  # the OOM killer
+            why = " (SIGKILL: out of memory?)" * killed
+            print(f"{memory}  failed: wait status {r['status']}{why}")
             continue
-        print(f"{names[k]:<22}{r['rss'] / 2**30:>7.2f} GiB{r['rss'] / ref['rss']:>7.2f}x{r['load_s']:>7.1f}s"
-              f"{prompt_len / r['prefill_s']:>7.1f} t/s{1 / r['step_s']:>6.2f} t/s{ref['step_s'] / r['step_s']:>7.2f}x"
+        speed = f"{prompt_len / r['prefill_s']:>6.1f} t/s{1 / r['step_s']:>6.2f} t/s"
+        print(f"{memory}{r['load_s']:>7.1f}s{speed}{ref['step_s'] / r['step_s']:>6.2f}x"
               f"{'yes' if r['ids'] == ref['ids'] else 'no':>10}")
     return rows
 
@@ -805,8 +816,8 @@ def exact_match(params, m, prompts, tok, max_new=8):
     return right / prompts.n
 
 
-def chat(params, m, tok, template, prompt=None, max_new=256, temperature=0.0, seed=0, backend="jax",
-         dtype="float32"):
+def chat(params, m, tok, template, prompt=None, max_new=256, temperature=0.0, seed=0,
+         backend="jax", dtype="float32"):
     """Talk to a checkpoint: each turn renders the whole conversation in its template (data.render_chat), generates
     with the KV cache until the template's end (EOS), and keeps the answer for the next turn. prompt: one turn."""
     messages = []
@@ -817,7 +828,8 @@ def chat(params, m, tok, template, prompt=None, max_new=256, temperature=0.0, se
         messages.append(dict(role="user", content=text))
         ids = data.render_chat(tok, messages, template, generation_prompt=True)[0]
         new, _ = generate(params, m, ids, min(max_new, m.max_seq_len - len(ids)), backend, dtype,
-                          temperature=temperature, eos=tok.eos_id, seed=seed, tokenizer_size=tok.vocab_size)
+                          temperature=temperature, eos=tok.eos_id, seed=seed,
+                          tokenizer_size=tok.vocab_size)
         answer = tok.decode(new[:-1] if new and new[-1] == tok.eos_id else new)
         print(answer if prompt is not None else f"olmo> {answer}")
         messages.append(dict(role="assistant", content=answer))
@@ -880,7 +892,8 @@ def plot(run_dirs, out):
 
 def main(argv):
     if argv[:2] == ["generate", "--bench"]:  # no checkpoint: it makes its own
-        bp = argparse.ArgumentParser(prog="eval.py generate --bench", description=generate_bench.__doc__)
+        bp = argparse.ArgumentParser(prog="eval.py generate --bench",
+                                     description=generate_bench.__doc__)
         bp.add_argument("shape", choices=list(BENCH_SHAPES))
         bp.add_argument("--max-new", type=in_range(int, 2), default=16)
         args = bp.parse_args(argv[2:])
@@ -890,8 +903,8 @@ def main(argv):
     sub = ap.add_subparsers(dest="command", required=True)
     run = argparse.ArgumentParser(add_help=False)  # what every command takes
     run.add_argument("--backend", choices=["jax", "torch"],
-                     help="default jax; for generate and chat on a CPU torch, as XLA's CPU compiler has no bf16 "
-                     "matrix-vector product (docs/evaluation.md#released-checkpoints-at-their-size)")
+                     help="default jax; generate and chat on a CPU: torch (XLA's CPU compiler has "
+                     "no bf16 matrix-vector product: docs/evaluation.md)")
     run.add_argument("--dtype", choices=["float32", "bfloat16"],
                      help="weights and compute (default: the checkpoint's own; float32 for ours)")
     ck = argparse.ArgumentParser(add_help=False, parents=[run])  # and the commands that read a checkpoint
@@ -963,9 +976,9 @@ def main(argv):
         held = data.Instances([("heldout", data.dataset_files(args.data, "heldout"), None)], T)
         rows = []
         for c in args.ckpts:
-            m, params = convert.load_hf(c, args.dtype)
-            dtype = args.dtype or params["embed_tokens.weight"].dtype.name
-            rows.append(loss_by_position(params, m, held, edges, args.backend, dtype, limit=args.limit))
+            m, params, dtype = load_checkpoint(c, args.dtype)
+            rows.append(loss_by_position(params, m, held, edges, args.backend, dtype,
+                                         limit=args.limit))
         print(f"held-out loss (nats/token) by target position, {min(held.n, args.limit or held.n)} instances of {T} "
               f"from {args.data}/heldout")
         print(f"{'positions':<14}" + "".join(f"{Path(c).parent.name + '/' + Path(c).name:>26}" for c in args.ckpts))
@@ -981,8 +994,7 @@ def main(argv):
             m, params = convert.load_hf(c)
             print(f"  {c:<32} {exact_match(params, m, prompts, tok):.3f}")
         return
-    m, params = convert.load_hf(args.ckpt, args.dtype)
-    args.dtype = args.dtype or params["embed_tokens.weight"].dtype.name  # the checkpoint's
+    m, params, args.dtype = load_checkpoint(args.ckpt, args.dtype)
     if args.command == "logits":
         load, forward = _backend(m, args.backend, args.dtype, lambda xp, x, t: x)
         out = forward(load(params), model.check_tokens(convert.load_tokens(args.tokens), m, args.tokens))
@@ -991,8 +1003,8 @@ def main(argv):
         return
     tok = checkpoint_tokenizer(args.ckpt, m, args.tokenizer)
     if args.command == "chat":
-        return chat(params, m, tok, args.template, args.prompt, args.max_new, args.temperature, 0, args.backend,
-                    args.dtype)
+        return chat(params, m, tok, args.template, args.prompt, args.max_new, args.temperature,
+                    backend=args.backend, dtype=args.dtype)
     if args.command == "generate":
         new, t = generate(params, m, encode(tok, args.prompt), args.max_new, args.backend, args.dtype,
                           args.temperature, args.top_k, args.top_p, m.eos_token_id, args.seed, not args.no_cache,

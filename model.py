@@ -731,7 +731,7 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, mask, cache=None, pos=0):
         """mask from attention_masks_torch: None (full causal), a bool tensor, or a flex BlockMask.
-        cache (generation): this layer's keys and values (B, K, S, H), filled at pos..pos+T-1 here."""
+        cache (generation): this layer's keys and values (B, K, S, H), filled at pos..pos+T-1."""
         m, (B, T, _) = self.m, x.shape
         q, k, v = self.project(x, cos, sin)
         if cache is not None:  # the keys before pos come from earlier calls
@@ -758,12 +758,11 @@ def attention_masks_torch(m, windows, T, segments, device, pos=0):
     flex = m.attention == "flex" or (m.attention == "auto" and device.type == "cuda")
     out = {}
     for w in set(windows):
-        if w == 0 and segments is None and not pos:
+        if not pos and w == 0 and segments is None:
             out[w] = None
-        elif flex and segments is None and not pos:
-            out[w] = window_block_mask(T, w, device)
-        elif flex and not pos:
-            out[w] = document_block_mask(segments, w, device)
+        elif not pos and flex:
+            out[w] = (window_block_mask(T, w, device) if segments is None
+                      else document_block_mask(segments, w, device))
         else:
             i = torch.arange(pos, pos + T, device=device)[:, None]  # query positions
             j = torch.arange(pos + T, device=device)[None, :]       # key positions
@@ -863,9 +862,10 @@ class OLMo(nn.Module):
         if not m.tie_embeddings:
             self.lm_head = Linear(m.d_model, m.vocab_size)
         self.windows = [int(w) for w in layer_arrays(m)[0]]
-        self.register_buffer("inv_freq", torch.empty(m.n_layers, m.head_dim // 2), persistent=False)  # (L, H/2)
-        self.register_buffer("rope_scale", torch.empty(m.n_layers), persistent=False)                 # (L,)
-        self.reset_buffers()
+        # RoPE buffers from numpy: real CPU tensors even where the module is built on meta
+        _, inv_freq, rope_scale = layer_arrays(m)
+        self.register_buffer("inv_freq", torch.from_numpy(inv_freq), persistent=False)  # (L, H/2)
+        self.register_buffer("rope_scale", torch.from_numpy(rope_scale), persistent=False)  # (L,)
 
     def reset_buffers(self):
         """Refill the RoPE buffers, after a model built on the meta device is given real storage (to_empty)."""
@@ -874,26 +874,28 @@ class OLMo(nn.Module):
         self.rope_scale.copy_(torch.from_numpy(rope_scale))
 
     def forward(self, tokens, dtype=torch.float32, remat="none", segments=None, cache=None, pos=0):
-        """tokens (B, T) long -> logits (B, T, V) in `dtype`; `remat` ("none", "block", "mlp") and segments (B, T)
-        document ids as in the JAX forward. With a cache (new_cache) tokens sit at positions pos..pos+T-1 and
-        attend to the keys that earlier calls left in it, as JAX's forward_step."""
+        """tokens (B, T) long -> logits (B, T, V) in `dtype`; `remat` ("none", "block", "mlp") and
+        segments (B, T) document ids as in the JAX forward. With a cache (new_cache) the tokens sit
+        at positions pos..pos+T-1 and attend to the keys earlier calls left in it (forward_step)."""
         T = tokens.shape[1]
         x = self.embed_tokens(tokens).to(dtype)  # (B, T, D)
         positions = torch.arange(pos, pos + T, device=tokens.device)
         masks = attention_masks_torch(self.m, self.windows, T, segments, tokens.device, pos)
-        layers = zip(self.layers, self.windows, self.inv_freq, self.rope_scale, cache or [None] * len(self.layers))
-        for layer, w, f, s, c in layers:
+        caches = cache or [None] * len(self.layers)
+        rope = zip(self.inv_freq, self.rope_scale)
+        for layer, w, (f, s), c in zip(self.layers, self.windows, rope, caches):
             cos, sin = rope_cos_sin_torch(positions, f, s)
             run = partial(checkpoint, layer, use_reentrant=False) if remat == "block" else layer
             x = run(x, cos, sin, masks[w], remat == "mlp", c, pos)  # remat_mlp, the layer's cache
         return self.unembed(x, dtype)
 
     def new_cache(self, B, S, dtype):
-        """Empty keys and values for B sequences of up to S positions: per layer (B, K, S, H). Unlike JAX's
-        ring (new_cache), sliding layers keep all S: the window is applied by the mask."""
+        """Empty keys and values for B sequences of up to S positions: per layer (B, K, S, H).
+        Unlike JAX's ring (new_cache), sliding layers keep all S: the mask applies the window."""
         m, device = self.m, self.embed_tokens.weight.device
         shape = (B, m.n_kv_heads, S, m.head_dim)
-        return [{n: torch.zeros(shape, dtype=dtype, device=device) for n in "kv"} for _ in self.layers]
+        new = lambda: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
+        return [{"k": new(), "v": new()} for _ in self.layers]
 
     def unembed(self, x, dtype):
         """The final norm and the head: x (B, T, D) -> (B, T, V)."""
@@ -916,21 +918,21 @@ def cross_entropy_torch(logits, labels, z_loss=0.0):
 
 
 def torch_model(m, params=None):
-    """An OLMo module over `params` (stacked, any array type and dtype), or init_params' draws (seed 0).
-    Built on the meta device and given the arrays' own memory where numpy can lend it: no second copy."""
+    """An OLMo module over `params` (stacked, any array type and dtype), or init_params' draws
+    (seed 0). Built on the meta device, then given the arrays' own memory: no second copy."""
     params = init_params(m, jax.random.PRNGKey(0)) if params is None else params
     with torch.device("meta"):
         net = OLMo(m)
     net.load_state_dict({k: as_torch(v) for k, v in unstack_layers(params).items()}, assign=True)
-    net.inv_freq, net.rope_scale = torch.empty_like(net.inv_freq, device="cpu"), torch.empty(m.n_layers)
-    net.reset_buffers()
     return net
 
 
 def as_torch(a):
-    """A numpy array as a torch tensor sharing its memory (bf16 through int16); read-only ones copied."""
+    """A numpy array as a torch tensor sharing its memory (bf16 via int16); read-only: a copy."""
     a = a if a.flags.writeable else a.copy()
-    return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) if a.dtype == jnp.bfloat16 else torch.from_numpy(a)
+    if a.dtype == jnp.bfloat16:  # numpy has no bf16 of its own: torch.from_numpy refuses ml_dtypes'
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
 
 
 # --- command line -------------------------------------------------------------------------------
