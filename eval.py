@@ -737,7 +737,7 @@ def generate_bench(shape, n_new=16, prompt_len=32):
     print(f"{shape}: {stored / 2e9:.2f}B params, bf16 ({stored / 2**30:.2f} GiB); "
           f"{prompt_len} prompt tokens, {n_new} new, greedy; read bandwidth {bw / 1e9:.1f} GB/s "
           f"-> decode bound {bw / per_token:.2f} tokens/s")
-    print(f"{'':<16}{'peak RSS':>15}{'load':>8}{'prefill':>10}{'decode':>17}{'same ids':>10}")
+    print(f"{'':<16}{'peak RSS':>17}{'load':>8}{'prefill':>10}{'decode':>17}{'same ids':>10}")
     for k, r in rows.items():
         memory = f"{RUNNERS[k]:<16}{r['rss'] / 2**30:>7.2f} GiB{r['rss'] / ref['rss']:>5.2f}x"
         if r["status"]:
