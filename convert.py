@@ -95,6 +95,16 @@ def release(view):
     mapped.madvise(mmap.MADV_DONTNEED, first, start + view.nbytes - first)
 
 
+def copy_out(dst, src, block=64 << 20):
+    """dst[...] = src (a cast where the dtypes differ) from a map,
+    about `block` bytes of rows at a time, each handed back once copied:
+    the largest tensor (OLMo 2 1B's embedding: 411 MB) never counts twice."""
+    rows = max(1, block // max(src[:1].nbytes, 1))
+    for i in range(0, len(src), rows):
+        dst[i:i + rows] = src[i:i + rows]
+        release(src[i:i + rows])
+
+
 def allocate_safetensors(path, entries, metadata=None):
     """The header for {name: (shape, dtype)} and a sparse file of full size, for writers (processes) to fill."""
     header, offset = {}, 0
@@ -301,8 +311,7 @@ def load_hf(d, dtype=None):
             parts = [state[n] for n in layers] if stacked else [state[name]]
             out = aligned((len(parts), *parts[0].shape), dtype or parts[0].dtype)
             for part, src in zip(out, parts):
-                part[...] = src  # (a cast where dtype asks)
-                release(src)
+                copy_out(part, src)
                 bar.update(src.nbytes)
             params[name] = out if stacked else out[0]
     return m, params

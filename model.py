@@ -163,9 +163,44 @@ def matmul_precision(dtype):
 def linear(x, w):
     """x @ w.T with w (out, in) fp32, cast to the compute dtype at use. The products are summed in fp32 and the
     result cast back, as TPU and GPU matmul units do anyway (and on CPUs it is the fast bf16 path: AMX)."""
+    if w.dtype == jnp.uint16:  # a bf16 matrix held as its bits, for decode on a CPU
+        return bits_linear(x, w)
     with matmul_precision(x.dtype):
         y = jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
     return y.astype(x.dtype)
+
+
+# A bf16 matrix held as its bits (uint16) is the CPU decode path's weight (eval.cpu_bits).
+# XLA's CPU backend computes bf16 in fp32, and a bf16 weight is converted whole before its first
+# use: a fp32 copy of every matrix, made again for each token.
+# Widened a few hundred rows at a time inside a loop instead, each weight is read once per token,
+# at memory speed, and never held in fp32.
+
+def widen(bits):
+    """bf16 bits (uint16) -> the same numbers in fp32: a bf16 is the top half of an fp32."""
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint32) << 16, jnp.float32)
+
+
+def bits_linear(x, w, rows=512):
+    """linear for w (out, in) held as bf16 bits:
+    the same products (bf16 x bf16 is exact in fp32), fp32 sums."""
+    rows = math.gcd(w.shape[0], rows)  # a block size that divides `out`
+    x32 = x.astype(jnp.float32)
+
+    def block(i, y):  # rows i*rows.. of w, widened, then the matmul with them
+        wi = widen(jax.lax.dynamic_slice_in_dim(w, i * rows, rows, 0))  # (rows, in)
+        yi = jnp.einsum("...i,oi->...o", x32, wi, precision="highest")  # (..., rows)
+        return jax.lax.dynamic_update_slice_in_dim(y, yi, i * rows, y.ndim - 1)
+    y0 = jnp.zeros((*x.shape[:-1], w.shape[0]), jnp.float32)
+    y = jax.lax.fori_loop(0, w.shape[0] // rows, block, y0)
+    return y.astype(x.dtype)
+
+
+def embed(w, tokens, dtype):
+    """The embedding rows of tokens (B, T) -> (B, T, D) in dtype
+    (from bf16 bits, only the rows read)."""
+    x = w[tokens]
+    return (widen(x) if x.dtype == jnp.uint16 else x).astype(dtype)
 
 
 # exercise: rmsnorm
@@ -468,10 +503,13 @@ def unembed(params, x, m):
     return linear(x, params["embed_tokens.weight" if m.tie_embeddings else "lm_head.weight"])
 
 
-def label_logps(logits, labels):
+def label_logps(logits, labels, temperature=1.0):
     """(log p(label), logsumexp of the logits) at each position (B, T), fp32; log p is 0 where labels ==
-    IGNORE_INDEX. What every loss is written on (make_loss): the losses sum log p, z-loss squares the logsumexp."""
-    logits = logits.astype(jnp.float32)
+    IGNORE_INDEX. What every loss is written on (make_loss):
+    the losses sum log p, z-loss squares the logsumexp.
+    GRPO divides by its sampling temperature,
+    so that p is the policy the rollouts came from (open-instruct, TRL)."""
+    logits = logits.astype(jnp.float32) / temperature
     lse, valid = jax.nn.logsumexp(logits, axis=-1), labels != IGNORE_INDEX
     target = jnp.take_along_axis(logits, jnp.where(valid, labels, 0)[..., None], axis=-1)[..., 0]
     return jnp.where(valid, target - lse, 0.0), lse
@@ -494,7 +532,7 @@ def cross_entropy(logits, labels, z_loss=0.0):
     return cross_entropy_of(*label_logps(logits, labels), labels, jnp.maximum((labels != IGNORE_INDEX).sum(), 1), z_loss)
 
 
-def token_logps(params, x, labels, m, chunks=1):
+def token_logps(params, x, labels, m, chunks=1, temperature=1.0):
     """(log p(label), logsumexp of the logits) per position (B, T), fp32, from the last layer's output x (B, T, D):
     the final norm, head and softmax in `chunks` passes over the positions, each recomputed in the backward pass, so
     the (B, T, V) logits never exist whole: at V = 100352 and T = 8192 they were most of a step's memory (`train.py
@@ -502,7 +540,7 @@ def token_logps(params, x, labels, m, chunks=1):
     t = j (mod n): a reshape (B, T/n, n) that keeps the positions' split over devices (context parallelism) on the
     T/n axis. log p is 0 where labels == IGNORE_INDEX."""
     def one(x, labels):
-        return label_logps(unembed(params, x, m), labels)
+        return label_logps(unembed(params, x, m), labels, temperature)
     (B, T, D), n = x.shape, min(chunks, x.shape[1])
     if n == 1:
         return one(x, labels)
@@ -546,8 +584,10 @@ def make_loss(cfg, xp):
     """train.loss as (logp, lse, labels, batch, total) -> (this micro-batch's share of the step's loss, metrics'
     shares), from each position's log p(label) and logsumexp (B, T) (token_logps; the torch backend takes them from
     its logits). total: what the whole global batch is averaged over, total_of(labels). One definition for both
-    backends (xp: jnp or torch), but GRPO's, JAX only as its sampler."""
+    backends (xp: jnp or torch;
+    GRPO's rollouts come from the JAX sampler, its step runs in either)."""
     tc, ignore = cfg.train, IGNORE_INDEX
+    stop_gradient = jax.lax.stop_gradient if xp is jnp else torch.Tensor.detach
 
     def ce(logp, lse, labels, batch, total):  # OLMo-core: over the target tokens of the global batch, not per micro
         loss, ce, _ = cross_entropy_of(logp, lse, labels, total, tc.z_loss, xp)
@@ -557,8 +597,8 @@ def make_loss(cfg, xp):
         losses, margins = dpo_of(logp.sum(-1), batch["ref"], (labels != ignore).sum(-1), tc, xp)  # (2P,) summed
         return losses.sum() / total, dict(margin=margins.sum() / total, accuracy=(margins > 0).sum() / total)
 
-    def grpo(lp, lse, labels, batch, total):  # total: completion tokens in the global batch (JAX only: it samples)
-        per = grpo_loss(lp, jax.lax.stop_gradient(lp), batch["advantage"][:, None])
+    def grpo(lp, lse, labels, batch, total):  # total: completion tokens in the global batch
+        per = grpo_loss(lp, stop_gradient(lp), batch["advantage"][:, None], xp=xp)
         return xp.where(labels != ignore, per, 0.0).sum() / total, dict(reward=batch["reward"].sum() / cfg.data.global_batch)
 
     def total_of(labels):
@@ -647,7 +687,7 @@ def cached_attention(p, x, cos, sin, cache, pos, window, m):
 def forward_step(params, tokens, pos, cache, m, dtype=jnp.float32):
     """tokens (B, T) at positions pos..pos+T-1 -> (logits (B, T, V), new cache). Over a whole sequence
     from pos = 0 it gives forward's logits."""
-    x = params["embed_tokens.weight"][tokens].astype(dtype)  # (B, T, D)
+    x = embed(params["embed_tokens.weight"], tokens, dtype)  # (B, T, D)
     window, inv_freq, rope_scale = layer_arrays(m)
     positions = pos + jnp.arange(tokens.shape[1])
     new = []
@@ -904,9 +944,9 @@ class OLMo(nn.Module):
         return F_.linear(x, head.to(dtype))
 
 
-def label_logps_torch(logits, labels):
+def label_logps_torch(logits, labels, temperature=1.0):
     """As label_logps: (log p(label), logsumexp)."""
-    logits = logits.float()
+    logits = logits.float() / temperature
     lse, target = torch.logsumexp(logits, dim=-1), logits.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     return torch.where(labels != IGNORE_INDEX, target - lse, 0.0), lse
 

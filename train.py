@@ -245,7 +245,14 @@ def token_stats(cfg, mesh, params, batch, remat="none"):
     x = model.forward(params, tokens, m, dtype, remat, shard.residual_constraint(mesh), docs,
                       attend_fn=attend_fn, head=False, scan_layers=cfg.train.scan_layers)
     labels = model.shift_labels(tokens, m.pad_token_id, batch.get("mask"))
-    return (*model.token_logps(params, x, labels, m, cfg.train.loss_chunks), labels)
+    return (*model.token_logps(params, x, labels, m, cfg.train.loss_chunks,
+                               temperature(cfg.train)), labels)
+
+
+def temperature(tc):
+    """What the logits are divided by in the loss:
+    GRPO's sampling temperature (its rollouts' policy), else 1."""
+    return tc.grpo_temperature if tc.loss == "grpo" else 1.0
 
 
 def make_train_step(cfg, mesh):
@@ -445,7 +452,7 @@ class TorchBackend:
             if self.processes > 1:
                 self.net.set_requires_gradient_sync(a == self.accum - 1)  # reduce-scatter once, after the last
             logits = self.net(x[at], self.dtype, tc.remat, None if docs is None else docs[at])  # (the head unchunked)
-            logp, lse = model.label_logps_torch(logits, y[at])
+            logp, lse = model.label_logps_torch(logits, y[at], temperature(tc))
             share, aux = self.loss(logp, lse, y[at], {k: v[at] for k, v in rows.items()}, total)
             # FSDP2 averages gradients over ranks; each rank's loss is already its share of the global
             # mean, so scale by the rank count to get their sum.
@@ -581,6 +588,10 @@ def open_data(cfg):
     if kind not in fits:
         raise ConfigError(f"train.loss={tc.loss!r} does not train on {kind} (data.path={dc.path!r}); it takes "
                           + " or ".join(fits) + " (docs/posttrain.md)")
+    # OLMo-core filters pretraining instances, not pairs or rollouts
+    if dc.instance_filter and tc.loss != "ce":
+        raise ConfigError(f"data.instance_filter=true: masks instances of a cross-entropy run, "
+                          f"not train.loss={tc.loss!r}")
     if kind == "prompts":  # the tokenizer and template the policy was fine-tuned with
         if tc.backend != "jax" or not tc.init_from:
             raise ConfigError("train.loss='grpo' samples with the JAX KV cache from a fine-tuned model: it needs "
@@ -690,6 +701,7 @@ def log(record, metrics_path, write):
               f"{record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s | MFU {mfu}"
               + (" | SKIPPED" if record["skipped"] else "")
               + (f" | held-out bpb {record['eval_bpb']:.3f}" if record.get("eval_bpb") else "")
+              + (f" | masked {record['masked']:.1%}" if "masked" in record else "")
               + "".join(f" | {k.replace('_', ' ')} {record[k]:.3f}" for k in POSTTRAIN_METRICS if k in record))
     accs = [f"{k[:-4]} {100 * v:.1f}%" for k, v in record.items() if k.endswith("_acc")]
     if accs:
@@ -737,8 +749,11 @@ def main(argv):
     if tc.loss.startswith("dpo"):  # the start is the reference: its log-probs, before the first step changes it
         reference_logps(backend, cfg, dict(train=instances, **({"heldout": heldout} if heldout else {})))
     rows_per_item = tc.grpo_group if tc.loss == "grpo" else 1  # GRPO: global_batch counts completions, G a prompt
+    check = dict(max_period=dc.repetition_max_period, min_period=dc.repetition_min_period,
+                 max_count=dc.repetition_max_count) if dc.instance_filter else None
     loader = data.Loader(instances, dc.global_batch // rows_per_item, dc.seed, world=backend.world,
-                         ranks=backend.ranks, start_step=loader_pos, vocab_size=m.vocab_size)
+                         ranks=backend.ranks, start_step=loader_pos, vocab_size=m.vocab_size,
+                         instance_filter=check)
     if tc.epochs:  # resolved here, from the data, before anything reads them (and saved so in config.json)
         tc.steps = tc.epochs * loader.batches_per_epoch
     if tc.warmup_fraction:
@@ -769,8 +784,11 @@ def main(argv):
     # --- the loop
     bar = tqdm(range(start + 1, tc.steps + 1), initial=start, total=tc.steps, desc="train", dynamic_ncols=True,
                disable=not lead)
-    t_last, pending = time.perf_counter(), []  # pending: (step, lr, metrics still on the device)
+    # pending: (step, lr, metrics still on the device)
+    t_last, pending, masked = time.perf_counter(), [], []
     for step, (_, batch) in zip(bar, loader):
+        # instances the instance filter masked (this process's rows)
+        masked.append(batch.pop("masked", 0))
         lr = lr_at(step, tc, tokens_per_step, tc.steps)
         pending.append((step, lr, backend.step(make_batch(step, batch), lr)))  # JAX returns at once: runs meanwhile
         logging = step % tc.log_every == 0 or step == tc.steps
@@ -795,7 +813,11 @@ def main(argv):
             record = dict(step=step, loss=sum(window) / len(window), lr=lr, grad_norm=out["grad_norm"],
                           tokens_per_s=tps, skipped=out["skipped"], mfu=mfu, tokens=step * tokens_per_step,
                           **{k: out[k] for k in POSTTRAIN_METRICS + ("ce",) if k in out})
-            t_last, window = time.perf_counter(), []
+            # the fraction of this process's instances masked since the last line
+            if dc.instance_filter:
+                record["masked"] = sum(masked) / (len(masked) * dc.global_batch
+                                                  * len(backend.ranks) / backend.world)
+            t_last, window, masked = time.perf_counter(), [], []
         if evaluating:
             record = {"step": step, **record, **held_out_eval(backend, heldout, cfg, token_bytes, ec.batches),
                       **task_eval(backend, tasks)}

@@ -145,10 +145,22 @@ class DataConfig:
     source_permutation_seed: int = 123  # packed: Python's random.Random(seed).shuffle of the files first
     long_docs: str = "truncate"         # packed: a document longer than seq_len keeps its start, or is cut in pieces
     chat_template: str = "tulu"   # GRPO's prompts file (data.path *.jsonl) is rendered in this (data.CHAT_TEMPLATES)
+    # OLMo-core's InstanceFilterConfig (data.filtered): an instance where a pattern of
+    # min..max_period tokens repeats max_count times back to back trains nothing
+    # (all its labels -100). Off by default, as in OLMo-core.
+    instance_filter: bool = False
+    repetition_min_period: int = 1
+    repetition_max_period: int = 13
+    repetition_max_count: int = 32
 
     def __post_init__(self):
-        _checks(positive="seq_len global_batch source_group_size", packing=["fsl", "packed"],
-                long_docs=["truncate", "fragment"], chat_template=["tulu", "olmo"])(self)
+        _checks(positive="seq_len global_batch source_group_size repetition_min_period "
+                "repetition_max_period repetition_max_count",
+                packing=["fsl", "packed"], long_docs=["truncate", "fragment"],
+                chat_template=["tulu", "olmo"])(self)
+        _need(self, self.repetition_min_period <= self.repetition_max_period,
+              "repetition_min_period",
+              f"must be <= repetition_max_period ({self.repetition_max_period})")
         _need(self, self.packing == "fsl" or self.doc_mask, "doc_mask", "packing='packed' puts several documents "
               "in an instance with padding after them: set data.doc_mask=true to keep them apart")
 

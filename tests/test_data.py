@@ -108,10 +108,28 @@ def test_bad_tokenizer_files(tmp_path):
         data.load_tokenizer(str(tmp_path / "nope.tiktoken"))
     bad = tmp_path / "bad.tiktoken"
     bad.write_text("not base64 at all\n")
-    with pytest.raises(ValueError, match="bad.tiktoken: not a tiktoken ranks file"):
+    with pytest.raises(ValueError, match="bad.tiktoken:1: not a tiktoken ranks line"):
         data.load_tokenizer(str(bad))
     with pytest.raises(ValueError, match="below 256 bytes"):
         data.train_bpe(["x"], 100)
+
+
+def test_a_retrained_tokenizer_is_read_again(tmp_path, monkeypatch):
+    """tiktoken's loader caches every file under a hash of its path string:
+    two tokenizers trained on different text at the same relative path, in two folders,
+    must each encode with their own merges."""
+    texts = {"one": "the cat sat on the mat " * 50, "two": "zebras quietly queue " * 50}
+    encoded = {}
+    for name, text in texts.items():
+        (tmp_path / name).mkdir()
+        monkeypatch.chdir(tmp_path / name)
+        # 256 bytes, 2 merges, EOS, PAD
+        data.save_ranks(data.train_bpe([text], 260), "tok.tiktoken")
+        tok = data.load_tokenizer("tok.tiktoken")
+        assert tok.sha256 == data.sha256("tok.tiktoken")
+        encoded[name] = tok.enc.encode(text[:40])
+        assert len(encoded[name]) < 40  # its own merges shorten its own text
+    assert encoded["one"] != encoded["two"]
 
 
 # --- prepare ---
@@ -382,3 +400,86 @@ def test_duplicates_under_different_ids_verify(tmp_path, bpe, capsys):
     assert r["splits"]["heldout"]["documents"] >= 20
     data.main(["verify", str(tmp_path / "out"), "--seq-len", "32", "--global-batch", "4", "--seed", "1"])
     assert capsys.readouterr().out.startswith("ok: ")
+
+
+# --- the instance filter (OLMo-core's InstanceFilterConfig: periods 1..13, 32 times) ---
+
+def repeated(period, times, extra=0, before=5, after=5):
+    """Distinct background ids around `times` back-to-back copies of a `period`-token pattern
+    (then `extra` tokens of one more copy):
+    no pattern of fewer tokens fits it, so its period is exactly `period`."""
+    pattern = np.arange(1000, 1000 + period)
+    run = np.concatenate([np.tile(pattern, times), pattern[:extra]])
+    return np.concatenate([np.arange(before), run, np.arange(2000, 2000 + after)])
+
+
+@pytest.mark.parametrize("period", range(1, 14))
+def test_instance_filter_counts_whole_copies(period):
+    """OLMo-core masks at repetition_max_count = 32 copies or more;
+    a partial copy after the last does not count."""
+    for times, masked in ((31, False), (32, True), (33, True)):
+        hit = data.filtered(repeated(period, times), **data.INSTANCE_FILTER)
+        assert (hit is not None) == masked, (period, times)
+    if period > 1:
+        assert data.filtered(repeated(period, 31, extra=period - 1), **data.INSTANCE_FILTER) is None
+    assert data.filtered(repeated(period, 32), **data.INSTANCE_FILTER) == (period, 32)
+    run = data.periodic_runs(repeated(period, 5, extra=period - 1))
+    # where it starts, ends, and how many whole copies
+    assert run[0] == (5, 5 + 6 * period - 1, period, 5)
+
+
+def test_instance_filter_bounds():
+    # a 14-token pattern is past max_period: 100 copies are not masked;
+    # 2 copies are too few to be a run at all
+    assert data.filtered(repeated(14, 100), **data.INSTANCE_FILTER) is None
+    assert data.periodic_runs(repeated(4, 2)) == []
+    # "abab..." is also "abababab" repeated:
+    # the first that reaches 32 is the shortest period (OLMo-core's order)
+    assert data.filtered(repeated(2, 64), **data.INSTANCE_FILTER) == (2, 64)
+    assert data.filtered(repeated(2, 64), max_period=13, min_period=4, max_count=32) == (4, 32)
+
+
+def test_instance_filter_spares_real_text(dolma2):
+    """English prose (the LICENSE, tokenized by dolma2 in 512-token instances)
+    repeats nothing 32 times."""
+    ids = np.asarray(dolma2.encode_document(LICENSE))
+    for k in range(len(ids) // 512):
+        assert data.filtered(ids[k * 512:(k + 1) * 512], **data.INSTANCE_FILTER) is None, k
+
+
+def test_instance_filter_in_the_loader(tmp_path):
+    """Each instance is checked alone:
+    40 copies that straddle two instances (20 in each) mask neither; 40 inside one mask it.
+    A masked instance keeps its place and its tokens; its mask row is all False."""
+    T = 64
+    rest = np.arange(10_000, 10_000 + 4 * T)
+    tokens = rest.copy()
+    tokens[T - 20:T + 20] = 7        # instances 0 and 1: 20 copies each
+    tokens[2 * T + 5:2 * T + 45] = 8  # instance 2: 40 copies
+    tokens.astype(np.uint32).tofile(tmp_path / "a.npy")
+    inst = data.Instances([("a", [data.open_token_file(tmp_path / "a.npy")], None)], T)
+    plain = data.Loader(inst, 4, 0).batch(0)
+    out = data.Loader(inst, 4, 0, instance_filter=data.INSTANCE_FILTER).batch(0)
+    assert np.array_equal(out["tokens"], plain["tokens"]) and "mask" not in plain
+    ids = data.Loader(inst, 4, 0).global_ids(0).tolist()
+    assert out["masked"] == 1 and ([not out["mask"][ids.index(i)].any() for i in range(4)]
+                                   == [False, False, True, False])
+    assert out["mask"].all(axis=1).sum() == 3
+
+
+def test_instance_filter_cli(tmp_path, bpe, capsys):
+    """inspect puts `masked` and why on the id line;
+    verify counts the epoch's masked instances (none in prose)."""
+    d = tmp_path / "out"
+    data.prepare([write_docs(tmp_path / "docs", 12)], d, str(bpe),
+                 heldout=0.2, workers=1, quiet=True)
+    common = [str(d), "--seq-len", "32", "--global-batch", "4", "--seed", "1", "--instance-filter"]
+    data.main(["verify", *common])
+    assert "the instance filter masks 0 of the epoch's" in capsys.readouterr().out
+    part = data.dataset_files(d)[0]
+    arr = np.memmap(part.path, part.dtype, "r+")
+    arr[:] = 9  # every instance is now one token 32 times
+    arr.flush()
+    data.main(["inspect", *common, "--step", "0"])
+    out = capsys.readouterr().out
+    assert out.count("masked: a 1-token pattern 32 times") == 4, out

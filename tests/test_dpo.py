@@ -199,3 +199,53 @@ def test_grpo_is_reinforce_then_ppo_clip(xp):
         rows = dict(advantage=A[:, 0], reward=np.ones(2, np.float32))
         step = grad(lambda x: loss_fn(lps(x), jax.nn.logsumexp(x, -1), labels, rows, total_of(labels))[0], logits)
         np.testing.assert_allclose(step, want / (labels != model.IGNORE_INDEX).sum(), rtol=1e-6, atol=1e-8)
+
+
+def test_grpo_loss_takes_the_sampling_temperature():
+    """Rollouts are drawn from softmax(logits / t) (eval.sample);
+    the loss's log-probs are that policy's in both backends,
+    as open-instruct's grpo_fast and TRL divide the training logits by the same t.
+    At t = 0.7 the JAX step's log-probs equal log_softmax(logits / 0.7) at the drawn tokens,
+    and each backend's step has the gradient norm of −A·∇log π for that π, not for t = 1."""
+    import eval as evaluate
+    G = 8
+    cfg = build(dict(model=MODEL, data=dict(seq_len=T, global_batch=G),
+                     train=dict(loss="grpo", grpo_temperature=0.7, grpo_group=4, steps=1)))
+    m, rng = cfg.model, np.random.default_rng(0)
+    params = random_params(m)
+    prompts = np.tile(rng.integers(3, m.vocab_size, 6), (G, 1))
+    drawn = evaluate.sample(params, m, prompts, 10, 0.7, 0, m.vocab_size, m.eos_token_id)
+    tokens, mask = np.full((G, T), m.pad_token_id, np.int32), np.zeros((G, T), bool)
+    for r, d in enumerate(drawn):
+        tokens[r, :6 + len(d)] = [*prompts[r], *d]
+        mask[r, 6:6 + len(d)] = True
+    A = rng.standard_normal(G).astype(np.float32)
+    batch = dict(tokens=tokens, mask=mask, advantage=A, reward=np.ones(G, np.float32))
+    labels = model.shift_labels(tokens, m.pad_token_id, mask)
+    valid, n = labels != model.IGNORE_INDEX, int((labels != model.IGNORE_INDEX).sum())
+
+    def policy(p, t):  # log π(drawn token) under categorical(logits / t), the sampler's draw
+        logits = model.forward(p, jnp.asarray(tokens), m).astype(jnp.float32)
+        lp = jax.nn.log_softmax(logits / t, axis=-1)
+        index = jnp.asarray(np.maximum(labels, 0))[..., None]
+        return jnp.where(valid, jnp.take_along_axis(lp, index, -1)[..., 0], 0)
+
+    def norm_at(t):
+        # the REINFORCE gradient's norm (GRPO's, with old = new),
+        # over the batch's completion tokens
+        g = jax.grad(lambda p: -(A[:, None] * policy(p, t)).sum() / n)(
+            jax.tree.map(jnp.asarray, params))
+        squares = sum((np.asarray(v, np.float64) ** 2).sum() for v in jax.tree.leaves(g))
+        return float(np.sqrt(squares))
+    want, untempered = norm_at(0.7), norm_at(1.0)
+    assert abs(untempered / want - 1) > 0.02  # the temperature matters at these logits
+    jb = train.JaxBackend(cfg)
+    jb.load(model.unstack_layers(params), None)
+    logp = train.token_stats(cfg, jb.mesh, jax.tree.map(jnp.asarray, params), batch)[0]
+    np.testing.assert_allclose(np.asarray(logp), np.asarray(policy(params, 0.7)),
+                               rtol=1e-5, atol=1e-5)
+    tb = train.TorchBackend(cfg)
+    tb.load(model.unstack_layers(params), None)
+    for backend in (jb, tb):
+        grad_norm = float(jax.device_get(backend.step(batch, 1e-3))["grad_norm"])
+        assert grad_norm == pytest.approx(want, rel=1e-4)

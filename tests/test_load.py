@@ -39,10 +39,30 @@ def test_bf16_checkpoint_is_held_once_in_bf16(tmp_path):
     on_device = jax.device_put(params)  # a CPU device takes the host arrays as they are
     for k, a in params.items():
         assert on_device[k].dtype == a.dtype and on_device[k].unsafe_buffer_pointer() == a.ctypes.data, k
+    # JAX's CPU decode: the bf16 matrices as uint16, each layer in place
+    bits = evaluate.cpu_bits(params)
+    up = params["layers.mlp.up_proj.weight"]
+    assert [b.dtype for b in bits["layers.mlp.up_proj.weight"]] == [np.uint16] * m.n_layers
+    assert ([b.unsafe_buffer_pointer() for b in bits["layers.mlp.up_proj.weight"]]
+            == [u.ctypes.data for u in up])
     net = model.torch_model(m, params)
     w = net.layers[1].mlp.up_proj.weight
     assert w.dtype == torch.bfloat16 and w.data_ptr() == params["layers.mlp.up_proj.weight"][1].ctypes.data
     assert convert.load_hf(tmp_path, "float32")[1]["lm_head.weight"].dtype == np.float32  # --dtype float32
+
+
+# blocks of 32 rows (96's largest power-of-2 divisor), of 512
+@pytest.mark.parametrize("out", [96, 1536])
+def test_bits_linear_is_the_bf16_linear(out):
+    """bf16 weights as their bits, widened block by block:
+    the products of the bf16 matmul, fp32 sums."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((out, 64)).astype(ml_dtypes.bfloat16)
+    x = rng.standard_normal((2, 3, 64)).astype(np.float32)
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    got = model.linear(jax.numpy.asarray(x), jax.numpy.asarray(w.view(np.uint16)))
+    assert got.dtype == np.float32 and got.shape == (2, 3, out)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name, dtype", [("olmo3", "float32"), ("olmo2", "bfloat16"), ("olmo3", "bfloat16")])

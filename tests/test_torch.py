@@ -46,6 +46,40 @@ def test_torch_steps_equal_jax_steps(setup):
     assert cj == ct and nt == pytest.approx(nj, rel=REL)
 
 
+def test_a_masked_instance_trains_nothing(setup, tmp_path):
+    """data.instance_filter in both backends: instance 0 made one token 32 times is masked;
+    what its tokens are then changes nothing in the step (loss, grad norm, weights),
+    while unmasked it would."""
+    root, toml = setup
+    cfg = load_config([str(toml)])
+    src = data.dataset_files(cfg.data.path)[0]
+    batches = []
+    for fill, check in ((9, data.INSTANCE_FILTER), (11, data.INSTANCE_FILTER), (11, None)):
+        arr = src.array().copy()
+        arr[:cfg.data.seq_len] = fill
+        arr.tofile(tmp_path / f"{fill}.bin")
+        part = data.open_token_file(tmp_path / f"{fill}.bin", src.dtype)
+        inst = data.Instances([("a", [part], None)], 32)
+        loader = data.Loader(inst, cfg.data.global_batch, 0, instance_filter=check)
+        step = next(s for s in range(loader.batches_per_epoch) if 0 in loader.global_ids(s))
+        batch = loader.batch(step)
+        assert batch.pop("masked", 0) == (check is not None)
+        batches.append(dict(batch, mask=batch.get("mask", np.ones(batch["tokens"].shape, bool))))
+    for backend in (train.JaxBackend, train.TorchBackend):
+        outs = []
+        for batch in batches:
+            b = backend(cfg)
+            b.init(cfg.train.init_seed)
+            outs.append((jax.device_get(b.step(batch, 1e-3)), b.host_params()))
+        (a, pa), (b, pb), (c, pc) = outs
+        assert (a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+                and a["grad_norm"] == pytest.approx(b["grad_norm"]))
+        assert max(float(np.abs(pa[k] - pb[k]).max()) for k in pa) < 1e-7, backend
+        # the same instance, unmasked, does train: another loss, and an update 1e-3 (the lr) wide
+        assert c["loss"] != pytest.approx(a["loss"], rel=1e-5), backend
+        assert max(float(np.abs(pa[k] - pc[k]).max()) for k in pa) > 1e-4, backend
+
+
 def test_torch_remat_and_windows():
     """Activation checkpointing changes memory, not gradients; sliding-window layers (SDPA with a band
     mask) equal the JAX forward past the window."""
