@@ -1,20 +1,24 @@
 """The OLMo architecture (OLMo 1, 2 and 3), written twice in the same order with the same names:
 JAX first (pure functions over a flat params dict), then PyTorch (nn.Module). The parameter table,
-init, loss and the parameter/FLOP counts come first and serve both.
+init and the parameter/FLOP counts come first and serve both, as do the losses (xp: jnp or torch).
+The JAX part reads in forward-pass order; the device attention kernels follow the model they serve.
 
-    python model.py configs/olmo2-7b.toml            # parameter table, FLOPs/token, total_params=...
-    python model.py --attention-bench                # sliding against full layers: the time a window saves
+    python model.py configs/olmo2-7b.toml    # parameter table, FLOPs/token, total_params=...
+    python model.py --attention-bench        # sliding against full layers: the time a window saves
 
 Notation (shape comments and einsum strings): B batch, T sequence, S key positions, D d_model,
 F MLP hidden (per SwiGLU branch), V vocab (embedding rows), L layers, N query heads, K kv heads,
 H head dim.
 
 The three families in one picture (HF names):
-    OLMo 1:   x = x + o_proj(attn(LN(x)));        x = x + down(silu(gate(LN(x))) * up(LN(x)))
-    OLMo 2/3: x = x + post_attention_layernorm(o_proj(attn(x)));  x = x + post_feedforward_layernorm(mlp(x))
-LN is LayerNorm with no weight or bias; OLMo 2/3 use RMSNorm with a weight, and QK-norm over the full projected
-width (before the split into heads). OLMo 3 adds sliding-window layers (3 sliding : 1 full) and YaRN on the full
-layers. Params are always fp32; `dtype` is the compute dtype; norms, RoPE, softmax and the loss run in fp32.
+    OLMo 1:   x = x + o_proj(attn(LN(x)))
+              x = x + down(silu(gate(LN(x))) * up(LN(x)))
+    OLMo 2/3: x = x + post_attention_layernorm(o_proj(attn(x)))
+              x = x + post_feedforward_layernorm(mlp(x))
+LN is LayerNorm with no weight or bias; OLMo 2/3 use RMSNorm with a weight, and QK-norm over the
+full projected width (before the split into heads). OLMo 3 adds sliding-window layers (3 sliding :
+1 full) and YaRN on the full layers. Params are always fp32; `dtype` is the compute dtype; norms,
+RoPE, softmax and the loss run in fp32. Measurements and history: docs/design.md.
 """
 
 import math
@@ -35,27 +39,29 @@ from torch.utils.checkpoint import checkpoint
 
 from configs import ModelConfig, describe, load_config, run_cli
 
-IGNORE_INDEX = -100  # labels equal to this contribute nothing to the loss (HF and OLMo-core use -100)
-Q_BLOCK = 256  # the XLA attention takes queries in blocks of this many when T is longer (see `attend`)
+IGNORE_INDEX = -100  # labels equal to this add nothing to the loss (as in HF and OLMo-core)
+Q_BLOCK = 256  # `attend` takes longer query sequences in blocks of this many
 
 
-# --- the parameter table -------------------------------------------------------------------------
+# --- the parameter table (both backends) ----------------------------------------------------------
 
 @dataclass(frozen=True)
 class Param:
     shape: tuple
     axes: tuple         # logical axis names per dim; shard.py maps them to mesh axes
-    std: object = None  # truncated-normal std: a float, or one per layer for stacked params; None = ones
-    decay: bool = True  # AdamW weight decay applies (OLMo 2/3 and OLMo 1 alike: all but the embedding)
+    std: object = None  # truncated-normal std: a float, or one per layer (a tuple); None = ones
+    decay: bool = True  # AdamW weight decay applies (all families: all but the embedding)
 
 
 def param_table(m: ModelConfig):
-    """name -> Param, in HF order. Per-layer params are stacked on a leading L axis and named without
-    the layer index ("layers.self_attn.q_proj.weight"). Linear weights are (out, in), as in HF files."""
-    D, L, N, K, H, F, V = m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.head_dim, m.mlp_hidden, m.vocab_size
+    """name -> Param, in HF order. Per-layer params are stacked on a leading L axis and named
+    without the layer index ("layers.self_attn.q_proj.weight"). Linear weights are (out, in), as in
+    HF files."""
+    D, L, N, K, H = m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.head_dim
+    F, V = m.mlp_hidden, m.vocab_size
     if m.init == "mitchell":
-        # OLMo 1 (OLMo initialization.py, init_fn: mitchell): 1/sqrt(fan_in), and the two matrices that
-        # write into the residual stream also divided by sqrt(2·(layer+1)).
+        # OLMo 1 (OLMo initialization.py, init_fn: mitchell): 1/sqrt(fan_in), and the two matrices
+        # that write into the residual stream also divided by sqrt(2·(layer+1)).
         s_in, s_f = 1 / math.sqrt(D), 1 / math.sqrt(F)
         depth = [math.sqrt(2 * (i + 1)) for i in range(L)]
         std = dict(embed=s_in, qkv=s_in, out=tuple(s_in / d for d in depth), up=s_in,
@@ -88,13 +94,29 @@ def count_params(m):
 
 
 def flops_per_token(m, T=None):
-    """Training FLOPs per token (forward + backward), OLMo-core's convention: 6 per weight that is a
-    matmul (all but the embedding lookup; a tied head still does its V·D matmul), plus 12·N·H per key
-    each query attends to, per layer: T on full layers (causal masking not discounted), min(W, T) on sliding."""
+    """Training FLOPs per token, as OLMo-core counts them: 6 per matmul weight, plus 12·N·H per
+    key a query attends to per layer (T on full layers, causal mask not discounted; min(W, T) on
+    sliding ones)."""
     T = T or m.max_seq_len
+    # all but the embedding lookup (a tied head still does its V·D matmul)
     matmul = count_params(m) - (0 if m.tie_embeddings else m.vocab_size * m.d_model)
     keys = sum(min(m.sliding_window, T) if kind == "S" else T for kind in m.layer_types())
     return 6 * matmul + 12 * m.n_heads * m.head_dim * keys
+
+
+def init_params(m, key, names=None):
+    """fp32, truncated normal at +-3σ, norms at 1. `names` (torch takes one at a time): just those,
+    same values."""
+    params = {}
+    for k, (name, p) in zip(jax.random.split(key, len(param_table(m))), param_table(m).items()):
+        if names is not None and name not in names:
+            continue
+        if p.std is None:
+            params[name] = jnp.ones(p.shape, jnp.float32)
+        else:  # a per-layer std (a tuple) broadcasts along the leading L axis; a float everywhere
+            std = jnp.asarray(p.std, jnp.float32).reshape((-1,) + (1,) * (len(p.shape) - 1))
+            params[name] = jax.random.truncated_normal(k, -3.0, 3.0, p.shape, jnp.float32) * std
+    return params
 
 
 def layer_name(name, i):  # "layers.mlp.up_proj.weight", 3 -> "layers.3.mlp.up_proj.weight"
@@ -102,30 +124,37 @@ def layer_name(name, i):  # "layers.mlp.up_proj.weight", 3 -> "layers.3.mlp.up_p
 
 
 def stack_layers(state, m):
-    """Per-layer state dict (numpy or torch) -> stacked params (leading L), numpy; unstack_layers is the inverse."""
-    return {name: np.stack([np.asarray(state[layer_name(name, i)]) for i in range(m.n_layers)])
-            if name.startswith("layers.") else np.asarray(state[name]) for name in param_table(m)}
+    """Per-layer state dict (numpy or torch) -> stacked params (leading L), numpy. Inverse:
+    unstack_layers."""
+    def stacked(name):
+        return np.stack([np.asarray(state[layer_name(name, i)]) for i in range(m.n_layers)])
+    return {name: stacked(name) if name.startswith("layers.") else np.asarray(state[name])
+            for name in param_table(m)}
 
 
 def unstack_layers(params):
     out = {}
     for name, value in params.items():
-        out.update({layer_name(name, i): np.asarray(v) for i, v in enumerate(value)} if name.startswith("layers.")
-                   else {name: np.asarray(value)})
+        if name.startswith("layers."):
+            out.update({layer_name(name, i): np.asarray(v) for i, v in enumerate(value)})
+        else:
+            out[name] = np.asarray(value)
     return out
 
 
-# --- per-layer arrays (not parameters): window and RoPE frequencies, shared by both backends ------
+# --- per-layer arrays (not parameters): window and RoPE frequencies, both backends ----------------
 
 def layer_arrays(m):
     """window (L,) int32, 0 = full attention; inv_freq (L, H/2) fp32; rope_scale (L,) fp32.
-    Scanned alongside the params, so OLMo 3's sliding/full layers are data, not Python branches."""
+    OLMo 3's sliding and full layers differ by these numbers, not by code paths."""
     H = m.head_dim
-    # theta^(2i/H) in fp32 with torch's pow, exactly as HF and OLMo-core: numpy's pow differs in the
-    # last bit for some i, which at position 65536 moves the angle by ~1e-2 rad.
+    # theta^(2i/H) with torch's fp32 pow, as HF and OLMo-core: numpy's pow differs in the last bit
+    # for some i, which at position 65536 moves the angle by ~1e-2 rad.
     pos_freqs = m.rope_theta ** (torch.arange(0, H, 2, dtype=torch.float32, device="cpu") / H)
     plain = (1.0 / pos_freqs).numpy()
-    full, full_scale = (yarn_inv_freq(m, pos_freqs), m.yarn_attention_factor) if m.yarn_factor else (plain, 1.0)
+    full, full_scale = plain, 1.0
+    if m.yarn_factor:
+        full, full_scale = yarn_inv_freq(m, pos_freqs), m.yarn_attention_factor
     kinds = m.layer_types()
     window = np.array([m.sliding_window if k == "S" else 0 for k in kinds], np.int32)
     inv_freq = np.stack([plain if k == "S" else full for k in kinds]).astype(np.float32)
@@ -134,9 +163,9 @@ def layer_arrays(m):
 
 
 def yarn_inv_freq(m, pos_freqs):
-    """YaRN (HF _compute_yarn_parameters, OLMo-core YaRNRoPEScalingConfig): dimensions that turn more than beta_fast
-    times over the original context keep their frequency, those that turn fewer than beta_slow times are divided by
-    `factor`, a linear ramp blends those between. HF's fp32 operations in HF's order: bit-identical frequencies."""
+    """YaRN (HF _compute_yarn_parameters, OLMo-core YaRNRoPEScalingConfig): dimensions turning more
+    than beta_fast times over the original context keep their frequency, fewer than beta_slow are
+    divided by `factor`, a linear ramp between. HF's fp32 ops in HF's order: bit-identical."""
     H, theta, ctx = m.head_dim, m.rope_theta, m.yarn_original_max_seq_len
 
     def dim_for(rotations):  # the dimension index whose wavelength fits `rotations` times into ctx
@@ -145,24 +174,26 @@ def yarn_inv_freq(m, pos_freqs):
     high = min(math.ceil(dim_for(m.yarn_beta_slow)), H - 1)
     if low == high:
         high += 0.001  # HF's guard against dividing by zero
-    ramp = ((torch.arange(H // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    dims = torch.arange(H // 2, dtype=torch.float32, device="cpu")
+    ramp = ((dims - low) / (high - low)).clamp(0, 1)
     keep = 1 - ramp  # 1 = extrapolate (frequency unchanged), 0 = interpolate (divided by factor)
     inv = (1.0 / (m.yarn_factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
     return inv.numpy()
 
 
-# === JAX =========================================================================================
+# === JAX ==========================================================================================
+
+# --- matmuls and the embedding --------------------------------------------------------------------
 
 def matmul_precision(dtype):
-    """fp32 compute means fp32 matmuls: JAX's default rounds fp32 operands on GPUs (TF32) and TPUs
-    (bf16 passes), where torch's fp32 is exact, and the parity tests' 1e-5 would not hold there.
-    bf16 keeps the default."""
+    """fp32 compute, fp32 matmuls: JAX's default rounds fp32 operands on GPUs (TF32) and TPUs
+    (bf16 passes), and the parity tests' 1e-5 would fail there. bf16 keeps the default."""
     return jax.default_matmul_precision("highest" if jnp.dtype(dtype) == jnp.float32 else None)
 
 
 def linear(x, w):
-    """x @ w.T with w (out, in) fp32, cast to the compute dtype at use. The products are summed in fp32 and the
-    result cast back, as TPU and GPU matmul units do anyway (and on CPUs it is the fast bf16 path: AMX)."""
+    """x @ w.T, w (out, in) fp32 cast to x's dtype at use; fp32 sums, cast back (as TPU and GPU
+    matmul units do; on CPUs the fast bf16 path, AMX)."""
     if w.dtype == jnp.uint16:  # a bf16 matrix held as its bits, for decode on a CPU
         return bits_linear(x, w)
     with matmul_precision(x.dtype):
@@ -170,11 +201,10 @@ def linear(x, w):
     return y.astype(x.dtype)
 
 
-# A bf16 matrix held as its bits (uint16) is the CPU decode path's weight (eval.cpu_bits).
-# XLA's CPU backend computes bf16 in fp32, and a bf16 weight is converted whole before its first
-# use: a fp32 copy of every matrix, made again for each token.
-# Widened a few hundred rows at a time inside a loop instead, each weight is read once per token,
-# at memory speed, and never held in fp32.
+# The CPU decode path (eval.cpu_bits) holds each bf16 matrix as its bits (uint16): XLA's CPU backend
+# computes bf16 in fp32 and converts a bf16 weight whole before use, a fp32 copy of every matrix per
+# token. Widened a few hundred rows at a time in a loop, each weight is read once a token, at memory
+# speed, and never held in fp32.
 
 def widen(bits):
     """bf16 bits (uint16) -> the same numbers in fp32: a bf16 is the top half of an fp32."""
@@ -203,9 +233,12 @@ def embed(w, tokens, dtype):
     return (widen(x) if x.dtype == jnp.uint16 else x).astype(dtype)
 
 
+# --- norms and RoPE -------------------------------------------------------------------------------
+
 # exercise: rmsnorm
 def rms_norm(x, w, eps):
-    # HF Olmo2RMSNorm: normalise in fp32, multiply by the weight *in fp32*, then cast down (Llama casts first).
+    # HF Olmo2RMSNorm: normalise in fp32, multiply by the weight *in fp32*, then cast down (Llama
+    # casts first).
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return (w.astype(jnp.float32) * y).astype(x.dtype)
@@ -223,7 +256,7 @@ def layer_norm(x, eps):
 def rope_cos_sin(positions, inv_freq, scale):
     """positions (T,) -> cos, sin (T, H) fp32; YaRN's attention factor multiplies both."""
     freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # (T, H/2)
-    emb = jnp.concatenate([freqs, freqs], axis=-1)                      # (T, H)
+    emb = jnp.concatenate([freqs, freqs], axis=-1)  # (T, H)
     return jnp.cos(emb) * scale, jnp.sin(emb) * scale
 
 
@@ -236,18 +269,25 @@ def rope(x, cos, sin):
     return (x32 * cos[:, None] + rotated * sin[:, None]).astype(x.dtype)
 
 
+# --- attention: the masks, then softmax attention in query blocks (XLA, any device) ---------------
+
+def pad_t(x, n, **how):
+    """x with n more positions at the end of its T axis (axis 1); how: jnp.pad's mode, values."""
+    return jnp.pad(x, [(0, 0), (0, n)] + [(0, 0)] * (x.ndim - 2), **how)
+
+
 # exercise: sliding_window
 def attention_mask(q_pos, k_pos, window):
-    """(rows, cols) bool, True where the query at q_pos[i] may read the key at k_pos[j]: causal, and on sliding
-    layers (window W > 0) only the last W keys, the query's own included."""
+    """(rows, cols) bool, True where the query at q_pos[i] may read the key at k_pos[j]: causal, and
+    on sliding layers (window W > 0) only the last W keys, the query's own included."""
     i, j = q_pos[:, None], k_pos[None, :]
     return (j <= i) & ((window == 0) | (i - j < window))
 
 
 def segment_ids(tokens, eos):
-    """(B, T) -> (B, T) int32 document ids: a document ends at (and includes) each EOS, as OLMo-core's doc_lens;
-    a trailing run without EOS (padding) is one more document. Positions are not restarted (Olmo 3 never did).
-    numpy in, numpy out; jit-safe."""
+    """(B, T) -> (B, T) int32 document ids: a document ends at (and includes) each EOS (OLMo-core's
+    doc_lens); a trailing run without EOS is one more. Positions are not restarted (Olmo 3 never
+    did). numpy in, numpy out; jit-safe."""
     xp = np if isinstance(tokens, np.ndarray) else jnp
     ends = (tokens == eos).astype(np.int32)
     return xp.cumsum(ends, axis=-1, dtype=np.int32) - ends
@@ -255,35 +295,37 @@ def segment_ids(tokens, eos):
 
 # exercise: gqa
 def attend(q, k, v, window, scale, segments=None, offset=0):
-    """Softmax attention on XLA (any device), q (B, Tq, N, H), k and v (B, S, K, H) -> (B, Tq, N, H). GQA: query head
-    n reads kv head n // (N/K) (HF repeat_kv). `window` is a Python int (0 = full causal). Past Q_BLOCK queries go
-    in blocks, one at a time under lax.map and each recomputed in the backward pass, so no (N, Tq, S) scores are
-    ever kept: on a sliding layer a block is W/2 queries (at most Q_BLOCK) reading only its 1.5W - 1 keys, so
-    work and memory grow with min(W, T) (a third of the scores masked; blocks of W mask half, and at W 128 took
-    twice as long on a CPU); on full layers each block scores all S keys, masked. (A Python loop of blocks, each
-    cut to the keys before it, halves the full layers' work but lets XLA schedule every block at once: 16.7 GiB
-    of temporaries for one 8192-token layer's gradient against 1.1 GiB here. The kernels skip the hidden blocks.)
-    segments (B, S) or None: queries read only keys of their own document. Softmax in fp32.
-    offset: where q's rows sit among the keys; 0 (the same T) unless q is one context-parallel shard of the sequence
-    (shard.attention), and then it is traced."""
+    """Softmax attention on XLA (any device), q (B, Tq, N, H), k and v (B, S, K, H) ->
+    (B, Tq, N, H). GQA: query head n reads kv head n // (N/K) (HF repeat_kv). `window` is a Python
+    int (0 = full causal). Past Q_BLOCK queries go in blocks, one at a time under lax.map and each
+    recomputed in the backward pass, so no (N, Tq, S) scores are ever kept: on a sliding layer a
+    block is W/2 queries (at most Q_BLOCK) reading only its 1.5W - 1 keys, so work and memory grow
+    with min(W, T) (a third of the scores masked; blocks of W mask half, and at W 128 took twice as
+    long on a CPU); on full layers each block scores all S keys, masked. (A Python loop of blocks,
+    each cut to the keys before it, halves the full layers' work but lets XLA schedule every block
+    at once: 16.7 GiB of temporaries for one 8192-token layer's gradient against 1.1 GiB here. The
+    kernels skip the hidden blocks.) segments (B, S) or None: queries read only keys of their own
+    document. Softmax in fp32. offset: where q's rows sit among the keys; 0 (the same T) unless q is
+    one context-parallel shard of the sequence (shard.attention), and then it is traced."""
     Tq, S = q.shape[1], k.shape[1]
+    t_slice = partial(jax.lax.dynamic_slice_in_dim, axis=1)  # (x, start, size) along T
     if Tq <= Q_BLOCK and isinstance(offset, int):  # one block: only the keys it can see
         lo = max(0, offset - window + 1) if window else 0
-        seg = None if segments is None else (segments[:, offset:offset + Tq], segments[:, lo:offset + Tq])
-        return attend_block(q, k[:, lo:offset + Tq], v[:, lo:offset + Tq], seg, scale, offset, lo, window)
+        end = offset + Tq
+        seg = None if segments is None else (segments[:, offset:end], segments[:, lo:end])
+        return attend_block(q, k[:, lo:end], v[:, lo:end], seg, scale, offset, lo, window)
     step = min(Tq, Q_BLOCK, window // 2 or Q_BLOCK)
-    n = -(-Tq // step) * step  # queries padded to whole blocks; the extra rows are cut from the output
-    q = jnp.pad(q, [(0, 0), (0, n - Tq), (0, 0), (0, 0)])
-    qseg = None if segments is None else jnp.pad(jax.lax.dynamic_slice_in_dim(segments, offset, Tq, axis=1),
-                                                 [(0, 0), (0, n - Tq)], mode="edge")
+    n = -(-Tq // step) * step  # queries padded to whole blocks; the extra rows are cut at the end
+    q = pad_t(q, n - Tq)
+    qseg = None if segments is None else pad_t(t_slice(segments, offset, Tq), n - Tq, mode="edge")
     size = min(S, step + window - 1) if window else S
 
     def one(first):
         lo = jnp.clip(offset + first - window + 1, 0, S - size) if window else 0
-        cut = partial(jax.lax.dynamic_slice_in_dim, start_index=lo, slice_size=size, axis=1)
-        seg = None if segments is None else (jax.lax.dynamic_slice_in_dim(qseg, first, step, axis=1), cut(segments))
-        return attend_block(jax.lax.dynamic_slice_in_dim(q, first, step, axis=1), cut(k), cut(v), seg, scale,
-                            offset + first, lo, window)
+        cut = partial(t_slice, start_index=lo, slice_size=size)
+        seg = None if segments is None else (t_slice(qseg, first, step), cut(segments))
+        q_block = t_slice(q, first, step)
+        return attend_block(q_block, cut(k), cut(v), seg, scale, offset + first, lo, window)
 
     out = jax.lax.map(jax.checkpoint(one), jnp.arange(0, n, step))  # (n / step, B, step, N, H)
     return jnp.moveaxis(out, 0, 1).reshape(q.shape)[:, :Tq]
@@ -291,19 +333,311 @@ def attend(q, k, v, window, scale, segments=None, offset=0):
 
 # exercise: gqa
 def attend_block(q, k, v, seg, scale, first, lo, window):
-    """Queries at positions first.. against keys at lo..: q (B, Tq, N, H), k and v (B, S, K, H) -> (B, Tq, N, H)."""
-    mask = attention_mask(first + jnp.arange(q.shape[1]), lo + jnp.arange(k.shape[1]), window)[None, None]
+    """Queries at positions first.. against keys at lo..: q (B, Tq, N, H), k and v (B, S, K, H) ->
+    (B, Tq, N, H)."""
+    q_pos, k_pos = first + jnp.arange(q.shape[1]), lo + jnp.arange(k.shape[1])
+    mask = attention_mask(q_pos, k_pos, window)[None, None]  # (1, 1, Tq, S)
     if seg is not None:
         mask = mask & (seg[0][:, None, :, None] == seg[1][:, None, None, :])  # (B, 1, Tq, S)
     with matmul_precision(q.dtype):
         return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale)
 
 
+# --- the layer: QKV projection, attention sublayer, MLP, block ------------------------------------
+
+# exercise: qk_norm
+def project_qkv(p, x, cos, sin, m):
+    """x (B, T, D) -> q (B, T, N, H), k and v (B, T, K, H), RoPE applied."""
+    B, T, _ = x.shape
+    q = linear(x, p["self_attn.q_proj.weight"])  # (B, T, N*H)
+    k = linear(x, p["self_attn.k_proj.weight"])  # (B, T, K*H)
+    v = linear(x, p["self_attn.v_proj.weight"])  # (B, T, K*H)
+    if m.clip_qkv:  # OLMo 1.7 (0424/0724): clamp right after the projections, before RoPE
+        q, k, v = (jnp.clip(t, -m.clip_qkv, m.clip_qkv) for t in (q, k, v))
+    if "self_attn.q_norm.weight" in p:  # OLMo 2/3 QK-norm: over the whole width, before the split
+        q = rms_norm(q, p["self_attn.q_norm.weight"], m.norm_eps)
+        k = rms_norm(k, p["self_attn.k_norm.weight"], m.norm_eps)
+    q = rope(q.reshape(B, T, m.n_heads, m.head_dim), cos, sin)  # (B, T, N, H)
+    k = rope(k.reshape(B, T, m.n_kv_heads, m.head_dim), cos, sin)  # (B, T, K, H)
+    v = v.reshape(B, T, m.n_kv_heads, m.head_dim)  # (B, T, K, H)
+    return q, k, v
+
+
+def attention(p, x, cos, sin, window, m, segments=None, attend_fn=None):
+    """The attention sublayer over the sequence itself: x (B, T, D) -> (B, T, D)."""
+    B, T, _ = x.shape
+    q, k, v = project_qkv(p, x, cos, sin, m)
+    if attend_fn is None:  # no mesh (shard.attention): the implementation for JAX's own device
+        attend_fn = ATTEND[pick_attention(m, q.dtype, segments is not None)]
+    documents = () if segments is None else (segments,)
+    y = attend_fn(q, k, v, window, m.head_dim ** -0.5, *documents)  # (B, T, N, H)
+    return linear(y.reshape(B, T, m.n_heads * m.head_dim), p["self_attn.o_proj.weight"])
+
+
+def mlp(p, x):
+    gate = linear(x, p["mlp.gate_proj.weight"])  # (B, T, F)
+    up = linear(x, p["mlp.up_proj.weight"])  # (B, T, F)
+    return linear(jax.nn.silu(gate) * up, p["mlp.down_proj.weight"])  # (B, T, D)
+
+
+# exercise: rmsnorm
+def block(p, x, attn, m, ffn=mlp):
+    """One layer. attn(h) -> (B, T, D) is the attention sublayer: over the sequence itself in
+    training, over a KV cache in generation (forward_step)."""
+    if m.family == "olmo1":  # pre-norm
+        x = x + attn(layer_norm(x, m.norm_eps))
+        return x + ffn(p, layer_norm(x, m.norm_eps))
+    # OLMo 2/3 "reordered norm": no norm on the way in; RMSNorm on each sublayer's output, then the
+    # residual add.
+    x = x + rms_norm(attn(x), p["post_attention_layernorm.weight"], m.norm_eps)
+    return x + rms_norm(ffn(p, x), p["post_feedforward_layernorm.weight"], m.norm_eps)
+
+
+# --- forward, head and losses ---------------------------------------------------------------------
+
+def forward(params, tokens, m, dtype=jnp.float32, remat="none", constrain=lambda x: x,
+            segments=None, positions=None, attend_fn=None, head=True, scan_layers=True):
+    """tokens (B, T) int -> logits (B, T, V) in `dtype`, or (head=False) the last layer's output
+    (B, T, D) for token_logps. Ids must be < V: JAX clamps silently (check_tokens).
+    remat "block" keeps each layer's input for the backward pass, "mlp" recomputes the MLPs;
+    constrain (shard.py) pins each layer's output; segments (B, T): document ids; positions (T,):
+    RoPE's, default 0..T-1; attend_fn replaces model.attention's pick (shard.attention);
+    scan_layers=False unrolls."""
+    x = constrain(params["embed_tokens.weight"][tokens].astype(dtype))  # (B, T, D)
+    positions = jnp.arange(tokens.shape[1]) if positions is None else positions
+    # One scan step is one repeat of layer_pattern (OLMo 3: SSSF), so each of its layers has its
+    # window as a Python int and attention builds only the blocks that window sees; a scan over
+    # single layers would carry the window as data and compute every block. L is split (L/P, P).
+    P = len(m.layer_pattern)
+    window, inv_freq, rope_scale = layer_arrays(m)
+    ropes = [rope_cos_sin(positions, inv_freq[i], rope_scale[i]) for i in range(P)]
+    groups = {name[len("layers."):]: w.reshape(-1, P, *w.shape[1:]) for name, w in params.items()
+              if name.startswith("layers.")}
+
+    ffn = jax.checkpoint(mlp) if remat == "mlp" else mlp
+
+    def layer(p, x, cos, sin, segments, w):
+        return block(p, x, lambda h: attention(p, h, cos, sin, w, m, segments, attend_fn), m, ffn)
+    layer = jax.checkpoint(layer, static_argnums=(5,)) if remat == "block" else layer
+
+    def step(x, group):  # the compiled body is P layers: compile time grows with P, not with L
+        for i in range(P):
+            p = {name: w[i] for name, w in group.items()}
+            x = constrain(layer(p, x, *ropes[i], segments, int(window[i])))
+        return x, None
+
+    x, _ = jax.lax.scan(step, x, groups, unroll=not scan_layers)  # unrolled: the same maths
+    return unembed(params, x, m) if head else x
+
+
+def unembed(params, x, m):
+    """The final norm and the head: x (B, T, D) -> (B, T, V)."""
+    if m.family == "olmo1":
+        x = layer_norm(x, m.norm_eps)
+    else:
+        x = rms_norm(x, params["norm.weight"], m.norm_eps)
+    return linear(x, params["embed_tokens.weight" if m.tie_embeddings else "lm_head.weight"])
+
+
+def label_logps(logits, labels, temperature=1.0):
+    """(log p(label), logsumexp) per position (B, T), fp32: what every loss is written on; log p is
+    0 where labels == IGNORE_INDEX. GRPO divides by its sampling temperature, so that p is the
+    policy its rollouts came from (open-instruct, TRL)."""
+    logits = logits.astype(jnp.float32) / temperature
+    lse, valid = jax.nn.logsumexp(logits, axis=-1), labels != IGNORE_INDEX
+    target = jnp.take_along_axis(logits, jnp.where(valid, labels, 0)[..., None], axis=-1)[..., 0]
+    return jnp.where(valid, target - lse, 0.0), lse
+
+
+# exercise: z_loss
+def cross_entropy_of(logp, lse, labels, n, z_loss=0.0, xp=jnp):
+    """Cross-entropy plus z_loss · logsumexp² from each position's log p(label) and logsumexp
+    (label_logps), both summed over the targets (labels != IGNORE_INDEX) and divided by n: the
+    batch's own target count (cross_entropy) or the global batch's (the train step, make_loss).
+    OLMo 2/3 use z_loss 1e-5: it keeps the softmax's normaliser near 1. Returns (loss, ce, z); xp:
+    jnp or torch."""
+    ce = -logp.sum() / n
+    z = xp.where(labels != IGNORE_INDEX, lse * lse, 0.0).sum() / n
+    return ce + z_loss * z, ce, z
+
+
+def cross_entropy(logits, labels, z_loss=0.0):
+    """Mean cross-entropy over labels != IGNORE_INDEX, in fp32, plus z_loss · mean(logsumexp²).
+    Returns (loss, ce, z). Labels are already shifted (shift_labels)."""
+    n = jnp.maximum((labels != IGNORE_INDEX).sum(), 1)
+    return cross_entropy_of(*label_logps(logits, labels), labels, n, z_loss)
+
+
+def token_logps(params, x, labels, m, chunks=1, temperature=1.0):
+    """label_logps (B, T) from the last layer's output x (B, T, D), the head run in `chunks` passes,
+    each recomputed in the backward pass: the (B, T, V) logits never exist whole. Chunk j holds
+    positions t = j (mod n), which keeps context parallelism's split on the T/n axis."""
+    def one(x, labels):
+        return label_logps(unembed(params, x, m), labels, temperature)
+    (B, T, D), n = x.shape, min(chunks, x.shape[1])
+    if n == 1:
+        return one(x, labels)
+    pad = -T % n  # positions added to make T a multiple of n: no targets, cut below
+    x = pad_t(x, pad).reshape(B, -1, n, D)  # (B, T/n, n, D)
+    labels = pad_t(labels, pad, constant_values=IGNORE_INDEX).reshape(B, -1, n)  # (B, T/n, n)
+    parts = (jnp.moveaxis(x, 2, 0), jnp.moveaxis(labels, 2, 0))  # chunk first: (n, B, T/n, ...)
+    out = jax.lax.map(jax.checkpoint(lambda a: one(*a)), parts)
+    return tuple(jnp.moveaxis(a, 0, 2).reshape(B, -1)[:, :T] for a in out)  # (n, B, T/n) -> (B, T)
+
+
+# exercise: dpo
+def dpo_loss(scores, ref, beta, xp=jnp):
+    """DPO on pairs side by side: scores and ref (2P,) are the policy's and the frozen reference's
+    log-probs of rows chosen_0, rejected_0, chosen_1, ... (summed over the answer's tokens;
+    per-token means for dpo_norm). -> (losses, margins), each (P,):
+    margin = β·((π_c − ref_c) − (π_r − ref_r)), the chosen answer's implicit reward minus the
+    rejected one's; loss = −log σ(margin) (open-instruct's dpo_loss, TRL's "sigmoid"). xp: jnp or
+    torch (both have logaddexp), so the two backends share this maths."""
+    ratio = scores - ref  # (2P,) log π/π_ref of each row
+    margin = beta * (ratio[0::2] - ratio[1::2])  # (P,)
+    return xp.logaddexp(xp.zeros_like(margin), -margin), margin
+
+
+def grpo_loss(logps, old_logps, advantages, clip=0.2, xp=jnp):
+    """GRPO's clipped policy-gradient loss per token (B, T): −min(ρ·A, clip(ρ, 1 − ε, 1 + ε)·A),
+    ρ = π/π_old, A (B, 1) the row's group-normalised advantage (open-instruct grpo_fast). One update
+    per batch (ours) makes π_old π: ρ = 1, no clipping; REINFORCE, the group mean as baseline."""
+    ratio = xp.exp(logps - old_logps)
+    return -xp.minimum(ratio * advantages, xp.clip(ratio, 1 - clip, 1 + clip) * advantages)
+
+
+def dpo_of(scores, ref, n, tc, xp):
+    """dpo_loss from rows' summed answer log-probs (policy, reference) and answer lengths n;
+    dpo_norm (Olmo 2/3) divides both sides by n."""
+    if tc.loss == "dpo_norm":
+        scores, ref = scores / n, ref / n
+    return dpo_loss(scores, ref, tc.dpo_beta, xp)
+
+
+def make_loss(cfg, xp):
+    """train.loss: (logp, lse, labels, batch, total) -> (this micro-batch's share of the step's
+    loss, metrics' shares) from token_logps' arrays; total_of(labels): what the global batch counts.
+    One definition for both backends (GRPO samples with JAX; its step runs in either)."""
+    tc, ignore = cfg.train, IGNORE_INDEX
+    stop_gradient = jax.lax.stop_gradient if xp is jnp else torch.Tensor.detach
+
+    def ce(logp, lse, labels, batch, total):  # OLMo-core: over the global batch's targets
+        loss, ce, _ = cross_entropy_of(logp, lse, labels, total, tc.z_loss, xp)
+        return loss, dict(ce=ce)
+
+    def dpo(logp, lse, labels, batch, total):  # total: pairs in the global batch
+        lengths = (labels != ignore).sum(-1)  # (2P,)
+        losses, margins = dpo_of(logp.sum(-1), batch["ref"], lengths, tc, xp)
+        accuracy = (margins > 0).sum() / total
+        return losses.sum() / total, dict(margin=margins.sum() / total, accuracy=accuracy)
+
+    def grpo(lp, lse, labels, batch, total):  # total: completion tokens in the global batch
+        per = grpo_loss(lp, stop_gradient(lp), batch["advantage"][:, None], xp=xp)
+        reward = batch["reward"].sum() / cfg.data.global_batch
+        return xp.where(labels != ignore, per, 0.0).sum() / total, dict(reward=reward)
+
+    def total_of(labels):
+        if tc.loss.startswith("dpo"):
+            return math.prod(labels.shape[:-1]) // 2
+        return (labels != ignore).sum()
+
+    return {"ce": ce, "dpo": dpo, "dpo_norm": dpo, "grpo": grpo}[tc.loss], total_of
+
+
+def loss_fn(params, tokens, labels, m, dtype=jnp.float32, z_loss=0.0, remat="none"):
+    return cross_entropy(forward(params, tokens, m, dtype, remat), labels, z_loss)[0]
+
+
+def shift_labels(tokens, pad=None, mask=None):
+    """Next-token labels: tokens[..., 1:] then IGNORE_INDEX (OLMo-core get_labels); PAD targets are
+    ignored too (PAD only fills packed instances). mask (B, T) bool, OLMo-core's label_mask: token t
+    is a target only where mask[t] (chat: the assistant's tokens). numpy in, numpy out."""
+    xp = np if isinstance(tokens, np.ndarray) else jnp
+    labels = xp.concatenate([tokens[..., 1:], xp.full_like(tokens[..., :1], IGNORE_INDEX)], axis=-1)
+    if pad is not None:
+        labels = xp.where(labels == pad, IGNORE_INDEX, labels)
+    if mask is not None:
+        targets = xp.concatenate([mask[..., 1:], xp.zeros_like(mask[..., :1])], axis=-1)
+        labels = xp.where(targets, labels, IGNORE_INDEX)
+    return labels
+
+
+def check_tokens(tokens, m, source="tokens"):
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"{source}: expected integer token ids of shape (B, T), "
+                         f"got {tokens.dtype} {tokens.shape}")
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= m.vocab_size):
+        bad = tokens.max() if tokens.max() >= m.vocab_size else tokens.min()
+        raise ValueError(f"{source}: token id {bad} is out of range for vocab_size={m.vocab_size}")
+    if tokens.shape[1] > m.max_seq_len:
+        print(f"warning: {source} has {tokens.shape[1]} positions, more than "
+              f"max_seq_len={m.max_seq_len}", file=sys.stderr)
+    return tokens
+
+
+# --- generation: the same layers over a KV cache --------------------------------------------------
+# Each layer keeps the keys and values it has seen (RoPE applied) in a ring of C slots, position p
+# in slot p % C: C = the longest sequence asked for on full layers, the window on sliding ones (only
+# the keys they can still see). forward_step takes T tokens at pos..pos+T-1: the prompt (pos = 0),
+# then one a call. Its layers are a Python loop, not a scan: sliding and full layers' caches differ
+# in size.
+
+def new_cache(m, B, S, dtype=jnp.float32):
+    """Empty caches for B sequences of up to S positions: per layer k and v (B, C, K, H)."""
+    sizes = [min(int(w), S) if w else S for w in layer_arrays(m)[0]]
+    return [{n: jnp.zeros((B, C, m.n_kv_heads, m.head_dim), dtype) for n in "kv"} for C in sizes]
+
+
+# exercise: kv_cache
+def cached_attention(p, x, cos, sin, cache, pos, window, m):
+    """x (B, T, D) at positions pos..pos+T-1 attends to the cache and to itself; returns (y, new
+    cache)."""
+    (B, T, _), C = x.shape, cache["k"].shape[1]
+    q, k, v = project_qkv(p, x, cos, sin, m)  # (B, T, N, H), (B, T, K, H) x2
+    held = (pos - 1) - ((pos - 1 - jnp.arange(C)) % C)  # the position in each slot (< 0: empty)
+    key_pos = jnp.concatenate([held, pos + jnp.arange(T)])  # (C + T,)
+    mask = attention_mask(pos + jnp.arange(T), key_pos, window) & (key_pos >= 0)  # (T, C + T)
+    keys = jnp.concatenate([cache["k"], k.astype(cache["k"].dtype)], axis=1)  # (B, C + T, K, H)
+    values = jnp.concatenate([cache["v"], v.astype(cache["v"].dtype)], axis=1)
+    keys, values = keys.astype(q.dtype), values.astype(q.dtype)
+    with matmul_precision(q.dtype):
+        y = jax.nn.dot_product_attention(q, keys, values, mask=mask[None, None],
+                                         scale=m.head_dim ** -0.5)  # (B, T, N, H)
+    first = max(0, T - C)  # only the last C new keys fit; each lands in its own slot
+    slots = (pos + jnp.arange(first, T)) % C
+    cache = dict(k=cache["k"].at[:, slots].set(k[:, first:].astype(cache["k"].dtype)),
+                 v=cache["v"].at[:, slots].set(v[:, first:].astype(cache["v"].dtype)))
+    return linear(y.reshape(B, T, m.n_heads * m.head_dim), p["self_attn.o_proj.weight"]), cache
+
+
+def forward_step(params, tokens, pos, cache, m, dtype=jnp.float32):
+    """tokens (B, T) at positions pos..pos+T-1 -> (logits (B, T, V), new cache). Over a whole
+    sequence from pos = 0 it gives forward's logits."""
+    x = embed(params["embed_tokens.weight"], tokens, dtype)  # (B, T, D)
+    window, inv_freq, rope_scale = layer_arrays(m)
+    positions = pos + jnp.arange(tokens.shape[1])
+    new = []
+    for i in range(m.n_layers):
+        p = {name[len("layers."):]: w[i] for name, w in params.items()
+             if name.startswith("layers.")}
+        cos, sin = rope_cos_sin(positions, inv_freq[i], rope_scale[i])
+
+        def attn(h):  # block calls it once; the layer's updated cache goes to `new`
+            y, c = cached_attention(p, h, cos, sin, cache[i], pos, int(window[i]), m)
+            new.append(c)
+            return y
+
+        x = block(p, x, attn, m)
+    return unembed(params, x, m), new
+
+
+# --- device attention kernels: what model.attention picks for JAX ---------------------------------
+
 @lru_cache(maxsize=None)
 def splash_kernel(Tq, S, N, window, offset, interpret):
-    """Pallas splash attention for one sequence, q (N, Tq, H) at positions offset.., k and v
-    (K, S, H) at 0..: GQA inside (query head n reads kv head n // (N/K); the backward sums each
-    group into its kv head). Blocks divide Tq and S, multiples of 128; the backward's its own."""
+    """Pallas splash attention for one sequence: q (N, Tq, H) at positions offset.., k and v
+    (K, S, H) at 0..; GQA inside. Blocks (multiples of 128) divide Tq and S."""
     shape = (Tq, S)
     if window:  # key j is kept for query i when i + offset - left <= j <= i + offset + right
         mask = splash_mask.LocalMask(shape, (window - 1, 0), offset=offset)
@@ -312,8 +646,8 @@ def splash_kernel(Tq, S, N, window, offset, interpret):
     b = next(b for b in (512, 256, 128) if Tq % b == 0 and S % b == 0)
     sizes = splash.BlockSizes(block_q=b, block_kv=b, block_q_dkv=b, block_kv_dkv=b, block_q_dq=b,
                               block_kv_dq=b)
-    # Concrete mask arrays even when first built inside a trace (a scan's body): a cached kernel
-    # holding that trace's tracers breaks every later call
+    # Concrete masks even when first built inside a trace (a scan's body): a cached kernel holding
+    # that trace's tracers breaks every later call
     with jax.ensure_compile_time_eval():
         heads = splash_mask.MultiHeadMask([mask] * N)
         return splash.make_splash_mha(heads, block_sizes=sizes, head_shards=1, q_seq_shards=1,
@@ -321,20 +655,19 @@ def splash_kernel(Tq, S, N, window, offset, interpret):
 
 
 def splash_attend(q, k, v, window, scale, segments=None, offset=0):
-    """attend on TPUs, with attend's arguments; elsewhere the same kernel interpreted (slow, exact:
-    what the tests compare). Which one is decided where the step is lowered (platform_dependent), so
-    a CPU host compiling for a TPU topology (`train.py plan --topology`) gets the real kernel. A
-    traced offset (q is a context-parallel shard, shard.attention) picks that shard's kernel."""
+    """attend on TPUs (attend's arguments); elsewhere the same kernel interpreted (slow, exact: what
+    the tests compare). Chosen where the step is lowered (platform_dependent): a CPU host compiling
+    for a TPU gets the real kernel. A traced offset (context parallelism) picks its shard's
+    kernel."""
     Tq, S = q.shape[1], k.shape[1]
     # Padded to the kernel's 128 lanes: causality hides the padded keys, and the padded rows are cut
     Tqp, Sp = -(-Tq // 128) * 128, -(-S // 128) * 128
     q = q * jnp.asarray(scale, q.dtype)  # (the kernel has no scale argument)
-    q = jnp.pad(q, [(0, 0), (0, Tqp - Tq), (0, 0), (0, 0)])
-    k, v = (jnp.pad(x, [(0, 0), (0, Sp - S), (0, 0), (0, 0)]) for x in (k, v))
+    q, k, v = pad_t(q, Tqp - Tq), pad_t(k, Sp - S), pad_t(v, Sp - S)
     seg = []
     if segments is not None:  # (B, S) document ids of the keys; q's are those at its own positions
         q_seg = jax.lax.dynamic_slice_in_dim(segments, offset, Tq, axis=1)
-        seg = [jnp.pad(s.astype(jnp.int32), [(0, 0), (0, n - s.shape[1])], mode="edge")
+        seg = [pad_t(s.astype(jnp.int32), n - s.shape[1], mode="edge")
                for s, n in ((q_seg, Tqp), (segments, Sp))]
     heads_first = partial(jnp.swapaxes, axis1=1, axis2=2)  # (B, T, N, H) <-> (B, N, T, H)
     traced = not isinstance(offset, int)
@@ -355,18 +688,18 @@ def splash_attend(q, k, v, window, scale, segments=None, offset=0):
 
 def cudnn_attend(q, k, v, window, scale):
     """attend on NVIDIA GPUs: cuDNN's flash kernel skips the masked blocks itself. bf16/fp16 only,
-    and no document ids or offset in JAX's call: pick_attention sends those cases to xla."""
+    no document ids or offset (JAX's call has none): pick_attention sends those to xla."""
     window = (window - 1, 0) if window else None
-    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation="cudnn",
-                                        local_window_size=window)
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
+                                        implementation="cudnn", local_window_size=window)
 
 
 ATTEND = {"xla": attend, "splash": splash_attend, "cudnn": cudnn_attend}  # model.attention -> JAX's
 
 
 def accelerator(device=None):
-    """(platform, CUDA compute capability as (major, minor) or None) of `device`, default JAX's
-    first: "cpu", "gpu" or "tpu". What `auto` attention is chosen for (lowering tests stub it)."""
+    """(platform, CUDA compute capability (major, minor) or None) of `device`, default JAX's first:
+    what `auto` attention is chosen for (lowering tests stub it)."""
     d = device or jax.devices()[0]
     capability = getattr(d, "compute_capability", None)
     return d.platform, tuple(int(x) for x in capability.split(".")) if capability else None
@@ -398,9 +731,9 @@ def cudnn_refusal(m, dtype, documents, context, platform, capability):
 
 def pick_attention(m, dtype, documents=False, device=None, context=1):
     """model.attention -> "xla", "splash" or "cudnn" for compute `dtype` on `device` (default JAX's
-    first), with or without document ids, over `context` devices per sequence. auto takes the
-    device's kernel (TPU splash, GPU cudnn) where it supports the case; a kernel named in the config
-    that cannot run is refused, with the reason, before anything compiles."""
+    first), with or without document ids, over `context` devices a sequence. auto takes the device's
+    kernel where it can run; a named one that cannot is refused, with the reason, before
+    compiling."""
     if m.attention in ("sdpa", "flex"):
         raise ValueError(f"model.attention={m.attention!r} is a torch implementation: JAX takes "
                          "auto, xla, splash, cudnn")
@@ -412,296 +745,6 @@ def pick_attention(m, dtype, documents=False, device=None, context=1):
     if m.attention == "cudnn" and (why := refusal()):
         raise ValueError(f"model.attention='cudnn' cannot run here: {why}")
     return m.attention  # (splash off a TPU runs interpreted: exact and slow, as the tests use it)
-
-
-# exercise: qk_norm
-def project_qkv(p, x, cos, sin, m):
-    """x (B, T, D) -> q (B, T, N, H), k and v (B, T, K, H), RoPE applied."""
-    B, T, _ = x.shape
-    q = linear(x, p["self_attn.q_proj.weight"])  # (B, T, N*H)
-    k = linear(x, p["self_attn.k_proj.weight"])  # (B, T, K*H)
-    v = linear(x, p["self_attn.v_proj.weight"])  # (B, T, K*H)
-    if m.clip_qkv:  # OLMo 1.7 (0424/0724): clamp right after the projections, before RoPE
-        q, k, v = (jnp.clip(t, -m.clip_qkv, m.clip_qkv) for t in (q, k, v))
-    if "self_attn.q_norm.weight" in p:  # OLMo 2/3 QK-norm: over the whole width, before the head split
-        q = rms_norm(q, p["self_attn.q_norm.weight"], m.norm_eps)
-        k = rms_norm(k, p["self_attn.k_norm.weight"], m.norm_eps)
-    q = rope(q.reshape(B, T, m.n_heads, m.head_dim), cos, sin)     # (B, T, N, H)
-    k = rope(k.reshape(B, T, m.n_kv_heads, m.head_dim), cos, sin)  # (B, T, K, H)
-    v = v.reshape(B, T, m.n_kv_heads, m.head_dim)                  # (B, T, K, H)
-    return q, k, v
-
-
-def attention(p, x, cos, sin, window, m, segments=None, attend_fn=None):
-    B, T, _ = x.shape
-    q, k, v = project_qkv(p, x, cos, sin, m)
-    if attend_fn is None:  # no mesh (shard.attention): the implementation for JAX's own device
-        attend_fn = ATTEND[pick_attention(m, q.dtype, segments is not None)]
-    documents = () if segments is None else (segments,)
-    y = attend_fn(q, k, v, window, m.head_dim ** -0.5, *documents)  # (B, T, N, H)
-    return linear(y.reshape(B, T, m.n_heads * m.head_dim), p["self_attn.o_proj.weight"])  # (B, T, D)
-
-
-def mlp(p, x):
-    gate = linear(x, p["mlp.gate_proj.weight"])  # (B, T, F)
-    up = linear(x, p["mlp.up_proj.weight"])      # (B, T, F)
-    return linear(jax.nn.silu(gate) * up, p["mlp.down_proj.weight"])  # (B, T, D)
-
-
-# exercise: rmsnorm
-def block(p, x, attn, m, ffn=mlp):
-    """One layer. attn(h) -> (B, T, D) is the attention sublayer: over the sequence itself in training,
-    over a KV cache in generation (forward_step)."""
-    if m.family == "olmo1":  # pre-norm
-        x = x + attn(layer_norm(x, m.norm_eps))
-        return x + ffn(p, layer_norm(x, m.norm_eps))
-    # OLMo 2/3 "reordered norm": no norm on the way in; RMSNorm on each sublayer's output, then the residual add.
-    x = x + rms_norm(attn(x), p["post_attention_layernorm.weight"], m.norm_eps)
-    return x + rms_norm(ffn(p, x), p["post_feedforward_layernorm.weight"], m.norm_eps)
-
-
-def forward(params, tokens, m, dtype=jnp.float32, remat="none", constrain=lambda x: x, segments=None, positions=None,
-            attend_fn=None, head=True, scan_layers=True):
-    """tokens (B, T) int -> logits (B, T, V) in `dtype` (head=False: the last layer's output (B, T, D), for
-    token_logps to run the head in chunks). Ids must be < V: JAX clamps silently, so callers check
-    (check_tokens) first. `remat` trades compute for memory: "block" keeps only each layer's input for the backward
-    pass, "mlp" recomputes just the MLPs. `constrain` (shard.py's pins the layout) follows every layer (B, T, D).
-    segments (B, T): document ids (segment_ids) to keep packed documents apart; positions (T,): RoPE positions
-    (default 0..T-1). attend_fn: attend's signature, in place of model.attention's pick (shard.attention runs a
-    kernel on each device's own instances and heads, or gathers keys for context parallelism; the maths here does
-    not change). scan_layers=False unrolls the loop over the repeats (train.scan_layers)."""
-    x = constrain(params["embed_tokens.weight"][tokens].astype(dtype))  # (B, T, D)
-    positions = jnp.arange(tokens.shape[1]) if positions is None else positions
-    # One scan step is one repeat of layer_pattern (OLMo 3: SSSF), so every layer in it has its window as a Python
-    # int and attention builds only the blocks that window can see; a scan over single layers would carry the
-    # window as data and have to compute every block. The params' L axis is split (L/P, P); RoPE is per position.
-    P = len(m.layer_pattern)
-    window, inv_freq, rope_scale = layer_arrays(m)
-    ropes = [rope_cos_sin(positions, inv_freq[i], rope_scale[i]) for i in range(P)]
-    groups = {name[len("layers."):]: w.reshape(-1, P, *w.shape[1:]) for name, w in params.items()
-              if name.startswith("layers.")}
-
-    ffn = jax.checkpoint(mlp) if remat == "mlp" else mlp
-
-    def layer(p, x, cos, sin, segments, w):
-        return block(p, x, lambda h: attention(p, h, cos, sin, w, m, segments, attend_fn), m, ffn)
-    layer = jax.checkpoint(layer, static_argnums=(5,)) if remat == "block" else layer
-
-    def step(x, group):  # the compiled body is P layers, so compile time grows with P, not with L
-        for i in range(P):
-            p = {name: w[i] for name, w in group.items()}
-            x = constrain(layer(p, x, *ropes[i], segments, int(window[i])))
-        return x, None
-
-    x, _ = jax.lax.scan(step, x, groups, unroll=not scan_layers)  # unrolled: the same maths, no loop
-    return unembed(params, x, m) if head else x
-
-
-def unembed(params, x, m):
-    """The final norm and the head: x (B, T, D) -> (B, T, V)."""
-    x = layer_norm(x, m.norm_eps) if m.family == "olmo1" else rms_norm(x, params["norm.weight"], m.norm_eps)
-    return linear(x, params["embed_tokens.weight" if m.tie_embeddings else "lm_head.weight"])
-
-
-def label_logps(logits, labels, temperature=1.0):
-    """(log p(label), logsumexp of the logits) at each position (B, T), fp32; log p is 0 where labels ==
-    IGNORE_INDEX. What every loss is written on (make_loss):
-    the losses sum log p, z-loss squares the logsumexp.
-    GRPO divides by its sampling temperature,
-    so that p is the policy the rollouts came from (open-instruct, TRL)."""
-    logits = logits.astype(jnp.float32) / temperature
-    lse, valid = jax.nn.logsumexp(logits, axis=-1), labels != IGNORE_INDEX
-    target = jnp.take_along_axis(logits, jnp.where(valid, labels, 0)[..., None], axis=-1)[..., 0]
-    return jnp.where(valid, target - lse, 0.0), lse
-
-
-# exercise: z_loss
-def cross_entropy_of(logp, lse, labels, n, z_loss=0.0, xp=jnp):
-    """Cross-entropy plus z_loss · logsumexp² from each position's log p(label) and logsumexp (label_logps), both
-    summed over the targets (labels != IGNORE_INDEX) and divided by n: the batch's own target count (cross_entropy)
-    or the global batch's (the train step, make_loss). OLMo 2/3 use z_loss 1e-5: it keeps the softmax's normaliser
-    near 1. Returns (loss, ce, z); xp: jnp or torch."""
-    ce = -logp.sum() / n
-    z = xp.where(labels != IGNORE_INDEX, lse * lse, 0.0).sum() / n
-    return ce + z_loss * z, ce, z
-
-
-def cross_entropy(logits, labels, z_loss=0.0):
-    """Mean cross-entropy over labels != IGNORE_INDEX, in fp32, plus z_loss · mean(logsumexp²). Returns (loss, ce,
-    z). Labels are already shifted (shift_labels)."""
-    return cross_entropy_of(*label_logps(logits, labels), labels, jnp.maximum((labels != IGNORE_INDEX).sum(), 1), z_loss)
-
-
-def token_logps(params, x, labels, m, chunks=1, temperature=1.0):
-    """(log p(label), logsumexp of the logits) per position (B, T), fp32, from the last layer's output x (B, T, D):
-    the final norm, head and softmax in `chunks` passes over the positions, each recomputed in the backward pass, so
-    the (B, T, V) logits never exist whole: at V = 100352 and T = 8192 they were most of a step's memory (`train.py
-    plan`), and on a CPU a chunk that stays in cache is faster too (`train.py --bench`). Chunk j holds the positions
-    t = j (mod n): a reshape (B, T/n, n) that keeps the positions' split over devices (context parallelism) on the
-    T/n axis. log p is 0 where labels == IGNORE_INDEX."""
-    def one(x, labels):
-        return label_logps(unembed(params, x, m), labels, temperature)
-    (B, T, D), n = x.shape, min(chunks, x.shape[1])
-    if n == 1:
-        return one(x, labels)
-    pad = -T % n  # positions added to make T a multiple of n: no targets, cut below
-    x = jnp.pad(x, [(0, 0), (0, pad), (0, 0)]).reshape(B, -1, n, D)                            # (B, T/n, n, D)
-    labels = jnp.pad(labels, [(0, 0), (0, pad)], constant_values=IGNORE_INDEX).reshape(B, -1, n)  # (B, T/n, n)
-    out = jax.lax.map(jax.checkpoint(lambda a: one(*a)), (jnp.moveaxis(x, 2, 0), jnp.moveaxis(labels, 2, 0)))
-    return tuple(jnp.moveaxis(a, 0, 2).reshape(B, -1)[:, :T] for a in out)  # (n, B, T/n) -> (B, T)
-
-
-# exercise: dpo
-def dpo_loss(scores, ref, beta, xp=jnp):
-    """DPO on pairs side by side: scores and ref (2P,) are the policy's and the frozen reference's log-probs of
-    rows chosen_0, rejected_0, chosen_1, ... (summed over the answer's tokens; per-token means for dpo_norm).
-    -> (losses, margins), each (P,): margin = β·((π_c − ref_c) − (π_r − ref_r)), the chosen answer's implicit
-    reward minus the rejected one's; loss = −log σ(margin) (open-instruct's dpo_loss, TRL's "sigmoid").
-    xp: jnp or torch (both have logaddexp), so the two backends share this maths."""
-    ratio = scores - ref  # (2P,) log π/π_ref of each row
-    margin = beta * (ratio[0::2] - ratio[1::2])  # (P,)
-    return xp.logaddexp(xp.zeros_like(margin), -margin), margin
-
-
-def grpo_loss(logps, old_logps, advantages, clip=0.2, xp=jnp):
-    """GRPO's clipped policy-gradient loss per token (B, T): −min(ρ·A, clip(ρ, 1 − ε, 1 + ε)·A), ρ = π/π_old,
-    A (B, 1) the row's group-normalised advantage (open-instruct grpo_fast: ε = 0.2 both sides). With one update per
-    batch of rollouts (ours) π_old is π itself (stop-gradient): ρ = 1, the clip never binds, and the gradient is
-    −A·∇log π, REINFORCE with the group mean as baseline; the clip matters once a batch is reused."""
-    ratio = xp.exp(logps - old_logps)
-    return -xp.minimum(ratio * advantages, xp.clip(ratio, 1 - clip, 1 + clip) * advantages)
-
-
-def dpo_of(scores, ref, n, tc, xp):
-    """dpo_loss from each row's summed answer log-probs (policy, reference) and answer length n;
-    dpo_norm (Olmo 2/3) divides each side by its own length, policy and reference alike."""
-    if tc.loss == "dpo_norm":
-        scores, ref = scores / n, ref / n
-    return dpo_loss(scores, ref, tc.dpo_beta, xp)
-
-
-def make_loss(cfg, xp):
-    """train.loss as (logp, lse, labels, batch, total) -> (this micro-batch's share of the step's loss, metrics'
-    shares), from each position's log p(label) and logsumexp (B, T) (token_logps; the torch backend takes them from
-    its logits). total: what the whole global batch is averaged over, total_of(labels). One definition for both
-    backends (xp: jnp or torch;
-    GRPO's rollouts come from the JAX sampler, its step runs in either)."""
-    tc, ignore = cfg.train, IGNORE_INDEX
-    stop_gradient = jax.lax.stop_gradient if xp is jnp else torch.Tensor.detach
-
-    def ce(logp, lse, labels, batch, total):  # OLMo-core: over the target tokens of the global batch, not per micro
-        loss, ce, _ = cross_entropy_of(logp, lse, labels, total, tc.z_loss, xp)
-        return loss, dict(ce=ce)
-
-    def dpo(logp, lse, labels, batch, total):  # total: pairs in the global batch
-        losses, margins = dpo_of(logp.sum(-1), batch["ref"], (labels != ignore).sum(-1), tc, xp)  # (2P,) summed
-        return losses.sum() / total, dict(margin=margins.sum() / total, accuracy=(margins > 0).sum() / total)
-
-    def grpo(lp, lse, labels, batch, total):  # total: completion tokens in the global batch
-        per = grpo_loss(lp, stop_gradient(lp), batch["advantage"][:, None], xp=xp)
-        return xp.where(labels != ignore, per, 0.0).sum() / total, dict(reward=batch["reward"].sum() / cfg.data.global_batch)
-
-    def total_of(labels):
-        return math.prod(labels.shape[:-1]) // 2 if tc.loss.startswith("dpo") else (labels != ignore).sum()
-
-    return {"ce": ce, "dpo": dpo, "dpo_norm": dpo, "grpo": grpo}[tc.loss], total_of
-
-
-def loss_fn(params, tokens, labels, m, dtype=jnp.float32, z_loss=0.0, remat="none"):
-    return cross_entropy(forward(params, tokens, m, dtype, remat), labels, z_loss)[0]
-
-
-def init_params(m, key, names=None):
-    """fp32, truncated normal at +-3σ, norms at 1. `names` (torch takes one at a time): just those, same values."""
-    params = {}
-    for k, (name, p) in zip(jax.random.split(key, len(param_table(m))), param_table(m).items()):
-        if names is not None and name not in names:
-            continue
-        if p.std is None:
-            params[name] = jnp.ones(p.shape, jnp.float32)
-        else:  # a per-layer std (a tuple) broadcasts along the leading L axis; a float one everywhere
-            std = jnp.asarray(p.std, jnp.float32).reshape((-1,) + (1,) * (len(p.shape) - 1))
-            params[name] = jax.random.truncated_normal(k, -3.0, 3.0, p.shape, jnp.float32) * std
-    return params
-
-
-def shift_labels(tokens, pad=None, mask=None):
-    """Next-token labels: tokens[..., 1:] then IGNORE_INDEX (OLMo-core get_labels). A PAD target is ignored too: PAD
-    only fills packed instances after their documents. mask (B, T) bool, OLMo-core's label_mask: token t is a target
-    only where mask[t] (chat data: the assistant's tokens). numpy in, numpy out."""
-    xp = np if isinstance(tokens, np.ndarray) else jnp
-    labels = xp.concatenate([tokens[..., 1:], xp.full_like(tokens[..., :1], IGNORE_INDEX)], axis=-1)
-    labels = labels if pad is None else xp.where(labels == pad, IGNORE_INDEX, labels)
-    if mask is not None:
-        labels = xp.where(xp.concatenate([mask[..., 1:], xp.zeros_like(mask[..., :1])], axis=-1), labels, IGNORE_INDEX)
-    return labels
-
-
-def check_tokens(tokens, m, source="tokens"):
-    tokens = np.asarray(tokens)
-    if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
-        raise ValueError(f"{source}: expected integer token ids of shape (B, T), got {tokens.dtype} {tokens.shape}")
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= m.vocab_size):
-        bad = tokens.max() if tokens.max() >= m.vocab_size else tokens.min()
-        raise ValueError(f"{source}: token id {bad} is out of range for vocab_size={m.vocab_size}")
-    if tokens.shape[1] > m.max_seq_len:
-        print(f"warning: {source} has {tokens.shape[1]} positions, more than max_seq_len={m.max_seq_len}",
-              file=sys.stderr)
-    return tokens
-
-
-# --- generation: the same layers over a KV cache --------------------------------------------------
-# Each layer keeps the keys and values it has seen, RoPE already applied, in a ring of C slots: position p sits in
-# slot p % C. Full layers have C = the longest sequence asked for; sliding-window layers have C = their window, so
-# they keep only the keys they can still attend to. forward_step takes T new tokens at positions pos..pos+T-1: the
-# prompt in one call (pos = 0), then one token per call. The layers are a Python loop here, not a scan, because
-# the caches of sliding and full layers differ in size.
-
-def new_cache(m, B, S, dtype=jnp.float32):
-    """Empty caches for B sequences of up to S positions: per layer k and v (B, C, K, H)."""
-    sizes = [min(int(w), S) if w else S for w in layer_arrays(m)[0]]
-    return [{n: jnp.zeros((B, C, m.n_kv_heads, m.head_dim), dtype) for n in "kv"} for C in sizes]
-
-
-# exercise: kv_cache
-def cached_attention(p, x, cos, sin, cache, pos, window, m):
-    """x (B, T, D) at positions pos..pos+T-1 attends to the cache and to itself; returns (y, new cache)."""
-    (B, T, _), C = x.shape, cache["k"].shape[1]
-    q, k, v = project_qkv(p, x, cos, sin, m)                      # (B, T, N, H), (B, T, K, H) x2
-    held = (pos - 1) - ((pos - 1 - jnp.arange(C)) % C)            # the position in each slot (< 0: empty)
-    key_pos = jnp.concatenate([held, pos + jnp.arange(T)])        # (C + T,)
-    mask = attention_mask(pos + jnp.arange(T), key_pos, window) & (key_pos >= 0)  # (T, C + T)
-    keys = jnp.concatenate([cache["k"], k.astype(cache["k"].dtype)], axis=1)    # (B, C + T, K, H)
-    values = jnp.concatenate([cache["v"], v.astype(cache["v"].dtype)], axis=1)  # (B, C + T, K, H)
-    keys, values = keys.astype(q.dtype), values.astype(q.dtype)
-    with matmul_precision(q.dtype):
-        y = jax.nn.dot_product_attention(q, keys, values, mask=mask[None, None],
-                                         scale=m.head_dim ** -0.5)  # (B, T, N, H)
-    first = max(0, T - C)  # only the last C new keys fit; each lands in its own slot
-    slots = (pos + jnp.arange(first, T)) % C
-    cache = dict(k=cache["k"].at[:, slots].set(k[:, first:].astype(cache["k"].dtype)),
-                 v=cache["v"].at[:, slots].set(v[:, first:].astype(cache["v"].dtype)))
-    return linear(y.reshape(B, T, m.n_heads * m.head_dim), p["self_attn.o_proj.weight"]), cache
-
-
-def forward_step(params, tokens, pos, cache, m, dtype=jnp.float32):
-    """tokens (B, T) at positions pos..pos+T-1 -> (logits (B, T, V), new cache). Over a whole sequence
-    from pos = 0 it gives forward's logits."""
-    x = embed(params["embed_tokens.weight"], tokens, dtype)  # (B, T, D)
-    window, inv_freq, rope_scale = layer_arrays(m)
-    positions = pos + jnp.arange(tokens.shape[1])
-    new = []
-    for i in range(m.n_layers):
-        p = {name[len("layers."):]: w[i] for name, w in params.items() if name.startswith("layers.")}
-        cos, sin = rope_cos_sin(positions, inv_freq[i], rope_scale[i])
-
-        def attn(h):  # block calls it once; the layer's updated cache goes to `new`
-            y, c = cached_attention(p, h, cos, sin, cache[i], pos, int(window[i]), m)
-            new.append(c)
-            return y
-
-        x = block(p, x, attn, m)
-    return unembed(params, x, m), new
 
 
 # === PyTorch =====================================================================================
@@ -735,7 +778,7 @@ def layer_norm_torch(x, eps):
 
 def rope_cos_sin_torch(positions, inv_freq, scale):
     freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, H/2)
-    emb = torch.cat([freqs, freqs], dim=-1)                 # (T, H)
+    emb = torch.cat([freqs, freqs], dim=-1)  # (T, H)
     return emb.cos() * scale, emb.sin() * scale
 
 
@@ -764,10 +807,10 @@ class Attention(nn.Module):
             q, k, v = (t.clamp(-m.clip_qkv, m.clip_qkv) for t in (q, k, v))
         if m.family != "olmo1":
             q, k = self.q_norm(q), self.k_norm(k)
-        q = rope_torch(q.view(B, T, m.n_heads, m.head_dim).transpose(1, 2), cos, sin)     # (B, N, T, H)
-        k = rope_torch(k.view(B, T, m.n_kv_heads, m.head_dim).transpose(1, 2), cos, sin)  # (B, K, T, H)
-        v = v.view(B, T, m.n_kv_heads, m.head_dim).transpose(1, 2)                        # (B, K, T, H)
-        return q, k, v
+        q = q.view(B, T, m.n_heads, m.head_dim).transpose(1, 2)  # (B, N, T, H)
+        k = k.view(B, T, m.n_kv_heads, m.head_dim).transpose(1, 2)  # (B, K, T, H)
+        v = v.view(B, T, m.n_kv_heads, m.head_dim).transpose(1, 2)  # (B, K, T, H)
+        return rope_torch(q, cos, sin), rope_torch(k, cos, sin), v
 
     def forward(self, x, cos, sin, mask, cache=None, pos=0):
         """mask from attention_masks_torch: None (full causal), a bool tensor, or a flex BlockMask.
@@ -778,20 +821,19 @@ class Attention(nn.Module):
             cache["k"][:, :, pos:pos + T], cache["v"][:, :, pos:pos + T] = k, v
             k, v = cache["k"][:, :, :pos + T], cache["v"][:, :, :pos + T]  # (B, K, pos + T, H)
         scale = m.head_dim ** -0.5
-        if isinstance(mask, torch.Tensor) or mask is None:  # is_causal lets SDPA pick a flash kernel on GPUs
-            y = F_.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                                enable_gqa=True)  # (B, N, T, H)
+        if isinstance(mask, torch.Tensor) or mask is None:  # is_causal: SDPA's flash kernel on GPUs
+            y = F_.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                                scale=scale, enable_gqa=True)  # (B, N, T, H)
         else:
             y = flex_attention(q, k, v, mask, scale)  # (B, N, T, H)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, m.n_heads * m.head_dim))  # (B, T, D)
 
 
 def attention_masks_torch(m, windows, T, segments, device, pos=0):
-    """{window: mask} for the distinct windows of the layers: None where SDPA's causal path serves
-    (a full layer, no documents), else what model.attention asks for: a bool (B|1, 1, T, T) tensor
-    for SDPA or a flex_attention BlockMask, which lets the kernel skip the blocks the mask hides
-    (auto: flex on GPUs). pos > 0 (a KV cache): T queries from pos on see keys 0..pos+T-1, a bool
-    (1, 1, T, pos + T) mask (SDPA's is_causal would align the square top-left: wrong)."""
+    """{window: mask} for the layers' distinct windows: None where SDPA's causal path serves (full
+    layer, no documents); else a bool (B|1, 1, T, pos + T) mask or, with flex (model.attention;
+    auto on GPUs), a BlockMask that skips the blocks it hides. pos > 0 (a KV cache): a bool mask, as
+    SDPA's is_causal would align the square top-left."""
     if m.attention not in ("auto", "sdpa", "flex"):
         raise ValueError(f"model.attention={m.attention!r} is a JAX implementation: "
                          "torch takes auto, sdpa, flex")
@@ -805,7 +847,7 @@ def attention_masks_torch(m, windows, T, segments, device, pos=0):
                       else document_block_mask(segments, w, device))
         else:
             i = torch.arange(pos, pos + T, device=device)[:, None]  # query positions
-            j = torch.arange(pos + T, device=device)[None, :]       # key positions
+            j = torch.arange(pos + T, device=device)[None, :]  # key positions
             mask = visible_torch(i, j, w)[None, None]  # (1, 1, T, pos + T)
             if segments is not None:  # and the same document: (B, 1, T, T)
                 mask = mask & (segments[:, None, :, None] == segments[:, None, None, :])
@@ -820,9 +862,8 @@ def visible_torch(i, j, w):
 
 @lru_cache(maxsize=16)
 def window_block_mask(T, w, device):
-    """The BlockMask of a window without documents: the same every step, so made once (eager,
-    it takes seconds at T = 8192), and the same object each time, which a compiled block's guards
-    like too."""
+    """The BlockMask of a window without documents: the same every step, so made once (slow to
+    build), and the same object each time, which a compiled block's guards like too."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def visible(b, h, i, j):
@@ -831,9 +872,8 @@ def window_block_mask(T, w, device):
 
 
 def document_block_mask(segments, w, device):
-    """The BlockMask of a window within documents (B, T), new each batch. Compiled,
-    create_block_mask never holds the whole (B, T, T) mask; a cold compile takes half a minute on a
-    CPU: GPUs only."""
+    """The BlockMask of a window within documents (B, T), new each batch. Compiled (GPUs only: slow
+    to compile on CPUs), create_block_mask never holds the whole (B, T, T) mask."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def visible(b, h, i, j):  # and the same document
@@ -849,14 +889,14 @@ def compiled(fn):
     return torch.compile(fn)
 
 
-# Eager flex_attention warns once that it is unfused: known, and the test path. A filter here, not a
-# catch_warnings block inside flex_attention, where it cost 3 graph breaks per compiled block.
+# Eager flex_attention warns once that it is unfused: known, and the test path. Filtered here: a
+# catch_warnings block inside flex_attention breaks a compiled block's graph.
 warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
 
 
 def flex_attention(q, k, v, block_mask, scale):
-    """torch's flex_attention, compiled on GPUs (a fused kernel); eager elsewhere (correct, but it
-    builds the scores). Inside a compiled block dynamo traces flex itself into the block's graph."""
+    """torch's flex_attention: compiled on GPUs (a fused kernel), eager elsewhere (it builds the
+    scores). In a compiled block dynamo traces flex itself into the block's graph."""
     from torch.nn.attention.flex_attention import flex_attention as flex
     run = compiled(flex) if q.is_cuda and not torch.compiler.is_compiling() else flex
     return run(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
@@ -865,8 +905,8 @@ def flex_attention(q, k, v, block_mask, scale):
 class MLP(nn.Module):
     def __init__(self, m):
         super().__init__()
-        self.gate_proj, self.up_proj = Linear(m.d_model, m.mlp_hidden), Linear(m.d_model, m.mlp_hidden)
-        self.down_proj = Linear(m.mlp_hidden, m.d_model)
+        D, F = m.d_model, m.mlp_hidden
+        self.gate_proj, self.up_proj, self.down_proj = Linear(D, F), Linear(D, F), Linear(F, D)
 
     def forward(self, x):
         return self.down_proj(F_.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -901,22 +941,22 @@ class OLMo(nn.Module):
             self.norm = RMSNorm(m.d_model, m.norm_eps)
         if not m.tie_embeddings:
             self.lm_head = Linear(m.d_model, m.vocab_size)
-        self.windows = [int(w) for w in layer_arrays(m)[0]]
+        window, inv_freq, rope_scale = layer_arrays(m)
+        self.windows = [int(w) for w in window]
         # RoPE buffers from numpy: real CPU tensors even where the module is built on meta
-        _, inv_freq, rope_scale = layer_arrays(m)
         self.register_buffer("inv_freq", torch.from_numpy(inv_freq), persistent=False)  # (L, H/2)
         self.register_buffer("rope_scale", torch.from_numpy(rope_scale), persistent=False)  # (L,)
 
     def reset_buffers(self):
-        """Refill the RoPE buffers, after a model built on the meta device is given real storage (to_empty)."""
+        """Refill the RoPE buffers once a meta-device model has real storage (to_empty)."""
         _, inv_freq, rope_scale = layer_arrays(self.m)
         self.inv_freq.copy_(torch.from_numpy(inv_freq))
         self.rope_scale.copy_(torch.from_numpy(rope_scale))
 
     def forward(self, tokens, dtype=torch.float32, remat="none", segments=None, cache=None, pos=0):
-        """tokens (B, T) long -> logits (B, T, V) in `dtype`; `remat` ("none", "block", "mlp") and
-        segments (B, T) document ids as in the JAX forward. With a cache (new_cache) the tokens sit
-        at positions pos..pos+T-1 and attend to the keys earlier calls left in it (forward_step)."""
+        """tokens (B, T) long -> logits (B, T, V) in `dtype`; remat, segments as in the JAX
+        forward. With a cache (new_cache) the tokens sit at pos..pos+T-1 and see the keys earlier
+        calls left."""
         T = tokens.shape[1]
         x = self.embed_tokens(tokens).to(dtype)  # (B, T, D)
         positions = torch.arange(pos, pos + T, device=tokens.device)
@@ -930,12 +970,11 @@ class OLMo(nn.Module):
         return self.unembed(x, dtype)
 
     def new_cache(self, B, S, dtype):
-        """Empty keys and values for B sequences of up to S positions: per layer (B, K, S, H).
-        Unlike JAX's ring (new_cache), sliding layers keep all S: the mask applies the window."""
-        m, device = self.m, self.embed_tokens.weight.device
-        shape = (B, m.n_kv_heads, S, m.head_dim)
-        new = lambda: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
-        return [{"k": new(), "v": new()} for _ in self.layers]
+        """Empty keys and values, per layer (B, K, S, H). Unlike JAX's ring (new_cache), sliding
+        layers keep all S positions: the mask applies the window."""
+        shape, device = (B, self.m.n_kv_heads, S, self.m.head_dim), self.embed_tokens.weight.device
+        new = partial(torch.zeros, shape, dtype=dtype, device=device)
+        return [{n: new() for n in "kv"} for _ in self.layers]
 
     def unembed(self, x, dtype):
         """The final norm and the head: x (B, T, D) -> (B, T, V)."""
@@ -947,7 +986,8 @@ class OLMo(nn.Module):
 def label_logps_torch(logits, labels, temperature=1.0):
     """As label_logps: (log p(label), logsumexp)."""
     logits = logits.float() / temperature
-    lse, target = torch.logsumexp(logits, dim=-1), logits.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    lse = torch.logsumexp(logits, dim=-1)
+    target = logits.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     return torch.where(labels != IGNORE_INDEX, target - lse, 0.0), lse
 
 
@@ -980,23 +1020,31 @@ def as_torch(a):
 def print_table(m):
     print(f"{'name':<42} {'shape':<19} {'count':>14}  {'logical axes':<26} init")
     for name, p in param_table(m).items():
-        std = p.std if not isinstance(p.std, tuple) else f"{p.std[0]:.4g}..{p.std[-1]:.4g}"  # per layer
-        init = "ones" if p.std is None else f"trunc N(0, {std:.4g})" if isinstance(std, float) else f"trunc N(0, {std})"
-        print(f"{name:<42} {str(p.shape):<19} {math.prod(p.shape):>14,}  {', '.join(p.axes):<26} {init}")
-    print(f"FLOPs/token (train, T={m.max_seq_len}): {flops_per_token(m):,} ({flops_per_token(m) / 1e9:.2f} GFLOP)")
+        std = p.std
+        if isinstance(std, tuple):  # one per layer
+            std = f"{std[0]:.4g}..{std[-1]:.4g}"
+        elif isinstance(std, float):
+            std = f"{std:.4g}"
+        init = "ones" if p.std is None else f"trunc N(0, {std})"
+        count, axes = math.prod(p.shape), ", ".join(p.axes)
+        print(f"{name:<42} {str(p.shape):<19} {count:>14,}  {axes:<26} {init}")
+    flops = flops_per_token(m)
+    print(f"FLOPs/token (train, T={m.max_seq_len}): {flops:,} ({flops / 1e9:.2f} GFLOP)")
     print(f"total_params={count_params(m)}")
 
 
 def attention_bench():
-    """Forward + backward time of a model of sliding layers against the same model of full layers, on this
-    device's default attention: the work a window saves. D 256, 4 heads of 64, 2 layers, W 512, B 1."""
+    """Forward + backward time of sliding against full layers on this device's default attention:
+    what a window saves. D 256, 4 heads of 64, 2 layers, W 512, B 1."""
     import time
     print(f"{'T':>6} {'impl':>6} {'full ms':>9} {'sliding ms':>11} {'ratio':>6} {'ideal':>6}")
     for T in (2048, 8192):
         times = {}
         for kind in "FS":
-            m = ModelConfig(d_model=256, n_layers=2, n_heads=4, mlp_hidden=512, vocab_size=512, max_seq_len=T,
-                            layer_pattern=kind, sliding_window=512 if kind == "S" else 0, eos_token_id=0, pad_token_id=1)
+            window = 512 if kind == "S" else 0
+            m = ModelConfig(d_model=256, n_layers=2, n_heads=4, mlp_hidden=512, vocab_size=512,
+                            max_seq_len=T, layer_pattern=kind, sliding_window=window,
+                            eos_token_id=0, pad_token_id=1)
             params, toks = init_params(m, jax.random.PRNGKey(0)), jnp.zeros((1, T), jnp.int32)
             step = jax.jit(jax.grad(partial(loss_fn, m=m)))
             jax.block_until_ready(step(params, toks, toks))  # compile
