@@ -1,4 +1,4 @@
-"""Data: tokenizers, token files in OLMo-core's layout, OLMo-core's exact data order, and what step N saw.
+"""Data: tokenizers, token files in OLMo-core's layout, its exact data order, and what step N saw.
 
     python data.py tokenizer data/corpus --vocab-size 4096 --out data/bpe4096.tiktoken
     python data.py prepare data/corpus --out data/tiny --tokenizer data/bpe4096.tiktoken --heldout 0.05
@@ -7,13 +7,18 @@
     python data.py bench
     python data.py prepare data/arith/sft.jsonl --out data/arith-sft --tokenizer data/bpe4096.tiktoken --chat tulu
 
-Token files are OLMo-core's layout, so its own files read as they are: raw little-endian ids, no header
-(uint16 when the vocabulary fits, else uint32), each document ending with EOS. Beside each, PART.json (dtype,
-counts, sha256, tokenizer) and PART.docs.npy (first token, source, line per document) map tokens to documents.
+Token files are OLMo-core's (raw little-endian uint16 or uint32 ids, no header, EOS after each
+document), so its own read as they are; PART.json and PART.docs.npy beside each map tokens to
+documents.
 
-The order (DESIGN §4, OLMo-core NumpyFSLDataLoader): instance k of a file is tokens [k·T, (k+1)·T), the tail is
-dropped; ids run over files in mix order; epoch e (from 1) shuffles arange(N) with PCG64(seed + e); global batch b
-is row b of that permutation in rows of G (the last N mod G ids sit out the epoch); rank r takes row[r::world].
+The order (DESIGN §4, OLMo-core NumpyFSLDataLoader): instance k of a file is tokens [k·T, (k+1)·T),
+the tail dropped; ids run over files in mix order; epoch e (from 1) shuffles arange(N) with
+PCG64(seed + e); global batch b is row b of it in rows of G (the N mod G tail sits out); rank r
+takes row[r::world].
+
+Sections: tokenizers; reading documents; chat; decontamination; prepare; token files; the data
+order; packed instances; preference pairs; the instance filter; inspect and verify; bench; command
+line.
 """
 
 import argparse
@@ -47,30 +52,33 @@ from configs import in_range, read_json, run_cli
 
 # --- tokenizers ---------------------------------------------------------------------------------
 
-# The pre-tokenizer regex of OLMo's allenai_dolma2.json (the original cl100k_base pattern). tiktoken's
-# own cl100k pattern has since changed how it splits runs of whitespace; this one matches the HF file.
-PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+# OLMo's allenai_dolma2.json pre-tokenizer, the original cl100k_base regex: tiktoken's own has since
+# changed how it splits runs of whitespace.
+PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 CL100K_SHA256 = "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7"
-DOLMA2_ADDED = {  # reference/olmo-facts.md §4.2: all 22 added tokens; HF matches every one of them in text
-    "<|extra_id_0|>": 100256, "<|endoftext|>": 100257, "<|fim_prefix|>": 100258, "<|fim_middle|>": 100259,
-    "<|fim_suffix|>": 100260, "|||PHONE_NUMBER|||": 100261, "|||EMAIL_ADDRESS|||": 100262,
-    "|||IP_ADDRESS|||": 100263, "<|im_start|>": 100264, "<|im_end|>": 100265,
-    **{f"<|extra_id_{i}|>": 100265 + i for i in range(1, 11)}, "<|endofprompt|>": 100276, "<|pad|>": 100277,
+DOLMA2_ADDED = {  # reference/olmo-facts.md §4.2: all 22 added tokens; HF matches each in text
+    "<|extra_id_0|>": 100256, "<|endoftext|>": 100257, "<|fim_prefix|>": 100258,
+    "<|fim_middle|>": 100259, "<|fim_suffix|>": 100260, "|||PHONE_NUMBER|||": 100261,
+    "|||EMAIL_ADDRESS|||": 100262, "|||IP_ADDRESS|||": 100263, "<|im_start|>": 100264,
+    "<|im_end|>": 100265, **{f"<|extra_id_{i}|>": 100265 + i for i in range(1, 11)},
+    "<|endofprompt|>": 100276, "<|pad|>": 100277,
 }
-BPE_SPECIALS = ["<|endoftext|>", "<|pad|>"]  # a trained tokenizer's EOS and PAD, right after its ranks
+BPE_SPECIALS = ["<|endoftext|>", "<|pad|>"]  # a trained tokenizer's EOS and PAD, after its ranks
 
 
 @dataclass
 class Tokenizer:
     enc: tiktoken.Encoding
-    name: str          # "dolma2" or the ranks file's path
+    name: str        # "dolma2" or the ranks file's path
     eos_id: int
     pad_id: int
-    vocab_size: int    # ids 0 .. vocab_size-1 (before any padding of the embedding)
-    sha256: str        # of the ranks file
+    vocab_size: int  # ids 0 .. vocab_size-1 (before any padding of the embedding)
+    sha256: str      # of the ranks file
 
     def encode_document(self, text):
-        """Ids of one document, EOS appended (OLMo data has no BOS); special tokens in the text become ids, as in HF."""
+        """Ids of one document, EOS appended (OLMo has no BOS); special tokens in it become ids,
+        as in HF."""
         return self.enc.encode(text, allowed_special="all") + [self.eos_id]
 
     def decode(self, ids):
@@ -98,17 +106,17 @@ def load_tokenizer(spec):
         if sorted(ranks.values()) != list(range(len(ranks))):
             raise ValueError(f"{path}: ranks must be 0..{len(ranks) - 1} without gaps")
         specials = {s: len(ranks) + i for i, s in enumerate(BPE_SPECIALS)}
-    enc = tiktoken.Encoding(Path(spec).stem, pat_str=PATTERN, mergeable_ranks=ranks, special_tokens=specials)
-    return Tokenizer(enc, "dolma2" if spec == "dolma2" else str(path), specials["<|endoftext|>"], specials["<|pad|>"],
+    enc = tiktoken.Encoding(Path(spec).stem, pat_str=PATTERN, mergeable_ranks=ranks,
+                            special_tokens=specials)
+    name = "dolma2" if spec == "dolma2" else str(path)
+    return Tokenizer(enc, name, specials["<|endoftext|>"], specials["<|pad|>"],
                      max(specials.values()) + 1, sha256(path))
 
 
 def read_ranks(path):
-    """A tiktoken ranks file ("<base64 token> <rank>" per line) -> {token bytes: rank},
-    read from the file itself.
-    Footgun: tiktoken's load_tiktoken_bpe copies each file it reads
-    to $TMPDIR/data-gym-cache/<sha1 of the path> and serves that copy ever after,
-    so a tokenizer retrained at the same path would be silently ignored."""
+    """A tiktoken ranks file ("<base64 token> <rank>" lines) -> {token bytes: rank}. Read here:
+    tiktoken's load_tiktoken_bpe caches files by path, so a tokenizer retrained at the same path
+    would be ignored."""
     ranks = {}
     for n, line in enumerate(Path(path).read_bytes().splitlines(), 1):
         if not line:  # (tiktoken skips empty lines too)
@@ -116,19 +124,19 @@ def read_ranks(path):
         try:
             token, rank = line.split()
             ranks[base64.b64decode(token, validate=True)] = int(rank)
-        except ValueError as e:
-            # a wrong field count, bad base64 (binascii.Error) or a rank not an integer
+        except ValueError as e:  # a wrong field count, bad base64 (binascii.Error), a bad rank
             raise ValueError(f"{path}:{n}: not a tiktoken ranks line ({e})") from None
     return ranks
 
 
 def train_bpe(texts, vocab_size):
-    """Byte-level BPE with the dolma2 pre-tokenizer, on an iterable of texts -> {token bytes: rank}. Ranks 0..255
-    are the bytes, each merge takes the next; vocab_size counts EOS and PAD too. Pair counts are kept incrementally
-    (a heap with lazy deletion), so a merge touches only the words that hold its pair."""
+    """Byte-level BPE with the dolma2 pre-tokenizer -> {token bytes: rank}: 0..255 the bytes, then
+    one per merge; vocab_size counts EOS and PAD. Pair counts sit in a heap with lazy deletion, so a
+    merge touches only the words that hold its pair."""
     n_merges = vocab_size - 256 - len(BPE_SPECIALS)
     if n_merges < 0:
-        raise ValueError(f"--vocab-size {vocab_size} is below 256 bytes + {len(BPE_SPECIALS)} special tokens")
+        raise ValueError(
+            f"--vocab-size {vocab_size} is below 256 bytes + {len(BPE_SPECIALS)} special tokens")
     counts = Counter(w for text in texts for w in regex.findall(PATTERN, text))
     words, freq = [list(w.encode("utf-8")) for w in counts], list(counts.values())
     tokens = [bytes([b]) for b in range(256)]
@@ -166,7 +174,7 @@ def train_bpe(texts, vocab_size):
                 changed.add(p)
             words[wi] = merged
         for p in changed:
-            if pairs[p] > 0:  # a pair whose count fell to 0 stays in `pairs` but never re-enters the heap
+            if pairs[p] > 0:  # a pair whose count fell to 0 stays in `pairs`, out of the heap
                 heapq.heappush(heap, (-pairs[p], p))
     return {t: r for r, t in enumerate(tokens)}
 
@@ -174,7 +182,8 @@ def train_bpe(texts, vocab_size):
 def save_ranks(ranks, path):
     """tiktoken's ranks format: one 'base64(token bytes) rank' line per token."""
     tmp = Path(str(path) + ".tmp")
-    tmp.write_text("".join(f"{base64.b64encode(t).decode()} {ranks[t]}\n" for t in sorted(ranks, key=ranks.get)))
+    lines = (f"{base64.b64encode(t).decode()} {ranks[t]}\n" for t in sorted(ranks, key=ranks.get))
+    tmp.write_text("".join(lines))
     os.replace(tmp, path)
 
 
@@ -184,12 +193,15 @@ SUFFIXES = (".txt", ".jsonl", ".jsonl.gz")
 
 
 def list_sources(inputs):
-    """Files to read, in a fixed order: each input file, or every .txt/.jsonl/.jsonl.gz under a folder."""
+    """Files to read, in a fixed order: each input file, or every .txt/.jsonl/.jsonl.gz under a
+    folder."""
     out = []
     for p in map(Path, inputs):
         if not p.exists():
             raise FileNotFoundError(f"{p}: no such file or folder")
-        found = sorted(f for f in p.rglob("*") if f.is_file() and f.name.endswith(SUFFIXES)) if p.is_dir() else [p]
+        found = [p]
+        if p.is_dir():
+            found = sorted(f for f in p.rglob("*") if f.is_file() and f.name.endswith(SUFFIXES))
         if not found:
             raise FileNotFoundError(f"{p}: no {', '.join(SUFFIXES)} files in this folder")
         if not found[0].name.endswith(SUFFIXES):
@@ -199,7 +211,8 @@ def list_sources(inputs):
 
 
 def read_records(path):
-    """(line number, raw bytes) per record: a .txt file is one document (line 0); .jsonl has one per line."""
+    """(line number, raw bytes) per record: a .txt file is one document (line 0); .jsonl has one
+    per line."""
     if path.name.endswith(".txt"):
         yield 0, path.read_bytes()
         return
@@ -209,8 +222,9 @@ def read_records(path):
             for lineno, line in enumerate(f, 1):
                 if line.strip():
                     yield lineno, line
-    except (EOFError, gzip.BadGzipFile, zlib.error) as e:  # a cut or damaged .gz: say where it broke off
-        raise ValueError(f"{path}: unreadable after line {lineno} ({e}): the file is truncated or corrupt") from None
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:  # a cut or damaged .gz: say where
+        raise ValueError(f"{path}: unreadable after line {lineno} ({e}): "
+                         "the file is truncated or corrupt") from None
 
 
 def json_record(raw, where):
@@ -221,14 +235,16 @@ def json_record(raw, where):
 
 
 def json_lines(path):
-    """(file:line, record) per non-empty line of a .jsonl / .jsonl.gz file; a bad line stops it, named."""
+    """(file:line, record) per non-empty line of a .jsonl / .jsonl.gz file; a bad line stops it,
+    named."""
     for lineno, raw in read_records(Path(path)):
         yield f"{path}:{lineno}", json_record(raw, f"{path}:{lineno}")
 
 
 def fix_surrogates(text):
-    """Python strings can hold lone UTF-16 surrogates (a JSON "\\ud800" escape decodes to one), which UTF-8
-    cannot encode. We join valid pairs and replace lone ones with U+FFFD, as tiktoken would, but count them."""
+    """-> (text, count): a JSON "\\ud800" escape decodes to a lone UTF-16 surrogate, which UTF-8
+    cannot encode: valid pairs are joined, lone ones counted and replaced with U+FFFD, as tiktoken
+    would."""
     try:
         text.encode("utf-8")
         return text, 0
@@ -238,7 +254,8 @@ def fix_surrogates(text):
 
 
 def parse_record(path, raw):
-    """One record -> (text, skip reason or None, surrogates replaced): a .jsonl line's 'text', or a whole .txt."""
+    """-> (text, skip reason or None, surrogates replaced): a .jsonl line's 'text', or a whole
+    .txt."""
     try:
         s = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -259,42 +276,46 @@ def parse_record(path, raw):
     return s, None, fixed
 
 
-def _h(s):
+def text_hash(s):
     return hashlib.blake2b(s.encode("utf-8", "surrogatepass"), digest_size=8).digest()
 
 
 def heldout_score(text):
-    """A deterministic uniform number in [0, 1) from a document's text: < fraction means held out. By text, not id,
-    so exact copies under different ids fall on one side, under any tokenizer, file order or name."""
-    return int.from_bytes(_h(text), "little") / 2**64
+    """Uniform in [0, 1) from a document's text (< fraction: held out). By text, not id, so exact
+    copies fall on one side, whatever the tokenizer, file order or name."""
+    return int.from_bytes(text_hash(text), "little") / 2**64
 
 
 # --- chat: templates, label masks, preference pairs (post-training) -----------------------------
-# The two OLMo chat formats, as open-instruct's CHAT_TEMPLATES render them (transformers' apply_chat_template with
-# the released tokenizer configs gives the same ids: tests/test_chat.py). "tulu" (OLMo 1/2 Instruct): plain-text
-# headers, BOS first, each assistant turn closed by EOS. "olmo" (Olmo 3): ChatML turns between the special tokens
-# <|im_start|> and <|im_end|>, a default system turn, the last assistant turn closed by EOS. Per role: (header, end).
-OLMO_SYSTEM = ("You are OLMo, a helpful function-calling AI assistant built by Ai2. Your date cutoff is November 2024, "
-               "and your model weights are available at https://huggingface.co/allenai.")
-NO_FUNCTIONS = " You do not currently have access to any functions. <functions></functions><|im_end|>\n"
+# OLMo's two chat formats as open-instruct's CHAT_TEMPLATES render them (docs/data.md,
+# test_chat.py): "tulu" (OLMo 1/2 Instruct) and "olmo" (Olmo 3). Per role: (header, end).
+OLMO_SYSTEM = ("You are OLMo, a helpful function-calling AI assistant built by Ai2. Your date "
+               "cutoff is November 2024, and your model weights are available at "
+               "https://huggingface.co/allenai.")
+NO_FUNCTIONS = (" You do not currently have access to any functions. "
+                "<functions></functions><|im_end|>\n")
 CHAT_TEMPLATES = {
     "tulu": dict(bos=True, default_system=None, turns={
-        "system": ("<|system|>\n", "\n"), "user": ("<|user|>\n", "\n"), "assistant": ("<|assistant|>\n", "{eos}\n")}),
+        "system": ("<|system|>\n", "\n"),
+        "user": ("<|user|>\n", "\n"),
+        "assistant": ("<|assistant|>\n", "{eos}\n")}),
     "olmo": dict(bos=False, default_system=OLMO_SYSTEM, turns={
-        "system": ("<|im_start|>system\n", NO_FUNCTIONS), "user": ("<|im_start|>user\n", "<|im_end|>\n"),
+        "system": ("<|im_start|>system\n", NO_FUNCTIONS),
+        "user": ("<|im_start|>user\n", "<|im_end|>\n"),
         "assistant": ("<|im_start|>assistant\n", "<|im_end|>\n")}),
 }
 
 
 def check_messages(messages, where, need_assistant=True):
-    """A conversation as open-instruct and TRL read it: [{"role", "content"}, ...]; refused naming what is wrong."""
+    """A conversation as open-instruct and TRL read it, [{"role", "content"}, ...], or why not."""
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}}")
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict) or "role" not in msg:
             raise ValueError(f"{where}: messages[{i}] has no 'role'")
         if msg["role"] not in CHAT_TEMPLATES["tulu"]["turns"]:
-            raise ValueError(f"{where}: messages[{i}].role={msg['role']!r} is not one of system, user, assistant")
+            raise ValueError(f"{where}: messages[{i}].role={msg['role']!r} "
+                             "is not one of system, user, assistant")
         if not isinstance(msg.get("content"), str):
             raise ValueError(f"{where}: messages[{i}] ({msg['role']}) has no string 'content'")
     if need_assistant and not any(msg["role"] == "assistant" for msg in messages):
@@ -303,10 +324,9 @@ def check_messages(messages, where, need_assistant=True):
 
 
 def render_chat(tok, messages, template, generation_prompt=False, train_turns="all"):
-    """-> (ids, mask): the conversation's token ids, and True on the tokens trained on: each assistant turn's
-    content and its end token (EOS or <|im_end|>), never a header, system or user text (open-instruct's masking).
-    train_turns="last": only the last assistant turn (preference pairs). The text is rendered whole and tokenized
-    once, as apply_chat_template does; each token takes the mask of the character it starts at."""
+    """-> (ids, mask), mask True on the trained tokens: each assistant turn's content and end token
+    (EOS or <|im_end|>; with train_turns="last" the last turn's only), as open-instruct masks.
+    Tokenized whole, as apply_chat_template does: a token takes the mask of its first character."""
     t = CHAT_TEMPLATES[template]
     eos = tok.enc.decode([tok.eos_id])
     pieces = [(eos, False)] if t["bos"] else []  # (text, trained)
@@ -316,13 +336,14 @@ def render_chat(tok, messages, template, generation_prompt=False, train_turns="a
     for i, msg in enumerate(messages):
         header, end = t["turns"][msg["role"]]
         if msg["role"] == "assistant" and i == len(messages) - 1:
-            end = "{eos}"  # the conversation's last turn ends with EOS alone: one EOS per conversation
+            end = "{eos}"  # the last turn ends with EOS alone: one EOS per conversation
         trained = msg["role"] == "assistant" and (train_turns == "all" or i == last)
         end = end.format(eos=eos)
-        # The newline after a turn's end token goes with the next turn: open-instruct masks the span of message i
-        # from len(template(messages[:i])), which renders the turn before as the last one, without it.
+        # The newline after an end token goes with the next turn: open-instruct masks message i
+        # from len(template(messages[:i])), which renders the turn before as the last, without it.
         closing = end.rstrip("\n")
-        pieces += [(header, False), (msg["content"] + closing, trained), (end[len(closing):], False)]
+        pieces += [(header, False), (msg["content"] + closing, trained)]
+        pieces.append((end[len(closing):], False))
     if generation_prompt:
         pieces.append((t["turns"]["assistant"][0], False))
     text = "".join(s for s, _ in pieces)
@@ -333,27 +354,29 @@ def render_chat(tok, messages, template, generation_prompt=False, train_turns="a
 
 
 def chat_record(rec, tok, template, where):
-    """One JSON line -> its documents [(ids, mask)]: a conversation {"messages"} is one, a preference pair
-    {"chosen", "rejected"} (open-instruct's full message lists; only the last turn differs; or TRL's explicit
-    form, the shared turns in "prompt" and the answers alone in "chosen" and "rejected") two, chosen first."""
+    """One JSON line -> [(ids, mask)]: one for {"messages"}, two (chosen first) for a preference
+    pair: full message lists {"chosen", "rejected"} differing in the last turn (open-instruct), or
+    shared turns in "prompt" and the answers alone (TRL)."""
     if not isinstance(rec, dict):
         raise ValueError(f"{where}: expected a JSON object")
     if "messages" in rec:
         return [render_chat(tok, check_messages(rec["messages"], where), template)]
     if not ("chosen" in rec and "rejected" in rec):
-        raise ValueError(f"{where}: expected 'messages' (SFT) or 'chosen' and 'rejected' (preference pair)")
-    prompt = check_messages(rec["prompt"], f"{where}: prompt", need_assistant=False) if "prompt" in rec else []
+        raise ValueError(
+            f"{where}: expected 'messages' (SFT) or 'chosen' and 'rejected' (preference pair)")
+    prompt = []
+    if "prompt" in rec:
+        prompt = check_messages(rec["prompt"], f"{where}: prompt", need_assistant=False)
     c, r = (prompt + check_messages(rec[k], f"{where}: {k}") for k in ("chosen", "rejected"))
     if c[:-1] != r[:-1] or c[-1]["role"] != "assistant" or r[-1]["role"] != "assistant":
-        raise ValueError(f"{where}: 'chosen' and 'rejected' must share every message but a last assistant turn "
-                         "(their prompts differ)")
+        raise ValueError(f"{where}: 'chosen' and 'rejected' must share every message but a last "
+                         "assistant turn (their prompts differ)")
     return [render_chat(tok, msgs, template, train_turns="last") for msgs in (c, r)]
 
 
 # --- decontamination ----------------------------------------------------------------------------
-# The OLMo papers drop every training document that shares a paragraph with Paloma. We hash normalised
-# paragraphs (lower case, words only, at least PARA_WORDS words) and every NGRAM-word window of the eval
-# texts; a training document matching either is dropped.
+# As the OLMo papers (against Paloma): a training document is dropped when it shares a normalised
+# paragraph (lower case, words only, PARA_WORDS+ words) or an NGRAM-word window with the eval texts.
 
 PARA_WORDS, NGRAM = 8, 13
 WORD = regex.compile(r"[\p{L}\p{N}]+")
@@ -362,8 +385,8 @@ WORD = regex.compile(r"[\p{L}\p{N}]+")
 def fingerprints(text):
     """(paragraph hashes, n-gram hashes) of a text."""
     paras, words = [WORD.findall(p.lower()) for p in text.split("\n")], WORD.findall(text.lower())
-    return ({_h(" ".join(w)) for w in paras if len(w) >= PARA_WORDS},
-            {_h(" ".join(words[i:i + NGRAM])) for i in range(len(words) - NGRAM + 1)})
+    return ({text_hash(" ".join(w)) for w in paras if len(w) >= PARA_WORDS},
+            {text_hash(" ".join(words[i:i + NGRAM])) for i in range(len(words) - NGRAM + 1)})
 
 
 def load_eval_fingerprints(paths):
@@ -375,7 +398,8 @@ def load_eval_fingerprints(paths):
             if skip:
                 raise ValueError(f"{src}:{lineno}: cannot read this eval document: {skip}")
             prints.append(fingerprints(text))
-    return set().union(*(p for p, _ in prints)), set().union(*(g for _, g in prints)), len(prints)
+    paras, grams = (p for p, _ in prints), (g for _, g in prints)
+    return set().union(*paras), set().union(*grams), len(prints)
 
 
 # --- prepare: documents -> token files ----------------------------------------------------------
@@ -384,38 +408,48 @@ _WORKER = {}
 
 
 def _init_worker(tokenizer_spec, sources, heldout, decon, chat):
-    _WORKER.update(tok=load_tokenizer(tokenizer_spec), sources=sources, heldout=heldout, decon=decon, chat=chat)
+    _WORKER.update(tok=load_tokenizer(tokenizer_spec), sources=sources, heldout=heldout,
+                   decon=decon, chat=chat)
+
+
+def _split_of(text, fraction):
+    return "heldout" if heldout_score(text) < fraction else "train"
 
 
 def _process(batch):
-    """Worker: parse, decontaminate, split, tokenize; each split is "train", "heldout" or why it was skipped.
-    -> (source, line, split, documents [(ids, label mask or None)], bytes, surrogates replaced) per record."""
+    """Worker: parse, decontaminate, split, tokenize -> per record (source, line, split: "train",
+    "heldout" or why it was skipped, documents [(ids, label mask or None)], bytes, surrogates
+    replaced)."""
     w, out = _WORKER, []
     for src, lineno, raw in batch:
-        if w["chat"]:  # a conversation or a preference pair: bad ones stop the run (chat_record says where)
+        if w["chat"]:  # a conversation or a preference pair: a bad one stops the run, named
             where = f"{w['sources'][src]}:{lineno}"
             docs = chat_record(json_record(raw, where), w["tok"], w["chat"], where)
-            split = "heldout" if heldout_score(raw.decode("utf-8", "replace")) < w["heldout"] else "train"
-            out.append((src, lineno, split, [(np.asarray(i, np.uint32), m) for i, m in docs], len(raw), 0))
+            split = _split_of(raw.decode("utf-8", "replace"), w["heldout"])
+            docs = [(np.asarray(ids, np.uint32), mask) for ids, mask in docs]
+            out.append((src, lineno, split, docs, len(raw), 0))
             continue
         text, skip, fixed = parse_record(w["sources"][src], raw)
         if skip is None and w["decon"]:
             paras, grams = fingerprints(text)
-            shared = "a paragraph" if paras & w["decon"][0] else f"a {NGRAM}-gram" if grams & w["decon"][1] else None
-            skip = shared and f"decontaminated (shares {shared} with the eval data)"
-        split = skip or ("heldout" if heldout_score(text) < w["heldout"] else "train")
+            if paras & w["decon"][0]:
+                skip = "decontaminated (shares a paragraph with the eval data)"
+            elif grams & w["decon"][1]:
+                skip = f"decontaminated (shares a {NGRAM}-gram with the eval data)"
+        split = skip or _split_of(text, w["heldout"])
         docs = None if skip else [(np.asarray(w["tok"].encode_document(text), np.uint32), None)]
         out.append((src, lineno, split, docs, len(raw), fixed))
     return out
 
 
 class PartWriter:
-    """Appends documents to SPLIT/part-NNNNN.bin, rolling to a new part past max_tokens (between records, so a
-    preference pair stays in one part). Chat data also writes PART.labels_mask: OLMo-core's label mask, one
-    byte per token, 1 where the token is a target."""
+    """Appends documents to SPLIT/part-NNNNN.bin, a new part past max_tokens (between records: a
+    pair stays in one part); chat data also to PART.labels_mask, OLMo-core's label mask (a byte per
+    token, 1: a target)."""
 
     def __init__(self, root, split, dtype, tokenizer, max_tokens):
-        self.dir, self.dtype, self.tok, self.max_tokens = root / split, np.dtype(dtype), tokenizer, max_tokens
+        self.dir, self.dtype, self.tok = root / split, np.dtype(dtype), tokenizer
+        self.max_tokens = max_tokens
         self.dir.mkdir(parents=True)
         self.part, self.f, self.documents, self.tokens = -1, None, 0, 0
 
@@ -425,11 +459,13 @@ class PartWriter:
             self.part += 1
             self.path = self.dir / f"part-{self.part:05d}.bin"
             self.f, self.sha, self.n, self.docs = open(self.path, "wb"), hashlib.sha256(), 0, []
-            self.mask = open(self.path.with_suffix(".labels_mask"), "wb") if docs[0][1] is not None else None
+            self.mask = None
+            if docs[0][1] is not None:
+                self.mask = open(self.path.with_suffix(".labels_mask"), "wb")
         for ids, mask in docs:
             blob = ids.astype(self.dtype.newbyteorder("<")).tobytes()
             self.f.write(blob)
-            self.sha.update(blob)  # hashed as written: no second read of a part that may be gigabytes
+            self.sha.update(blob)  # hashed as written: no second read of a part of gigabytes
             if self.mask:
                 self.mask.write(np.asarray(mask, np.uint8).tobytes())
             self.docs.append((self.n, src, lineno))
@@ -444,15 +480,16 @@ class PartWriter:
         if self.mask:
             self.mask.close()
         np.save(self.path.with_suffix(".docs.npy"), np.array(self.docs, np.int64).reshape(-1, 3))
-        meta = dict(tokens=self.n, documents=len(self.docs), dtype=self.dtype.name, sha256=self.sha.hexdigest(),
-                    tokenizer=Path(self.tok.name).name, vocab_size=self.tok.vocab_size, eos_token_id=self.tok.eos_id)
+        meta = dict(tokens=self.n, documents=len(self.docs), dtype=self.dtype.name,
+                    sha256=self.sha.hexdigest(), tokenizer=Path(self.tok.name).name,
+                    vocab_size=self.tok.vocab_size, eos_token_id=self.tok.eos_id)
         self.path.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
         self.f = None
 
 
 def _results(pool, sources, depth, size=1 << 20):
-    """_process's results, in order, for ~1 MB batches of raw records (source index, line, bytes), at most `depth`
-    batches in flight: pool.imap would read the whole input ahead."""
+    """_process's results, in order, for ~1 MB batches of (source index, line, bytes), at most
+    `depth` in flight: pool.imap would read the whole input ahead."""
     pending, batch, nbytes = deque(), [], 0
     for src, path in enumerate(sources):
         for lineno, raw in read_records(path):
@@ -463,78 +500,95 @@ def _results(pool, sources, depth, size=1 << 20):
                 batch, nbytes = [], 0
                 if len(pending) >= depth:
                     yield pending.popleft().get()
-    pending.append(pool.apply_async(_process, (batch,)))  # the last batch (perhaps empty: _process returns [])
+    pending.append(pool.apply_async(_process, (batch,)))  # the last batch (may be empty: -> [])
     while pending:
         yield pending.popleft().get()
 
 
-def prepare(inputs, out, tokenizer="dolma2", heldout=0.0, decontaminate=(), workers=os.cpu_count(),
-            max_part_tokens=1 << 30, quiet=False, chat=None):
-    """Tokenize documents into OUT/{train,heldout}/part-*.bin. Everything is written under OUT.tmp and
-    renamed at the end, so a failed or interrupted run never leaves files that look complete. chat: a template
-    name (CHAT_TEMPLATES): the inputs are conversations or preference pairs, with label masks."""
+def prepare(inputs, out, tokenizer="dolma2", heldout=0.0, decontaminate=(),
+            workers=os.cpu_count(), max_part_tokens=1 << 30, quiet=False, chat=None):
+    """Tokenize documents into OUT/{train,heldout}/part-*.bin (chat: a CHAT_TEMPLATES name, for
+    conversations or pairs). Written under OUT.tmp, renamed at the end: a failed run leaves nothing
+    that looks complete."""
     out = Path(out)
     if out.exists():
-        raise FileExistsError(f"{out} exists; prepare never overwrites a dataset (delete it or pick another --out)")
+        raise FileExistsError(f"{out} exists; prepare never overwrites a dataset "
+                              "(delete it or pick another --out)")
     if not 0 <= heldout < 1:
         raise ValueError(f"--heldout {heldout}: must be in [0, 1)")
     sources, tok = list_sources(inputs), load_tokenizer(tokenizer)
-    decon = load_eval_fingerprints(decontaminate) if decontaminate else None  # (paragraphs, n-grams, documents)
+    # (paragraphs, n-grams, documents)
+    decon = load_eval_fingerprints(decontaminate) if decontaminate else None
     tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)  # a previous run's leftovers: never complete, safe to drop
+    shutil.rmtree(tmp, ignore_errors=True)  # a failed run's leftovers: safe to drop
     tmp.mkdir(parents=True)
     try:
-        dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32  # OLMo-core: the smallest that holds the ids
+        # OLMo-core: the smallest dtype that holds the ids
+        dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
         writers = {s: PartWriter(tmp, s, dtype, tok, max_part_tokens) for s in ("train", "heldout")}
-        skipped, examples, surrogates, shapes = Counter(), [], 0, {}  # shapes: documents per record -> first one
-        bar = tqdm(total=sum(p.stat().st_size for p in sources), unit="B", unit_scale=True, desc="prepare",
-                   disable=quiet)
-        args = (tokenizer, sources, heldout, decon and decon[:2], chat)  # spawned workers start in our working directory
-        start = multiprocessing.get_context("spawn").Pool if workers > 1 else ThreadPool  # 1 worker: in this process
-        with start(workers, _init_worker, args) as pool, bar:  # Pool.__exit__ terminates the workers, on errors too
+        # shapes: documents per record -> the first such record
+        skipped, examples, surrogates, shapes = Counter(), [], 0, {}
+        size = sum(p.stat().st_size for p in sources)
+        bar = tqdm(total=size, unit="B", unit_scale=True, desc="prepare", disable=quiet)
+        # spawned workers start in our working directory; 1 worker runs in this process
+        args = (tokenizer, sources, heldout, decon and decon[:2], chat)
+        start = multiprocessing.get_context("spawn").Pool if workers > 1 else ThreadPool
+        # Pool.__exit__ terminates the workers, on errors too
+        with start(workers, _init_worker, args) as pool, bar:
             for batch in _results(pool, sources, depth=2 * workers):
                 for src, lineno, split, docs, nbytes, fixed in batch:
                     bar.update(nbytes)
                     surrogates += fixed
+                    where = f"{sources[src]}:{lineno}"
                     if split in writers:
-                        shapes.setdefault(len(docs), f"{sources[src]}:{lineno}")
+                        shapes.setdefault(len(docs), where)
                         if len(shapes) > 1:
-                            raise ValueError(f"{sources[src]}:{lineno}: conversations and preference pairs in one "
-                                             f"dataset ({' and '.join(shapes.values())}): prepare them apart")
+                            raise ValueError(
+                                f"{where}: conversations and preference pairs in one dataset "
+                                f"({' and '.join(shapes.values())}): prepare them apart")
                         writers[split].add(docs, src, lineno)
                         continue
                     skipped[split.split(" (")[0]] += 1
                     if len(examples) < 20:
-                        examples.append(f"{sources[src]}:{lineno}: {split}")
+                        examples.append(f"{where}: {split}")
         for w in writers.values():
             w.close()
         if writers["train"].documents == 0:
-            raise ValueError(f"no training documents in {', '.join(map(str, inputs))}: {sum(skipped.values())} "
-                             f"skipped ({dict(skipped)}), {writers['heldout'].documents} held out")
+            raise ValueError(f"no training documents in {', '.join(map(str, inputs))}: "
+                             f"{sum(skipped.values())} skipped ({dict(skipped)}), "
+                             f"{writers['heldout'].documents} held out")
         if tokenizer != "dolma2":
             shutil.copy(tokenizer, tmp / Path(tokenizer).name)
+        kind = "text"
+        if 2 in shapes:
+            kind = "pairs"
+        elif chat:
+            kind = "chat"
         report = dict(
-            kind="pairs" if 2 in shapes else "chat" if chat else "text", chat_template=chat,
-            tokenizer=Path(tok.name).name, tokenizer_sha256=tok.sha256, vocab_size=tok.vocab_size,
-            eos_token_id=tok.eos_id, pad_token_id=tok.pad_id, dtype=np.dtype(dtype).name, heldout_fraction=heldout,
-            # A second read of the inputs, but sha256 runs ~100x faster than tokenizing them.
+            kind=kind, chat_template=chat, tokenizer=Path(tok.name).name,
+            tokenizer_sha256=tok.sha256, vocab_size=tok.vocab_size, eos_token_id=tok.eos_id,
+            pad_token_id=tok.pad_id, dtype=np.dtype(dtype).name, heldout_fraction=heldout,
+            # a second read of the inputs, but sha256 is far faster than tokenizing (docs/data.md)
             sources=[dict(path=str(p), bytes=p.stat().st_size, sha256=sha256(p)) for p in sources],
-            splits={s: dict(documents=w.documents, tokens=w.tokens, parts=w.part + 1) for s, w in writers.items()},
+            splits={s: dict(documents=w.documents, tokens=w.tokens, parts=w.part + 1)
+                    for s, w in writers.items()},
             skipped=dict(skipped), skipped_examples=examples, surrogates_replaced=surrogates,
             decontamination=decon and dict(
-                files=list(map(str, decontaminate)), eval_documents=decon[2], paragraphs=len(decon[0]),
-                ngrams=len(decon[1]), dropped=sum(v for k, v in skipped.items() if k.startswith("decontaminated"))))
+                files=list(map(str, decontaminate)), eval_documents=decon[2],
+                paragraphs=len(decon[0]), ngrams=len(decon[1]),
+                dropped=sum(v for k, v in skipped.items() if k.startswith("decontaminated"))))
         (tmp / "prepare.json").write_text(json.dumps(report, indent=1) + "\n")
         os.replace(tmp, out)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC:  # (from any write: the message names no file)
-            raise OSError(e.errno, f"{out}: no space left on its disk; {tmp} removed, free some and rerun") from None
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:  # from any write, naming no file
+            raise OSError(e.errno, f"{out}: no space left on its disk; {tmp} removed, "
+                          "free some and rerun") from None
         raise
     return report
 
 
-# --- token files and instances ------------------------------------------------------------------
+# --- token files --------------------------------------------------------------------------------
 
 @dataclass
 class TokenFile:
@@ -544,7 +598,7 @@ class TokenFile:
     docs: np.ndarray | None = None  # (documents, 3): first token, source index, line
     sources: list | None = None     # source paths, from the dataset's prepare.json
     sha256: str | None = None       # as PART.json recorded it (verify compares)
-    has_mask: bool = False          # PART.labels_mask: one byte per token, 1 = a target (chat data)
+    has_mask: bool = False          # PART.labels_mask: a byte per token, 1 = a target (chat data)
 
     def array(self):
         if not hasattr(self, "_mm"):  # one mapping per file, not one per read
@@ -553,13 +607,18 @@ class TokenFile:
 
     def mask(self):
         if not hasattr(self, "_mask"):
-            self._mask = np.memmap(self.path.with_suffix(".labels_mask"), np.bool_, "r", shape=(self.tokens,))
+            path = self.path.with_suffix(".labels_mask")
+            self._mask = np.memmap(path, np.bool_, "r", shape=(self.tokens,))
         return self._mask
+
+    def doc_ends(self):
+        """Where each document ends: the next one's first token, or the file's end."""
+        return [*self.docs[1:, 0], self.tokens]
 
 
 def open_token_file(path, dtype=None, sources=None):
-    """A token file, checked against its PART.json when there is one (ours); a bare OLMo-core file is
-    read as `dtype` (default uint32, the dolma2 layout). `sources`: the dataset's source paths."""
+    """A token file, checked against its PART.json if it has one (ours); a bare OLMo-core file is
+    read as `dtype` (default uint32, dolma2's). `sources`: the dataset's source paths."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such token file")
@@ -567,7 +626,8 @@ def open_token_file(path, dtype=None, sources=None):
     if not meta_path.is_file():
         dt = np.dtype(dtype or np.uint32)
         if size % dt.itemsize:
-            raise ValueError(f"{path}: {size} bytes is not a whole number of {dt.name} tokens: truncated?")
+            raise ValueError(
+                f"{path}: {size} bytes is not a whole number of {dt.name} tokens: truncated?")
         return TokenFile(path, dt, size // dt.itemsize)
     try:
         meta = json.loads(meta_path.read_text())
@@ -576,22 +636,28 @@ def open_token_file(path, dtype=None, sources=None):
         raise ValueError(f"{meta_path}: unreadable metadata ({e!r})") from None
     if size != n * dt.itemsize:
         raise ValueError(f"{path}: {size} bytes, but {meta_path.name} says {n} {dt.name} tokens "
-                         f"({n * dt.itemsize} bytes): the token file is truncated or does not belong to this metadata")
+                         f"({n * dt.itemsize} bytes): the token file is truncated or does not "
+                         "belong to this metadata")
     docs_path = path.with_suffix(".docs.npy")
     docs = np.load(docs_path, allow_pickle=False) if docs_path.is_file() else None
-    if docs is not None and (docs.ndim != 2 or len(docs) != meta["documents"] or (len(docs) and docs[-1, 0] >= n)):
-        raise ValueError(f"{docs_path}: document index does not match {path.name} ({meta['documents']} documents)")
+    if docs is not None and (docs.ndim != 2 or len(docs) != meta["documents"]
+                             or (len(docs) and docs[-1, 0] >= n)):
+        raise ValueError(f"{docs_path}: document index does not match {path.name} "
+                         f"({meta['documents']} documents)")
     mask = path.with_suffix(".labels_mask")
     if mask.is_file() and mask.stat().st_size != n:
-        raise ValueError(f"{mask}: {mask.stat().st_size} bytes for {n} tokens: the label mask is truncated")
+        raise ValueError(
+            f"{mask}: {mask.stat().st_size} bytes for {n} tokens: the label mask is truncated")
     return TokenFile(path, dt, n, docs, sources, meta.get("sha256"), mask.is_file())
 
 
 def load_dataset_info(d):
     d = Path(d)
     if not (d / "prepare.json").is_file():
-        raise FileNotFoundError(f"{d}: no prepare.json here; expected a folder written by `data.py prepare`")
-    return read_json(d / "prepare.json", f"rerun `data.py prepare` into a new folder to rebuild {d}")
+        raise FileNotFoundError(
+            f"{d}: no prepare.json here; expected a folder written by `data.py prepare`")
+    return read_json(d / "prepare.json",
+                     f"rerun `data.py prepare` into a new folder to rebuild {d}")
 
 
 def dataset_tokenizer(d):
@@ -602,12 +668,13 @@ def dataset_tokenizer(d):
 
 def dataset_files(d, split="train"):
     sources = [s["path"] for s in load_dataset_info(d)["sources"]]
-    return [open_token_file(p, sources=sources) for p in sorted((Path(d) / split).glob("part-*.bin"))]
+    parts = sorted((Path(d) / split).glob("part-*.bin"))
+    return [open_token_file(p, sources=sources) for p in parts]
 
 
 def read_mix(path):
-    """An OLMo-style mix file: 'label,path[,weight]' lines; paths relative to the file may be a prepared
-    folder (its train split), a token file, or a glob of token files. -> [(label, [TokenFile], weight)]."""
+    """An OLMo-style mix file, 'label,path[,weight]' lines, path (relative to the file) a prepared
+    folder (its train split), a token file or a glob of them -> [(label, [TokenFile], weight)]."""
     path, out = Path(path), []
     for lineno, line in enumerate(path.read_text().splitlines(), 1):
         line = line.split("#")[0].strip()
@@ -635,14 +702,17 @@ def read_mix(path):
     return out
 
 
+# --- the data order: instances, OLMo-core's permutation, the loader ------------------------------
+
 class Pieces:
-    """What every kind of instances shares: instance i is pieces(i), [(row, file, start, end)], stretches of token
-    files laid into row `row` one after another, then PAD (False in the label mask); read(i) -> (T,), or (rows, T)."""
+    """What all instances share: instance i is pieces(i), [(row, file, start, end)], stretches of
+    token files laid one after another into row `row`, then PAD (False in the label mask).
+    read(i): (T,) or (rows, T)."""
     rows, pad = 1, 0
 
     def read(self, i, what="array"):  # what="mask": the label mask instead of the tokens
-        out = np.full((self.rows, self.seq_len), self.pad if what == "array" else False,
-                      np.int32 if what == "array" else np.bool_)
+        fill, dtype = (self.pad, np.int32) if what == "array" else (False, np.bool_)
+        out = np.full((self.rows, self.seq_len), fill, dtype)
         used = [0] * self.rows
         for row, f, s, e in self.pieces(i):
             out[row, used[row]:used[row] + e - s] = getattr(self.files[f], what)()[s:e]
@@ -652,18 +722,21 @@ class Pieces:
     def where(self, i):
         pieces = self.pieces(i)
         _, f, s, e = pieces[0]
-        return f"{self.kind} {i} ({self.files[f].path} tokens [{s}, {e}){' and more' if pieces[1:] else ''})"
+        more = " and more" if pieces[1:] else ""
+        return f"{self.kind} {i} ({self.files[f].path} tokens [{s}, {e}){more})"
 
 
 class Instances(Pieces):
-    """Fixed-length instances over token files in mix order. With weights, source i contributes round(w_i / Σw · N)
-    instances: whole repeats of its own plus a seeded sample of the rest, so any repetition is explicit (`repeats`)."""
+    """Fixed-length instances over token files in mix order. With weights, source i gives
+    round(w_i / Σw · N) instances, whole repeats of its own plus a seeded sample: any repetition is
+    explicit (`repeats`)."""
 
     def __init__(self, sources, seq_len, seed=0):
         if seq_len < 1:
             raise ValueError(f"seq_len {seq_len} must be positive")
         self.files, self.seq_len = [f for _, files, _ in sources for f in files], seq_len
-        self.offsets = np.concatenate([[0], np.cumsum([f.tokens // seq_len for f in self.files], dtype=np.int64)])
+        per_file = [f.tokens // seq_len for f in self.files]
+        self.offsets = np.concatenate([[0], np.cumsum(per_file, dtype=np.int64)])
         n = int(self.offsets[-1])
         if n == 0:
             raise ValueError(f"no instance of {seq_len} tokens: the files hold "
@@ -699,146 +772,11 @@ class Instances(Pieces):
         return f"{self.files[f].path}: instance {k}"
 
 
-# --- packed instances: whole documents, best-fit into bins (Olmo 3 stage 3, SFT) ------------------
-
-# exercise: packing
-def pack_documents(lengths, L):
-    """OLMo-core's optimized best-fit decreasing (InstancePacker): documents longest first, each into the bin whose
-    free space fits it most tightly (among equals the one that got that space first), a new bin when none fits.
-    -> (order, bins): order[r] is the document of sorted rank r; bins are lists of ranks, in placement order.
-    The sort is np.argsort(-lengths), numpy's default unstable sort, exactly as OLMo-core calls it: how it breaks
-    ties between equal lengths is part of the data order. (OLMo-core finds the bin with a segment tree over the
-    capacities 1..L; a sorted list of the capacities some bin has free finds the same one.)"""
-    order = np.argsort(-np.asarray(lengths, np.int64))
-    bins, spaces, free = [], [], defaultdict(deque)  # spaces: sorted capacities with a bin; free[c]: those bins
-    for rank, n in enumerate(np.asarray(lengths, np.int64)[order].tolist()):
-        at = bisect.bisect_left(spaces, n)  # the smallest free space >= n
-        if at == len(spaces):
-            bins.append([])
-            b, c = len(bins) - 1, L
-        else:
-            c = spaces[at]
-            b = free[c].popleft()
-            if not free[c]:
-                del spaces[at]
-        bins[b].append(rank)
-        if c > n:
-            if not free[c - n]:
-                bisect.insort(spaces, c - n)
-            free[c - n].append(b)
-    return order, bins
-
-
-class PackedInstances(Pieces):
-    """OLMo-core's NumpyPackedFSLDataset: token files shuffled by random.Random(permutation_seed) (Python's), taken
-    group_size at a time; each group's documents (ends at EOS) packed into instances of L tokens by pack_documents
-    and padded with PAD; instances numbered group after group, bin by bin. A document longer than L is cut to its
-    first L tokens ("truncate", the default) or into L-token pieces ("fragment"). The padding is never trained:
-    shift_labels drops PAD targets, OLMo-core's label mask. Same read(i) as Instances, so the order is the same."""
-    kind = "packed instance"
-
-    def __init__(self, files, seq_len, eos, pad, group_size=8, permutation_seed=123, long_docs="truncate"):
-        L, order = seq_len, list(range(len(files)))
-        random.Random(permutation_seed).shuffle(order)
-        self.files, self.seq_len, self.pad = [files[i] for i in order], seq_len, pad
-        pieces, sizes, self.cut = [], [], 0  # pieces: (file, start, end) per document, instance by instance
-        for g in range(0, len(self.files), group_size):
-            docs = []
-            for f in range(g, min(g + group_size, len(self.files))):
-                ends = np.flatnonzero(self.files[f].array() == eos) + 1
-                starts = np.concatenate([[0], ends[:-1]])
-                if long_docs == "fragment":  # doc [s, e) -> [s, s+L), [s+L, s+2L), ..., [.., e)
-                    k = -(-(ends - starts) // L)
-                    first = np.repeat(starts, k) + L * (np.arange(k.sum()) - np.repeat(np.cumsum(k) - k, k))
-                    starts, ends = first, np.minimum(first + L, np.repeat(ends, k))
-                else:
-                    self.cut += int(np.maximum(ends - starts - L, 0).sum())
-                    ends = np.minimum(ends, starts + L)
-                docs.append(np.stack([np.full(len(starts), f), starts, ends], axis=1))
-            docs = np.concatenate(docs)
-            order, bins = pack_documents(docs[:, 2] - docs[:, 1], L)
-            for b in bins:
-                pieces.append(docs[order[b]])
-                sizes.append(len(b))
-        if not pieces:
-            raise ValueError(f"no documents (ends at EOS id {eos}) in {[str(f.path) for f in files]}")
-        self.docs = np.concatenate(pieces)  # (documents, 3): file, start, end
-        self.offsets = np.concatenate([[0], np.cumsum(sizes)])  # instance i holds docs[offsets[i]:offsets[i+1]]
-        self.n = len(sizes)
-
-    def pieces(self, i):
-        return [(0, *doc) for doc in self.docs[self.offsets[i]:self.offsets[i + 1]].tolist()]
-
-
-class PairInstances(Pieces):
-    """Preference pairs (DPO): instance i is documents 2i (chosen) and 2i + 1 (rejected) as `data.py prepare --chat`
-    wrote them, each cut to seq_len and padded with PAD: read(i) -> (2, T). ref (N, 2): the reference model's
-    summed log-probs of each side, set by train.py once they are computed (None before)."""
-    rows, kind = 2, "preference pair"
-
-    def __init__(self, files, seq_len, pad):
-        self.files, self.seq_len, self.pad, self.ref = files, seq_len, pad, None
-        docs = [(f, s, e) for f, tf in enumerate(files) for s, e in zip(tf.docs[:, 0], [*tf.docs[1:, 0], tf.tokens])]
-        if not docs or len(docs) % 2 or not all(tf.has_mask for tf in files):
-            raise ValueError(f"{[str(f.path) for f in files]}: not preference pairs (an even number of documents "
-                             "with label masks, from `data.py prepare --chat` on chosen/rejected records)")
-        self.docs, self.n = np.asarray(docs, np.int64).reshape(-1, 2, 3), len(docs) // 2
-        # Each side must keep a target within seq_len (open-instruct drops pairs that do not): targets are the
-        # masked tokens after the first, counted with a running sum of each file's mask.
-        sums = [np.concatenate([[0], np.cumsum(tf.mask(), dtype=np.int64)]) for tf in files]
-        kept = [sums[f][min(e, s + seq_len)] - sums[f][s + 1] for f, s, e in self.docs.reshape(-1, 3).tolist()]
-        if (empty := np.flatnonzero(np.asarray(kept) <= 0)).size:
-            raise ValueError(f"{self.where(empty[0] // 2)}: an answer with no token left within seq_len={seq_len} "
-                             f"({empty.size} sides of {len(kept)}): raise data.seq_len")
-
-    def pieces(self, i):  # chosen in row 0, rejected in row 1, each cut to seq_len
-        return [(row, f, s, min(e, s + self.seq_len)) for row, (f, s, e) in enumerate(self.docs[i].tolist())]
-
-
-# --- the instance filter: OLMo-core's check for a short pattern repeated many times -------------
-# Runs like "g4ODg4OD..." (one token pattern over and over) are behind OLMo's loss spikes.
-# OLMo-core (InstanceFilterConfig, data/utils.py find_periodic_sequences) looks in every instance
-# for a pattern of 1..13 tokens repeated back to back; an instance where one repeats 32 times or
-# more keeps its place in the order and its tokens, but all its labels become -100
-# (get_labels' instance_mask).
-
-def periodic_runs(tokens, max_period=13, min_period=1):
-    """Every stretch of tokens (1-D) that is one pattern of `period` tokens repeated at least 3
-    times -> [(start, end, period, times)], periods ascending, then by start (OLMo-core's order).
-    A stretch is maximal: tokens[i] == tokens[i - period] for every i in
-    (start + period .. end - 1), and times = (end - start) // period counts the whole copies
-    (a partial copy at the end does not count).
-    OLMo-core finds the same stretches from rows of `period` tokens
-    compared with the row before."""
-    tokens, out = np.asarray(tokens), []
-    for p in range(min_period, min(max_period, len(tokens) // 3) + 1):
-        # same[i + 1]: t[i + p] == t[i]
-        same = np.concatenate([[False], tokens[p:] == tokens[:-p], [False]])
-        # [first, last + 1) of each run of True
-        edges = np.flatnonzero(same[1:] != same[:-1]).reshape(-1, 2)
-        for first, stop in edges.tolist():
-            start, end = first, stop + p  # the equal pairs (i, i + p) for i in [first, stop)
-            # fewer copies cannot tell one period from another (OLMo-core)
-            if (end - start) // p >= 3:
-                out.append((start, end, p, (end - start) // p))
-    return out
-
-
-# OLMo-core's InstanceFilterConfig defaults
-INSTANCE_FILTER = dict(max_period=13, min_period=1, max_count=32)
-
-
-def filtered(tokens, max_period, min_period, max_count):
-    """The (period, times) of the first run repeated max_count times or more
-    (the instance is masked), or None."""
-    runs = periodic_runs(tokens, max_period, min_period)
-    return next(((p, n) for _, _, p, n in runs if n >= max_count), None)
-
-
 # exercise: data_order
 @functools.lru_cache(maxsize=2)
 def epoch_permutation(n, seed, epoch):
-    """OLMo-core: np.random.Generator(PCG64(seed + epoch)).shuffle(arange(N, uint32)); epochs count from 1."""
+    """OLMo-core: np.random.Generator(PCG64(seed + epoch)).shuffle(arange(N, uint32)); epochs
+    count from 1."""
     ids = np.arange(n, dtype=np.uint32)
     np.random.Generator(np.random.PCG64(seed + epoch)).shuffle(ids)
     ids.flags.writeable = False
@@ -846,25 +784,23 @@ def epoch_permutation(n, seed, epoch):
 
 
 class Loader:
-    """Batches for this process's data-parallel ranks, from any step. Global step s (0-based) is row
-    s mod (N // G) of epoch 1 + s // (N // G). Yields (step, batch): tokens (B, T) int32 for this process's
-    len(ranks)·G/world instances, a pair's two rows side by side; with label masks also mask (B, T) bool (token t
-    is a target iff mask[t], OLMo-core's label_mask);
-    with reference log-probs also ref (B,) float32.
-    With instance_filter (filtered's keywords) also mask, all False in the rows the filter masks,
-    and masked: how many."""
+    """Batches for this process's data-parallel ranks, from any step: step s is row s mod (N // G)
+    of epoch 1 + s // (N // G). Yields (step, read_rows' dict); with instance_filter (filtered's
+    keywords) also mask, all False in the rows it masks, and masked: how many."""
 
     def __init__(self, instances, global_batch, seed, world=1, ranks=(0,), start_step=0,
                  vocab_size=None, instance_filter=None):
         if global_batch % world:
-            raise ValueError(f"global batch {global_batch} does not divide over {world} data-parallel ranks")
+            raise ValueError(
+                f"global batch {global_batch} does not divide over {world} data-parallel ranks")
         if not all(0 <= r < world for r in ranks):
             raise ValueError(f"ranks {list(ranks)} must lie in [0, {world})")
         self.batches_per_epoch = instances.n // global_batch
         if self.batches_per_epoch == 0:
             raise ValueError(f"{instances.n} instances of {instances.seq_len} tokens: "
                              f"fewer than one global batch of {global_batch}")
-        self.inst, self.G, self.seed, self.world, self.ranks = instances, global_batch, seed, world, tuple(ranks)
+        self.inst, self.G, self.seed, self.world = instances, global_batch, seed, world
+        self.ranks = tuple(ranks)
         self.step, self.vocab_size, self.instance_filter = start_step, vocab_size, instance_filter
 
     def global_ids(self, step):
@@ -876,7 +812,7 @@ class Loader:
 
     def batch(self, step):
         ids = np.concatenate([self.rank_ids(step, r) for r in self.ranks])
-        if hasattr(self.inst, "batch"):  # eval.Prompts: prompts and answers; the rollouts make the rows
+        if hasattr(self.inst, "batch"):  # eval.Prompts: prompts, answers; the rollouts make rows
             return self.inst.batch(ids)
         out = read_rows(self.inst, ids)
         tokens = out["tokens"]
@@ -904,8 +840,9 @@ class Loader:
 
 
 def read_rows(inst, ids):
-    """Instances `ids` as a step's rows: tokens (B, T) int32 (a pair's two rows side by side), with label masks
-    mask (B, T), with reference log-probs ref (B,)."""
+    """Instances `ids` as a step's rows: tokens (B, T) int32 (a pair's rows side by side); with
+    label masks mask (B, T) bool (t a target iff mask[t], OLMo-core's label_mask); with reference
+    log-probs ref (B,) float32."""
     T = inst.seq_len
     out = dict(tokens=np.stack([inst.read(i) for i in ids]).astype(np.int32).reshape(-1, T))
     if inst.files[0].has_mask:
@@ -916,102 +853,259 @@ def read_rows(inst, ids):
 
 
 def open_instances(spec, seq_len, seed=0, packed=None, split="train"):
-    """A prepared folder (its train split), a mix file, or one token file. packed: None for fixed-length instances,
-    or PackedInstances' keywords (eos, pad, group_size, permutation_seed, long_docs). A folder of preference pairs
-    gives PairInstances whatever `packed` says."""
+    """A prepared folder (its split), a mix file or a token file; packed: None (fixed-length
+    instances) or PackedInstances' keywords. A folder of preference pairs gives PairInstances,
+    whatever `packed` says."""
     p = Path(spec)
     if p.is_dir() and (info := load_dataset_info(p)).get("kind") == "pairs":
         return PairInstances(dataset_files(p, split), seq_len, info["pad_token_id"])
-    sources = ([(split, dataset_files(p, split), None)] if p.is_dir() else read_mix(p) if p.suffix == ".txt"
-               else [(p.stem, [open_token_file(p)], None)])
+    if p.is_dir():
+        sources = [(split, dataset_files(p, split), None)]
+    elif p.suffix == ".txt":
+        sources = read_mix(p)
+    else:
+        sources = [(p.stem, [open_token_file(p)], None)]
     if packed is None:
         return Instances(sources, seq_len, seed)
     if sources[0][2] is not None:
-        raise ValueError(f"{spec}: mix weights and packed instances do not go together (OLMo-core's packed "
-                         "dataset takes every document once); drop the weights or use data.packing='fsl'")
+        raise ValueError(f"{spec}: mix weights and packed instances do not go together "
+                         "(OLMo-core's packed dataset takes every document once); drop the "
+                         "weights or use data.packing='fsl'")
     return PackedInstances([f for _, files, _ in sources for f in files], seq_len, **packed)
+
+
+# --- packed instances: whole documents, best-fit into bins (Olmo 3 stage 3, SFT) ------------------
+
+# exercise: packing
+def pack_documents(lengths, L):
+    """OLMo-core's optimized best-fit decreasing (InstancePacker): documents longest first, each
+    into the bin whose free space fits it most tightly (among equals the one that got that space
+    first), a new bin when none fits. -> (order, bins): order[r] is the document of sorted rank r;
+    bins are lists of ranks, in placement order. The sort is np.argsort(-lengths), numpy's default
+    unstable sort, exactly as OLMo-core calls it: how it breaks ties between equal lengths is part
+    of the data order. (OLMo-core finds the bin with a segment tree over the capacities 1..L; a
+    sorted list of the capacities some bin has free finds the same one.)"""
+    order = np.argsort(-np.asarray(lengths, np.int64))
+    # spaces: the sorted capacities some bin has free; free[c]: those bins, first come first
+    bins, spaces, free = [], [], defaultdict(deque)
+    for rank, n in enumerate(np.asarray(lengths, np.int64)[order].tolist()):
+        at = bisect.bisect_left(spaces, n)  # the smallest free space >= n
+        if at == len(spaces):
+            bins.append([])
+            b, c = len(bins) - 1, L
+        else:
+            c = spaces[at]
+            b = free[c].popleft()
+            if not free[c]:
+                del spaces[at]
+        bins[b].append(rank)
+        if c > n:
+            if not free[c - n]:
+                bisect.insort(spaces, c - n)
+            free[c - n].append(b)
+    return order, bins
+
+
+class PackedInstances(Pieces):
+    """OLMo-core's NumpyPackedFSLDataset: files shuffled by random.Random(permutation_seed),
+    group_size at a time; each group's documents (ending at EOS) packed by pack_documents into
+    instances of L tokens, padded with PAD (never trained: shift_labels drops it). A document over L
+    tokens: its first L (long_docs="truncate") or L-token pieces ("fragment")."""
+    kind = "packed instance"
+
+    def __init__(self, files, seq_len, eos, pad, group_size=8, permutation_seed=123,
+                 long_docs="truncate"):
+        L, order = seq_len, list(range(len(files)))
+        random.Random(permutation_seed).shuffle(order)
+        self.files, self.seq_len, self.pad = [files[i] for i in order], seq_len, pad
+        # pieces: (file, start, end) per document, instance by instance
+        pieces, sizes, self.cut = [], [], 0
+        for g in range(0, len(self.files), group_size):
+            docs = []
+            for f in range(g, min(g + group_size, len(self.files))):
+                ends = np.flatnonzero(self.files[f].array() == eos) + 1
+                starts = np.concatenate([[0], ends[:-1]])
+                if long_docs == "fragment":  # doc [s, e) -> [s, s+L), [s+L, s+2L), ..., [.., e)
+                    k = -(-(ends - starts) // L)
+                    nth = np.arange(k.sum()) - np.repeat(np.cumsum(k) - k, k)  # piece of its doc
+                    first = np.repeat(starts, k) + L * nth
+                    starts, ends = first, np.minimum(first + L, np.repeat(ends, k))
+                else:
+                    self.cut += int(np.maximum(ends - starts - L, 0).sum())
+                    ends = np.minimum(ends, starts + L)
+                docs.append(np.stack([np.full(len(starts), f), starts, ends], axis=1))
+            docs = np.concatenate(docs)
+            order, bins = pack_documents(docs[:, 2] - docs[:, 1], L)
+            for b in bins:
+                pieces.append(docs[order[b]])
+                sizes.append(len(b))
+        if not pieces:
+            raise ValueError(
+                f"no documents (ends at EOS id {eos}) in {[str(f.path) for f in files]}")
+        self.docs = np.concatenate(pieces)  # (documents, 3): file, start, end
+        # instance i holds docs[offsets[i]:offsets[i + 1]]
+        self.offsets = np.concatenate([[0], np.cumsum(sizes)])
+        self.n = len(sizes)
+
+    def pieces(self, i):
+        return [(0, *doc) for doc in self.docs[self.offsets[i]:self.offsets[i + 1]].tolist()]
+
+
+# --- preference pairs ---------------------------------------------------------------------------
+
+class PairInstances(Pieces):
+    """Preference pairs (DPO) from `data.py prepare --chat`: instance i is documents 2i (chosen) and
+    2i + 1 (rejected), each cut to seq_len, PAD after: read(i) -> (2, T). ref (N, 2): the reference
+    model's summed log-probs of each side, set by train.py (None before)."""
+    rows, kind = 2, "preference pair"
+
+    def __init__(self, files, seq_len, pad):
+        self.files, self.seq_len, self.pad, self.ref = files, seq_len, pad, None
+        docs = [(f, s, e) for f, tf in enumerate(files)
+                for s, e in zip(tf.docs[:, 0], tf.doc_ends())]
+        if not docs or len(docs) % 2 or not all(tf.has_mask for tf in files):
+            raise ValueError(f"{[str(f.path) for f in files]}: not preference pairs (an even "
+                             "number of documents with label masks, from `data.py prepare --chat` "
+                             "on chosen/rejected records)")
+        self.docs, self.n = np.asarray(docs, np.int64).reshape(-1, 2, 3), len(docs) // 2
+        # Each side must keep a target within seq_len (open-instruct drops pairs that do not):
+        # targets are the masked tokens after the first, counted by a running sum of the mask.
+        sums = [np.concatenate([[0], np.cumsum(tf.mask(), dtype=np.int64)]) for tf in files]
+        kept = [sums[f][min(e, s + seq_len)] - sums[f][s + 1]
+                for f, s, e in self.docs.reshape(-1, 3).tolist()]
+        if (empty := np.flatnonzero(np.asarray(kept) <= 0)).size:
+            raise ValueError(f"{self.where(empty[0] // 2)}: an answer with no token left within "
+                             f"seq_len={seq_len} ({empty.size} sides of {len(kept)}): "
+                             "raise data.seq_len")
+
+    def pieces(self, i):  # chosen in row 0, rejected in row 1, each cut to seq_len
+        pair = self.docs[i].tolist()
+        return [(row, f, s, min(e, s + self.seq_len)) for row, (f, s, e) in enumerate(pair)]
+
+
+# --- the instance filter: OLMo-core's check for a short pattern repeated many times -------------
+# Runs like "g4ODg4OD..." are behind OLMo's loss spikes. An instance where a pattern of 1..13
+# tokens repeats 32+ times back to back keeps its place and tokens, but all its labels become -100
+# (OLMo-core's InstanceFilterConfig; get_labels' instance_mask).
+
+def periodic_runs(tokens, max_period=13, min_period=1):
+    """Maximal stretches of tokens (1-D) with tokens[i] == tokens[i - period] for i in
+    [start + period, end), 3+ whole copies -> [(start, end, period, times)], by period then start,
+    as OLMo-core."""
+    tokens, out = np.asarray(tokens), []
+    for p in range(min_period, min(max_period, len(tokens) // 3) + 1):
+        # same[i + 1]: t[i + p] == t[i]
+        same = np.concatenate([[False], tokens[p:] == tokens[:-p], [False]])
+        # [first, last + 1) of each run of True
+        edges = np.flatnonzero(same[1:] != same[:-1]).reshape(-1, 2)
+        for first, stop in edges.tolist():
+            start, end = first, stop + p  # the equal pairs (i, i + p) for i in [first, stop)
+            if (end - start) // p >= 3:  # fewer cannot tell one period from another (OLMo-core)
+                out.append((start, end, p, (end - start) // p))
+    return out
+
+
+INSTANCE_FILTER = dict(max_period=13, min_period=1, max_count=32)  # OLMo-core's defaults
+
+
+def filtered(tokens, max_period, min_period, max_count):
+    """The (period, times) of the first run of max_count copies or more (the instance is masked),
+    or None."""
+    runs = periodic_runs(tokens, max_period, min_period)
+    return next(((p, n) for _, _, p, n in runs if n >= max_count), None)
 
 
 # --- inspect and verify -------------------------------------------------------------------------
 
 def dataset_packing(d, **keywords):
-    """open_instances' `packed` for a prepared folder: its EOS and PAD ids, and PackedInstances' other keywords."""
+    """open_instances' `packed` for a prepared folder: its EOS and PAD ids and PackedInstances'
+    keywords."""
     info = load_dataset_info(d)
     return dict(eos=info["eos_token_id"], pad=info["pad_token_id"], **keywords)
 
 
 def inspect(d, seq_len, global_batch, seed, step, world=1, rank=None, packed=None,
             instance_filter=None):
-    """Print what `step` fed each rank: each instance's file and token range,
-    and the documents it overlaps, decoded;
+    """Print what `step` fed each rank: each instance's file, token range and documents, decoded;
     with instance_filter, `masked` and why on the id line of each instance it masks."""
-    tok, loader = dataset_tokenizer(d), Loader(open_instances(d, seq_len, seed, packed), global_batch, seed, world)
+    tok = dataset_tokenizer(d)
+    loader = Loader(open_instances(d, seq_len, seed, packed), global_batch, seed, world)
+    inst = loader.inst
 
     def peek(tf, start, end):  # the first few tokens, decoded, on one line
         return repr(tok.decode(tf.array()[start:min(end, start + 24)]).replace("\n", " ")[:60])
 
     epoch, row = divmod(step, loader.batches_per_epoch)
     print(f"step {step}: epoch {epoch + 1}, row {row} of {loader.batches_per_epoch}; permutation "
-          f"PCG64({seed} + {epoch + 1}); {global_batch} instances of {seq_len} tokens over {world} rank(s)")
+          f"PCG64({seed} + {epoch + 1}); {global_batch} instances of {seq_len} tokens over "
+          f"{world} rank(s)")
     for r in range(world) if rank is None else [rank]:
         print(f"rank {r}:")
         for i in loader.rank_ids(step, r):
-            pieces = loader.inst.pieces(i)
-            pad = loader.inst.rows * seq_len - sum(e - s for _, _, s, e in pieces)
-            hit = instance_filter and filtered(loader.inst.read(i), **instance_filter)
+            pieces = inst.pieces(i)
+            pad = inst.rows * seq_len - sum(e - s for _, _, s, e in pieces)
+            hit = instance_filter and filtered(inst.read(i), **instance_filter)
             why = f"  masked: a {hit[0]}-token pattern {hit[1]} times" if hit else ""
             print(f"  id {i:>8}  {len(pieces)} piece(s), {pad} padding{why}"
-                  + " (rows: chosen, rejected)" * (loader.inst.rows > 1))
-            for row, f, start, end in pieces:  # each stretch of a file, then the documents it overlaps
-                tf = loader.inst.files[f]
+                  + " (rows: chosen, rejected)" * (inst.rows > 1))
+            for row, f, start, end in pieces:  # each stretch of a file, then its documents
+                tf = inst.files[f]
                 print(f"    row {row}  {tf.path}  tokens [{start}, {end})  {peek(tf, start, end)}")
-                starts = np.append(tf.docs[:, 0], tf.tokens)  # a prepared folder's files always have their document index
-                for j in range(np.searchsorted(starts, start, side="right") - 1, np.searchsorted(starts, end)):
+                starts = np.append(tf.docs[:, 0], tf.tokens)  # (a prepared folder's have .docs)
+                first = np.searchsorted(starts, start, side="right") - 1
+                for j in range(first, np.searchsorted(starts, end)):
                     (s, e), (src, lineno) = starts[j:j + 2].tolist(), tf.docs[j, 1:].tolist()
-                    print(f"      in doc [{s}, {e})  {tf.sources[src] + (f':{lineno}' if lineno else '')}")
+                    source = tf.sources[src] + (f":{lineno}" if lineno else "")
+                    print(f"      in doc [{s}, {e})  {source}")
 
 
 def verify(d, seq_len, global_batch, seed, packed=None, instance_filter=None):
-    """Check one epoch; return a list of violations (empty = all good) and a summary line
-    (with instance_filter, how many of the epoch's instances it masks)."""
+    """Check one epoch -> (violations, empty if none; a summary line, with instance_filter also how
+    many of the epoch's instances it masks)."""
     problems, V = [], load_dataset_info(d)["vocab_size"]
     train, held = dataset_files(d, "train"), dataset_files(d, "heldout")
     for tf in tqdm(train + held, desc="token ids", leave=False):
         if (top := int(tf.array().max())) >= V:
-            problems.append(f"{tf.path}: token id {top} at {int(np.argmax(tf.array() >= V))} is >= vocab_size {V}")
+            at = int(np.argmax(tf.array() >= V))
+            problems.append(f"{tf.path}: token id {top} at {at} is >= vocab_size {V}")
         if sha256(tf.path) != tf.sha256:
             problems.append(f"{tf.path}: sha256 differs from {tf.path.with_suffix('.json').name}")
 
     def docs(files):  # {hash of a document's tokens: where it came from}
-        return {hashlib.blake2b(tf.array()[start:end].tobytes(), digest_size=16).digest(): f"{tf.sources[src]}:{lineno}"
-                for tf in files for (start, src, lineno), end in zip(tf.docs, [*tf.docs[1:, 0], tf.tokens])}
+        return {hashlib.blake2b(tf.array()[start:end].tobytes(), digest_size=16).digest():
+                f"{tf.sources[src]}:{lineno}"
+                for tf in files for (start, src, lineno), end in zip(tf.docs, tf.doc_ends())}
 
-    # Held-out documents never in training: the same record twice has the same tokens, so comparing
-    # contents also catches a document that sits on both sides by its source and line.
+    # Held-out documents never in training: the same record twice has the same tokens, so
+    # comparing contents also catches a document on both sides by its source and line.
     train_docs, held_docs = docs(train), docs(held)
     if both := sorted(held_docs[h] for h in held_docs.keys() & train_docs.keys()):
-        problems.append(f"{len(both)} held-out documents have an identical copy in training, e.g. {both[0]}")
-    # Every instance at most once in epoch 1, and only the N mod G tail sits out (as in OLMo-core).
+        problems.append(f"{len(both)} held-out documents have an identical copy in training, "
+                        f"e.g. {both[0]}")
+    # Every instance at most once in epoch 1, and only the N mod G tail sits out (OLMo-core).
     loader = Loader(open_instances(d, seq_len, seed, packed), global_batch, seed)
     n, steps, inst = loader.inst.n, loader.batches_per_epoch, loader.inst
-    if packed is not None:  # every document once, whole or cut to seq_len; nothing but padding trained as padding
+    if packed is not None:  # each document once, whole or cut; only padding trained as padding
         pieces = sorted(map(tuple, inst.docs[:, :2].tolist()))
         if len(set(pieces)) != len(pieces):
-            problems.append(f"a document is packed twice, e.g. {next(p for p, q in zip(pieces, pieces[1:]) if p == q)}")
-        if (kept := int((inst.docs[:, 2] - inst.docs[:, 1]).sum())) + inst.cut != sum(f.tokens for f in inst.files):
-            problems.append(f"instances hold {kept} tokens and {inst.cut} were cut from long documents, but the "
-                            f"files hold {sum(f.tokens for f in inst.files)}")
-        if full := [i for i in range(n) if (inst.docs[inst.offsets[i]:inst.offsets[i + 1], 2]
-                                           - inst.docs[inst.offsets[i]:inst.offsets[i + 1], 1]).sum() > seq_len]:
+            twice = next(p for p, q in zip(pieces, pieces[1:]) if p == q)
+            problems.append(f"a document is packed twice, e.g. {twice}")
+        lengths, total = inst.docs[:, 2] - inst.docs[:, 1], sum(f.tokens for f in inst.files)
+        if (kept := int(lengths.sum())) + inst.cut != total:
+            problems.append(f"instances hold {kept} tokens and {inst.cut} were cut from long "
+                            f"documents, but the files hold {total}")
+        per_instance = np.add.reduceat(lengths, inst.offsets[:-1])
+        if full := np.flatnonzero(per_instance > seq_len).tolist():
             problems.append(f"packed instance {full[0]} holds more than {seq_len} tokens")
         if pads := sum(int((f.array() == packed["pad"]).sum()) for f in inst.files):
-            problems.append(f"the PAD id {packed['pad']} occurs {pads} times inside documents: those targets would "
-                            "be dropped as padding")
+            problems.append(f"the PAD id {packed['pad']} occurs {pads} times inside documents: "
+                            "those targets would be dropped as padding")
     tail = n - steps * global_batch
     seen = np.bincount(np.concatenate([loader.global_ids(s) for s in range(steps)]), minlength=n)
     if seen.max() > 1 or (seen == 0).sum() != tail:
-        problems.append(f"epoch 1 sees instance {int(np.argmax(seen))} {seen.max()} times and leaves "
-                        f"{(seen == 0).sum()} unseen; expected once each and {tail} unseen (the N mod G tail)")
+        problems.append(f"epoch 1 sees instance {int(np.argmax(seen))} {seen.max()} times and "
+                        f"leaves {(seen == 0).sum()} unseen; expected once each and {tail} unseen "
+                        "(the N mod G tail)")
     masks = ""
     if instance_filter:
         epoch = np.flatnonzero(seen)  # the instances epoch 1 trains on
@@ -1019,9 +1113,9 @@ def verify(d, seq_len, global_batch, seed, packed=None, instance_filter=None):
                 for i in tqdm(epoch, desc="instance filter"))
         masks = (f"; the instance filter masks {k} of the epoch's {len(epoch)} instances "
                  f"({k / len(epoch):.2%})")
-    summary = (f"{n} {'packed ' if packed else ''}instances of {seq_len} tokens, {steps} steps per epoch, each "
-               f"instance seen once ({tail} in the "
-               f"N mod G tail sit out, as in OLMo-core); {sum(len(tf.docs) for tf in train)} training and "
+    summary = (f"{n} {'packed ' if packed else ''}instances of {seq_len} tokens, {steps} steps "
+               f"per epoch, each instance seen once ({tail} in the N mod G tail sit out, as in "
+               f"OLMo-core); {sum(len(tf.docs) for tf in train)} training and "
                f"{sum(len(tf.docs) for tf in held)} held-out documents, disjoint; "
                f"token ids < {V}{masks}")
     return problems, summary
@@ -1030,9 +1124,11 @@ def verify(d, seq_len, global_batch, seed, packed=None, instance_filter=None):
 # --- bench --------------------------------------------------------------------------------------
 
 def bench():
-    """Tokenization MB/s (one core; all cores through prepare) and Loader tokens/s against a bare np.memmap."""
+    """Tokenization MB/s (one core; all cores through prepare) and Loader tokens/s against a bare
+    np.memmap."""
     import pydoc_data.topics  # English prose that ships with Python itself
-    topics, cores, seconds = pydoc_data.topics.topics, os.cpu_count(), functools.partial(timeit.timeit, number=1)
+    topics, cores = pydoc_data.topics.topics, os.cpu_count()
+    seconds = functools.partial(timeit.timeit, number=1)
     text = "\n\n".join(topics.values())
     mb = len(text.encode()) / 1e6
     row = "{:<44} {:<14} {:<16} {}".format  # what, size, rate, note
@@ -1044,48 +1140,63 @@ def bench():
         docs, copies = Path(tmp) / "docs.jsonl", 32
         docs.write_text("".join(json.dumps({"text": f"{r} {v}"}) + "\n"
                                 for r in range(copies) for v in topics.values()))
-        rate = copies * mb / seconds(lambda: prepare([docs], f"{tmp}/prep", "dolma2", workers=cores, quiet=True))
+        rate = copies * mb / seconds(
+            lambda: prepare([docs], f"{tmp}/prep", "dolma2", workers=cores, quiet=True))
         print(row(f"prepare dolma2, {cores} workers", f"{copies * mb:.1f} MB", f"{rate:.2f} MB/s",
                   f"{rate / cores:.2f} MB/s per core"))
-        # Batch assembly from 32M random uint16 tokens, then the same slices from a bare memmap (the floor).
+        # Batch assembly from 32M random uint16 tokens, then the same slices from a bare memmap
+        # (the floor)
         T, G, steps = 1024, 32, 300
         path = Path(tmp) / "tok.bin"
         np.random.default_rng(0).integers(0, 4096, 1 << 25, dtype=np.uint16).tofile(path)
         loader = Loader(Instances([("b", [open_token_file(path, np.uint16)], None)], T), G, seed=0)
         mm, n = np.memmap(path, np.uint16, "r"), steps * G * T
+
+        def bare(s):  # step s's instances, sliced from the memmap
+            return np.stack([mm[i * T:(i + 1) * T] for i in loader.global_ids(s)]).astype(np.int32)
+
         ours = n / seconds(lambda: [loader.batch(s) for s in range(steps)])
-        bare = n / seconds(lambda: [np.stack([mm[i * T:(i + 1) * T] for i in loader.global_ids(s)]).astype(np.int32)
-                                    for s in range(steps)])
-        print(row(f"batch assembly: Loader (G={G}, T={T})", f"{steps} steps", f"{ours / 1e6:.1f} M tok/s",
-                  f"{ours / bare:.2f}x bare memmap"))
-        print(row("  bare np.memmap, the same instance slices", f"{steps} steps", f"{bare / 1e6:.1f} M tok/s", "1.00x"))
+        floor = n / seconds(lambda: [bare(s) for s in range(steps)])
+        print(row(f"batch assembly: Loader (G={G}, T={T})", f"{steps} steps",
+                  f"{ours / 1e6:.1f} M tok/s", f"{ours / floor:.2f}x bare memmap"))
+        print(row("  bare np.memmap, the same instance slices", f"{steps} steps",
+                  f"{floor / 1e6:.1f} M tok/s", "1.00x"))
 
 
 # --- command line -------------------------------------------------------------------------------
 
 def main(argv):
-    files = [("inputs", dict(nargs="+")), ("--out", dict(required=True))]  # tokenizer and prepare
+    files = [("inputs", dict(nargs="+")), ("--out", dict(required=True))]  # tokenizer, prepare
     count = in_range(int, 0)
-    order = [("dir", {})] + [(f, dict(type=in_range(int, lo), required=True))
-                             for f, lo in (("--seq-len", 1), ("--global-batch", 1), ("--seed", 0))] + [
-        ("--packed", dict(action="store_true", help="packed instances (data.packing='packed'), not fixed-length")),
+    order = [("dir", {})]  # inspect and verify
+    order += [(f, dict(type=in_range(int, lo), required=True))
+              for f, lo in (("--seq-len", 1), ("--global-batch", 1), ("--seed", 0))]
+    order += [
+        ("--packed", dict(action="store_true",
+                          help="packed instances (data.packing='packed'), not fixed-length")),
         ("--group-size", dict(type=in_range(int, 1), default=8, help="data.source_group_size")),
         ("--long-docs", dict(default="truncate", choices=["truncate", "fragment"],
                              help="data.long_docs")),
-        ("--instance-filter", dict(action="store_true",
-                                   help="OLMo-core's repeated-pattern filter "
-                                   "(data.instance_filter) at its numbers: "
-                                   "periods 1..13, 32 times"))]
+        ("--instance-filter", dict(
+            action="store_true", help="OLMo-core's repeated-pattern filter "
+            "(data.instance_filter) at its numbers: periods 1..13, 32 times"))]
     commands = {  # name: (help, [(argument, add_argument's keywords)])
-        "tokenizer": ("train a byte-level BPE (dolma2's pre-tokenizer) into a tiktoken ranks file", files + [
-            ("--vocab-size", dict(type=in_range(int, 1), default=4096, help="ids in all, EOS and PAD included"))]),
+        "tokenizer": ("train a byte-level BPE (dolma2's pre-tokenizer) into a tiktoken ranks file",
+                      files + [("--vocab-size", dict(type=in_range(int, 1), default=4096,
+                                                     help="ids in all, EOS and PAD included"))]),
         "prepare": ("tokenize documents into token files", files + [
-            ("--tokenizer", dict(default="dolma2", help="dolma2, or a ranks file from `data.py tokenizer`")),
-            ("--heldout", dict(type=float, default=0.0, help="fraction of documents held out, by their text's hash")),
-            ("--decontaminate", dict(nargs="+", default=[], metavar="FILE", help="eval texts (.jsonl[.gz], .txt)")),
-            ("--chat", dict(choices=list(CHAT_TEMPLATES), help="conversations / preference pairs in this template"))]),
-        "inspect": ("what step N fed each rank, decoded", order + [("--step", dict(type=count, required=True)),
-                    ("--world", dict(type=in_range(int, 1), default=1)), ("--rank", dict(type=count))]),
+            ("--tokenizer", dict(default="dolma2",
+                                 help="dolma2, or a ranks file from `data.py tokenizer`")),
+            ("--heldout", dict(type=float, default=0.0,
+                               help="fraction of documents held out, by their text's hash")),
+            ("--decontaminate", dict(nargs="+", default=[], metavar="FILE",
+                                     help="eval texts (.jsonl[.gz], .txt)")),
+            ("--chat", dict(choices=list(CHAT_TEMPLATES),
+                            help="conversations / preference pairs in this template"))]),
+        "inspect": ("what step N fed each rank, decoded", order + [
+            ("--step", dict(type=count, required=True)),
+            ("--world", dict(type=in_range(int, 1), default=1)),
+            ("--rank", dict(type=count))]),
         "verify": ("check one epoch of the order and the splits", order),
         "bench": ("tokenization and batch assembly throughput", []),
     }
@@ -1099,30 +1210,36 @@ def main(argv):
     if a.cmd == "inspect" and a.rank is not None and a.rank >= a.world:
         ap.error(f"--rank {a.rank} is not below --world {a.world}")
 
-    packed = (dataset_packing(a.dir, group_size=a.group_size, long_docs=a.long_docs)
-              if getattr(a, "packed", False) else None)  # (inspect and verify have the flag)
+    packed = None
+    if getattr(a, "packed", False):  # (inspect and verify have the flag)
+        packed = dataset_packing(a.dir, group_size=a.group_size, long_docs=a.long_docs)
     check = INSTANCE_FILTER if getattr(a, "instance_filter", False) else None
     if a.cmd == "tokenizer":
-        texts = (parse_record(s, raw)[0] or "" for s in list_sources(a.inputs) for _, raw in read_records(s))
+        sources = list_sources(a.inputs)
+        texts = (parse_record(s, raw)[0] or "" for s in sources for _, raw in read_records(s))
         save_ranks(train_bpe(texts, a.vocab_size), a.out)
-        print(f"{a.out}: {a.vocab_size - len(BPE_SPECIALS)} ranks + {BPE_SPECIALS} = {a.vocab_size} ids")
+        print(f"{a.out}: {a.vocab_size - len(BPE_SPECIALS)} ranks + {BPE_SPECIALS} = "
+              f"{a.vocab_size} ids")
     elif a.cmd == "prepare":
         r = prepare(a.inputs, a.out, a.tokenizer, a.heldout, a.decontaminate, chat=a.chat)
         for s, v in r["splits"].items():
-            print(f"{s:<8} {v['documents']:>8} documents {v['tokens']:>12,} tokens in {v['parts']} part(s)")
+            print(f"{s:<8} {v['documents']:>8} documents {v['tokens']:>12,} tokens in "
+                  f"{v['parts']} part(s)")
         print(f"skipped  {sum(r['skipped'].values()):>8} {r['skipped'] or ''}")
         print("".join(f"  {e}\n" for e in r["skipped_examples"][:5]), end="")
         if r["surrogates_replaced"]:
             print(f"replaced {r['surrogates_replaced']} lone surrogates with U+FFFD")
         if d := r["decontamination"]:
-            print(f"decontamination: {d['dropped']} training documents dropped ({d['eval_documents']} eval documents, "
-                  f"{d['paragraphs']} paragraphs, {d['ngrams']} {NGRAM}-grams)")
+            print(f"decontamination: {d['dropped']} training documents dropped "
+                  f"({d['eval_documents']} eval documents, {d['paragraphs']} paragraphs, "
+                  f"{d['ngrams']} {NGRAM}-grams)")
     elif a.cmd == "inspect":
         inspect(a.dir, a.seq_len, a.global_batch, a.seed, a.step, a.world, a.rank, packed, check)
     elif a.cmd == "verify":
         problems, summary = verify(a.dir, a.seq_len, a.global_batch, a.seed, packed, check)
         if problems:
-            sys.exit(f"verify failed: {problems[0]}" + (f" (and {len(problems) - 1} more)" if problems[1:] else ""))
+            more = f" (and {len(problems) - 1} more)" if problems[1:] else ""
+            sys.exit(f"verify failed: {problems[0]}{more}")
         print(f"ok: {summary}")
     else:
         bench()
