@@ -1,22 +1,21 @@
-"""Evaluation: Paloma-style bits per byte, the OLMo paper's eight zero-shot tasks, generation with a KV cache.
+"""Evaluation: Paloma bits per byte, the OLMo paper's eight zero-shot tasks, KV-cache generation.
 
-    python eval.py bpb CKPT FILE... [--out bpb.json]             # FILE: .jsonl / .jsonl.gz with a "text" field
-    python eval.py tasks CKPT --tasks arc_easy,arc_challenge,boolq,hellaswag,openbookqa,piqa,sciq,winogrande \\
-        --data ../shared/evaldata [--limit 100] [--norm olmes|catwalk] [--out tasks.json]
-    python eval.py logits DIR --tokens IN.npy --out OUT.npy [--backend jax|torch] [--dtype float32|bfloat16]
-    python eval.py generate CKPT --prompt TEXT [--max-new 64] [--temperature 0.8 --top-k 50 --top-p 0.95]
-                                 [--backend jax|torch] [--dtype bfloat16] [--no-cache]
-    python eval.py generate --bench olmo2-1b|olmo3-7b   # nanolmo and transformers, side by side
-    python eval.py positions CKPT... --data data/tiny --seq-len 1024      # held-out loss by position, side by side
-    python eval.py chat CKPT [--prompt TEXT] [--template tulu|olmo]       # talk to it (docs/posttrain.md)
-    python eval.py exact CKPT... --prompts data/arith/heldout.jsonl --template tulu   # exact-match accuracy
-    python eval.py arith --out data/arith                                 # the post-training task (docs/posttrain.md)
-    python eval.py plot runs/a runs/b                                     # overlay loss curves -> runs/a/loss.png
+    python eval.py bpb CKPT FILE... [--out bpb.json]        # FILE: .jsonl(.gz), a "text" per line
+    python eval.py tasks CKPT [--tasks arc_easy,piqa] [--data ../shared/evaldata] [--limit 100] \\
+        [--norm olmes|catwalk] [--out tasks.json]
+    python eval.py logits DIR --tokens IN.npy --out OUT.npy [--backend jax|torch] [--dtype bfloat16]
+    python eval.py generate CKPT --prompt TEXT [--max-new 64] [--temperature 0.8 --top-k 50 \\
+        --top-p 0.95] [--backend jax|torch] [--dtype bfloat16] [--no-cache]
+    python eval.py generate --bench olmo2-1b|olmo3-7b       # nanolmo and transformers
+    python eval.py positions CKPT... --data data/tiny --seq-len 1024    # held-out loss by position
+    python eval.py chat CKPT [--prompt TEXT] [--template tulu|olmo]
+    python eval.py exact CKPT... --prompts data/arith/heldout.jsonl --template tulu
+    python eval.py arith --out data/arith                   # the post-training task
+    python eval.py plot runs/a runs/b                       # loss curves -> runs/a/loss.png
 
-CKPT: one of our checkpoint directories (HF layout). Its tokenizer: --tokenizer SPEC ("dolma2" or a .tiktoken
-file), else the dataset in CKPT/nanolmo.json, else dolma2 if the ids are dolma2's. bpb and tasks also take
---backend, --dtype, --batch-tokens N. generate never emits ids past the tokenizer's; logits are float32 (B, T, V),
-the same in both backends (tests/test_hf.py). More in docs/evaluation.md.
+CKPT: our checkpoint directory (HF layout); its tokenizer: --tokenizer SPEC, else its run's
+dataset's, else dolma2 if the ids are dolma2's. logits: float32 (B, T, V) in both backends. More in
+docs/evaluation.md and docs/posttrain.md.
 """
 
 import argparse
@@ -39,13 +38,15 @@ from configs import in_range, read_json, run_cli
 
 
 def _backend(m, backend, dtype, fn):
-    """load(params) -> net (device arrays, or an nn.Module), run(net, tokens (B, T), *more) -> numpy fn(xp,
-    float32 logits (B, T, V), tokens, *more). JAX jits fn with the forward, so the logits stay on the device."""
+    """(load, run): run(load(params), tokens (B, T), *more) -> numpy fn(xp, float32 logits
+    (B, T, V), tokens, *more); JAX jits fn with the forward, so the logits stay on the device."""
     if backend == "jax":
         import jax
         import jax.numpy as jnp
-        jit = jax.jit(lambda p, t, *a: fn(jnp, model.forward(p, t, m, jnp.dtype(dtype)).astype(jnp.float32), t, *a))
-        return jax.device_put, lambda net, t, *a: jax.tree.map(np.asarray, jit(net, np.asarray(t, np.int32), *a))
+        jit = jax.jit(lambda p, t, *a: fn(
+            jnp, model.forward(p, t, m, jnp.dtype(dtype)).astype(jnp.float32), t, *a))
+        return jax.device_put, lambda net, t, *a: jax.tree.map(
+            np.asarray, jit(net, np.asarray(t, np.int32), *a))
     import torch
 
     @torch.no_grad()
@@ -56,15 +57,16 @@ def _backend(m, backend, dtype, fn):
 
 
 def token_bytes(tok):
-    """UTF-8 bytes per token id, none for specials (EOS, PAD): bits per byte compare across tokenizers."""
+    """UTF-8 bytes per token id, 0 for specials: bits per byte compare across tokenizers."""
     special = set(tok.enc.special_tokens_set)
     pieces = [tok.enc.decode_single_token_bytes(i) for i in range(tok.vocab_size)]
-    return np.array([0 if p.decode("utf-8", "replace") in special else len(p) for p in pieces], np.int64)
+    sizes = [0 if p.decode("utf-8", "replace") in special else len(p) for p in pieces]
+    return np.array(sizes, np.int64)
 
 
 def loss_by_position(params, m, instances, edges, backend="jax", dtype="float32", batch=4, limit=0):
-    """Mean next-token loss (nats) of the targets at positions [edges[i], edges[i+1]) of every instance (the first
-    `limit`; 0 = all): how well a model uses the context it has, as a long-context stage should improve."""
+    """Mean loss (nats) per target position bucket [edges[i], edges[i+1]) over the first `limit`
+    instances (0 = all): how well a model uses its context."""
     def nll(xp, logits, t):  # (B, T-1): -log p(t[i+1] | t[..i]), the softmax in fp32
         top = logits[:, :-1].max(-1, keepdims=True)
         lse = top[..., 0] + xp.log(xp.exp(logits[:, :-1] - top).sum(-1))
@@ -73,7 +75,8 @@ def loss_by_position(params, m, instances, edges, backend="jax", dtype="float32"
     net, n = load(params), min(instances.n, limit or instances.n)
     sums = np.zeros(len(edges) - 1)
     for b in tqdm(range(0, n, batch), desc="loss by position", leave=False):
-        out = run(net, np.stack([instances.read(i) for i in range(b, min(b + batch, n))]))  # (B, T-1)
+        tokens = np.stack([instances.read(i) for i in range(b, min(b + batch, n))])  # (B, T)
+        out = run(net, tokens)  # (B, T-1)
         sums += [out[:, lo:hi].sum() for lo, hi in zip(edges, edges[1:])]
     return sums / (n * np.diff(edges))
 
@@ -82,21 +85,26 @@ def bits_per_byte(nats, n_bytes):
     return nats / (np.log(2) * n_bytes) if n_bytes else float("nan")
 
 
+def _whole_rows(f, seq_len):
+    """The tokens of f that fill whole rows of seq_len."""
+    return np.asarray(f.array()[: f.tokens // seq_len * seq_len])
+
+
 def unigram_bpb(instances, heldout, token_bytes, V):
-    """Bits per byte of the best context-free model: training-token frequencies (add-one smoothed)."""
+    """Bits per byte of the best context-free model: add-one smoothed training-token frequencies."""
     counts = np.ones(V, np.float64)
     for f in instances.files:
-        counts += np.bincount(np.asarray(f.array()[: f.tokens // instances.seq_len * instances.seq_len]), minlength=V)[:V]
+        counts += np.bincount(_whole_rows(f, instances.seq_len), minlength=V)[:V]
     logp = np.log(counts / counts.sum())
     nats = n_bytes = 0.0
     for f in heldout.files:
-        a = np.asarray(f.array()[: f.tokens // heldout.seq_len * heldout.seq_len]).reshape(-1, heldout.seq_len)[:, 1:]
+        a = _whole_rows(f, heldout.seq_len).reshape(-1, heldout.seq_len)[:, 1:]
         nats -= logp[a].sum()
         n_bytes += token_bytes[a].sum()
     return bits_per_byte(nats, n_bytes)
 
 
-# --- checkpoints and tokenizers -------------------------------------------------------------------
+# --- checkpoints and tokenizers -----------------------------------------------------------------
 
 def load_checkpoint(ckpt, dtype=None):
     """(ModelConfig, params, dtype): the weights in `dtype`, by default the checkpoint's own."""
@@ -105,116 +113,126 @@ def load_checkpoint(ckpt, dtype=None):
 
 
 def checkpoint_tokenizer(ckpt, m, spec=None):
-    """CKPT's tokenizer (see the module docstring). It must fit the model's ids and share its EOS, the empty context."""
+    """CKPT's tokenizer (module docstring); it must fit the model's ids and EOS (the empty
+    context)."""
     meta = Path(ckpt) / "nanolmo.json"
-    dataset = read_json(meta, "restore it from a copy of the run")["config"]["data"]["path"] if meta.is_file() else None
+    dataset = None
+    if meta.is_file():
+        dataset = read_json(meta, "restore it from a copy of the run")["config"]["data"]["path"]
+    added = data.DOLMA2_ADDED
+    dolma2 = m.eos_token_id == added["<|endoftext|>"] and m.vocab_size > added["<|pad|>"]
     if not spec and dataset and (Path(dataset) / "prepare.json").is_file():
         tok = data.dataset_tokenizer(dataset)
-    elif spec or m.eos_token_id == data.DOLMA2_ADDED["<|endoftext|>"] and m.vocab_size > data.DOLMA2_ADDED["<|pad|>"]:
+    elif spec or dolma2:
         tok = data.load_tokenizer(spec or "dolma2")
     else:
-        why = (f"{meta} names data.path={dataset!r}, which is not a prepared folder from here" if dataset
-               else f"{ckpt} has no nanolmo.json")
-        raise FileNotFoundError(f"no tokenizer for {ckpt}: {why}, and its ids are not dolma2's "
-                                f"(eos_token_id={m.eos_token_id}, vocab_size={m.vocab_size}); pass --tokenizer SPEC")
+        why = (f"{meta} names data.path={dataset!r}, which is not a prepared folder from here"
+               if dataset else f"{ckpt} has no nanolmo.json")
+        raise FileNotFoundError(
+            f"no tokenizer for {ckpt}: {why}, and its ids are not dolma2's (eos_token_id="
+            f"{m.eos_token_id}, vocab_size={m.vocab_size}); pass --tokenizer SPEC")
     if tok.vocab_size > m.vocab_size or tok.eos_id != m.eos_token_id:
-        raise ValueError(f"tokenizer {tok.name} ({tok.vocab_size} ids, EOS {tok.eos_id}) does not fit {ckpt} "
-                         f"(vocab_size={m.vocab_size}, eos_token_id={m.eos_token_id})")
+        raise ValueError(
+            f"tokenizer {tok.name} ({tok.vocab_size} ids, EOS {tok.eos_id}) does not fit {ckpt} "
+            f"(vocab_size={m.vocab_size}, eos_token_id={m.eos_token_id})")
     return tok
 
 
 def encode(tok, text):
-    # No EOS or BOS (OLMo adds neither to eval text); special-token strings become their ids, as in HF and data.py.
+    # no EOS or BOS (OLMo adds neither); special tokens' strings become their ids, as in HF
     return tok.enc.encode(text, allowed_special="all")
 
 
-# --- scoring: log p(continuation | context) for many requests --------------------------------------
-# A request is (context ids, continuation ids); its model input is the row (ctx + cont)[:-1], left-truncated to
-# max_seq_len as OLMo does; its score, the summed log p of the continuation. The forward is causal, so a row that is
-# a prefix of another gets the same logits inside the longer one's forward: each distinct row runs only in its
-# "host", the longest row it is a prefix of (in sorted order, a row's extensions follow it). So one-token options
-# (BoolQ's " yes"/" no", "Answer:" requests) read off their context's forward. A host does not predict a hosted
-# row's last token itself: each row carries up to J such extra (position, token) queries; a host with more runs again.
+# --- scoring: log p(continuation | context) for many requests -----------------------------------
+# A row that prefixes another is read off that longer "host" row's forward (docs/evaluation.md).
 
-J = 8  # extra (position, token) queries per row
+J = 8  # extra (position, token) queries per row: hosted rows' last tokens
 
 
 def _score(xp, logits, tokens, qpos, qtok):
-    """float32 logits (B, T, V), tokens (B, T); qpos, qtok (B, J) -> own (B, T): log p(tokens[:, t+1] | <= t)
-    (the last column is meaningless), extra (B, J): log p(qtok | <= qpos). For _backend: xp is numpy or jnp."""
-    mx = logits.max(-1, keepdims=True)                                          # (B, T, 1)
-    lse = (mx + xp.log(xp.exp(logits - mx).sum(-1, keepdims=True)))[..., 0]     # (B, T)
+    """logits (B, T, V), tokens (B, T), qpos, qtok (B, J) -> log p of each next token (B, T; the
+    last is meaningless), log p(qtok | up to qpos) (B, J). xp: numpy or jnp."""
+    mx = logits.max(-1, keepdims=True)  # (B, T, 1)
+    lse = (mx + xp.log(xp.exp(logits - mx).sum(-1, keepdims=True)))[..., 0]  # (B, T)
     own = xp.take_along_axis(logits, xp.roll(tokens, -1, 1)[..., None], -1)[..., 0] - lse
     b = xp.arange(tokens.shape[0])[:, None]
-    return own, logits[b, qpos, qtok] - lse[b, qpos]                           # (B, T), (B, J)
+    return own, logits[b, qpos, qtok] - lse[b, qpos]  # (B, T), (B, J)
 
 
 class Scorer:
-    """Sums of log p(continuation | context), batched into rows of bucketed lengths. `params` may be
-    replaced between calls (train.py does, each in-loop eval); the jitted function stays compiled."""
+    """Sums of log p(continuation | context), batched. `params` may be replaced between calls
+    (train.py's in-loop evals): the jitted function stays compiled."""
 
     def __init__(self, m, params, backend="jax", dtype="float32", batch_tokens=8192):
         if backend not in ("jax", "torch") or dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"backend {backend!r} / dtype {dtype!r}: expected jax|torch and float32|bfloat16")
-        self.m, self.params, self.backend, self.dtype, self.batch_tokens = m, params, backend, dtype, batch_tokens
-        # positions run (real, padded) for tokens/s; requests asked for, rows run (fewer: shared prefixes)
+            raise ValueError(f"backend {backend!r} / dtype {dtype!r}: "
+                             "expected jax|torch and float32|bfloat16")
+        self.m, self.params, self.backend, self.dtype = m, params, backend, dtype
+        self.batch_tokens = batch_tokens
+        # positions run (real, padded); requests asked, rows run (fewer: shared prefixes)
         self.tokens = self.padded = self.requests = self.rows = self.seconds = 0
         self._net_for = None
         self._load, self._score = _backend(m, backend, dtype, _score)
 
     def loglikelihoods(self, requests, desc="score"):
-        """[(context ids, continuation ids)] -> (log-likelihoods float64 (R,), scored tokens int64 (R,)). An empty
-        context becomes [EOS] (catwalk); of a continuation longer than max_seq_len, the last max_seq_len count."""
+        """[(context ids, continuation ids)] -> log-likelihoods float64 (R,), scored tokens int64
+        (R,). An empty context becomes [EOS] (catwalk); at most max_seq_len tokens score."""
         L, eos, V = self.m.max_seq_len, self.m.eos_token_id, self.m.vocab_size
         reqs = []  # (row, its final token, tokens scored)
         for i, (ctx, cont) in enumerate(requests):
-            keep = (([*ctx] or [eos]) + [*cont])[-(L + 1):]  # (ctx + cont[:-1])[-L:] as the input, like OLMo
-            if len(cont) == 0 or not 0 <= min(keep) <= max(keep) < V:
-                bad = f"token id {min(keep) if min(keep) < 0 else max(keep)} is out of range for vocab_size={V}"
-                raise ValueError(f"request {i}: " + (bad if len(cont) else "empty continuation, nothing to score"))
+            keep = (([*ctx] or [eos]) + [*cont])[-(L + 1):]  # left-truncated, as OLMo
+            if len(cont) == 0:
+                raise ValueError(f"request {i}: empty continuation, nothing to score")
+            if not 0 <= min(keep) <= max(keep) < V:
+                bad = min(keep) if min(keep) < 0 else max(keep)
+                raise ValueError(f"request {i}: token id {bad} is out of range for vocab_size={V}")
             reqs.append((tuple(keep[:-1]), keep[-1], min(len(cont), len(keep) - 1)))
-        host, last = {}, None  # for each distinct row, the longest row it is a prefix of
+        host, last = {}, None  # each distinct row -> the longest row it is a prefix of
         for r in sorted({r for r, *_ in reqs}, reverse=True):
             host[r] = host[last] if last and last[:len(r)] == r else r
             last = r
-        queries = defaultdict(dict)  # host -> its distinct extra (position, token) queries, as dict keys
+        queries = defaultdict(dict)  # host -> its distinct extra queries (keys)
         for r, tok, _ in reqs:
             queries[host[r]][len(r) - 1, tok] = None
-        rows = [(h, [*qs][i:i + J]) for h, qs in queries.items() for i in range(0, len(qs), J)]  # up to J queries each
-        self.requests, self.rows = self.requests + len(requests), self.rows + len(rows)
-        # Batches of equal bucketed length (the next power of two, at least 16, at most L: jit compiles a few
-        # shapes, not one per length), longest first; B fixed per length, so each shape compiles once.
-        bucket = lambda r: min(max(16, 1 << (len(r[0]) - 1).bit_length()), L)  # noqa: E731
-        batches, own_cs, extra = [], {}, {}  # own_cs[host]: cumulated log p of its own next tokens
+        rows = [(h, [*qs][i:i + J]) for h, qs in queries.items() for i in range(0, len(qs), J)]
+        self.requests += len(requests)
+        self.rows += len(rows)
+
+        # lengths bucketed to powers of two, B fixed per length: jit compiles few shapes, once each
+        def bucket(r):
+            return min(max(16, 1 << (len(r[0]) - 1).bit_length()), L)
+        batches, own_cs, extra = [], {}, {}  # own_cs[host]: cumsum of log p of its own tokens
         for T, rs in itertools.groupby(sorted(rows, key=lambda r: -len(r[0])), key=bucket):
             rs, B = list(rs), max(1, self.batch_tokens // T)
             batches += [(T, B, rs[i:i + B]) for i in range(0, len(rs), B)]
         t0 = time.perf_counter()
-        for T, B, batch in tqdm(batches, desc=desc, leave=False, disable=True if len(batches) < 4 else None):
-            tokens, q = np.full((B, T), eos, np.int32), np.zeros((2, B, J), np.int32)  # q: (positions, tokens)
+        quiet = True if len(batches) < 4 else None  # None: a bar on terminals only
+        for T, B, batch in tqdm(batches, desc=desc, leave=False, disable=quiet):
+            tokens = np.full((B, T), eos, np.int32)
+            q = np.zeros((2, B, J), np.int32)  # extra queries: positions, tokens
             for b, (h, qs) in enumerate(batch):
                 tokens[b, :len(h)] = h
                 q[:, b, :len(qs)] = np.transpose(qs)
-            if self._net_for is not self.params:  # params moved to the device (or into a module) once per set
+            if self._net_for is not self.params:  # loaded once per params
                 self._net, self._net_for = self._load(self.params), self.params
             own, ex = self._score(self._net, tokens, *q)
             for b, (h, qs) in enumerate(batch):
                 own_cs[h] = np.concatenate([[0.0], np.cumsum(own[b, :len(h)], dtype=np.float64)])
                 extra.update(((h, *x), float(e)) for x, e in zip(qs, ex[b]))
-            self.tokens, self.padded = self.tokens + sum(len(h) for h, _ in batch), self.padded + B * T
+            self.tokens += sum(len(h) for h, _ in batch)
+            self.padded += B * T
         self.seconds += time.perf_counter() - t0
-        # positions len(r)-n .. len(r)-2 read the host's own next tokens; the last one is an extra query
-        ll = [own_cs[host[r]][len(r) - 1] - own_cs[host[r]][len(r) - n] + extra[host[r], len(r) - 1, tok]
-              for r, tok, n in reqs]
+        # positions len(r)-n .. len(r)-2 from the host's own tokens, the last from an extra query
+        ll = [own_cs[host[r]][len(r) - 1] - own_cs[host[r]][len(r) - n]
+              + extra[host[r], len(r) - 1, tok] for r, tok, n in reqs]
         return np.asarray(ll, np.float64), np.asarray([n for *_, n in reqs], np.int64)
 
 
 # --- bits per byte, as Paloma -------------------------------------------------------------------
 
 def rolling_windows(t, L, prefix):
-    """lm-eval's get_rolling_token_windows(context_len=1) + make_disjoint_window (catwalk's, for Paloma): [(context,
-    continuation)] predicting each token of t once: t[0:L] from [prefix] + t[0:L-1], then L tokens from one carried-
-    over token; the last, shorter window takes as many earlier tokens as fit in L as (unscored) context."""
+    """[(context, continuation)] windows of up to L tokens predicting each token of t once, as
+    catwalk's for Paloma (docs/evaluation.md)."""
     out, done = [], 0
     while done < len(t):
         end = done + min(len(t) - done, L)
@@ -224,17 +242,19 @@ def rolling_windows(t, L, prefix):
 
 
 def read_documents(paths, limit=0):
-    """(domain, source, text) per document of .jsonl / .jsonl.gz files; the domain is the record's
-    `subdomain` or `domain`, else its `source`, else the file's name. Empty texts are skipped, counted."""
+    """([(domain, source, text)] of .jsonl(.gz) files, empty texts skipped). domain: `subdomain`,
+    `domain`, `source` or the file's name."""
     docs, empty = [], 0
     for path in map(Path, paths):
         if not path.is_file() or not path.name.endswith((".jsonl", ".jsonl.gz")):
             raise FileNotFoundError(f"{path}: expected a .jsonl or .jsonl.gz file of documents")
         stem = path.name.removesuffix(".gz").removesuffix(".jsonl")
         for at, rec in data.json_lines(path):
-            text, source = data.fix_surrogates(_field(rec, "text", str, at))[0], str(rec.get("source") or stem)
+            text = data.fix_surrogates(_field(rec, "text", str, at))[0]
+            source = str(rec.get("source") or stem)
             if text:
-                docs.append((str(rec.get("subdomain") or rec.get("domain") or source), source, text))
+                domain = str(rec.get("subdomain") or rec.get("domain") or source)
+                docs.append((domain, source, text))
             empty += not text
             if limit and len(docs) == limit:
                 return docs, empty
@@ -242,58 +262,71 @@ def read_documents(paths, limit=0):
 
 
 def bpb(scorer, tok, docs):
-    """Per domain: docs, tokens, bytes, nats (summed: catwalk's PerplexityMetrics micro-averages bytes within
-    it), bits per byte, per-token perplexity; then the macro average over domains (Paloma's headline)."""
-    windows = [rolling_windows(encode(tok, text), scorer.m.max_seq_len, scorer.m.eos_token_id) for *_, text in docs]
+    """Per domain: docs, tokens, bytes, nats, bits per byte, per-token perplexity; the macro average
+    over domains (Paloma's headline), the micro one over bytes."""
+    L, eos = scorer.m.max_seq_len, scorer.m.eos_token_id
+    windows = [rolling_windows(encode(tok, text), L, eos) for *_, text in docs]
     ll, n = scorer.loglikelihoods([w for ws in windows for w in ws], "bpb windows")
-    cut = np.cumsum([len(ws) for ws in windows])[:-1]  # where each document's windows start
+    cut = np.cumsum([len(ws) for ws in windows])[:-1]  # each document's first window
     stats = defaultdict(lambda: np.zeros(4))  # (source, domain) -> docs, tokens, bytes, nats
     for (domain, source, text), lls, ns in zip(docs, np.split(ll, cut), np.split(n, cut)):
         stats[source, domain] += [1, ns.sum(), len(text.encode("utf-8")), -lls.sum()]
     domains = {}
     for (source, domain), v in sorted(stats.items()):
         s = dict(source=source, docs=int(v[0]), tokens=int(v[1]), bytes=int(v[2]), nats=float(v[3]))
-        s.update(bpb=bits_per_byte(s["nats"], s["bytes"]), ppl_token=float(np.exp(s["nats"] / s["tokens"])))
+        s.update(bpb=bits_per_byte(s["nats"], s["bytes"]),
+                 ppl_token=float(np.exp(s["nats"] / s["tokens"])))
         domains[domain if domain == source else f"{source}/{domain}"] = s
     macro = {src: float(np.mean([s["bpb"] for s in domains.values() if s["source"] == src]))
              for src in sorted({source for source, _ in stats})}
     total = {k: sum(s[k] for s in domains.values()) for k in ("docs", "tokens", "bytes", "nats")}
-    return dict(domains=domains, macro_bpb=float(np.mean([s["bpb"] for s in domains.values()])),
-                macro_bpb_per_source=macro, micro_bpb=bits_per_byte(total["nats"], total["bytes"]), **total)
+    macro_bpb = float(np.mean([s["bpb"] for s in domains.values()]))
+    micro_bpb = bits_per_byte(total["nats"], total["bytes"])
+    return dict(domains=domains, macro_bpb=macro_bpb, macro_bpb_per_source=macro,
+                micro_bpb=micro_bpb, **total)
 
 
 def print_bpb(res):
     w = max([len(k) for k in res["domains"]] + [12])
-    print(f"{'domain':<{w}} {'docs':>6} {'tokens':>9} {'bytes':>10} {'bits/byte':>9} {'ppl/token':>10}")
+    print(f"{'domain':<{w}} {'docs':>6} {'tokens':>9} {'bytes':>10} {'bits/byte':>9} "
+          f"{'ppl/token':>10}")
     for k, s in res["domains"].items():
-        print(f"{k:<{w}} {s['docs']:>6} {s['tokens']:>9,} {s['bytes']:>10,} {s['bpb']:>9.4f} {s['ppl_token']:>10.2f}")
+        print(f"{k:<{w}} {s['docs']:>6} {s['tokens']:>9,} {s['bytes']:>10,} {s['bpb']:>9.4f} "
+              f"{s['ppl_token']:>10.2f}")
     if len(res["macro_bpb_per_source"]) > 1:
         for src, v in res["macro_bpb_per_source"].items():
             print(f"{'macro ' + src:<{w}} {'':>6} {'':>9} {'':>10} {v:>9.4f}")
-    print(f"{'macro (domains)':<{w}} {res['docs']:>6} {res['tokens']:>9,} {res['bytes']:>10,} {res['macro_bpb']:>9.4f}")
+    print(f"{'macro (domains)':<{w}} {res['docs']:>6} {res['tokens']:>9,} {res['bytes']:>10,} "
+          f"{res['macro_bpb']:>9.4f}")
     print(f"{'micro (bytes)':<{w}} {'':>6} {'':>9} {'':>10} {res['micro_bpb']:>9.4f}")
 
 
-# --- the eight tasks: reading their files ----------------------------------------------------------
-# Every reader turns one record into a task's plain fields; `rec` is a dict, `at` says "file:line".
+# --- the eight tasks: reading their files -------------------------------------------------------
+# Each reader: a record (dict) -> a task's plain fields; `at` says "file:line".
 
 def _field(rec, name, kind, at):
     v = rec.get(name) if isinstance(rec, dict) else None
     if not isinstance(v, kind) or isinstance(v, bool) and kind is not bool:
-        raise ValueError(f"{at}: field {name!r} is {v!r}; expected {getattr(kind, '__name__', kind)}")
+        expected = getattr(kind, "__name__", kind)
+        raise ValueError(f"{at}: field {name!r} is {v!r}; expected {expected}")
     return v
 
 
+def _strings(rec, names, at):
+    """{name: rec[name]} of string fields."""
+    return {k: _field(rec, k, str, at) for k in names}
+
+
 def _index(label, n, at, name="label"):
-    # an int or a numeric string (HellaSwag's label is a string in HF files, an int in the original jsonl)
+    # an int or a numeric string (HellaSwag's HF files)
     if isinstance(label, bool) or str(label).strip() not in map(str, range(n)):
         raise ValueError(f"{at}: {name} {label!r} is not an option index 0..{n - 1}")
     return int(label)
 
 
 def read_choice(rec, at):
-    """ARC and OpenBookQA. HF: question (str, OBQA: question_stem), choices {text, label}, answerKey; original:
-    question {stem, choices [{text, label}]}, answerKey. ARC's keys are letters or, in some rows, digits."""
+    """ARC and OpenBookQA: HF rows (choices {text, label}) or original ones (question {stem,
+    choices})."""
     q = rec.get("question") if isinstance(rec, dict) else None
     if isinstance(q, dict):
         stem, choices = _field(q, "stem", str, at), _field(q, "choices", list, at)
@@ -302,9 +335,10 @@ def read_choice(rec, at):
     else:
         stem = _field(rec, "question" if "question" in rec else "question_stem", str, at)
         choices = _field(rec, "choices", dict, at)
-        texts, labels = _field(choices, "text", list, at), [str(x) for x in _field(choices, "label", list, at)]
+        texts = _field(choices, "text", list, at)
+        labels = [str(x) for x in _field(choices, "label", list, at)]
     key = str(_field(rec, "answerKey", (str, int), at)).strip()
-    if key not in labels and key in ("1", "2", "3", "4", "5"):  # a digit key over letter labels: 1 = A
+    if key not in labels and key in ("1", "2", "3", "4", "5"):  # digits over letter labels: 1 = A
         key = "ABCDE"[int(key) - 1]
     if key not in labels or len(texts) != len(labels):
         raise ValueError(f"{at}: answerKey {key!r} is not one of the labels {labels}")
@@ -312,45 +346,48 @@ def read_choice(rec, at):
 
 
 def read_boolq(rec, at):
-    """HF boolq (question, passage, answer; no title) or the original dev.jsonl (the same plus title)."""
-    return dict(question=_field(rec, "question", str, at), passage=_field(rec, "passage", str, at),
-                title=rec.get("title") or None, answer=_field(rec, "answer", bool, at))  # only the original has titles
+    """HF boolq or the original (with titles)."""
+    return dict(_strings(rec, ("question", "passage"), at),
+                title=rec.get("title") or None,
+                answer=_field(rec, "answer", bool, at))
 
 
 def read_hellaswag(rec, at):
-    """Original/HF rows (activity_label, ctx_a, ctx_b, endings, label) or an OLMES dump's (query, choices, gold)."""
+    """Original/HF rows or an OLMES dump's (query, choices, gold)."""
     if "query" in rec:
         choices = _field(rec, "choices", list, at)
         return dict(query=_field(rec, "query", str, at), choices=choices,
                     gold=_index(rec.get("gold"), len(choices), at, "gold"))
     endings = _field(rec, "endings", list, at)
-    return dict(activity_label=_field(rec, "activity_label", str, at), ctx_a=_field(rec, "ctx_a", str, at),
-                ctx_b=_field(rec, "ctx_b", str, at), endings=endings, gold=_index(rec.get("label"), len(endings), at))
+    return dict(_strings(rec, ("activity_label", "ctx_a", "ctx_b"), at), endings=endings,
+                gold=_index(rec.get("label"), len(endings), at))
 
 
 def read_piqa(rec, at):
-    return dict({k: _field(rec, k, str, at) for k in ("goal", "sol1", "sol2")}, gold=_index(rec.get("label"), 2, at))
+    return dict(_strings(rec, ("goal", "sol1", "sol2"), at), gold=_index(rec.get("label"), 2, at))
 
 
 def read_sciq(rec, at):
-    support = rec.get("support") or ""  # empty in 113 of the 1000 validation rows
-    return dict(question=_field(rec, "question", str, at), support=support, options=[
-        _field(rec, k, str, at) for k in ("distractor1", "distractor2", "distractor3", "correct_answer")])
+    support = rec.get("support") or ""  # empty in 113 of 1000 validation rows
+    options = ("distractor1", "distractor2", "distractor3", "correct_answer")
+    return dict(question=_field(rec, "question", str, at), support=support,
+                options=[_field(rec, k, str, at) for k in options])
 
 
 def read_winogrande(rec, at):
     sentence = _field(rec, "sentence", str, at)
     if sentence.count("_") != 1:
-        raise ValueError(f"{at}: sentence has {sentence.count('_')} blanks ('_'); expected exactly one")
+        raise ValueError(
+            f"{at}: sentence has {sentence.count('_')} blanks ('_'); expected exactly one")
     answer = rec.get("answer")
     if str(answer) not in ("1", "2") or isinstance(answer, bool):
         raise ValueError(f"{at}: answer {answer!r}; expected '1' or '2'")
-    return dict({k: _field(rec, k, str, at) for k in ("option1", "option2")}, sentence=sentence, gold=int(answer) - 1)
+    return dict(_strings(rec, ("option1", "option2"), at), sentence=sentence, gold=int(answer) - 1)
 
 
 def read_rows(path):
-    """(where, record) per row of .jsonl(.gz), a JSON array (.json: SciQ's original) or an OLMES request dump (its
-    docs); labels in a sibling NAME-labels.lst (PIQA, WinoGrande originals) are joined in as `label`/`answer`."""
+    """(where, record) per row of .jsonl(.gz), a JSON array or an OLMES request dump (its docs),
+    with labels from a sibling NAME-labels.lst (PIQA, WinoGrande)."""
     path = Path(path)
     if path.name.endswith(".json"):
         rows = read_json(path)
@@ -359,8 +396,9 @@ def read_rows(path):
         out = [(f"{path}[{i}]", r) for i, r in enumerate(rows)]
     else:
         out = list(data.json_lines(path))
-    if path.name.endswith(".requests.jsonl.gz"):  # a dump: one line per option; each doc once, first-seen order
-        out = list({r["doc_id"]: (at, r["doc"]) for at, r in out if r["doc_id"] < 1_000_000}.values())
+    if path.name.endswith(".requests.jsonl.gz"):  # a line per option: each doc once, as first seen
+        docs = {r["doc_id"]: (at, r["doc"]) for at, r in out if r["doc_id"] < 1_000_000}
+        out = list(docs.values())
     for at, rec in out:
         if not isinstance(rec, dict):
             raise ValueError(f"{at}: expected a JSON object, got {type(rec).__name__}")
@@ -375,29 +413,30 @@ def read_rows(path):
     return out
 
 
-# Where each task's rows are under --data DIR: the first file that exists (HF: its Hugging Face export). BoolQ
-# prefers the original, whose titles OLMES prompts with; HellaSwag falls back to OLMES's dumps, the only
-# HellaSwag rows in ../shared (a Random(1234) sample of 1000 validation docs).
+# Each task's rows under --data: the first file that exists. BoolQ prefers the original (OLMES
+# prompts with its titles); HellaSwag's only rows in ../shared are OLMES's dumps (1000 docs).
 HF = "hf_validation/{task}.validation.jsonl"
 TASKS = {  # name: (reader, files, Catwalk's normalisation (the OLMo paper), OLMES v0.1's)
     "arc_easy": (read_choice, [HF, "original/arc_easy/ARC-Easy-Dev.jsonl"], "pmi", "per_char"),
-    "arc_challenge": (read_choice, [HF, "original/arc_challenge/ARC-Challenge-Dev.jsonl"], "pmi", "pmi"),
+    "arc_challenge": (read_choice, [HF, "original/arc_challenge/ARC-Challenge-Dev.jsonl"],
+                      "pmi", "pmi"),
     "boolq": (read_boolq, ["original/boolq/dev.jsonl", HF], "raw", "raw"),
-    "hellaswag": (read_hellaswag, [HF, "original/hellaswag/hellaswag_val.jsonl",
-                                   "olmes_requests/hellaswag_rc_0shot.requests.jsonl.gz",
-                                   "olmes_requests/hellaswag_rc_5shot.requests.jsonl.gz"], "per_token", "per_char"),
+    "hellaswag": (read_hellaswag, [
+        HF, "original/hellaswag/hellaswag_val.jsonl",
+        "olmes_requests/hellaswag_rc_0shot.requests.jsonl.gz",
+        "olmes_requests/hellaswag_rc_5shot.requests.jsonl.gz"], "per_token", "per_char"),
     "openbookqa": (read_choice, [HF, "original/openbookqa/Main/dev.jsonl"], "pmi", "pmi"),
     "piqa": (read_piqa, [HF, "original/piqa/valid.jsonl"], "per_token", "per_char"),
-    # SciQ is not in OLMES v0.1; oe-eval's rc dump and the OLMo paper both score it raw, so we do too.
+    # SciQ: not in OLMES v0.1; raw, as oe-eval's rc dump and the OLMo paper
     "sciq": (read_sciq, [HF, "original/sciq/valid.json"], "raw", "raw"),
-    # WinoGrande: both options share one continuation, so every normalisation gives the same answer.
+    # WinoGrande: one continuation shared by both options, so every normalisation agrees
     "winogrande": (read_winogrande, [HF, "original/winogrande/dev.jsonl"], "per_token", "raw"),
 }
 NORMS = ("raw", "per_token", "per_char", "pmi")
 
 
 def load_task(name, root, limit=0):
-    """(docs, path): the first `limit` (0 = all) rows of a task under `root`, read into plain fields."""
+    """(docs, path): the first `limit` (0 = all) rows of a task under `root`, read."""
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; known: {', '.join(TASKS)}")
     reader, files = TASKS[name][0], [Path(root) / f.format(task=name) for f in TASKS[name][1]]
@@ -407,125 +446,154 @@ def load_task(name, root, limit=0):
     return [reader(rec, at) for at, rec in read_rows(found[0])[:limit or None]], found[0]
 
 
-# --- the eight tasks: prompts (OLMES, and the lm-eval v0.3 ones Catwalk used) ------------------------
+# --- the eight tasks: prompts (OLMES, and the lm-eval v0.3 ones Catwalk used) -------------------
 
 def preprocess(text, style="olmes"):
-    """HellaSwag's cleaner of WikiHow's [title]/[header]/[step] marks. OLMES also turns the ".. " that " [title]"
-    leaves after a full stop into ". " (no doc in its dump has one); lm-eval v0.3 and OLMo's in-loop code do not."""
+    """HellaSwag's cleaner of WikiHow's [title]/[header]/[step] marks; OLMES's also turns ".. " into
+    ". "."""
     text = text.strip().replace(" [title]", ". ")
     text = re.sub("\\[.*?\\]", "", text).replace("  ", " ")
     return re.sub(r"\.\. ", ". ", text) if style == "olmes" else text
 
 
-# OLMES's fixed HellaSwag shots (FEWSHOT_SOURCES["OLMES:hellaswag"], HellaSwag train rows 12, 39, 9, 47, 38):
-# (activity_label, ctx_a, ctx_b, gold ending), raw, so `preprocess` runs on them as on any row.
+# OLMES's HellaSwag shots (FEWSHOT_SOURCES["OLMES:hellaswag"], train rows 12, 39, 9, 47, 38), raw:
+# (activity_label, ctx_a, ctx_b, gold ending).
 HELLASWAG_SHOTS = [
-    ("Health", "[header] How to cope with suicidal thoughts [title] Put off any plans. [step] Promise yourself that "
-     "you'll wait 48 hours before doing anything. Remember, thoughts don't have the power to force you to act.", "",
-     "Sometimes extreme pain can distort our perception. Waiting before taking action will give your mind time to "
-     "clear."),
-    ("Education and Communications", "[header] How to make a liquid into a solid [title] Place a small open container "
-     "of water in the freezer compartment of a class or home refrigerator. [title] Leave the water there for several "
-     "hours or overnight. [title] Remove from the freezer and note what has occurred.", "",
-     "[step] Water changes state from liquid to solid when it reaches a temperature of 0 degrees celsius, or 32 "
-     "degrees fahrenheit. This is a simple example of changing from liquid to solid, or freezing."),
-    ("Baking cookies", "A female chef in white uniform shows a stack of baking pans in a large kitchen presenting "
-     "them. The pans are filled with pastries and loaded into the oven.", "a knife",
+    ("Health",
+     "[header] How to cope with suicidal thoughts [title] Put off any plans. [step] Promise "
+     "yourself that you'll wait 48 hours before doing anything. Remember, thoughts don't have the "
+     "power to force you to act.",
+     "",
+     "Sometimes extreme pain can distort our perception. Waiting before taking action will give "
+     "your mind time to clear."),
+    ("Education and Communications",
+     "[header] How to make a liquid into a solid [title] Place a small open container of water in "
+     "the freezer compartment of a class or home refrigerator. [title] Leave the water there for "
+     "several hours or overnight. [title] Remove from the freezer and note what has occurred.",
+     "",
+     "[step] Water changes state from liquid to solid when it reaches a temperature of 0 degrees "
+     "celsius, or 32 degrees fahrenheit. This is a simple example of changing from liquid to "
+     "solid, or freezing."),
+    ("Baking cookies",
+     "A female chef in white uniform shows a stack of baking pans in a large kitchen presenting "
+     "them. The pans are filled with pastries and loaded into the oven.",
+     "a knife",
      "is used to cut cylinder shaped dough into rounds."),
-    ("Starting a campfire", "He takes his lighter and lights the newspaper in several places to start the fire. The "
-     "bonfire starts burning and continues to burn.", "he", "adds a few more twigs to keep the flames burning."),
-    ("Finance and Business", "[header] How to write a method statement [title] Prepare to write by conducting a risk "
-     "assessment--an in-depth examination of the task or process. [substeps] Identify the work hazards (those that "
-     "could potentially cause poor health or personal harm) that are inherent in the task. Analyze what has been done "
-     "about these hazards and if these measures are enough to reduce the harm potential to an acceptable level.", "",
-     "Decide what additional measures need to be taken to reduce harm if an acceptable level has not been met. "
-     "[title] Begin to write your method statement, starting at the header."),
+    ("Starting a campfire",
+     "He takes his lighter and lights the newspaper in several places to start the fire. The "
+     "bonfire starts burning and continues to burn.",
+     "he",
+     "adds a few more twigs to keep the flames burning."),
+    ("Finance and Business",
+     "[header] How to write a method statement [title] Prepare to write by conducting a risk "
+     "assessment--an in-depth examination of the task or process. [substeps] Identify the work "
+     "hazards (those that could potentially cause poor health or personal harm) that are inherent "
+     "in the task. Analyze what has been done about these hazards and if these measures are "
+     "enough to reduce the harm potential to an acceptable level.",
+     "",
+     "Decide what additional measures need to be taken to reduce harm if an acceptable level has "
+     "not been met. [title] Begin to write your method statement, starting at the header."),
 ]
 
 
-# A context and a continuation per option; uncond: also score each continuation after "Answer:" (for PMI).
+# A context and a continuation per option; uncond: also score each after "Answer:" (for PMI).
 Item = namedtuple("Item", "contexts continuations gold uncond", defaults=[True])
-UNCOND = "Answer:"  # catwalk's MultipleChoiceTask.unconditioned_prompt(); oe-eval's doc_id >= 1000000 requests
+UNCOND = "Answer:"  # catwalk's unconditioned_prompt(); oe-eval's doc_id >= 1000000
 
 
 def render(task, doc, style="olmes", shots=0):
-    """One document -> its Item. style: "olmes" (the strings of AI2's OLMES request dumps) or "catwalk"
-    (lm-eval v0.3, as vendored by Catwalk for the OLMo paper). shots: HellaSwag only, 0 or 5 (OLMES's)."""
+    """One document -> its Item. style: "olmes" (OLMES's request dumps) or "catwalk" (lm-eval v0.3,
+    as for the OLMo paper). shots: HellaSwag's, 0 to 5."""
     if shots and (task != "hellaswag" or shots > len(HELLASWAG_SHOTS)):
-        raise ValueError(f"{task}: only hellaswag has few-shot examples here (up to {len(HELLASWAG_SHOTS)})")
+        raise ValueError(
+            f"{task}: only hellaswag has few-shot examples here (up to {len(HELLASWAG_SHOTS)})")
     if task in ("arc_easy", "arc_challenge", "openbookqa"):
-        raw_stem = task == "openbookqa" and style == "catwalk"  # lm-eval's OBQA prompt is the bare stem
+        raw_stem = task == "openbookqa" and style == "catwalk"  # lm-eval's OBQA: the bare stem
         ctx = doc["question"] if raw_stem else f"Question: {doc['question']}\nAnswer:"
         return Item([ctx] * len(doc["choices"]), [" " + c for c in doc["choices"]], doc["gold"])
     if task == "boolq":
-        # The original/super_glue passage is "Title -- text"; HF's boolq has no title, and we do not invent one.
+        # the original's passage is "Title -- text"; HF's has no title (none is invented)
         passage = f"{doc['title']} -- {doc['passage']}" if doc["title"] else doc["passage"]
         ctx = f"{passage}\nQuestion: {doc['question']}?\nAnswer:"
-        options = [" no", " yes"] if style == "catwalk" else [" yes", " no"]  # catwalk: super_glue's order (for ties)
+        # catwalk: super_glue's order (ties)
+        options = [" no", " yes"] if style == "catwalk" else [" yes", " no"]
         return Item([ctx] * 2, options, options.index(" yes" if doc["answer"] else " no"))
     if task == "hellaswag":
-        ask = lambda a, x, b: preprocess(f"{a}: {x} {b.capitalize()}", style)  # noqa: E731
-        query = doc["query"] if "query" in doc else ask(doc["activity_label"], doc["ctx_a"], doc["ctx_b"])
-        choices = doc["choices"] if "query" in doc else [preprocess(e, style) for e in doc["endings"]]
-        shown = [ask(a, x, b) + " " + preprocess(e, style) for a, x, b, e in HELLASWAG_SHOTS[:shots]]  # + gold ending
-        query = "\n\n".join(shown + [query])  # "\n\n" between the shots and before the question
+        def ask(a, x, b):  # activity_label, ctx_a, ctx_b
+            return preprocess(f"{a}: {x} {b.capitalize()}", style)
+        if "query" in doc:
+            query, choices = doc["query"], doc["choices"]
+        else:
+            query = ask(doc["activity_label"], doc["ctx_a"], doc["ctx_b"])
+            choices = [preprocess(e, style) for e in doc["endings"]]
+        examples = HELLASWAG_SHOTS[:shots]
+        shown = [ask(a, x, b) + " " + preprocess(e, style) for a, x, b, e in examples]
+        query = "\n\n".join(shown + [query])
         return Item([query] * len(choices), [" " + c for c in choices], doc["gold"])
     if task == "piqa":
         ctx = f"{'Question' if style == 'catwalk' else 'Goal'}: {doc['goal']}\nAnswer:"
         return Item([ctx] * 2, [" " + doc["sol1"], " " + doc["sol2"]], doc["gold"])
     if task == "sciq":
-        # The whole string is stripped, so an empty support leaves no leading "\n" (OLMo's in-loop one does).
+        # stripped: no leading "\n" when support is empty (OLMo's in-loop one keeps it)
         ctx = f"{doc['support']}\nQuestion: {doc['question']}\nAnswer:".strip()
         return Item([ctx] * 4, [" " + o for o in doc["options"]], 3)
     if task == "winogrande":
-        # Partial scoring (Trinh & Le): each option completes the text before the blank; the shared rest is scored.
+        # partial scoring (Trinh & Le): each option ends its context; the shared rest is scored
         before, after = doc["sentence"].split("_")
-        return Item([before + doc["option1"], before + doc["option2"]], [" " + after.strip()] * 2, doc["gold"], False)
+        contexts = [before + doc["option1"], before + doc["option2"]]
+        return Item(contexts, [" " + after.strip()] * 2, doc["gold"], False)
     raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
 
 
 def requests_of(item):
-    """The (context, continuation) strings of one Item: its options, then each option after "Answer:"."""
-    return [*zip(item.contexts, item.continuations), *((UNCOND, c) for c in item.continuations if item.uncond)]
+    """An Item's (context, continuation) strings: its options, then each after "Answer:"."""
+    uncond = [(UNCOND, c) for c in item.continuations if item.uncond]
+    return [*zip(item.contexts, item.continuations), *uncond]
 
 
-# --- the eight tasks: scoring and the normalisations ------------------------------------------------
+# --- the eight tasks: scoring and the normalisations --------------------------------------------
 
 def prepare_tasks(names, root, tok, style="olmes", limit=0):
-    """Load, render and tokenize once (train.py scores the same requests at every in-loop eval). Context
-    and continuation are tokenized separately, as OLMo and catwalk do: " yes" stays one token."""
+    """Load, render and tokenize once, for every in-loop eval. Context and continuation apart, as
+    OLMo does: " yes" stays one token."""
     if style not in ("olmes", "catwalk"):
         raise ValueError(f"norm {style!r}: expected olmes or catwalk")
-    tasks, index = {}, {}  # index: each distinct (context, continuation) pair -> its number, in first-seen order
+    tasks = {}
+    index = {}  # distinct (context, continuation) -> its number
     for name in names:
         docs, path = load_task(name, root, limit)
         items = [render(name, d, style) for d in docs]
-        refs = [[index.setdefault(pair, len(index)) for pair in requests_of(item)] for item in items]
+        refs = [[index.setdefault(p, len(index)) for p in requests_of(item)] for item in items]
         tasks[name] = dict(items=items, refs=refs, path=str(path))
-    ids = {s: encode(tok, s) for s in {s for pair in index for s in pair}}  # each distinct string tokenized once
-    return dict(tasks=tasks, pairs=list(index), ids=[(ids[c], ids[x]) for c, x in index], style=style)
+    ids = {s: encode(tok, s) for s in {s for pair in index for s in pair}}  # each string once
+    token_ids = [(ids[c], ids[x]) for c, x in index]
+    return dict(tasks=tasks, pairs=list(index), ids=token_ids, style=style)
 
 
 def score_tasks(scorer, prep):
-    """Per task: accuracy per normalisation (per_char: LL / len(continuation), its leading space in, as catwalk and
-    OLMES; pmi: LL(cont | ctx) - LL(cont | "Answer:"), not OLMo's in-loop ratio), `acc` under the paper's choice, the
-    gold's bits per byte (OLMo's in-loop bpb), chance, majority (always one option index). Ties: the first option."""
+    """Per task: accuracy per normalisation (`acc`: the paper's), the gold's bits per byte, chance,
+    majority. Ties go to the first option."""
     ll, ntok = scorer.loglikelihoods(prep["ids"], "tasks")
     out = {}
     for name, t in prep["tasks"].items():
-        hits, gold_bpb, items = [], [], t["items"]  # hits: per item, per normalisation, whether it picked the gold
+        items = t["items"]
+        hits, gold_bpb = [], []  # hits: per item and normalisation, whether the gold won
         for item, refs in zip(items, t["refs"]):
             K = len(item.continuations)
             lc, unc = ll[refs[:K]], refs[K:]  # lc: LL(cont | ctx) per option
-            score = dict(raw=lc, per_token=lc / ntok[refs[:K]], per_char=lc / [len(c) for c in item.continuations],
+            # per_char counts the leading space; pmi: a difference, not OLMo's in-loop ratio
+            score = dict(raw=lc, per_token=lc / ntok[refs[:K]],
+                         per_char=lc / [len(c) for c in item.continuations],
                          pmi=lc - ll[unc] if unc else lc)
-            hits.append([np.argmax(score[k]) == item.gold for k in NORMS])  # np.argmax: the first of equal maxima
-            gold_bpb.append(bits_per_byte(-lc[item.gold], len(item.continuations[item.gold].encode("utf-8"))))
+            hits.append([np.argmax(score[k]) == item.gold for k in NORMS])
+            gold = item.continuations[item.gold]
+            gold_bpb.append(bits_per_byte(-lc[item.gold], len(gold.encode("utf-8"))))
         n, norm = len(items), TASKS[name][2 if prep["style"] == "catwalk" else 3]
         accs = dict(zip(NORMS, np.mean(hits, 0).tolist()))
         out[name] = dict(docs=n, norm=norm, acc=accs[norm], accs=accs, bpb=float(np.mean(gold_bpb)),
                          chance=float(np.mean([1 / len(i.continuations) for i in items])),
-                         majority=float(np.bincount([i.gold for i in items]).max() / n), file=t["path"])
+                         majority=float(np.bincount([i.gold for i in items]).max() / n),
+                         file=t["path"])
     return out
 
 
@@ -533,66 +601,69 @@ def print_tasks(res, style):
     print(f"{'task':<14} {'docs':>5} {'norm':>9} {'acc':>6} {'chance':>6} {'major.':>6} | "
           + " ".join(f"{k:>9}" for k in NORMS) + f" {'gold bpb':>8}")
     for name, r in res.items():
-        print(f"{name:<14} {r['docs']:>5} {r['norm']:>9} {100 * r['acc']:>6.1f} {100 * r['chance']:>6.1f} "
-              f"{100 * r['majority']:>6.1f} | " + " ".join(f"{100 * r['accs'][k]:>9.1f}" for k in NORMS)
-              + f" {r['bpb']:>8.3f}")
+        accs = " ".join(f"{100 * r['accs'][k]:>9.1f}" for k in NORMS)
+        print(f"{name:<14} {r['docs']:>5} {r['norm']:>9} {100 * r['acc']:>6.1f} "
+              f"{100 * r['chance']:>6.1f} {100 * r['majority']:>6.1f} | {accs} {r['bpb']:>8.3f}")
     if len(res) > 1:
-        mean = lambda k: 100 * np.mean([r[k] for r in res.values()])  # noqa: E731
-        print(f"{'average':<14} {'':>5} {style:>9} {mean('acc'):>6.1f} {mean('chance'):>6.1f} {mean('majority'):>6.1f}")
+        def mean(k):
+            return 100 * np.mean([r[k] for r in res.values()])
+        print(f"{'average':<14} {'':>5} {style:>9} {mean('acc'):>6.1f} {mean('chance'):>6.1f} "
+              f"{mean('majority'):>6.1f}")
 
 
 # --- generation ---------------------------------------------------------------------------------
 
 def pick(logits, temperature=0.0, top_k=0, top_p=1.0, rng=None):
-    """The next token from logits (V,): the argmax at temperature 0 (ties: the lowest id), else a draw from
-    softmax(logits / temperature) over the top_k most likely (0 = all) cut to the smallest set reaching top_p.
-    On the host in float64, so both backends draw alike."""
+    """The next token from logits (V,): the argmax at temperature 0, else a draw from
+    softmax(logits / temperature) over the top_k (0 = all) cut to top_p. In float64 on the host:
+    both backends draw alike."""
     logits = np.asarray(logits, np.float64)
     if temperature == 0:
         return int(np.argmax(logits))
     order = np.argsort(-logits, kind="stable")[: top_k or None]
     p = np.exp((logits[order] - logits[order[0]]) / temperature)
     p /= p.sum()
-    keep = np.cumsum(p) - p < top_p  # a token stays if the ones above it have not reached top_p yet
+    keep = np.cumsum(p) - p < top_p  # those above a token have not reached top_p yet
     p = p[keep] / p[keep].sum()
     return int(order[:len(p)][rng.choice(len(p), p=p)])
 
 
-def generate(params, m, prompt_ids, n_new, backend="jax", dtype="float32", temperature=0.0, top_k=0, top_p=1.0,
-             eos=None, seed=0, cache=True, tokenizer_size=None):
-    """Up to n_new tokens after prompt_ids (stopping after `eos`), and timings. With the KV cache
-    the prompt runs once (prefill), then each token is one position through every layer; without it
-    every token re-reads the whole sequence, the reference the cache is tested against. Ids >=
-    tokenizer_size are never picked."""
+def generate(params, m, prompt_ids, n_new, backend="jax", dtype="float32", temperature=0.0, top_k=0,
+             top_p=1.0, eos=None, seed=0, cache=True, tokenizer_size=None):
+    """(up to n_new ids after prompt_ids, stopping after `eos`; timings). Ids >= tokenizer_size are
+    never picked. cache=False: the whole sequence each token (the reference)."""
     prompt = [int(t) for t in prompt_ids] or [m.eos_token_id]  # an empty prompt starts from EOS
-    if len(prompt) >= m.max_seq_len:
-        raise ValueError(f"the prompt has {len(prompt)} tokens; max_seq_len={m.max_seq_len} leaves no room to generate")
-    if len(prompt) + n_new > m.max_seq_len:
-        print(f"warning: stopping at max_seq_len={m.max_seq_len}: {m.max_seq_len - len(prompt)} new tokens, "
-              f"not {n_new}", file=sys.stderr)
-    S = min(len(prompt) + n_new, m.max_seq_len)
+    L = m.max_seq_len
+    if len(prompt) >= L:
+        raise ValueError(
+            f"the prompt has {len(prompt)} tokens; max_seq_len={L} leaves no room to generate")
+    if len(prompt) + n_new > L:
+        print(f"warning: stopping at max_seq_len={L}: {L - len(prompt)} new tokens, not {n_new}",
+              file=sys.stderr)
+    S = min(len(prompt) + n_new, L)
     model.check_tokens(np.asarray([prompt]), m, "prompt")
     rng, run = np.random.default_rng(seed), _steps(params, m, S, backend, dtype, cache)
     ids, times = list(prompt), []
     for i in range(n_new):
         t0 = time.perf_counter()
-        logits = run(ids, len(ids) - 1 if i else 0)  # (V,): the first call runs the whole prompt
+        logits = run(ids, len(ids) - 1 if i else 0)  # (V,); first: the whole prompt
         times.append(time.perf_counter() - t0)
-        # A padded vocabulary's rows past the tokenizer cannot be decoded: cut off (as if -inf) before picking.
+        # a padded vocabulary's rows past the tokenizer cannot be decoded
         ids.append(pick(logits[:tokenizer_size], temperature, top_k, top_p, rng))
         if ids[-1] == eos or len(ids) == S:
             break
-    # The median step, so that compiling (the first call of each shape in JAX) does not count.
+    # the median step: compiling (JAX's first call of a shape) does not count
     step_s = float(np.median(times[1:] or [np.nan]))
-    return ids[len(prompt):], dict(prompt=len(prompt), prefill_s=(times or [np.nan])[0], step_s=step_s)
+    prefill_s = (times or [np.nan])[0]
+    return ids[len(prompt):], dict(prompt=len(prompt), prefill_s=prefill_s, step_s=step_s)
 
 
-_STEPS = {}  # (model, dtype) -> the compiled step: a second generate does not compile again
+_STEPS = {}  # (model, dtype) -> the compiled step, for every generate
 
 
 def _steps(params, m, S, backend, dtype, cache):
-    """run(ids, n): the logits (V,) that follow ids, given that ids[:n] were seen by earlier calls."""
-    # No cache: the whole sequence, read at its last position (JAX: a (1, S) buffer, one compile)
+    """run(ids, n): the logits (V,) that follow ids, ids[:n] seen by earlier calls."""
+    # no cache: the whole sequence, read at its last position (JAX: a (1, S) buffer, one compile)
     if not cache:
         load, last = _backend(m, backend, dtype, lambda xp, x, t, n: x[0, n - 1])
         net, pad = load(params), S if backend == "jax" else 0
@@ -609,8 +680,8 @@ def _steps(params, m, S, backend, dtype, cache):
     import jax
     import jax.numpy as jnp
     params = cpu_bits(params) if jax.default_backend() == "cpu" else jax.device_put(params)
-    # Compiled twice: once for the prompt's length, once for one token. The cache is donated, so XLA
-    # updates it in place rather than copying every layer's keys each token.
+    # Compiled for the prompt and for one token; the cache is donated, so XLA updates it in place
+    # rather than copying every layer's keys each token.
     key = (str(m), dtype)
     if key not in _STEPS:
         _STEPS[key] = jax.jit(
@@ -620,16 +691,15 @@ def _steps(params, m, S, backend, dtype, cache):
     state = {"cache": model.new_cache(m, 1, S, jnp.dtype(dtype))}
 
     def run(ids, n):
-        logits, state["cache"] = step(params, jnp.asarray([ids[n:]], jnp.int32), jnp.int32(n), state["cache"])
+        t = jnp.asarray([ids[n:]], jnp.int32)  # (1, T): the unseen tokens
+        logits, state["cache"] = step(params, t, jnp.int32(n), state["cache"])
         return np.asarray(logits[0, -1].astype(jnp.float32))
     return run
 
 
 def cpu_bits(params):
-    """The weights for JAX's decode on a CPU, each layer its own array
-    (slicing a stacked one inside the step copies it).
-    bf16 matrices become their bits, uint16 views of the same bytes (model.bits_linear says why).
-    The CPU device takes each host array as it is: no copy."""
+    """The weights for JAX's CPU decode, no copy: each layer its own array (slicing a stacked one
+    copies it), bf16 matrices as uint16 views (model.bits_linear says why)."""
     import jax
     import ml_dtypes
 
@@ -644,17 +714,16 @@ _SAMPLERS = {}
 
 
 def sample(params, m, prompts, max_new, temperature, seed, vocab, eos):
-    """Completions of prompts (n, P), all one length, drawn together through the KV cache (model.forward_step): the
-    prompts in one call, then max_new positions under lax.scan, each token from softmax(logits / temperature) over
-    the first `vocab` ids (greedy at 0). -> n lists of ids, each up to and including its first EOS (the scan runs
-    all max_new positions: what follows a row's EOS is noise, cut here)."""
+    """n lists of up to max_new ids drawn after prompts (n, P), from softmax(logits / temperature)
+    over the first `vocab` ids (greedy at 0), each cut after its first EOS (the rest is noise)."""
     import jax
     import jax.numpy as jnp
     n, P = prompts.shape
     key = (str(m), n, P, max_new, vocab)
     if key not in _SAMPLERS:  # one compile per shape
         def run(params, prompts, temperature, rng):
-            logits, cache = model.forward_step(params, prompts, 0, model.new_cache(m, n, P + max_new), m)
+            cache = model.new_cache(m, n, P + max_new)
+            logits, cache = model.forward_step(params, prompts, 0, cache, m)
 
             def one(carry, k):
                 z, cache, pos = carry  # z (n, vocab): the logits of the position to fill
@@ -663,15 +732,16 @@ def sample(params, m, prompts, max_new, temperature, seed, vocab, eos):
                 logits, cache = model.forward_step(params, t[:, None], pos, cache, m)
                 return (logits[:, -1, :vocab].astype(jnp.float32), cache, pos + 1), t
             first = logits[:, -1, :vocab].astype(jnp.float32)
-            return jax.lax.scan(one, (first, cache, jnp.int32(P)), jax.random.split(rng, max_new))[1].T
+            keys = jax.random.split(rng, max_new)
+            return jax.lax.scan(one, (first, cache, jnp.int32(P)), keys)[1].T  # (n, max_new)
         _SAMPLERS[key] = jax.jit(run)
-    out = _SAMPLERS[key](params, jnp.asarray(prompts, jnp.int32), jnp.float32(temperature), jax.random.PRNGKey(seed))
+    prompts = jnp.asarray(prompts, jnp.int32)
+    out = _SAMPLERS[key](params, prompts, jnp.float32(temperature), jax.random.PRNGKey(seed))
     return [row[:row.index(eos) + 1] if eos in row else row for row in np.asarray(out).tolist()]
 
 
-# --- generation benchmark: a released shape, nanolmo and transformers side by side -------------
-# Random weights (no download) in a release's shape and dtype, written by transformers once. Each
-# runner is a process of its own, so that its peak memory (the OS's max RSS, from wait4) is its own.
+# --- generation benchmark: a released shape, nanolmo and transformers side by side --------------
+# Each runner is a process of its own, so that its peak memory (max RSS, from wait4) is its own.
 BENCH_SHAPES = {"olmo2-1b": "configs/olmo2-1b.toml", "olmo3-7b": "configs/olmo3-7b.toml"}
 RUNNERS = {"hf": "transformers", "jax": "nanolmo JAX", "torch": "nanolmo torch"}
 
@@ -701,7 +771,7 @@ def timed_generate(ckpt, runner, prompt, n_new):
     if runner != "hf":
         m, params, dtype = load_checkpoint(ckpt)
         load_s = time.perf_counter() - t0
-        # compile both steps first (same shapes), so that prefill times the prompt alone
+        # compile both steps first, so that prefill times the prompt alone
         if runner == "jax":
             generate(params, m, prompt, n_new, runner, dtype)
         ids, t = generate(params, m, prompt, n_new, runner, dtype)
@@ -727,13 +797,12 @@ def timed_generate(ckpt, runner, prompt, n_new):
 
 
 def agree(a, b):
-    """How many leading ids a and b share
-    (random weights give near ties, which bf16 sums can flip)."""
+    """How many leading ids a and b share (bf16 sums can flip random weights' near ties)."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def read_bandwidth(gib=1):
-    """Memory read bandwidth (bytes/s): torch summing 1 GiB (far past the caches), best of 5."""
+    """Memory read bandwidth (bytes/s): torch summing 1 GiB (past the caches), best of 5."""
     import torch
     x, best = torch.ones(gib * 2**28), float("inf")
     for _ in range(5):
@@ -752,8 +821,8 @@ def generate_bench(shape, n_new=16, prompt_len=32):
     prompt = np.random.default_rng(0).integers(1000, 50000, prompt_len).tolist()
     rows = {}
     for runner in RUNNERS:
-        code = f"import eval, json; print(json.dumps(eval.timed_generate({str(d)!r}, {runner!r}, " \
-               f"{prompt}, {n_new})))"
+        call = f"eval.timed_generate({str(d)!r}, {runner!r}, {prompt}, {n_new})"
+        code = f"import eval, json; print(json.dumps({call}))"
         p = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).parent,
                              stdout=subprocess.PIPE)
         out = p.stdout.read()
@@ -784,12 +853,11 @@ def generate_bench(shape, n_new=16, prompt_len=32):
     return rows
 
 
-# --- a task with verifiable answers: arithmetic (post-training's data, GRPO's reward, exact match) ----------
+# --- arithmetic: a task with verifiable answers (post-training's data, GRPO's reward) 
 
 def arithmetic(out, seed=0, heldout=0.1):
-    """The post-training task that fits a laptop: "What is a + b?" for a, b in 0..99, split by the numbers (a hash
-    of the pair: held-out sums are never seen). Writes OUT/sft.jsonl (conversations), pref.jsonl (the right sum
-    chosen over a wrong one: off by one or a forgotten carry), rl.jsonl and heldout.jsonl (prompts and answers)."""
+    """Writes OUT/{sft,pref,rl,heldout}.jsonl of "What is a + b?", a, b in 0..99
+    (docs/posttrain.md); -> each file's count."""
     out, rng = Path(out), np.random.default_rng(seed)
     out.mkdir(parents=True, exist_ok=True)
     pairs = [(a, b) for a in range(100) for b in range(100)]
@@ -801,9 +869,11 @@ def arithmetic(out, seed=0, heldout=0.1):
         if (a, b) in held:
             files["heldout"].append(dict(messages=user, answer=str(a + b)))
             continue
+        # off by one, or a forgotten carry
         wrong = a + b + int(rng.choice([-10, -1, 1, 10])) if a + b >= 10 else a + b + 1
         files["sft"].append(dict(messages=user + [answer]))
-        files["pref"].append(dict(chosen=user + [answer], rejected=user + [dict(answer, content=str(wrong))]))
+        rejected = user + [dict(answer, content=str(wrong))]
+        files["pref"].append(dict(chosen=user + [answer], rejected=rejected))
         files["rl"].append(dict(messages=user, answer=str(a + b)))
     for name, recs in files.items():
         order = rng.permutation(len(recs))
@@ -812,47 +882,52 @@ def arithmetic(out, seed=0, heldout=0.1):
 
 
 class Prompts:
-    """Prompts with verifiable answers, for RL and exact-match evaluation: a JSON-lines file of {"messages": [...,
-    a last user turn], "answer": "85"}, each rendered up to the assistant's header. Loader-ready: n, and batch(ids)
-    -> {prompts: [ids], answers: [str]} (not token rows: the rollout makes those)."""
+    """JSON lines of {"messages": [..., user turn], "answer": "85"}, rendered up to the assistant's
+    header, for RL and exact match. Loader-ready: n, batch(ids)."""
 
     def __init__(self, path, tok, template):
         self.items = []  # (prompt ids, answer)
         for where, rec in data.json_lines(path):
-            msgs = data.check_messages(rec.get("messages") if isinstance(rec, dict) else None, where, need_assistant=False)
+            msgs = rec.get("messages") if isinstance(rec, dict) else None
+            msgs = data.check_messages(msgs, where, need_assistant=False)
             if msgs[-1]["role"] != "user" or not isinstance(rec.get("answer"), str):
-                raise ValueError(f"{where}: a prompt needs a last 'user' message and a string 'answer'")
-            self.items.append((data.render_chat(tok, msgs, template, generation_prompt=True)[0], rec["answer"]))
+                raise ValueError(
+                    f"{where}: a prompt needs a last 'user' message and a string 'answer'")
+            ids = data.render_chat(tok, msgs, template, generation_prompt=True)[0]
+            self.items.append((ids, rec["answer"]))
         if not self.items:
             raise ValueError(f"{path}: no prompts")
-        self.n, self.seq_len = len(self.items), 0  # (no token rows of its own: Loader.state records seq_len all the same)
+        self.n = len(self.items)
+        self.seq_len = 0  # no token rows (the rollout makes them); Loader.state records it
 
     def batch(self, ids):
-        return dict(prompts=[self.items[i][0] for i in ids], answers=[self.items[i][1] for i in ids])
+        return dict(prompts=[self.items[i][0] for i in ids],
+                    answers=[self.items[i][1] for i in ids])
 
 
 def reward(tok, completion, answer):
-    """The verifiable reward: 1 when the completion's first integer is the answer, else 0."""
+    """1 when the completion's first integer is the answer, else 0."""
     found = re.search(r"-?\d+", tok.decode(completion))
     return float(found is not None and found.group() == answer)
 
 
 def exact_match(params, m, prompts, tok, max_new=8):
-    """Greedy completions of Prompts, batched by prompt length; -> the mean reward, the share answered right."""
+    """The share of Prompts answered right, greedy, batched by prompt length."""
     by_len = defaultdict(list)
     for ids, answer in prompts.items:
         by_len[len(ids)].append((ids, answer))
     right = 0
     for group in by_len.values():
-        new = sample(params, m, np.array([ids for ids, _ in group]), max_new, 0.0, 0, tok.vocab_size, tok.eos_id)
+        rows = np.array([ids for ids, _ in group])  # (n, P)
+        new = sample(params, m, rows, max_new, 0.0, 0, tok.vocab_size, tok.eos_id)
         right += sum(reward(tok, c, answer) for c, (_, answer) in zip(new, group))
     return right / prompts.n
 
 
 def chat(params, m, tok, template, prompt=None, max_new=256, temperature=0.0, seed=0,
          backend="jax", dtype="float32"):
-    """Talk to a checkpoint: each turn renders the whole conversation in its template (data.render_chat), generates
-    with the KV cache until the template's end (EOS), and keeps the answer for the next turn. prompt: one turn."""
+    """Talk to a checkpoint: each turn renders the whole conversation and generates up to EOS.
+    prompt: one turn only."""
     messages = []
     while True:
         text = prompt if prompt is not None else input("you> ")
@@ -870,38 +945,43 @@ def chat(params, m, tok, template, prompt=None, max_new=256, temperature=0.0, se
             return
 
 
-# --- runs: their metrics and loss curves ------------------------------------------------------
+# --- runs: their metrics and loss curves --------------------------------------------------------
 
 def read_metrics(path):
-    """metrics.jsonl's records, and whether its last line was torn (cut by a kill or power cut during the
-    append: dropped, and said). A bad line anywhere else is an error: nothing writes one."""
+    """(metrics.jsonl's records, whether a kill tore its last line: dropped). A bad line elsewhere
+    is an error: nothing writes one."""
     lines, rows = path.read_text().splitlines() if path.exists() else [], []
     for i, line in enumerate(lines, 1):
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError:
             if i < len(lines):
-                raise ValueError(f"{path}:{i}: not a JSON line (only the last can be torn by a crash)") from None
-            print(f"{path}: dropped its torn last line ({line[:40]!r}...), as a kill during its write leaves it")
+                raise ValueError(
+                    f"{path}:{i}: not a JSON line (only the last can be torn by a crash)") from None
+            print(f"{path}: dropped its torn last line ({line[:40]!r}...), "
+                  "as a kill during its write leaves it")
     return rows, len(rows) < len(lines)
 
 
 def plot(run_dirs, out):
-    """Training loss (held-out dashed) against steps, one colour per run. With several runs, a second panel shows
-    each one's per-step relative difference from the first; returns the largest of each (over common steps)."""
-    import matplotlib.pyplot as plt  # (imported here: a second or more, and only plots need it)
+    """Runs' loss curves (held-out dashed) and their relative differences from the first's; -> the
+    largest of each."""
+    import matplotlib.pyplot as plt  # here: it takes a second, and only plots need it
     many = len(run_dirs) > 1
-    fig, axes = plt.subplots(2 if many else 1, 1, figsize=(8, 7 if many else 5), sharex=True, squeeze=False,
-                             height_ratios=[2, 1] if many else None)
+    fig, axes = plt.subplots(2 if many else 1, 1, figsize=(8, 7 if many else 5), sharex=True,
+                             squeeze=False, height_ratios=[2, 1] if many else None)
     first, diffs, ref = None, [], Path(run_dirs[0]).name
     for i, d in enumerate(map(Path, run_dirs)):
         rows = read_metrics(d / "metrics.jsonl")[0]
-        rows += [json.loads((d / "final.json").read_text())] if (d / "final.json").is_file() else []
+        if (d / "final.json").is_file():
+            rows += [json.loads((d / "final.json").read_text())]
         loss = {r["step"]: r["loss"] for r in rows if "loss" in r}
         held = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
-        axes[0, 0].plot(list(loss), list(loss.values()), color=f"C{i}", label=f"{d.name} train", lw=1.5 if i else 2.5)
+        axes[0, 0].plot(list(loss), list(loss.values()), color=f"C{i}", label=f"{d.name} train",
+                        lw=1.5 if i else 2.5)
         if held:
-            axes[0, 0].plot(*zip(*held), "--o", color=f"C{i}", markersize=3, label=f"{d.name} held-out")
+            axes[0, 0].plot(*zip(*held), "--o", color=f"C{i}", markersize=3,
+                            label=f"{d.name} held-out")
         first = loss if first is None else first
         common = sorted(set(first) & set(loss)) if i else []
         if common:
@@ -909,8 +989,9 @@ def plot(run_dirs, out):
             axes[1, 0].semilogy(common, [max(r, 1e-9) for r in rel.values()], color=f"C{i}", lw=1,
                                 label=f"|{d.name} - {ref}| / {ref}")
             s = max(rel, key=rel.get)  # (the first, on a tie)
-            diffs.append(dict(run=str(d), steps=len(common), step=s, diff=abs(loss[s] - first[s]), rel=rel[s]))
-    for ax, label in zip(axes[:, 0], ("loss (nats/token)", "relative difference")):  # (one panel or two)
+            diffs.append(dict(run=str(d), steps=len(common), step=s, diff=abs(loss[s] - first[s]),
+                              rel=rel[s]))
+    for ax, label in zip(axes[:, 0], ("loss (nats/token)", "relative difference")):
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -934,60 +1015,82 @@ def main(argv):
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
-    run = argparse.ArgumentParser(add_help=False)  # what every command takes
+
+    def command(name, help, *parents):
+        return sub.add_parser(name, parents=list(parents), help=help)
+
+    def options(*parents):  # options that several commands share
+        return argparse.ArgumentParser(add_help=False, parents=list(parents))
+    run = options()  # every command's
     run.add_argument("--backend", choices=["jax", "torch"], default="jax")
     run.add_argument("--dtype", choices=["float32", "bfloat16"],
                      help="weights and compute (default: the checkpoint's own; float32 for ours)")
-    ck = argparse.ArgumentParser(add_help=False, parents=[run])  # and the commands that read a checkpoint
-    ck.add_argument("ckpt", help="our checkpoint directory (HF layout: config.json + model.safetensors)")
-    ck.add_argument("--tokenizer", help="'dolma2' or a .tiktoken file (default: CKPT/nanolmo.json's, else dolma2)")
-    sc = argparse.ArgumentParser(add_help=False, parents=[ck])  # and the scoring ones
-    sc.add_argument("--batch-tokens", type=in_range(int, 1), default=8192, help="padded tokens per forward")
-    sc.add_argument("--limit", type=in_range(int, 0), default=0, help="first N documents (of each task); 0 = all")
+    ck = options(run)  # and those of the commands that read a checkpoint
+    ck.add_argument("ckpt",
+                    help="our checkpoint directory (HF layout: config.json + model.safetensors)")
+    ck.add_argument("--tokenizer",
+                    help="'dolma2' or a .tiktoken file (default: CKPT/nanolmo.json's, else dolma2)")
+    sc = options(ck)  # and the scoring ones'
+    sc.add_argument("--batch-tokens", type=in_range(int, 1), default=8192,
+                    help="padded tokens per forward")
+    sc.add_argument("--limit", type=in_range(int, 0), default=0,
+                    help="first N documents (of each task); 0 = all")
     sc.add_argument("--out", help="write the results here as JSON")
-    lg = sub.add_parser("logits", parents=[run], help="logits of an HF-format model directory on given tokens")
+    lg = command("logits", "logits of an HF-format model directory on given tokens", run)
     lg.add_argument("ckpt", metavar="DIR")
     lg.add_argument("--tokens", required=True, help=".npy of int token ids, shape (B, T)")
     lg.add_argument("--out", required=True, help=".npy to write float32 logits (B, T, V) to")
-    bp = sub.add_parser("bpb", parents=[sc], help="bits per byte per domain of JSON-lines documents, as Paloma")
+    bp = command("bpb", "bits per byte per domain of JSON-lines documents, as Paloma", sc)
     bp.add_argument("files", nargs="+", help=".jsonl / .jsonl.gz, one {'text': ...} per line")
-    tk = sub.add_parser("tasks", parents=[sc], help="zero-shot multiple choice on the OLMo paper's eight tasks")
+    tk = command("tasks", "zero-shot multiple choice on the OLMo paper's eight tasks", sc)
     tk.add_argument("--tasks", default=",".join(TASKS), help="comma list of " + ", ".join(TASKS))
-    tk.add_argument("--data", default="../shared/evaldata", help="folder with hf_validation/ and/or original/")
-    tk.add_argument("--norm", choices=["olmes", "catwalk"], default="olmes", help="OLMES v0.1's prompts, or Catwalk's")
-    gen = sub.add_parser("generate", parents=[ck], help="continue a prompt, with a KV cache")
+    tk.add_argument("--data", default="../shared/evaldata",
+                    help="folder with hf_validation/ and/or original/")
+    tk.add_argument("--norm", choices=["olmes", "catwalk"], default="olmes",
+                    help="OLMES v0.1's prompts, or Catwalk's")
+    gen = command("generate", "continue a prompt, with a KV cache", ck)
     gen.add_argument("--prompt", required=True)
-    for flag, kind, default, why in [("--max-new", in_range(int, 1), 64, None),
-                                     ("--temperature", in_range(float, 0), 0.0, "0 = greedy"),
-                                     ("--top-k", in_range(int, 0), 0, "0 = no cut"),
-                                     ("--top-p", in_range(float, 0, 1, open_lo=True), 1.0, None),
-                                     ("--seed", in_range(int, 0), 0, None)]:
-        gen.add_argument(flag, type=kind, default=default, help=why)
-    gen.add_argument("--no-cache", action="store_true", help="recompute the whole sequence for every token")
-    ch = sub.add_parser("chat", parents=[ck], help="talk to a checkpoint in a chat template (KV cache)")
-    ch.add_argument("--prompt", help="one turn, then exit (default: an interactive loop; an empty line ends it)")
+    gen.add_argument("--max-new", type=in_range(int, 1), default=64)
+    gen.add_argument("--temperature", type=in_range(float, 0), default=0.0, help="0 = greedy")
+    gen.add_argument("--top-k", type=in_range(int, 0), default=0, help="0 = no cut")
+    gen.add_argument("--top-p", type=in_range(float, 0, 1, open_lo=True), default=1.0)
+    gen.add_argument("--seed", type=in_range(int, 0), default=0)
+    gen.add_argument("--no-cache", action="store_true",
+                     help="recompute the whole sequence for every token")
+    ch = command("chat", "talk to a checkpoint in a chat template (KV cache)", ck)
+    ch.add_argument("--prompt", help="one turn, then exit (default: an interactive loop; "
+                                     "an empty line ends it)")
     ch.add_argument("--template", choices=list(data.CHAT_TEMPLATES), default="olmo")
     ch.add_argument("--max-new", type=in_range(int, 1), default=256)
     ch.add_argument("--temperature", type=in_range(float, 0), default=0.0)
-    ex = sub.add_parser("exact", help="exact-match accuracy of greedy answers, checkpoints side by side")
-    ex.add_argument("ckpts", nargs="+", help="our checkpoint directories (HF layout)")
-    ex.add_argument("--prompts", required=True, help="JSON lines of {messages, answer} (eval.py arith's heldout.jsonl)")
+    ckpts = "our checkpoint directories (HF layout)"
+    ex = command("exact", "exact-match accuracy of greedy answers, checkpoints side by side")
+    ex.add_argument("ckpts", nargs="+", help=ckpts)
+    ex.add_argument("--prompts", required=True,
+                    help="JSON lines of {messages, answer} (eval.py arith's heldout.jsonl)")
     ex.add_argument("--template", choices=list(data.CHAT_TEMPLATES), required=True)
-    ex.add_argument("--tokenizer", help="as for the other commands (default: the first checkpoint's)")
-    ar = sub.add_parser("arith", help="write the arithmetic post-training task (SFT, preference, RL, held-out files)")
+    ex.add_argument("--tokenizer",
+                    help="as for the other commands (default: the first checkpoint's)")
+    ar = command("arith",
+                 "write the arithmetic post-training task (SFT, preference, RL, held-out files)")
     ar.add_argument("--out", required=True)
     ar.add_argument("--seed", type=in_range(int, 0), default=0)
-    pl = sub.add_parser("plot", help="overlay runs' loss curves -> RUN/loss.png; the largest per-step difference")
-    pl.add_argument("runs", nargs="+", help="run directories (metrics.jsonl); the first is the reference")
-    pos = sub.add_parser("positions", parents=[run], help="held-out loss by position bucket, checkpoints side by side")
-    pos.add_argument("ckpts", nargs="+", help="our checkpoint directories (HF layout)")
-    pos.add_argument("--data", required=True, help="a folder from `data.py prepare`: its held-out split is read")
+    pl = command("plot",
+                 "overlay runs' loss curves -> RUN/loss.png; the largest per-step difference")
+    pl.add_argument("runs", nargs="+",
+                    help="run directories (metrics.jsonl); the first is the reference")
+    pos = command("positions", "held-out loss by position bucket, checkpoints side by side", run)
+    pos.add_argument("ckpts", nargs="+", help=ckpts)
+    pos.add_argument("--data", required=True,
+                     help="a folder from `data.py prepare`: its held-out split is read")
     pos.add_argument("--seq-len", type=in_range(int, 2), required=True, help="tokens per instance")
-    pos.add_argument("--buckets", default="", help="comma list of bucket starts (default: 0 and powers of 2 from 64)")
+    pos.add_argument("--buckets", default="",
+                     help="comma list of bucket starts (default: 0 and powers of 2 from 64)")
     pos.add_argument("--limit", type=in_range(int, 0), default=0, help="first N instances; 0 = all")
     args = ap.parse_args(argv)
     if args.command == "arith":
-        print(f"{args.out}: " + ", ".join(f"{n} {k}" for k, n in arithmetic(args.out, args.seed).items()))
+        counts = arithmetic(args.out, args.seed)
+        print(f"{args.out}: " + ", ".join(f"{n} {k}" for k, n in counts.items()))
         return
     if args.command == "plot":
         out = Path(args.runs[0]) / "loss.png"
@@ -998,17 +1101,22 @@ def main(argv):
         return
     if args.command == "positions":
         T = args.seq_len
-        edges = sorted({0, *(int(b) for b in args.buckets.split(",") if b)} if args.buckets else
-                       {0, *(2 ** k for k in range(6, T.bit_length()) if 2 ** k < T)}) + [T - 1]
+        if args.buckets:
+            starts = {0, *(int(b) for b in args.buckets.split(",") if b)}
+        else:
+            starts = {0, *(2 ** k for k in range(6, T.bit_length()) if 2 ** k < T)}
+        edges = sorted(starts) + [T - 1]
         held = data.Instances([("heldout", data.dataset_files(args.data, "heldout"), None)], T)
         rows = []
         for c in args.ckpts:
             m, params, dtype = load_checkpoint(c, args.dtype)
             rows.append(loss_by_position(params, m, held, edges, args.backend, dtype,
                                          limit=args.limit))
-        print(f"held-out loss (nats/token) by target position, {min(held.n, args.limit or held.n)} instances of {T} "
+        n = min(held.n, args.limit or held.n)
+        print(f"held-out loss (nats/token) by target position, {n} instances of {T} "
               f"from {args.data}/heldout")
-        print(f"{'positions':<14}" + "".join(f"{Path(c).parent.name + '/' + Path(c).name:>26}" for c in args.ckpts))
+        columns = [Path(c).parent.name + "/" + Path(c).name for c in args.ckpts]
+        print(f"{'positions':<14}" + "".join(f"{c:>26}" for c in columns))
         for i, (lo, hi) in enumerate(zip(edges, edges[1:])):
             print(f"{f'[{lo}, {hi})':<14}" + "".join(f"{r[i]:>26.4f}" for r in rows))
         return
@@ -1016,7 +1124,8 @@ def main(argv):
         m, params = convert.load_hf(args.ckpts[0])
         tok = checkpoint_tokenizer(args.ckpts[0], m, args.tokenizer)
         prompts = Prompts(args.prompts, tok, args.template)
-        print(f"exact match of greedy answers to {prompts.n} prompts of {args.prompts} ({args.template} template)")
+        print(f"exact match of greedy answers to {prompts.n} prompts of {args.prompts} "
+              f"({args.template} template)")
         for c in args.ckpts:
             m, params = convert.load_hf(c)
             print(f"  {c:<32} {exact_match(params, m, prompts, tok):.3f}")
@@ -1024,7 +1133,8 @@ def main(argv):
     m, params, args.dtype = load_checkpoint(args.ckpt, args.dtype)
     if args.command == "logits":
         load, forward = _backend(m, args.backend, args.dtype, lambda xp, x, t: x)
-        out = forward(load(params), model.check_tokens(convert.load_tokens(args.tokens), m, args.tokens))
+        tokens = model.check_tokens(convert.load_tokens(args.tokens), m, args.tokens)
+        out = forward(load(params), tokens)
         np.save(args.out, out)
         print(f"wrote {args.out}: {out.shape} {out.dtype} ({args.backend}, {args.dtype} compute)")
         return
@@ -1033,13 +1143,14 @@ def main(argv):
         return chat(params, m, tok, args.template, args.prompt, args.max_new, args.temperature,
                     backend=args.backend, dtype=args.dtype)
     if args.command == "generate":
-        new, t = generate(params, m, encode(tok, args.prompt), args.max_new, args.backend, args.dtype,
-                          args.temperature, args.top_k, args.top_p, m.eos_token_id, args.seed, not args.no_cache,
-                          tokenizer_size=tok.vocab_size)
+        prompt = encode(tok, args.prompt)
+        new, t = generate(params, m, prompt, args.max_new, args.backend, args.dtype,
+                          args.temperature, args.top_k, args.top_p, m.eos_token_id, args.seed,
+                          not args.no_cache, tokenizer_size=tok.vocab_size)
         print(args.prompt + tok.decode(new))
         how = "no cache" if args.no_cache else "KV cache"
-        print(f"({t['prompt']} prompt tokens, then {len(new)} new ones at {1 / t['step_s']:,.1f} tokens/s (the median "
-              f"step); {args.backend}, {args.dtype}, {how})", file=sys.stderr)
+        print(f"({t['prompt']} prompt tokens, then {len(new)} new ones at {1 / t['step_s']:,.1f} "
+              f"tokens/s (the median step); {args.backend}, {args.dtype}, {how})", file=sys.stderr)
         return
     s = Scorer(m, params, args.backend, args.dtype, args.batch_tokens)
     print(f"{args.ckpt}: {m.family}, max_seq_len {m.max_seq_len}; tokenizer {tok.name}")
@@ -1047,16 +1158,19 @@ def main(argv):
         docs, empty = read_documents(args.files, args.limit)
         if not docs:
             raise ValueError(f"no documents with text in {', '.join(args.files)}")
-        res = dict(checkpoint=args.ckpt, files=args.files, max_seq_len=m.max_seq_len, empty_skipped=empty,
-                   **bpb(s, tok, docs))
+        res = dict(checkpoint=args.ckpt, files=args.files, max_seq_len=m.max_seq_len,
+                   empty_skipped=empty, **bpb(s, tok, docs))
         print_bpb(res)
     else:
-        prep = prepare_tasks(args.tasks.replace(",", " ").split(), args.data, tok, args.norm, args.limit)
-        res = dict(checkpoint=args.ckpt, norm=args.norm, limit=args.limit, tasks=score_tasks(s, prep))
+        names = args.tasks.replace(",", " ").split()
+        prep = prepare_tasks(names, args.data, tok, args.norm, args.limit)
+        res = dict(checkpoint=args.ckpt, norm=args.norm, limit=args.limit,
+                   tasks=score_tasks(s, prep))
         print_tasks(res["tasks"], args.norm)
     res["tokens_per_s"] = tps = s.tokens / max(s.seconds, 1e-9)
-    print(f"{s.requests:,} requests in {s.rows:,} rows (shared prefixes run once); scored {s.tokens:,} tokens "
-          f"({s.padded:,} with padding) in {s.seconds:.1f}s: {tps:,.0f} tokens/s ({args.backend}, {args.dtype})")
+    print(f"{s.requests:,} requests in {s.rows:,} rows (shared prefixes run once); scored "
+          f"{s.tokens:,} tokens ({s.padded:,} with padding) in {s.seconds:.1f}s: {tps:,.0f} "
+          f"tokens/s ({args.backend}, {args.dtype})")
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
         print(f"wrote {args.out}")
