@@ -1,22 +1,15 @@
 """Checkpoints in and out. Every OLMo checkpoint format converts to ours (an HF model directory,
 DESIGN §3) and back out as a release-style HF directory; `check` measures how close two models are.
 
-    python convert.py SRC OUT [--dtype bfloat16] [--config FILE]          # any OLMo checkpoint -> ours
-    python convert.py SRC OUT --to-hf [--tokenizer dolma2] [--shard-size 5]  # -> a release-style HF directory
-    python convert.py check jax:OUT hf:SRC --tokens TOKENS [--seq-len 8192] [--rows 1] [--dtype bfloat16]
+    python convert.py SRC OUT [--dtype bfloat16] [--config FILE]   # any OLMo checkpoint -> ours
+    python convert.py SRC OUT --to-hf [--tokenizer dolma2] [--shard-size 5]  # -> release-style HF
+    python convert.py check jax:OUT hf:SRC --tokens TOKENS [--seq-len T] [--rows N] [--dtype D]
     python convert.py soup RUN_A/step_N RUN_B/step_N RUN_C/step_N --out SOUP
-    python convert.py info SRC                                           # what the converter reads from SRC
+    python convert.py info SRC                                     # what convert reads from SRC
 
-SRC formats, told apart by their files (`info` says which it saw):
-  hf         ours: config.json (model_type olmo/olmo2/olmo3) + model.safetensors, shards + index, or pytorch_model*.bin
-  hf_olmo    the allenai/OLMo-* repos (custom code): config.json with the old trainer's keys + model.transformer.*
-  olmo       the old trainer's unsharded OLMo 1/2: config.yaml + model.pt, fused att_proj = [q;k;v], ff_proj = [up;gate]
-  olmo_core  OLMo-core (OLMo 2/3): config.json ({"model": TransformerConfig, ...}) + model.pt or model.safetensors
-             (its unshard_checkpoint), or model_and_optim/ (torch.distributed.checkpoint)
-Names map one to one onto ours (HF's, less "model."): a rename and a split of fused tensors, never a transpose
-or a RoPE permute. Tensors stream one at a time, memory map to memory map, into OUT.tmp, renamed OUT at the end
-(a failure leaves nothing). Nothing is unpickled freely: .bin / .pt go through torch.load(weights_only=True),
-a torch.distributed.checkpoint's .metadata through an allow-list unpickler. More in docs/conversion.md.
+SRC formats (`info` says which it saw): hf (ours), hf_olmo (allenai/OLMo-* repos), olmo (the old
+trainer), olmo_core; see docs/conversion.md. A rename and a split of fused tensors, streamed into
+OUT.tmp, renamed OUT at the end; nothing is unpickled freely.
 """
 
 import dataclasses
@@ -45,25 +38,30 @@ from model import param_table, stack_layers, unstack_layers
 # --- safetensors, read and written with numpy ---------------------------------------------------
 
 DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-          "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+          "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+          "BOOL": np.bool_}
 NAMES = {np.dtype(v): k for k, v in DTYPES.items()}
 
 
+def _json(obj, **kw):  # a JSON file's text, indented as HF's are
+    return json.dumps(obj, indent=2, **kw) + "\n"
+
+
 def read_safetensors(path, writable=False):
-    """name -> numpy array backed by a memmap of `path` (read-only unless `writable`), plus __metadata__."""
+    """name -> array over a memmap of `path` (read-only unless `writable`), and __metadata__."""
     path = Path(path)
     size = path.stat().st_size
     with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
         if n > size - 8:  # also every file of fewer than 8 bytes
-            raise ValueError(f"{path}: header claims {n} bytes but the file has {size}: truncated, or too short to "
-                             "be a safetensors file")
+            raise ValueError(f"{path}: header claims {n} bytes but the file has {size}: "
+                             "truncated, or too short to be a safetensors file")
         try:
             header = json.loads(f.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ValueError(f"{path}: the safetensors header is not valid JSON ({e})") from None
     metadata, data_size = header.pop("__metadata__", None) or {}, size - 8 - n
-    # A plain ndarray over the map (its .base): read lazily; release() hands its pages back.
+    # a plain ndarray over the map (its .base): read lazily; release() hands its pages back
     access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
     with open(path, "r+b" if writable else "rb") as f:
         mapped = mmap.mmap(f.fileno(), 0, access=access)
@@ -71,20 +69,22 @@ def read_safetensors(path, writable=False):
     out = {}
     for name, info in header.items():
         if info.get("dtype") not in DTYPES:
-            raise ValueError(f"{path}: tensor {name} has dtype {info.get('dtype')!r}, not one of {sorted(DTYPES)}")
+            raise ValueError(f"{path}: tensor {name} has dtype {info.get('dtype')!r}, "
+                             f"not one of {sorted(DTYPES)}")
         dtype = np.dtype(DTYPES[info["dtype"]])
         start, end = info["data_offsets"]
         want = math.prod(info["shape"]) * dtype.itemsize
         if end - start != want or not 0 <= start <= end <= data_size:
-            raise ValueError(f"{path}: tensor {name} {info['dtype']}{info['shape']} needs bytes [{start}, "
-                             f"{start + want}) of {data_size}: the file is truncated or corrupt")
+            raise ValueError(f"{path}: tensor {name} {info['dtype']}{info['shape']} needs bytes "
+                             f"[{start}, {start + want}) of {data_size}: "
+                             "the file is truncated or corrupt")
         out[name] = data[start:end].view(dtype).reshape(info["shape"])
     return out, metadata
 
 
 def release(view):
-    """Hand a read view's pages back to the page cache: a mapped page, once read, counts in the
-    process's memory (RSS) until unmapped, so a model copied out of its file would count twice."""
+    """Hand a read view's pages back: a mapped page, once read, counts in RSS until unmapped, so
+    a model copied out of its file would count twice."""
     mapped = view.base
     while isinstance(mapped, (np.ndarray, memoryview)):  # view -> the whole map's array -> the map
         mapped = mapped.obj if isinstance(mapped, memoryview) else mapped.base
@@ -96,9 +96,8 @@ def release(view):
 
 
 def copy_out(dst, src, block=64 << 20):
-    """dst[...] = src (a cast where the dtypes differ) from a map,
-    about `block` bytes of rows at a time, each handed back once copied:
-    the largest tensor (OLMo 2 1B's embedding: 411 MB) never counts twice."""
+    """dst[...] = src (cast if need be) from a map, `block` bytes of rows at a time, each released
+    once copied: even the largest tensor never counts twice."""
     rows = max(1, block // max(src[:1].nbytes, 1))
     for i in range(0, len(src), rows):
         dst[i:i + rows] = src[i:i + rows]
@@ -106,11 +105,12 @@ def copy_out(dst, src, block=64 << 20):
 
 
 def allocate_safetensors(path, entries, metadata=None):
-    """The header for {name: (shape, dtype)} and a sparse file of full size, for writers (processes) to fill."""
+    """The header for {name: (shape, dtype)} and a file of full size, for writers to fill."""
     header, offset = {}, 0
     for name, (shape, dtype) in entries.items():
         nbytes = math.prod(shape) * np.dtype(dtype).itemsize
-        header[name] = dict(dtype=NAMES[np.dtype(dtype)], shape=list(shape), data_offsets=[offset, offset + nbytes])
+        header[name] = dict(dtype=NAMES[np.dtype(dtype)], shape=list(shape),
+                            data_offsets=[offset, offset + nbytes])
         offset += nbytes
     if metadata:
         header["__metadata__"] = metadata
@@ -122,9 +122,8 @@ def allocate_safetensors(path, entries, metadata=None):
 
 
 def reserve(f, size):
-    """Grow open file f to `size` bytes with its disk blocks claimed now. A sparse file (truncate) would be
-    claimed page by page as a memory map fills it, and on a full disk the writer dies of SIGBUS, saying nothing;
-    claimed here, a full disk is an OSError naming the file and the bytes it needs, before anything is written."""
+    """Grow open file f to `size` bytes, blocks claimed now: a sparse file's are claimed as a map
+    fills it, and on a full disk the writer dies of SIGBUS, silently."""
     try:
         if hasattr(os, "posix_fallocate"):
             os.posix_fallocate(f.fileno(), 0, size)
@@ -133,12 +132,12 @@ def reserve(f, size):
             while f.tell() < size:
                 f.write(bytes(min(size - f.tell(), 1 << 26)))
     except OSError as e:
-        raise OSError(e.errno, f"{f.name}: cannot reserve {size:,} bytes ({os.strerror(e.errno)}); free space on "
-                      "its disk and rerun") from None
+        raise OSError(e.errno, f"{f.name}: cannot reserve {size:,} bytes ({os.strerror(e.errno)}); "
+                      "free space on its disk and rerun") from None
 
 
 def fsync(path):
-    """A written (or memory-mapped) file's bytes, or a directory's entries, on disk."""
+    """A file's bytes, or a directory's entries, on disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -147,15 +146,15 @@ def fsync(path):
 
 
 def replace(tmp, path):
-    """os.replace made durable: tmp's bytes on disk before the rename makes it the one readers find, and the
-    directory after it, so that a power cut can neither show a half-written file nor undo the rename."""
+    """os.replace made durable: tmp's bytes on disk before the rename, the directory after it, so
+    a power cut can neither show a half-written file nor undo the rename."""
     fsync(tmp)
     os.replace(tmp, path)
     fsync(Path(path).parent)
 
 
 def write_safetensors(path, tensors, metadata=None, progress=lambda nbytes: None):
-    """{name: array or Lazy} -> a safetensors file, atomically, one tensor in memory at a time (copied into a map)."""
+    """{name: array or Lazy} -> a safetensors file, atomically, one tensor in memory at a time."""
     path, tensors = Path(path), {k: Lazy.of(t) for k, t in tensors.items()}
     tmp = path.with_name(path.name + ".tmp")
     allocate_safetensors(tmp, {k: (t.shape, t.dtype) for k, t in tensors.items()}, metadata)
@@ -175,7 +174,7 @@ FAMILY_OF = {model_type: family for family, (model_type, _) in HF_CLASS.items()}
 
 
 def _names_file(read):
-    """A config reader (config, source file) whose errors (a missing key, any ConfigError) name the file."""
+    """A config reader (config, source file) whose errors (a missing key too) name the file."""
     @functools.wraps(read)
     def wrapped(c, source="config.json"):
         try:
@@ -188,79 +187,100 @@ def _names_file(read):
 
 
 def _layer_pattern(kinds, window):
-    """Per layer "S" (sliding window) or "F" (full attention) -> ModelConfig's repeating pattern and window."""
+    """Per layer "S" (sliding) or "F" (full attention) -> ModelConfig's pattern and window."""
     if "S" not in kinds:
         return dict(layer_pattern="F", sliding_window=0)
-    period = next(kinds[:n] for n in range(1, len(kinds) + 1) if kinds[:n] * (len(kinds) // n) == kinds)
-    return dict(layer_pattern=period, sliding_window=window or 0)
+    n = next(n for n in range(1, len(kinds) + 1) if kinds[:n] * (len(kinds) // n) == kinds)
+    return dict(layer_pattern=kinds[:n], sliding_window=window or 0)
 
 
 @_names_file
 def config_from_hf(hf):
-    if hf.get("model_type") not in FAMILY_OF:
-        raise ConfigError(f"model_type {hf.get('model_type')!r} is not an OLMo ({sorted(FAMILY_OF)})")
+    model_type = hf.get("model_type")
+    if model_type not in FAMILY_OF:
+        raise ConfigError(f"model_type {model_type!r} is not an OLMo ({sorted(FAMILY_OF)})")
     if hf.get("attention_bias") or hf.get("hidden_act", "silu") != "silu":
         raise ConfigError("attention_bias / hidden_act other than false / silu are not OLMo")
-    family, N, L = FAMILY_OF[hf["model_type"]], hf["num_attention_heads"], hf["num_hidden_layers"]
-    # HF's default when layer_types is absent: every 4th layer full. (OLMo-core also forces the last
-    # layer full; always trust the file's list.) Only Olmo3 has sliding layers.
-    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(L)]
-    kinds = "".join("S" if t == "sliding_attention" and family == "olmo3" else "F" for t in types)
+    family, N, L = FAMILY_OF[model_type], hf["num_attention_heads"], hf["num_hidden_layers"]
+    olmo3 = family == "olmo3"
+    # HF's default without layer_types: every 4th layer full (OLMo-core also forces the last one:
+    # trust the file's list). Only Olmo3 has sliding layers.
+    types = hf.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(L)]
+    kinds = "".join("S" if t == "sliding_attention" and olmo3 else "F" for t in types)
     eos, pad = hf.get("eos_token_id"), hf.get("pad_token_id")
     eos = (eos[0] if isinstance(eos, list) else eos) or 0
-    # RoPE: transformers 5's `rope_parameters` (flat, or per layer type for Olmo3) or 4.x's rope_theta + rope_scaling
+    # RoPE: transformers 5's rope_parameters (flat, or per layer type) or 4's rope_theta/_scaling
     params = hf.get("rope_parameters")
     if params is None:
-        theta = hf.get("rope_theta", 500000.0 if family == "olmo3" else 10000.0)
-        if family == "olmo3" and theta != 500000.0:
-            raise ConfigError(f"a top-level rope_theta={theta} in an Olmo3 config: transformers 4 and 5 read it "
-                              "differently (5 keeps 500000 on sliding layers); write rope_parameters per layer type")
-        full, sliding = {"rope_theta": theta, **(hf.get("rope_scaling") or {})}, {"rope_theta": theta}
+        theta = hf.get("rope_theta", 500000.0 if olmo3 else 10000.0)
+        if olmo3 and theta != 500000.0:
+            raise ConfigError(f"a top-level rope_theta={theta} in an Olmo3 config: transformers 4 "
+                              "and 5 read it differently (5 keeps 500000 on sliding layers); "
+                              "write rope_parameters per layer type")
+        full = {"rope_theta": theta, **(hf.get("rope_scaling") or {})}
+        sliding = {"rope_theta": theta}
     elif "full_attention" in params or "sliding_attention" in params:
         full = params.get("full_attention") or {}
         sliding = params.get("sliding_attention") or {"rope_theta": full.get("rope_theta")}
     else:
         full = sliding = params
-    theta, kind = full.get("rope_theta", 10000.0), full.get("rope_type", full.get("type", "default"))
-    if sliding.get("rope_theta", theta) != theta or {sliding.get("rope_type"), sliding.get("type")} - {None, "default"}:
-        raise ConfigError(f"RoPE {sliding} on sliding-window layers is not plain RoPE at the full layers' rope_theta "
-                          f"{theta}: not supported (OLMo 3 scales full layers only)")
+    theta = full.get("rope_theta", 10000.0)
+    kind = full.get("rope_type", full.get("type", "default"))
+    scaled = {sliding.get("rope_type"), sliding.get("type")} - {None, "default"}
+    if sliding.get("rope_theta", theta) != theta or scaled:
+        raise ConfigError(f"RoPE {sliding} on sliding-window layers is not plain RoPE at the full "
+                          f"layers' rope_theta {theta}: not supported (OLMo 3 scales full layers "
+                          "only)")
+
     if kind != "default" and (kind != "yarn" or full.get("mscale") or full.get("mscale_all_dim")):
         raise ConfigError(f"RoPE scaling {full} is not supported (only plain YaRN, as OLMo 3)")
-    yarn = {} if kind == "default" else dict(
-        yarn_factor=float(full["factor"]), yarn_original_max_seq_len=int(full["original_max_position_embeddings"]),
-        yarn_beta_fast=float(full.get("beta_fast") or 32.0), yarn_beta_slow=float(full.get("beta_slow") or 1.0),
-        yarn_attention_factor=float(full.get("attention_factor") or 0.0))
+    yarn = {}
+    if kind != "default":
+        yarn = dict(
+            yarn_factor=float(full["factor"]),
+            yarn_original_max_seq_len=int(full["original_max_position_embeddings"]),
+            yarn_beta_fast=float(full.get("beta_fast") or 32.0),
+            yarn_beta_slow=float(full.get("beta_slow") or 1.0),
+            yarn_attention_factor=float(full.get("attention_factor") or 0.0))
     return ModelConfig(
-        family=family, d_model=hf["hidden_size"], n_layers=L, n_heads=N, n_kv_heads=hf.get("num_key_value_heads") or N,
+        family=family, d_model=hf["hidden_size"], n_layers=L, n_heads=N,
+        n_kv_heads=hf.get("num_key_value_heads") or N,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // N, mlp_hidden=hf["intermediate_size"],
         vocab_size=hf["vocab_size"], tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        norm_eps=1e-5 if family == "olmo1" else float(hf.get("rms_norm_eps", 1e-5)), rope_theta=float(theta),
-        max_seq_len=hf.get("max_position_embeddings", 2048), clip_qkv=float(hf.get("clip_qkv") or 0.0),
-        init_std=float(hf.get("initializer_range", 0.02)), eos_token_id=eos, pad_token_id=eos if pad is None else pad,
+        norm_eps=1e-5 if family == "olmo1" else float(hf.get("rms_norm_eps", 1e-5)),
+        rope_theta=float(theta), max_seq_len=hf.get("max_position_embeddings", 2048),
+        clip_qkv=float(hf.get("clip_qkv") or 0.0),
+        init_std=float(hf.get("initializer_range", 0.02)),
+        eos_token_id=eos, pad_token_id=eos if pad is None else pad,
         **_layer_pattern(kinds, hf.get("sliding_window")), **yarn)
 
 
 def config_to_hf(m: ModelConfig):
     model_type, arch = HF_CLASS[m.family]
     plain = {"rope_type": "default", "rope_theta": m.rope_theta}
-    hf = dict(architectures=[arch], model_type=model_type, vocab_size=m.vocab_size, hidden_size=m.d_model,
-              intermediate_size=m.mlp_hidden, num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
-              num_key_value_heads=m.n_kv_heads, head_dim=m.head_dim, hidden_act="silu",
-              max_position_embeddings=m.max_seq_len, initializer_range=m.init_std, attention_bias=False,
-              attention_dropout=0.0, tie_word_embeddings=m.tie_embeddings, bos_token_id=None,
-              eos_token_id=m.eos_token_id, pad_token_id=m.pad_token_id, use_cache=True, dtype="float32",
-              **({"clip_qkv": m.clip_qkv or None} if m.family == "olmo1" else {"rms_norm_eps": m.norm_eps}),
-              rope_parameters=plain)
+    if m.family == "olmo1":
+        norm = {"clip_qkv": m.clip_qkv or None}
+    else:
+        norm = {"rms_norm_eps": m.norm_eps}
+    hf = dict(
+        architectures=[arch], model_type=model_type, vocab_size=m.vocab_size, hidden_size=m.d_model,
+        intermediate_size=m.mlp_hidden, num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
+        num_key_value_heads=m.n_kv_heads, head_dim=m.head_dim, hidden_act="silu",
+        max_position_embeddings=m.max_seq_len, initializer_range=m.init_std, attention_bias=False,
+        attention_dropout=0.0, tie_word_embeddings=m.tie_embeddings, bos_token_id=None,
+        eos_token_id=m.eos_token_id, pad_token_id=m.pad_token_id, use_cache=True, dtype="float32",
+        **norm, rope_parameters=plain)
     if m.family == "olmo3":
-        full = plain if not m.yarn_factor else {
-            **plain, "rope_type": "yarn", "factor": m.yarn_factor, "original_max_position_embeddings":
-            m.yarn_original_max_seq_len, "beta_fast": m.yarn_beta_fast, "beta_slow": m.yarn_beta_slow,
-            "attention_factor": m.yarn_attention_factor}
-        # Written per layer type (transformers 5 style), so no reader has to guess which layers a
-        # top-level rope_theta / rope_scaling belongs to.
-        hf.update(sliding_window=m.sliding_window or None,
-                  layer_types=["sliding_attention" if k == "S" else "full_attention" for k in m.layer_types()],
+        full = plain
+        if m.yarn_factor:
+            full = {**plain, "rope_type": "yarn", "factor": m.yarn_factor,
+                    "original_max_position_embeddings": m.yarn_original_max_seq_len,
+                    "beta_fast": m.yarn_beta_fast, "beta_slow": m.yarn_beta_slow,
+                    "attention_factor": m.yarn_attention_factor}
+        # per layer type, so no reader guesses which layers a top-level rope_theta is for
+        types = ["sliding_attention" if k == "S" else "full_attention" for k in m.layer_types()]
+        hf.update(sliding_window=m.sliding_window or None, layer_types=types,
                   rope_parameters={"full_attention": full, "sliding_attention": plain})
     return hf
 
@@ -271,35 +291,35 @@ HF_SAFETENSORS = ["model.safetensors.index.json", "model.safetensors"]
 
 
 def hf_name(name):
-    """Our unstacked name -> its name in HF files: "model." before all but the head (HF keeps it beside `model`)."""
+    """Our unstacked name -> HF's: "model." before all but the head (HF keeps it beside `model`)."""
     return name if name == "lm_head.weight" else "model." + name
 
 
 def expected_tensors(m):
     """Our unstacked names -> shapes, in the order the files hold them."""
-    zeros = {name: np.broadcast_to(np.float32(0), p.shape) for name, p in param_table(m).items()}  # no memory
+    # broadcast zeros: shapes without memory
+    zeros = {k: np.broadcast_to(np.float32(0), p.shape) for k, p in param_table(m).items()}
     return {name: a.shape for name, a in unstack_layers(zeros).items()}
 
 
 def open_hf(d):
-    """An HF OLMo directory -> (ModelConfig, our unstacked names -> unread memory maps), checked against config.json."""
+    """An HF OLMo directory -> (ModelConfig, our unstacked names -> unread memory maps), checked."""
     d = Path(d)
-    if not (d / "config.json").is_file():
-        raise FileNotFoundError(f"{d / 'config.json'} not found: expected a Hugging Face model directory")
-    m = config_from_hf(read_json(d / "config.json"), str(d / "config.json"))
+    cfg = d / "config.json"
+    if not cfg.is_file():
+        raise FileNotFoundError(f"{cfg} not found: expected a Hugging Face model directory")
+    m = config_from_hf(read_json(cfg), str(cfg))
     pickles = [p.name for p in [*d.glob("*.bin"), *d.glob("*.pt")]]
     if pickles and not any((d / n).is_file() for n in HF_SAFETENSORS):
-        raise FileNotFoundError(f"{d}: no model.safetensors or its index ({', '.join(pickles)} are pickles, which we "
-                                f"never load here: `python convert.py {d} OUT` reads them with torch.load("
-                                "weights_only=True) into safetensors)")
+        raise FileNotFoundError(f"{d}: no model.safetensors or its index ({', '.join(pickles)} are "
+                                f"pickles, which we never load here: `python convert.py {d} OUT` "
+                                "reads them with torch.load(weights_only=True) into safetensors)")
     return m, _bind(_weights(d, HF_SAFETENSORS), None, m, str(d), "config.json")
 
 
 def load_hf(d, dtype=None):
-    """An HF OLMo directory -> (ModelConfig, params: name -> numpy stacked on L), in each tensor's
-    stored dtype (or `dtype`). Each tensor is copied once, from the file's map into its place in the
-    stacked array, and its pages handed back: the model is in memory once (JAX on a CPU and
-    torch_model use these arrays in place)."""
+    """An HF OLMo directory -> (ModelConfig, name -> numpy stacked on L), in the stored dtype (or
+    `dtype`). Copied once from the map, pages released: the model is in memory once."""
     m, state = open_hf(d)
     total = sum(v.nbytes for v in state.values())
     params = {}
@@ -307,8 +327,10 @@ def load_hf(d, dtype=None):
     with bar:
         for name in param_table(m):
             stacked = name.startswith("layers.")
-            layers = [model.layer_name(name, i) for i in range(m.n_layers)]
-            parts = [state[n] for n in layers] if stacked else [state[name]]
+            if stacked:
+                parts = [state[model.layer_name(name, i)] for i in range(m.n_layers)]
+            else:
+                parts = [state[name]]
             out = aligned((len(parts), *parts[0].shape), dtype or parts[0].dtype)
             for part, src in zip(out, parts):
                 copy_out(part, src)
@@ -331,24 +353,28 @@ def save_hf(d, m, params, dtype=np.float32):
     d.mkdir(parents=True, exist_ok=True)
     tensors = {hf_name(k): np.asarray(v).astype(dtype) for k, v in unstack_layers(params).items()}
     write_safetensors(d / "model.safetensors", tensors, {"format": "pt"})
-    (d / "config.json").write_text(json.dumps(config_to_hf(m), indent=2) + "\n")
+    (d / "config.json").write_text(_json(config_to_hf(m)))
 
 
 # --- the old OLMo trainer's and OLMo-core's configs -> ModelConfig -------------------------------
 
 @_names_file
 def config_from_olmo(c):
-    """The old trainer's model config (config.yaml's `model:`, or an hf_olmo config.json) -> ModelConfig."""
-    two = bool(c.get("norm_after"))  # OLMo 2: norm_after, QK-norm, RMSNorm; OLMo 1: pre-norm, LayerNorm without affine
+    """The old trainer's model config (config.yaml's `model:`, or hf_olmo's config.json)."""
+    two = bool(c.get("norm_after"))  # OLMo 2: norm_after, QK-norm, RMSNorm; OLMo 1: LayerNorm
     rules = [(key, want, "not an OLMo 1 / 2 architecture") for key, want in (
         ("rope", True), ("alibi", False), ("include_bias", False), ("bias_for_layer_norm", False),
         ("scale_logits", False), ("activation_type", "swiglu"), ("block_type", "sequential"))]
-    rules += [("attention_layer_norm", True, "OLMo 2 has QK-norm"), ("layer_norm_type", "rms", "OLMo 2 uses RMSNorm"),
-              ("layer_norm_with_affine", True, "OLMo 2's RMSNorms have weights")] if two else [
-        ("attention_layer_norm", False, "OLMo 1 has no QK-norm"),
-        ("layer_norm_with_affine", False, "OLMo 1's LayerNorm has no weight"),
-        ("layer_norm_type", ("default", "low_precision"), "OLMo 1 uses LayerNorm ('default')")]
-    for key, want, why in rules:  # flags compare as booleans (bias_for_layer_norm: null means false)
+    if two:
+        rules += [("attention_layer_norm", True, "OLMo 2 has QK-norm"),
+                  ("layer_norm_type", "rms", "OLMo 2 uses RMSNorm"),
+                  ("layer_norm_with_affine", True, "OLMo 2's RMSNorms have weights")]
+    else:
+        rules += [("attention_layer_norm", False, "OLMo 1 has no QK-norm"),
+                  ("layer_norm_with_affine", False, "OLMo 1's LayerNorm has no weight"),
+                  ("layer_norm_type", ("default", "low_precision"),
+                   "OLMo 1 uses LayerNorm ('default')")]
+    for key, want, why in rules:  # flags compare as booleans (bias_for_layer_norm: null = false)
         wants = want if isinstance(want, tuple) else (want,)
         got = c.get(key, wants[0])
         if (bool(got) if isinstance(want, bool) else got) not in wants:
@@ -356,30 +382,35 @@ def config_from_olmo(c):
     D, N = c["d_model"], c["n_heads"]
     return ModelConfig(
         family="olmo2" if two else "olmo1", d_model=D, n_layers=c["n_layers"], n_heads=N,
-        n_kv_heads=c.get("n_kv_heads") or (1 if c.get("multi_query_attention") else N), head_dim=D // N,
+        n_kv_heads=c.get("n_kv_heads") or (1 if c.get("multi_query_attention") else N),
+        head_dim=D // N,
         # the trainer's hidden size counts both SwiGLU halves of ff_proj
         mlp_hidden=(c.get("mlp_hidden_size") or D * c.get("mlp_ratio", 4)) // 2,
-        vocab_size=c.get("embedding_size") or c["vocab_size"], tie_embeddings=bool(c.get("weight_tying", True)),
-        norm_eps=float(c.get("layer_norm_eps") or 1e-5), rope_theta=float(c.get("rope_theta", 10000)),
+        vocab_size=c.get("embedding_size") or c["vocab_size"],
+        tie_embeddings=bool(c.get("weight_tying", True)),
+        norm_eps=float(c.get("layer_norm_eps") or 1e-5),
+        rope_theta=float(c.get("rope_theta", 10000)),
         max_seq_len=c.get("max_sequence_length", 2048), clip_qkv=float(c.get("clip_qkv") or 0.0),
-        init="mitchell" if c.get("init_fn") == "mitchell" else "normal", init_std=float(c.get("init_std", 0.02)),
+        init="mitchell" if c.get("init_fn") == "mitchell" else "normal",
+        init_std=float(c.get("init_std", 0.02)),
         eos_token_id=c.get("eos_token_id", 50256), pad_token_id=c.get("pad_token_id", 50256))
 
 
 @_names_file
 def config_from_olmo_core(cfg):
-    """An OLMo-core experiment config (config.json: model, dataset.tokenizer, ...) -> ModelConfig."""
+    """An OLMo-core experiment config (config.json: model, dataset.tokenizer, ...)."""
     def bad(why):
         raise ConfigError(why)
 
     t = cfg["model"]  # detect() saw model.block
     L, base = t["n_layers"], t["block"]
     if base.get("name") != "reordered_norm" or t.get("name", "default") != "default":
-        bad(f"block {base.get('name')!r} / model {t.get('name')!r}: only OLMo 2/3's reordered_norm transformer "
-            "is supported")
+        bad(f"block {base.get('name')!r} / model {t.get('name')!r}: only OLMo 2/3's "
+            "reordered_norm transformer is supported")
 
     def attn(block):
-        return block.get("sequence_mixer") or block.get("attention") or bad("a block without attention")
+        mixer = block.get("sequence_mixer") or block.get("attention")
+        return mixer or bad("a block without attention")
 
     def without_scaling(block):  # the block with its RoPE scaling removed, to compare the rest
         a = {**attn(block), "rope": {**(attn(block).get("rope") or {}), "scaling": None}}
@@ -394,13 +425,19 @@ def config_from_olmo_core(cfg):
     sw = a.get("sliding_window") or {"pattern": [-1]}
     pattern, first = sw["pattern"], sw.get("force_full_attention_on_first_layer", True)
     last = sw.get("force_full_attention_on_last_layer", True)
-    ws = [-1 if (first and i == 0) or (last and i == L - 1) else pattern[(i - 1 if first else i) % len(pattern)]
-          for i in range(L)]
+    ws = []
+    for i in range(L):
+        if (first and i == 0) or (last and i == L - 1):
+            ws.append(-1)
+        else:  # the pattern starts after a forced first layer
+            ws.append(pattern[(i - 1 if first else i) % len(pattern)])
     kinds, windows = "".join("F" if w == -1 else "S" for w in ws), set(ws) - {-1}
     rope, qk = a.get("rope") or bad("attention without RoPE"), a.get("qk_norm")
-    if a.get("name", "default") != "default" or a.get("bias") or a.get("clip_qkv") or a.get("use_head_qk_norm"):
+    if (a.get("name", "default") != "default" or a.get("bias") or a.get("clip_qkv")
+            or a.get("use_head_qk_norm")):
         bad("attention with bias / clip_qkv / per-head QK-norm is not OLMo 2/3")
-    if not qk or qk.get("bias") or ln.get("bias") or {qk.get("name", "default"), ln.get("name", "default")} != {"rms"}:
+    if (not qk or qk.get("bias") or ln.get("bias")
+            or {qk.get("name", "default"), ln.get("name", "default")} != {"rms"}):
         bad("OLMo 2/3 use RMSNorm without bias for the block norms and QK-norm")
     if qk.get("eps", 1e-5) != ln.get("eps", 1e-5):
         bad(f"QK-norm eps {qk.get('eps')} differs from the block norms' {ln.get('eps')}")
@@ -408,24 +445,31 @@ def config_from_olmo_core(cfg):
         bad("the feed-forward must be a SwiGLU MLP without bias")
     if len(windows) > 1:
         bad(f"sliding layers with different windows {sorted(windows)}")
-    yarns = [(attn(overrides.get(i, base)).get("rope") or {}).get("scaling") or None for i in range(L)]
+    ropes = [attn(overrides.get(i, base)).get("rope") or {} for i in range(L)]
+    yarns = [r.get("scaling") or None for r in ropes]
     y = next((y for y in yarns if y), None)
     if y and any(s != (y if k == "F" else None) for s, k in zip(yarns, kinds)):
-        bad("RoPE scaling must be the same on every full-attention layer and absent on sliding ones")
+        bad("RoPE scaling must be the same on every full-attention layer and absent on sliding "
+            "ones")
     if y and ("YaRN" not in y.get("_CLASS_", "YaRN")
               or set(y) - {"_CLASS_", "factor", "beta_fast", "beta_slow", "old_context_len"}):
         bad(f"RoPE scaling {y}: only YaRN is supported")
-    yarn = dict(yarn_factor=float(y.get("factor", 8.0)), yarn_beta_fast=float(y.get("beta_fast", 32)),
-                yarn_beta_slow=float(y.get("beta_slow", 1)),
-                yarn_original_max_seq_len=int(y.get("old_context_len", 8192))) if y else {}
+    yarn = {}
+    if y:
+        yarn = dict(
+            yarn_factor=float(y.get("factor", 8.0)), yarn_beta_fast=float(y.get("beta_fast", 32)),
+            yarn_beta_slow=float(y.get("beta_slow", 1)),
+            yarn_original_max_seq_len=int(y.get("old_context_len", 8192)))
     dataset, train = cfg.get("dataset") or {}, cfg.get("train_module") or {}
-    tok, seq = dataset.get("tokenizer") or {}, dataset.get("sequence_length") or train.get("max_sequence_length")
+    tok = dataset.get("tokenizer") or {}
+    seq = dataset.get("sequence_length") or train.get("max_sequence_length")
+    D, N = t["d_model"], a["n_heads"]
     return ModelConfig(
-        family="olmo3" if "S" in kinds or yarn else "olmo2", d_model=t["d_model"], n_layers=L,
-        n_heads=a["n_heads"], n_kv_heads=a.get("n_kv_heads") or a["n_heads"],
-        head_dim=a.get("head_dim") or t["d_model"] // a["n_heads"], mlp_hidden=ff["hidden_size"],
-        vocab_size=t["vocab_size"], tie_embeddings=False, norm_eps=float(ln.get("eps", 1e-5)),
-        rope_theta=float(rope.get("theta", 500000)), max_seq_len=seq or 8192, init_std=float(t.get("init_std", 0.02)),
+        family="olmo3" if "S" in kinds or yarn else "olmo2", d_model=D, n_layers=L, n_heads=N,
+        n_kv_heads=a.get("n_kv_heads") or N, head_dim=a.get("head_dim") or D // N,
+        mlp_hidden=ff["hidden_size"], vocab_size=t["vocab_size"], tie_embeddings=False,
+        norm_eps=float(ln.get("eps", 1e-5)), rope_theta=float(rope.get("theta", 500000)),
+        max_seq_len=seq or 8192, init_std=float(t.get("init_std", 0.02)),
         eos_token_id=tok.get("eos_token_id", 100257), pad_token_id=tok.get("pad_token_id", 100277),
         **_layer_pattern(kinds, max(windows, default=0)), **yarn)
 
@@ -440,37 +484,43 @@ class Lazy(NamedTuple):
 
     @staticmethod
     def of(a):  # an array (a memory map is read only on load) or a Lazy -> a Lazy
-        return a if isinstance(a, Lazy) else Lazy(tuple(a.shape), np.dtype(a.dtype), lambda: np.asarray(a))
+        if isinstance(a, Lazy):
+            return a
+        return Lazy(tuple(a.shape), np.dtype(a.dtype), lambda: np.asarray(a))
 
 
 def _from_torch(t):
     import torch
     t = t.detach()
-    return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16) if t.dtype == torch.bfloat16 else t.numpy()
+    if t.dtype == torch.bfloat16:  # numpy has no bf16: ml_dtypes' over the same bits
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
 
 
 def torch_store(path):
     """A .bin / .pt state dict, through torch.load(weights_only=True)."""
     import torch
-    try:  # mmap keeps the tensors on disk until used; it needs a zip file (torch >= 1.6): older ones are read whole
+    # mmap keeps tensors on disk until used; it needs a zip file (torch >= 1.6), older read whole
+    try:
         sd = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     except (RuntimeError, pickle.UnpicklingError, EOFError) as e:
-        raise ValueError(f"{path}: not readable by torch.load(weights_only=True): {str(e).splitlines()[0]}") from None
+        why = str(e).splitlines()[0]
+        raise ValueError(f"{path}: not readable by torch.load(weights_only=True): {why}") from None
     while isinstance(sd, dict) and len(sd) == 1 and next(iter(sd)) in ("model", "state_dict"):
         sd = next(iter(sd.values()))  # {"model": {...}}, as some writers wrap it
     return {k: _from_torch(v) for k, v in sd.items() if isinstance(v, torch.Tensor)}
 
 
-# A torch.distributed.checkpoint's .metadata is a plain pickle. This unpickler resolves only the classes
-# such metadata is made of, so a hostile file fails here instead of running code.
+# A torch.distributed.checkpoint's .metadata is a plain pickle. This unpickler resolves only the
+# classes such metadata is made of, so a hostile file fails here instead of running code.
 _DCP_GLOBALS = {("torch.distributed.checkpoint.metadata", n) for n in (
-    "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-    "StorageMeta", "MetadataIndex", "_MEM_FORMAT_ENCODING")} | {
+    "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+    "TensorProperties", "StorageMeta", "MetadataIndex", "_MEM_FORMAT_ENCODING")} | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
     ("collections", "OrderedDict")}
-# OLMo-core's own DCP writer records each tensor's place in a copy of torch's _StorageInfo (the same three fields):
-# read it as torch's, so the file opens without OLMo-core installed.
+# OLMo-core's DCP writer records each tensor's place in its own copy of torch's _StorageInfo (the
+# same three fields): read as torch's, the file opens without OLMo-core installed.
 _DCP_RENAMES = {("olmo_core.distributed.checkpoint.filesystem", "_StorageInfo"):
                 ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
 
@@ -479,13 +529,15 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
         import torch
         module, name = _DCP_RENAMES.get((module, name), (module, name))
-        if (module, name) in _DCP_GLOBALS or module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+        is_dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if (module, name) in _DCP_GLOBALS or is_dtype:
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of checkpoint metadata; refusing to load it")
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of checkpoint metadata; "
+                                     "refusing to load it")
 
 
 def dcp_store(d):
-    """The model.* tensors of a torch.distributed.checkpoint, each read alone (dcp.load, no process group) on use."""
+    """The model.* tensors of a DCP checkpoint, each read alone on use (no process group)."""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
@@ -494,10 +546,10 @@ def dcp_store(d):
         with open(d / ".metadata", "rb") as f:
             md = _MetadataUnpickler(f).load()
     except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
-        raise ValueError(f"{d / '.metadata'}: not torch.distributed.checkpoint metadata ({e})") from None
+        raise ValueError(f"{f.name}: not torch.distributed.checkpoint metadata ({e})") from None
 
     class Reader(dcp.FileSystemReader):
-        def read_metadata(self, *args, **kwargs):  # the checked copy above, not FileSystemReader's pickle.load
+        def read_metadata(self, *args, **kwargs):  # the checked copy above, not a pickle.load
             md.storage_meta = getattr(md, "storage_meta", None) or StorageMeta()
             md.storage_meta.load_id = self.load_id
             return md
@@ -505,18 +557,21 @@ def dcp_store(d):
     def load(key, meta, reader=Reader(d)):
         t = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "torch.distributed is disabled ... assuming a single process": yes
+            warnings.simplefilter("ignore")  # "torch.distributed is disabled ...": one process, yes
             dcp.load({key: t}, storage_reader=reader, no_dist=True)
         return _from_torch(t)
 
-    return {key[len("model."):]: Lazy(tuple(meta.size), _from_torch(torch.empty(0, dtype=meta.properties.dtype)).dtype,
-                                       functools.partial(load, key, meta))
+    def lazy(key, meta):
+        dtype = _from_torch(torch.empty(0, dtype=meta.properties.dtype)).dtype
+        return Lazy(tuple(meta.size), dtype, functools.partial(load, key, meta))
+
+    return {key.removeprefix("model."): lazy(key, meta)
             for key, meta in md.state_dict_metadata.items()
             if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
 
 
 def _weights(d, names):
-    """Their name -> tensor, from the first weight file (or shard index, or DCP directory) of `names` in d."""
+    """Their name -> tensor, from the first of `names` in d: a weight file, shard index or DCP."""
     for name in names:
         p = d / name
         if name.endswith(".index.json") and p.is_file():
@@ -542,25 +597,26 @@ class Source(NamedTuple):
     tokenizer: str = None  # "dolma2" when the checkpoint says so
 
 
-# The old trainer's names, ours -> theirs per layer: att_proj's rows are [q; k; v] and ff_proj's [up; gate]
-# (the trainer's SwiGLU is `x, gate = ff_proj(x).chunk(2); silu(gate) * x`), in the order listed here.
-OLMO_NAMES = {
-    "self_attn.q_proj.weight": "att_proj.weight", "self_attn.k_proj.weight": "att_proj.weight",
-    "self_attn.v_proj.weight": "att_proj.weight", "self_attn.o_proj.weight": "attn_out.weight",
-    "mlp.up_proj.weight": "ff_proj.weight", "mlp.gate_proj.weight": "ff_proj.weight",
-    "mlp.down_proj.weight": "ff_out.weight", "self_attn.q_norm.weight": "q_norm.weight",
-    "self_attn.k_norm.weight": "k_norm.weight", "post_attention_layernorm.weight": "attn_norm.weight",
-    "post_feedforward_layernorm.weight": "ff_norm.weight"}
-OLMO_CORE_NAMES = {  # ours -> OLMo-core's per layer (the pairs of olmo_core/nn/hf/convert.py's table)
-    "self_attn.q_proj.weight": "attention.w_q.weight", "self_attn.k_proj.weight": "attention.w_k.weight",
-    "self_attn.v_proj.weight": "attention.w_v.weight", "self_attn.o_proj.weight": "attention.w_out.weight",
-    "self_attn.q_norm.weight": "attention.q_norm.weight", "self_attn.k_norm.weight": "attention.k_norm.weight",
-    "mlp.gate_proj.weight": "feed_forward.w1.weight", "mlp.up_proj.weight": "feed_forward.w3.weight",
-    "mlp.down_proj.weight": "feed_forward.w2.weight", "post_attention_layernorm.weight": "attention_norm.weight",
-    "post_feedforward_layernorm.weight": "feed_forward_norm.weight"}
+# The old trainer's names, ours -> theirs per layer: att_proj's rows are [q; k; v] and ff_proj's
+# [up; gate] (its SwiGLU is `x, gate = ff_proj(x).chunk(2); silu(gate) * x`), in the order listed.
+OLMO_NAMES = {f"{ours}.weight": f"{theirs}.weight" for ours, theirs in [
+    ("self_attn.q_proj", "att_proj"), ("self_attn.k_proj", "att_proj"),
+    ("self_attn.v_proj", "att_proj"), ("self_attn.o_proj", "attn_out"),
+    ("mlp.up_proj", "ff_proj"), ("mlp.gate_proj", "ff_proj"), ("mlp.down_proj", "ff_out"),
+    ("self_attn.q_norm", "q_norm"), ("self_attn.k_norm", "k_norm"),
+    ("post_attention_layernorm", "attn_norm"), ("post_feedforward_layernorm", "ff_norm")]}
+# ours -> OLMo-core's per layer (the pairs of olmo_core/nn/hf/convert.py's table)
+OLMO_CORE_NAMES = {f"{ours}.weight": f"{theirs}.weight" for ours, theirs in [
+    ("self_attn.q_proj", "attention.w_q"), ("self_attn.k_proj", "attention.w_k"),
+    ("self_attn.v_proj", "attention.w_v"), ("self_attn.o_proj", "attention.w_out"),
+    ("self_attn.q_norm", "attention.q_norm"), ("self_attn.k_norm", "attention.k_norm"),
+    ("mlp.gate_proj", "feed_forward.w1"), ("mlp.up_proj", "feed_forward.w3"),
+    ("mlp.down_proj", "feed_forward.w2"), ("post_attention_layernorm", "attention_norm"),
+    ("post_feedforward_layernorm", "feed_forward_norm")]}
+
 HF_WEIGHTS = HF_SAFETENSORS + ["pytorch_model.bin.index.json", "pytorch_model.bin"]
-# kind -> (config reader, weight files in the order looked for, names: (block prefix, per-layer names ours -> theirs,
-# the rest ours -> theirs), or None where they are ours)
+# kind -> (config reader, weight files in the order looked for, names: (block prefix, per-layer
+# names ours -> theirs, the rest ours -> theirs), or None where they are ours)
 OLMO = ("transformer.blocks.{}.", OLMO_NAMES, {"embed_tokens.weight": "transformer.wte.weight",
                                                 "norm.weight": "transformer.ln_f.weight",
                                                 "lm_head.weight": "transformer.ff_out.weight"})
@@ -575,17 +631,24 @@ FORMATS = {
 
 
 def _bind(store, names, m, where, what):
-    """Our name -> its tensor in `store` (or a Lazy of its rows in a fused one), names as in FORMATS, checked:
-    every stored tensor used, with the shape the config implies (a fused one's: its parts' rows, in table order)."""
-    store = {k[k.find("transformer."):] if "transformer." in k else k.removeprefix("model."): v
-             for k, v in store.items()  # HF's "model.layers.0...", unsharding's "model.transformer.wte.weight"
-             if not k.endswith("rotary_emb.inv_freq")}  # written by old converters; recomputed from the config
+    """Our name -> its tensor in `store` (or a Lazy of its rows in a fused one; names as in
+    FORMATS), checked: every stored tensor used, in the shape the config implies."""
+    def unprefixed(k):  # HF's "model.layers.0...", unsharding's "model.transformer.wte.weight"
+        return k[k.find("transformer."):] if "transformer." in k else k.removeprefix("model.")
+
+    # old converters wrote rotary_emb.inv_freq; we recompute it from the config
+    store = {unprefixed(k): v for k, v in store.items() if not k.endswith("rotary_emb.inv_freq")}
+
     if m.tie_embeddings:
         store.pop("lm_head.weight", None)  # some tied files carry a copy of the head
     want = expected_tensors(m)
-    plan = {k: k for k in want} if not names else {**{f"layers.{i}.{ours}": names[0].format(i) + theirs
-                                                      for i in range(m.n_layers) for ours, theirs in names[1].items()},
-                                                   **names[2]}
+    if names:
+        prefix, per_layer, rest = names
+        plan = {f"layers.{i}.{ours}": prefix.format(i) + theirs
+                for i in range(m.n_layers) for ours, theirs in per_layer.items()}
+        plan.update(rest)
+    else:
+        plan = {k: k for k in want}
     rows, shapes = {}, {}
     for ours, theirs in plan.items():
         if ours in want:
@@ -594,84 +657,108 @@ def _bind(store, names, m, where, what):
             shapes[theirs] = (rows[ours].stop, *want[ours][1:])
     missing, unexpected = sorted(set(shapes) - set(store)), sorted(set(store) - set(shapes))
     if missing or unexpected:
-        raise ValueError(f"{where}: tensors do not match {what}: missing {missing[:6]}, unexpected {unexpected[:6]}")
+        raise ValueError(f"{where}: tensors do not match {what}: missing {missing[:6]}, "
+                         f"unexpected {unexpected[:6]}")
     for theirs, shape in shapes.items():
-        if tuple(store[theirs].shape) != shape:
-            raise ValueError(f"{where}: tensor {theirs} has shape {tuple(store[theirs].shape)}, {what} implies {shape}")
+        got = tuple(store[theirs].shape)
+        if got != shape:
+            raise ValueError(f"{where}: tensor {theirs} has shape {got}, {what} implies {shape}")
     out = {ours: store[plan[ours]] for ours in want}
     for ours, r in rows.items():
         if r != slice(0, shapes[plan[ours]][0]):  # a part of a fused tensor
-            out[ours] = Lazy(want[ours], out[ours].dtype, lambda t=Lazy.of(out[ours]), r=r: t.load()[r])
+            fused = Lazy.of(out[ours])
+            out[ours] = Lazy(want[ours], fused.dtype, lambda t=fused, r=r: t.load()[r])
     return out
 
 
 def detect(path, config=None):
-    """(kind, weights directory, config file, what it holds) from what is in `path` (a directory, or a file in one)."""
+    """(kind, weights directory, config file, its contents) from `path` (a directory or a file)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such checkpoint")
     d = path.parent if path.is_file() else path
-    d = d.parent if d.name == "model_and_optim" else d  # an OLMo-core step directory's DCP folder was given
-    cfg = Path(config) if config else next((d / n for n in ("config.json", "config.yaml") if (d / n).is_file()), None)
+    d = d.parent if d.name == "model_and_optim" else d  # given an OLMo-core step's DCP folder
+    if config:
+        cfg = Path(config)
+    else:
+        cfg = next((d / n for n in ("config.json", "config.yaml") if (d / n).is_file()), None)
     if cfg is None:
         seen = sorted(p.name for p in d.iterdir())[:8]
-        raise ValueError(f"{path}: not a checkpoint format I know: no config.json (HF, hf_olmo, OLMo-core) or "
-                         f"config.yaml (old OLMo trainer); found {seen} (pass --config FILE if it lives elsewhere)")
+        raise ValueError(f"{path}: not a checkpoint format I know: no config.json (HF, hf_olmo, "
+                         f"OLMo-core) or config.yaml (old OLMo trainer); found {seen} "
+                         "(pass --config FILE if it lives elsewhere)")
     if cfg.suffix in (".yaml", ".yml"):  # yaml.safe_load: plain data only, no Python objects
         try:
             return "olmo", d, cfg, yaml.safe_load(cfg.read_text())["model"]
         except (yaml.YAMLError, KeyError, TypeError) as e:
-            raise ConfigError(f"{cfg}: not the old trainer's config.yaml (not YAML, or no model: {e!r})") from None
+            raise ConfigError(f"{cfg}: not the old trainer's config.yaml (not YAML, or no model: "
+                              f"{e!r})") from None
     c = read_json(cfg)
-    kind = ("olmo_core" if isinstance(c.get("model"), dict) and "block" in c["model"] else "hf_olmo" if "d_model" in c
-            else "hf" if c.get("model_type") in FAMILY_OF else None)
-    if kind is None:
-        raise ValueError(f"{cfg}: not a config I know: model_type {c.get('model_type')!r}, no d_model, no model.block")
+    if isinstance(c.get("model"), dict) and "block" in c["model"]:
+        kind = "olmo_core"
+    elif "d_model" in c:
+        kind = "hf_olmo"
+    elif c.get("model_type") in FAMILY_OF:
+        kind = "hf"
+    else:
+        raise ValueError(f"{cfg}: not a config I know: model_type {c.get('model_type')!r}, "
+                         "no d_model, no model.block")
     return kind, d, cfg, c
 
 
 def open_source(path, config=None):
-    """Any supported checkpoint -> Source, checked: every tensor present, used, and of the right shape."""
+    """Any supported checkpoint -> Source, checked: every tensor there, used, of the right shape."""
     kind, d, cfg, c = detect(path, config)
     read, files, names = FORMATS[kind]
     m = read(c, str(cfg))
-    store = _weights(d, ([Path(path).name] if Path(path).is_file() else []) + files)
+    given = [Path(path).name] if Path(path).is_file() else []
+    store = _weights(d, given + files)
     tensors = {k: Lazy.of(t) for k, t in _bind(store, names, m, str(path), cfg.name).items()}
-    # OLMo-core names its tokenizer; elsewhere, OLMo 2 / 3's ids (EOS 100257) and rows enough for them say dolma2
+    # OLMo-core names its tokenizer; elsewhere OLMo 2/3's EOS 100257 and rows for its ids say dolma2
     ident = str(((c.get("dataset") or {}).get("tokenizer") or {}).get("identifier", ""))
-    dolma2 = "dolma2" in ident or "dolma3" in ident or (m.eos_token_id == 100257 and m.vocab_size >= 100278)
+    named = "dolma2" in ident or "dolma3" in ident
+    dolma2 = named or (m.eos_token_id == 100257 and m.vocab_size >= 100278)
     return Source(kind, Path(path), m, tensors, "dolma2" if dolma2 else None)
 
 
 # --- writing: our checkpoint directory, or a release-style HF one --------------------------------
 
 def write_checkpoint(out, m, tensors, dtype=None, files=None, shard_bytes=None):
-    """Tensors (our name -> Lazy) -> OUT via OUT.tmp: config.json, model.safetensors or shards + index, `files`."""
+    """Tensors (our name -> Lazy) -> OUT via OUT.tmp: config.json, model.safetensors or shards +
+    index, and `files` (name -> text)."""
     out = Path(out)
     if out.exists():
-        raise FileExistsError(f"{out} exists; convert never overwrites (delete it or pick another OUT)")
-    tensors = {hf_name(k): Lazy(t.shape, np.dtype(dtype or t.dtype), t.load) for k, t in tensors.items()}
+        raise FileExistsError(f"{out} exists; convert never overwrites "
+                              "(delete it or pick another OUT)")
+    tensors = {hf_name(k): Lazy(t.shape, np.dtype(dtype or t.dtype), t.load)
+               for k, t in tensors.items()}
     sizes = {k: math.prod(t.shape) * t.dtype.itemsize for k, t in tensors.items()}
     total, shards = sum(sizes.values()), [[]]
     for k in tensors:  # greedy, in file order, as transformers' save_pretrained cuts its shards
-        if shard_bytes and shards[-1] and sum(sizes[j] for j in shards[-1]) + sizes[k] > shard_bytes:
+        filled = sum(sizes[j] for j in shards[-1])
+        if shard_bytes and shards[-1] and filled + sizes[k] > shard_bytes:
             shards.append([])
         shards[-1].append(k)
-    names = ["model.safetensors"] if len(shards) == 1 else [
-        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    if len(shards) == 1:
+        names = ["model.safetensors"]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     kinds = {t.dtype for t in tensors.values()}
     hf = {**config_to_hf(m), "dtype": next(iter(kinds)).name if len(kinds) == 1 else "float32"}
-    files = {"config.json": json.dumps(hf, indent=2) + "\n", **(files or {})}
+    files = {"config.json": _json(hf), **(files or {})}
     if len(shards) > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": {k: f for f, ks in zip(names, shards) for k in ks}}
-        files["model.safetensors.index.json"] = json.dumps(index, indent=2) + "\n"
+        weight_map = {k: f for f, ks in zip(names, shards) for k in ks}
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        files["model.safetensors.index.json"] = _json(index)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)  # a previous run's leftovers: never complete
     tmp.mkdir(parents=True)
     try:
-        with tqdm(total=total, unit="B", unit_scale=True, desc=f"write {out.name}", disable=total < 2**27) as bar:
+        with tqdm(total=total, unit="B", unit_scale=True, desc=f"write {out.name}",
+                  disable=total < 2**27) as bar:
             for fname, keys in zip(names, shards):
-                write_safetensors(tmp / fname, {k: tensors[k] for k in keys}, {"format": "pt"}, bar.update)
+                shard = {k: tensors[k] for k in keys}
+                write_safetensors(tmp / fname, shard, {"format": "pt"}, bar.update)
         for name, text in files.items():
             (tmp / name).write_text(text)
             fsync(tmp / name)
@@ -683,27 +770,31 @@ def write_checkpoint(out, m, tensors, dtype=None, files=None, shard_bytes=None):
 
 
 def convert(src, out, to_hf=False, dtype=None, tokenizer=None, config=None, shard_gb=5.0):
-    """SRC (any format) -> OUT. to_hf: a release-style HF directory, laid out as the official ones: shards with
-    an index past shard_gb, generation_config.json, tokenizer files, and for OLMo 3 the embedding and head
-    trimmed to the tokenizer's ids (the releases keep 100278 of the 100352 rows)."""
+    """SRC (any format) -> OUT. to_hf: laid out as the official releases: shards + index past
+    shard_gb, generation_config.json, tokenizer files, OLMo 3's V trimmed to the tokenizer's."""
     s = open_source(src, config)
     m, tensors, spec = s.m, dict(s.tensors), tokenizer or s.tokenizer
-    files = {"generation_config.json": json.dumps({"_from_model_config": True, "eos_token_id": m.eos_token_id,
-                                                   "pad_token_id": m.pad_token_id}, indent=2) + "\n"} if to_hf else {}
+    files = {}
+    if to_hf:
+        ids = {"eos_token_id": m.eos_token_id, "pad_token_id": m.pad_token_id}
+        files["generation_config.json"] = _json({"_from_model_config": True, **ids})
     if to_hf and spec:
         import data
         tok = data.load_tokenizer(spec)
-        if tok.vocab_size > m.vocab_size:
-            raise ValueError(f"tokenizer {spec} has {tok.vocab_size} ids, the model only {m.vocab_size} rows")
-        if m.family == "olmo3" and tok.vocab_size < m.vocab_size:
-            V = tok.vocab_size
-            tensors.update({k: Lazy((V, *t.shape[1:]), t.dtype, lambda t=t: t.load()[:V]) for k, t in tensors.items()
-                            if k in ("embed_tokens.weight", "lm_head.weight")})
+        V = tok.vocab_size
+        if V > m.vocab_size:
+            raise ValueError(f"tokenizer {spec} has {V} ids, the model only {m.vocab_size} rows")
+        if m.family == "olmo3" and V < m.vocab_size:
+            for k in ("embed_tokens.weight", "lm_head.weight"):
+                if k in tensors:
+                    t = tensors[k]
+                    tensors[k] = Lazy((V, *t.shape[1:]), t.dtype, lambda t=t: t.load()[:V])
             m = dataclasses.replace(m, vocab_size=V)
         files.update(hf_tokenizer_files(tok, m.max_seq_len))
-        print(f"tokenizer files: {spec} ({tok.vocab_size} ids)", file=sys.stderr)
+        print(f"tokenizer files: {spec} ({V} ids)", file=sys.stderr)
     elif to_hf:
-        print(f"note: no tokenizer files written (pass --tokenizer SPEC; model vocab {m.vocab_size})", file=sys.stderr)
+        why = f"pass --tokenizer SPEC; model vocab {m.vocab_size}"
+        print(f"note: no tokenizer files written ({why})", file=sys.stderr)
     write_checkpoint(out, m, tensors, dtype, files, shard_gb * 2**30 if to_hf else None)
     return s, m
 
@@ -711,92 +802,115 @@ def convert(src, out, to_hf=False, dtype=None, tokenizer=None, config=None, shar
 # --- tokenizers: tiktoken ranks -> HF tokenizer.json ----------------------------------------------
 
 # GPT-2's byte -> printable character map, which byte-level BPE vocabularies are written in.
-_KEPT = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+_KEPT = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+         *range(ord("®"), ord("ÿ") + 1)]
 BYTE_CHARS = {**{b: chr(b) for b in _KEPT},
               **{b: chr(256 + i) for i, b in enumerate(b for b in range(256) if b not in _KEPT)}}
 
 
 def hf_tokenizer_files(tok, max_len):
-    """tokenizer.json (laid out as OLMo's allenai_dolma2.json), tokenizer_config.json, special_tokens_map.json with
-    which AutoTokenizer tokenizes as data.py's Tokenizer does (no BOS; added tokens matched in text). Merges in rank
-    order make HF's merge priority tiktoken's; ignore_merges=True is tiktoken's shortcut (one token stays one)."""
+    """tokenizer.json (laid out as OLMo's allenai_dolma2.json), tokenizer_config.json and
+    special_tokens_map.json: AutoTokenizer then tokenizes as data.py's Tokenizer (no BOS, added
+    tokens matched in text). Merges in rank order give HF tiktoken's priority; ignore_merges=True
+    is tiktoken's shortcut (a whole token stays one)."""
     enc = tok.enc
-    ranks, text = enc._mergeable_ranks, lambda b: "".join(BYTE_CHARS[x] for x in b)  # noqa: E731
+    ranks = enc._mergeable_ranks
+
+    def text(b):  # bytes -> their byte-level BPE characters
+        return "".join(BYTE_CHARS[x] for x in b)
+
     merges = []
     for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
         parts = [bytes([b]) for b in token]
         while len(parts) > 1:  # its merge: tiktoken's BPE on its bytes, with the lower ranks only
-            i = min(range(len(parts) - 1), key=lambda i: ranks.get(parts[i] + parts[i + 1], math.inf))
-            if ranks.get(parts[i] + parts[i + 1], math.inf) >= rank:
+            pair_ranks = [ranks.get(a + b, math.inf) for a, b in zip(parts, parts[1:])]
+            i = pair_ranks.index(min(pair_ranks))
+            if pair_ranks[i] >= rank:
                 break
             parts[i:i + 2] = [parts[i] + parts[i + 1]]
         if len(parts) > 2:
-            raise ValueError(f"rank {rank} ({token!r}) is not the merge of two lower-ranked tokens: "
-                             "not a BPE vocabulary")
+            raise ValueError(f"rank {rank} ({token!r}) is not the merge of two lower-ranked "
+                             "tokens: not a BPE vocabulary")
         if len(parts) == 2:
             merges.append(f"{text(parts[0])} {text(parts[1])}")
     added = [dict(id=i, content=s, single_word=False, lstrip=False, rstrip=False, normalized=False,
-                  special=not s.startswith(("<|extra_id_", "|||")))  # dolma2 marks these two kinds non-special
+                  special=not s.startswith(("<|extra_id_", "|||")))  # dolma2: 2 kinds non-special
              for s, i in sorted(enc._special_tokens.items(), key=lambda kv: kv[1])]
-    tj = {
-        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
-        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": enc._pat_str}, "behavior": "Removed", "invert": True},
-            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
-        "post_processor": None,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
-                  "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False, "ignore_merges": True,
-                  "vocab": {text(t): r for t, r in ranks.items()}, "merges": merges}}
+    split = {"type": "Split", "pattern": {"Regex": enc._pat_str}, "behavior": "Removed",
+             "invert": True}
+    pre = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+    bpe = {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
+           "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False,
+           "ignore_merges": True, "vocab": {text(t): r for t, r in ranks.items()}, "merges": merges}
+    tj = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
+          "normalizer": None,
+          "pre_tokenizer": {"type": "Sequence", "pretokenizers": [split, pre]},
+          "post_processor": None,
+          "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True,
+                      "use_regex": True},
+          "model": bpe}
     eos, pad = enc.decode([tok.eos_id]), enc.decode([tok.pad_id])
     decoder = {str(a["id"]): {k: v for k, v in a.items() if k != "id"} for a in added}
     specials = dict(bos_token=eos, eos_token=eos, pad_token=pad, unk_token=eos)
-    # The plain fast tokenizer class: transformers 5's GPT2Tokenizer would rebuild its own GPT-2 pre-tokenizer.
+    # The plain fast class: transformers 5's GPT2Tokenizer would rebuild GPT-2's pre-tokenizer.
     cfg = dict(add_bos_token=False, add_eos_token=False, added_tokens_decoder=decoder, **specials,
-               clean_up_tokenization_spaces=False, model_max_length=max_len, tokenizer_class="PreTrainedTokenizerFast")
+               clean_up_tokenization_spaces=False, model_max_length=max_len,
+               tokenizer_class="PreTrainedTokenizerFast")
     return {"tokenizer.json": json.dumps(tj, ensure_ascii=False) + "\n",
-            "tokenizer_config.json": json.dumps(cfg, indent=2, ensure_ascii=False) + "\n",
-            "special_tokens_map.json": json.dumps(specials, indent=2) + "\n"}
+            "tokenizer_config.json": _json(cfg, ensure_ascii=False),
+            "special_tokens_map.json": _json(specials)}
 
 
 # --- soups: the average of checkpoints ------------------------------------------------------------
 
 def soup(srcs, out):
-    """The fp32 average of checkpoints of one model (any formats), as OLMo 2 7B / 13B average their annealing runs."""
+    """The fp32 average of checkpoints of one model (any formats), as OLMo 2's release recipe."""
     sources = [open_source(s) for s in srcs]
     first = sources[0]
     for s in sources[1:]:
         if diff := first.m.differences(s.m):
-            raise ConfigError(f"{s.path} is a different model from {first.path} ({'; '.join(diff)})")
+            raise ConfigError(f"{s.path} is a different model from {first.path} "
+                              f"({'; '.join(diff)})")
     n = np.float32(len(sources))
-    tensors = {k: Lazy(t.shape, t.dtype, lambda k=k: sum(s.tensors[k].load().astype(np.float32) for s in sources) / n)
+
+    def mean(k):
+        return sum(s.tensors[k].load().astype(np.float32) for s in sources) / n
+
+    tensors = {k: Lazy(t.shape, t.dtype, functools.partial(mean, k))
                for k, t in first.tensors.items()}
     return write_checkpoint(out, first.m, tensors)
 
 
-# --- check: two models on the same tokens ----------------------------------------------------------
+# --- check: two models on the same tokens -------------------------------------------------------
 
 def load_tokens(path, seq_len=None, rows=0):
-    """(B, T) int64 from a .npy (allow_pickle=False) or a token file (data.open_token_file), 1-D cut into rows."""
+    """(B, T) int64 from a .npy (allow_pickle=False) or a token file, 1-D cut into rows."""
     import data
     with open(path, "rb") as f:
         is_npy = f.read(6) == b"\x93NUMPY"
     try:
         a = np.load(path, allow_pickle=False) if is_npy else data.open_token_file(path).array()
-    except ValueError as e:  # an object array (its elements are pickles, never loaded), or a damaged file
-        raise ValueError(f"{path}: not a readable array of token ids ({e}); expected an integer .npy (int32, int64, "
-                         "uint16, uint32) or a token file") from None
+    except ValueError as e:  # an object array (its elements are pickles, never loaded), or damage
+        raise ValueError(f"{path}: not a readable array of token ids ({e}); expected an integer "
+                         ".npy (int32, int64, uint16, uint32) or a token file") from None
     if a.ndim not in (1, 2) or not np.issubdtype(a.dtype, np.integer):
-        raise ValueError(f"{path}: {a.dtype} values of shape {a.shape}; expected integer token ids, (T,) or (B, T)")
+        raise ValueError(f"{path}: {a.dtype} values of shape {a.shape}; expected integer token "
+                         "ids, (T,) or (B, T)")
     T = seq_len or a.shape[-1] or 1
-    out = (a[:len(a) // T * T].reshape(-1, T) if a.ndim == 1 else a[:, :T])[:rows or None]
+    if a.ndim == 1:
+        out = a[:len(a) // T * T].reshape(-1, T)  # (B, T)
+    else:
+        out = a[:, :T]
+    out = out[:rows or None]
     if not out.size or out.shape[1] < T:
-        raise ValueError(f"{path}: token ids of shape {a.shape} hold no full row of {T} (--seq-len {seq_len})")
+        raise ValueError(f"{path}: token ids of shape {a.shape} hold no full row of {T} "
+                         f"(--seq-len {seq_len})")
     return np.asarray(out, np.int64)
 
 
 def open_runner(spec, dtype="float32"):
-    """'jax:DIR' / 'torch:DIR' (ours) or 'hf:DIR' -> (run: tokens (1, T) -> float32 logits (T, V), V, label, m)."""
+    """'jax:DIR' / 'torch:DIR' (ours) or 'hf:DIR' -> (run: tokens (1, T) -> float32 logits (T, V),
+    V, label, m)."""
     kind, sep, path = spec.partition(":")
     if not sep or kind not in ("jax", "torch", "hf"):
         kind, path = "jax", spec
@@ -804,9 +918,10 @@ def open_runner(spec, dtype="float32"):
     dt = getattr(torch, dtype)
     if kind == "hf":
         import transformers
-        net = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dt, local_files_only=True).eval()
-        m, fwd = None, (lambda t: net(t).logits)
-        V, label = net.config.vocab_size, f"hf:{path} (transformers {transformers.__version__}, {type(net).__name__})"
+        auto = transformers.AutoModelForCausalLM
+        net = auto.from_pretrained(path, dtype=dt, local_files_only=True).eval()
+        m, fwd, V = None, (lambda t: net(t).logits), net.config.vocab_size
+        label = f"hf:{path} (transformers {transformers.__version__}, {type(net).__name__})"
     else:
         s = open_source(path)
         m, V, label = s.m, s.m.vocab_size, f"{kind}:{path} (ours, {s.kind} format, {s.m.family})"
@@ -815,7 +930,11 @@ def open_runner(spec, dtype="float32"):
             import jax
             import jax.numpy as jnp
             params = {k: jnp.asarray(v) for k, v in params.items()}
-            jit = jax.jit(lambda p, t: model.forward(p, t, m, jnp.dtype(dtype))[0].astype(jnp.float32))
+
+            def logits(p, t):  # (1, T) -> (T, V) float32
+                return model.forward(p, t, m, jnp.dtype(dtype))[0].astype(jnp.float32)
+
+            jit = jax.jit(logits)
             return (lambda tokens: np.asarray(jit(params, jnp.asarray(tokens)))), V, label, m
         net = model.torch_model(m, params).eval()
         del params
@@ -828,8 +947,8 @@ def open_runner(spec, dtype="float32"):
 
 
 def compare_logits(a, b, rows=256):
-    """Per-position KL(A||B) (nats), whether the top-1 tokens agree, and the largest |logit difference|,
-    over the first min(V_A, V_B) ids (beyond those are padding rows one side lacks), in float64."""
+    """Per position KL(A||B) (nats), top-1 agreement, and the max |logit difference|, in float64
+    over the first min(V_A, V_B) ids (beyond are padding rows one side lacks)."""
     V = min(a.shape[-1], b.shape[-1])
     kl, agree, diff = [], [], 0.0
     for i in range(0, len(a), rows):
@@ -850,15 +969,18 @@ def check(a, b, tokens, dtype="float32"):
         model.check_tokens(tokens, m)
     if tokens.max() >= min(Va, Vb):
         raise ValueError(f"token id {tokens.max()} is out of range for vocab {min(Va, Vb)}")
-    kls, agrees, diffs = zip(*[compare_logits(run_a(row[None]), run_b(row[None]))
-                               for row in tqdm(tokens, desc="check", disable=len(tokens) < 2)])
+    rows = tqdm(tokens, desc="check", disable=len(tokens) < 2)
+    kls, agrees, diffs = zip(*[compare_logits(run_a(row[None]), run_b(row[None])) for row in rows])
     kl, agree, diff = np.concatenate(kls), np.concatenate(agrees), max(diffs)
-    r = dict(kl_mean=float(kl.mean()), kl_max=float(kl.max()), top1=float(agree.mean()), max_abs_diff=diff,
-             positions=int(kl.size), vocab=min(Va, Vb))
-    print(f"A = {label_a}\nB = {label_b}\n{tokens.shape[0]} x {tokens.shape[1]} tokens, {dtype} compute, "
-          f"compared over {r['vocab']} ids" + (f" (A has {Va}, B {Vb})" if Va != Vb else ""))
+    r = dict(kl_mean=float(kl.mean()), kl_max=float(kl.max()), top1=float(agree.mean()),
+             max_abs_diff=diff, positions=int(kl.size), vocab=min(Va, Vb))
+    B, T = tokens.shape
+    sizes = f" (A has {Va}, B {Vb})" if Va != Vb else ""
+    print(f"A = {label_a}\nB = {label_b}\n{B} x {T} tokens, {dtype} compute, "
+          f"compared over {r['vocab']} ids{sizes}")
     print(f"KL(A||B) per token: mean {r['kl_mean']:.3e}  max {r['kl_max']:.3e}   top-1 agreement "
-          f"{100 * r['top1']:.2f}% ({int(agree.sum())}/{agree.size})   max |logit A - logit B| {diff:.4g}")
+          f"{100 * r['top1']:.2f}% ({int(agree.sum())}/{agree.size})   "
+          f"max |logit A - logit B| {diff:.4g}")
     return r
 
 
@@ -867,8 +989,11 @@ def check(a, b, tokens, dtype="float32"):
 def main(argv):
     import argparse
     cmd = argv[0] if argv and argv[0] in ("check", "soup", "info") else "convert"
-    ap = argparse.ArgumentParser(prog=f"convert.py{'' if cmd == 'convert' else ' ' + cmd}",
-                                 description=__doc__ if cmd == "convert" else __doc__.split("\n\n")[0],
+    if cmd == "convert":
+        prog, about = "convert.py", __doc__
+    else:
+        prog, about = f"convert.py {cmd}", __doc__.split("\n\n")[0]
+    ap = argparse.ArgumentParser(prog=prog, description=about,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     arg, dtypes = ap.add_argument, ["float32", "bfloat16"]
     if cmd in ("convert", "info"):
@@ -876,16 +1001,22 @@ def main(argv):
         arg("--config", help="the source's config.json / config.yaml, when not next to its weights")
     if cmd == "convert":
         arg("out")
-        arg("--to-hf", action="store_true", help="a release-style HF directory (shards, tokenizer, generation config)")
+        arg("--to-hf", action="store_true",
+            help="a release-style HF directory (shards, tokenizer, generation config)")
         arg("--dtype", choices=dtypes, help="cast every tensor (default: keep each tensor's dtype)")
-        arg("--tokenizer", help="with --to-hf: dolma2 or a ranks file (default: dolma2 if the checkpoint uses it)")
+        arg("--tokenizer",
+            help="with --to-hf: dolma2 or a ranks file (default: dolma2 if the checkpoint uses it)")
         arg("--shard-size", type=in_range(float, 0, open_lo=True), default=5.0,
             help="with --to-hf: GiB per safetensors shard")
     elif cmd == "check":
-        arg("a", help="jax:DIR or torch:DIR (ours, any SRC format; a bare DIR is jax:DIR) or hf:DIR (transformers)")
+        arg("a", help="jax:DIR or torch:DIR (ours, any SRC format; a bare DIR is jax:DIR) "
+            "or hf:DIR (transformers)")
         arg("b")
-        arg("--tokens", required=True, help=".npy of ids, (B, T) or (N,); or a token file (ours, OLMo-core's uint32)")
-        arg("--seq-len", type=in_range(int, 1), help="T: cut 1-D ids into rows of T (or truncate rows to T)")
+        arg("--tokens", required=True,
+            help=".npy of ids, (B, T) or (N,); or a token file (ours, OLMo-core's uint32)")
+        arg("--seq-len", type=in_range(int, 1),
+            help="T: cut 1-D ids into rows of T (or truncate rows to T)")
+
         arg("--rows", type=in_range(int, 0), default=0, help="only the first N rows (0 = all)")
         arg("--dtype", choices=dtypes, default="float32", help="compute dtype of both models")
     elif cmd == "soup":
