@@ -1,22 +1,18 @@
-"""Device meshes and shardings: this file lays things out for the devices. The model never sees any of this:
-train.py asks here how to lay out the params, the optimizer state and the batch, and jit (GSPMD)
-inserts the communication. The torch backend's equivalent (torchrun processes, FSDP2's fully_shard)
-is the second half. Between them: which piece of each array a process writes to a checkpoint and reads back, what
-each device has (peak FLOP/s, HBM, and the XLA options its train step compiles with), and the ahead-of-time plan
-(train.py's step, passed in, compiled for a mesh you do not have: `python train.py plan`).
+"""Device meshes and shardings. The model never sees them: train.py asks here how to lay out the
+params, optimizer state and batch, and jit (GSPMD) inserts the communication. Also: torch's torchrun
++ FSDP2, the piece of each array a process checkpoints, what each device has, and the ahead-of-time
+plan (`python train.py plan`: train.py's step compiled for a mesh you do not have).
 
-    python shard.py configs/olmo3-7b.toml --mesh.data=1 --mesh.fsdp=-1   # the mesh and each parameter's layout here
+    python shard.py configs/olmo3-7b.toml --mesh.data=1 --mesh.fsdp=-1  # the mesh, param layouts
 
-The mesh has four axes, ("data", "fsdp", "context", "tensor"). The batch is split over data × fsdp, and each
-instance's T positions over context; parameters are split by the logical axes the parameter table gives each
-dimension, through RULES:
-    embed -> fsdp (FSDP/ZeRO-3: each device keeps 1/fsdp of every weight, gathered for use). Not also over
-             context, as OLMo-core shards: the embedding lookup's output would then be split on D over every
-             device, and XLA cannot move that to (instances, positions) without first gathering all of it
-             (measured with `train.py plan`: 32 GiB more per device at 64 x 65536)
-    heads, kv_heads, mlp, vocab -> tensor (Megatron-style tensor parallelism)
-    layers -> not split (the scan walks over it)
-Context parallelism (`attention`) is the one place that writes its communication by hand.
+Mesh axes ("data", "fsdp", "context", "tensor"): a batch's instances split over data × fsdp, their
+T positions over context; params split by their dimensions' logical axes through RULES:
+    embed -> fsdp (FSDP/ZeRO-3: each device keeps 1/fsdp of every weight, gathered for use).
+             Not also over context, as OLMo-core does: the lookup's output would be split on
+             D, and XLA gathers all of it to move it to (instances, positions)
+    heads, kv_heads, mlp, vocab -> tensor (Megatron-style); layers -> not split (the scan walks it)
+Only context parallelism (`attention`) writes its communication by hand. Measurements behind
+these choices: docs/sharding.md#notes-from-shardpy.
 """
 
 import argparse
@@ -44,40 +40,47 @@ from configs import ConfigError, load_config, run_cli
 RULES = {"embed": ("fsdp",), "heads": ("tensor",), "kv_heads": ("tensor",), "mlp": ("tensor",),
          "vocab": ("tensor",), "layers": ()}
 AXES = ("data", "fsdp", "context", "tensor")
-BATCH = ("data", "fsdp")  # the axes the instances of a batch are split over (context splits their positions)
+BATCH = ("data", "fsdp")  # a batch's instances split over these (context splits positions)
 
 
 def mesh_shape(mesh_cfg, n_devices):
     """(data, fsdp, context, tensor) with the one -1 filled in; checked against the device count."""
     sizes = [getattr(mesh_cfg, a) for a in AXES]
+    asked = dict(zip(AXES, sizes))  # as given: the last error is reached only without a -1
     if sizes.count(-1) > 1:
-        raise ValueError(f"mesh {dict(zip(AXES, sizes))}: at most one axis may be -1")
+        raise ValueError(f"mesh {asked}: at most one axis may be -1")
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if n_devices % known:
-            raise ValueError(f"mesh {dict(zip(AXES, sizes))}: {n_devices} devices do not divide by {known}")
+            raise ValueError(f"mesh {asked}: {n_devices} devices do not divide by {known}")
         sizes[sizes.index(-1)] = n_devices // known
     if math.prod(sizes) != n_devices:
-        raise ValueError(f"mesh {dict(zip(AXES, sizes))} needs {math.prod(sizes)} devices, there are {n_devices}")
+        raise ValueError(f"mesh {asked} needs {math.prod(sizes)} devices, there are {n_devices}")
     return tuple(sizes)
 
 
 def make_mesh(mesh_cfg, devices=None):
     devices = jax.devices() if devices is None else devices
-    # Auto axes: shardings go in through jit's in/out_shardings (jax.make_mesh defaults to Explicit).
-    return jax.make_mesh(mesh_shape(mesh_cfg, len(devices)), AXES, axis_types=(AxisType.Auto,) * 4, devices=devices)
+    shape = mesh_shape(mesh_cfg, len(devices))
+    # Auto axes: shardings go in through jit's in/out_shardings (make_mesh's default: Explicit)
+    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * 4, devices=devices)
 
 
 # exercise: fsdp_rules
 def spec_for(name, param, mesh_sizes):
-    """PartitionSpec of one parameter from its logical axes; every split must divide its dimension."""
+    """PartitionSpec of one parameter from its logical axes; every split must divide its
+    dimension."""
     out = []
     for dim, logical in zip(param.shape, param.axes):
-        axes = tuple(a for a in RULES[logical] if mesh_sizes[a] > 1)  # a mesh axis of size 1 splits nothing
+        # a mesh axis of size 1 splits nothing
+        axes = tuple(a for a in RULES[logical] if mesh_sizes[a] > 1)
         if dim % math.prod(mesh_sizes[a] for a in axes):
             raise ValueError(f"{name}: dimension '{logical}' of size {dim} does not divide over "
                              + " x ".join(f"mesh axis '{a}' of size {mesh_sizes[a]}" for a in axes))
-        out.append(axes[0] if len(axes) == 1 else axes or None)
+        if len(axes) == 1:
+            out.append(axes[0])
+        else:
+            out.append(axes or None)  # None: not split
     return P(*out)
 
 
@@ -91,14 +94,14 @@ def replicated(mesh):
 
 
 def state_shardings(mesh, table):
-    """(params, AdamW's m, v and count, the skip-step history): the moments laid out as their params."""
+    """(params, AdamW's m, v and count, the skip-step history): moments laid out as params."""
     p = param_shardings(mesh, table)
     return p, dict(m=p, v=p, count=replicated(mesh)), replicated(mesh)
 
 
 def batch_sharding(mesh, ndim=2):
-    """Step batches (A micro-batches, B rows, T): rows split over data × fsdp, positions over context; a value per
-    row (ndim 1: DPO's reference log-prob, GRPO's advantage) (A, B) over data × fsdp."""
+    """Step batches (A micro-batches, B rows, T): rows over data × fsdp, T over context; ndim 1,
+    a value per row (DPO's reference log-prob, GRPO's advantage): (A, B)."""
     return NamedSharding(mesh, P(None, BATCH, "context") if ndim == 2 else P(None, BATCH))
 
 
@@ -108,20 +111,18 @@ def instance_sharding(mesh, ndim=2):
 
 
 def residual_constraint(mesh):
-    """Pin the residual stream (B, T, D) to "instances over data x fsdp, positions over context". Measured with
-    `plan`: without it GSPMD meets weights split on D over fsdp and may split the activations the same way, keeping
-    whole batches on every device (olmo3-7b, fsdp=256, 512 x 8192: 3 TiB of temporaries per device)."""
-    return lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(BATCH, "context", None)))
+    """Pin the residual stream (B, T, D) to (instances over data x fsdp, positions over context):
+    else GSPMD may split it on D like the fsdp weights, whole batches on every device."""
+    pinned = NamedSharding(mesh, P(BATCH, "context", None))
+    return lambda x: jax.lax.with_sharding_constraint(x, pinned)
 
 
 def attention(mesh, m, dtype, documents):
-    """attend's function for model.forward on this mesh: what model.pick_attention chooses for its
-    devices, `dtype` and `documents` (document ids or not). XLA's is left to GSPMD, which splits it
-    itself. A kernel (splash, cudnn) is a custom call the partitioner cannot split (it would gather
-    every instance onto every device): it runs under shard_map on each device's own instances
-    (data x fsdp) and heads (tensor). With a context axis each device keeps its slice of the
-    queries, gathers the keys, values and document ids, and attends from its offset
-    (docs/longctx.md)."""
+    """attend's function for model.forward on this mesh (model.pick_attention's, for `dtype` and
+    `documents`: ids or not). GSPMD splits XLA's; a kernel (splash, cudnn) is a custom call it
+    would gather whole, so it runs under shard_map on each device's instances and heads. With a
+    context axis each device gathers the keys, values and ids, and attends from its queries'
+    offset (docs/longctx.md)."""
     context, impl = mesh.shape["context"], attention_impl(mesh, m, dtype, documents)
     if context == 1 and (impl == "xla" or mesh.devices.size == 1):
         return model.ATTEND[impl]
@@ -147,12 +148,12 @@ def attention(mesh, m, dtype, documents):
 
 
 def attention_impl(mesh, m, dtype, documents):
-    """model.pick_attention for this mesh's devices and context axis: what `attention` runs."""
+    """model.pick_attention for this mesh: what `attention` runs."""
     return model.pick_attention(m, dtype, documents, mesh.devices.flat[0], mesh.shape["context"])
 
 
 def check_mesh(sizes, m, seq_len):
-    """What a mesh of these axis sizes needs of the model and data beyond each parameter's split."""
+    """What a mesh of these axis sizes needs of the model and data beyond each param's split."""
     if seq_len % sizes["context"]:
         raise ValueError(f"data.seq_len={seq_len} does not divide over mesh.context="
                          f"{sizes['context']}: each context device holds an equal slice of every "
@@ -176,42 +177,47 @@ def dp_size(mesh):
 def local_ranks(mesh):
     """Data-parallel ranks (data-major, then fsdp) with a device in this process, in order."""
     devs = mesh.devices.reshape(dp_size(mesh), -1)  # (ranks, tensor)
-    return [r for r in range(len(devs)) if any(d.process_index == jax.process_index() for d in devs[r])]
+    me = jax.process_index()
+    return [r for r in range(len(devs)) if any(d.process_index == me for d in devs[r])]
 
 
 def check_batch(global_batch, micro_batch, dp, where):
-    """(instances per rank, micro-batch, micro-batches per step) for `dp` ranks (`where`: whence, for errors)."""
+    """(instances per rank, micro-batch, micro-batches per step) over `dp` ranks (`where`: for
+    errors)."""
     if global_batch % dp:
-        raise ValueError(f"data.global_batch={global_batch} does not divide over the {dp} data-parallel ranks ({where})")
+        raise ValueError(f"data.global_batch={global_batch} does not divide over the {dp} "
+                         f"data-parallel ranks ({where})")
     per_rank = global_batch // dp
     micro = micro_batch or per_rank
     if per_rank % micro:
-        raise ValueError(f"train.micro_batch={micro} does not divide the {per_rank} instances each rank gets per step")
+        raise ValueError(f"train.micro_batch={micro} does not divide the {per_rank} instances "
+                         "each rank gets per step")
     return per_rank, micro, per_rank // micro
 
 
 def split_over(spec, sizes):
-    """How many devices a PartitionSpec splits a tensor over, on a mesh of these axis sizes."""
+    """How many devices a PartitionSpec splits a tensor over, on a mesh of these sizes."""
     return math.prod(sizes[a] for d in spec if d for a in (d if isinstance(d, tuple) else (d,)))
 
 
 def state_gib(table, sizes):
-    """GiB per device of the fp32 params and AdamW's two moments on a mesh of these axis sizes."""
+    """GiB per device of the fp32 params and AdamW's two moments on a mesh of these sizes."""
     per_device = [12 * math.prod(p.shape) / split_over(spec_for(name, p, sizes), sizes)
                   for name, p in table.items()]
     return sum(per_device) / 2**30
 
 
 def layout_table(table, split, dtype_bytes=4):
-    """One line per parameter: how it is split and its bytes per device (params only; AdamW adds 2x that).
-    split(name, param) -> (where, the fraction of the tensor one device holds)."""
+    """A line per param: its split and bytes per device (AdamW adds 2x). split(name, param) ->
+    (where, the fraction of the tensor one device holds)."""
     lines, total = [], 0
     for name, p in table.items():
         where, fraction = split(name, p)
         per_dev = int(math.prod(p.shape) * dtype_bytes * fraction)
         total += per_dev
         lines.append(f"{name:<42} {where:<34} {per_dev / 2**20:>10.2f} MiB/device")
-    lines.append(f"{'params in all':<42} {'':<34} {total / 2**30:>10.3f} GiB/device (+2x for AdamW moments)")
+    lines.append(f"{'params in all':<42} {'':<34} {total / 2**30:>10.3f} GiB/device "
+                 "(+2x for AdamW moments)")
     return lines
 
 
@@ -242,10 +248,9 @@ def jax_allgather(values):
 
 
 def check_hosts_agree(backend, run_dir, data_path):
-    """With several processes: every host sees the lead's run folder (each writes its pieces of
-    every checkpoint into it) and reads the same data. One clear error on every process at the
-    start, not a hang or a checkpoint of mixed pieces later. backend: processes, lead, barrier,
-    allgather."""
+    """With several processes: every host sees the lead's run folder (all write checkpoint pieces
+    there) and the same data, or one error on every process at the start, not a hang or a mixed
+    checkpoint later. backend: processes, lead, barrier, allgather."""
     if backend.processes == 1:
         return
     if filesystem(run_dir) == "fuse.gcsfuse":  # (a checkpoint file is written by every host)
@@ -274,8 +279,8 @@ def check_hosts_agree(backend, run_dir, data_path):
 
 
 def filesystem(path, mounts="/proc/mounts"):
-    """The type of the filesystem `path` is on ("nfs4", "fuse.gcsfuse", ...), from the longest mount
-    point that holds it; "" where that cannot be read."""
+    """The type of the filesystem `path` is on ("nfs4", "fuse.gcsfuse", ...), by the longest
+    mount point that holds it; "" if unreadable."""
     path, best = Path(path).resolve(), ("", "")
     try:
         lines = Path(mounts).read_text().splitlines()
@@ -301,9 +306,9 @@ def data_fingerprint(path):
 
 
 def start_distributed():
-    """Join this launch's other processes: those JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
-    JAX_PROCESS_ID name, or a cluster JAX detects (SLURM, Open MPI, TPU pods) of several processes.
-    Call before any device use. (Those clusters set no JAX_* variables: each node ran alone.)"""
+    """Join the other processes JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID
+    name, or of a cluster JAX detects (SLURM, Open MPI, TPU pods: no JAX_* variables set). Call
+    before any device use."""
     if address := os.environ.get("JAX_COORDINATOR_ADDRESS"):
         args = (address, int(os.environ["JAX_NUM_PROCESSES"]), int(os.environ["JAX_PROCESS_ID"]))
     else:
@@ -318,10 +323,11 @@ def start_distributed():
     jax.distributed.initialize(*args)
 
 
-# --- checkpoints: the piece of each array this process writes (train.save_checkpoint), and reads back ---------
+# --- checkpoints: the piece of each array a process writes (train.save_checkpoint), reads back ---
 
 def stored(name, shape, prefix, idx):
-    """[(stored name, index)] that slice idx of a param covers, one per layer if stacked; prefix "model.": HF names."""
+    """[(stored name, index)] that slice idx of a param covers, one per layer if stacked; prefix
+    "model.": HF names."""
     rename = convert.hf_name if prefix == "model." else lambda n: prefix + n  # noqa: E731
     if not name.startswith("layers."):
         return [(rename(name), idx)]
@@ -329,7 +335,7 @@ def stored(name, shape, prefix, idx):
 
 
 def jax_pieces(trees):
-    """(stored name, index, numpy) for replica 0 of every shard this process holds, of [(prefix, {name: array})]."""
+    """(stored name, index, numpy) of replica 0 of each shard here, of [(prefix, {name: array})]."""
     for prefix, tree in trees:
         for name, a in tree.items():
             for sh in a.addressable_shards:
@@ -342,9 +348,11 @@ def jax_pieces(trees):
 
 
 def jax_read(views, prefix, table, shardings):
-    """{name: global array}, each device's slice read straight from the stored tensors (fp32 whatever they hold)."""
+    """{name: global array}, each device's slice read from the stored tensors (fp32 whatever
+    they hold)."""
     def read(name, idx):
-        parts = [np.asarray(views[f][i], np.float32) for f, i in stored(name, table[name].shape, prefix, idx)]
+        pieces = stored(name, table[name].shape, prefix, idx)
+        parts = [np.asarray(views[f][i], np.float32) for f, i in pieces]
         return np.stack(parts) if name.startswith("layers.") else parts[0]
 
     return {k: jax.make_array_from_callback(p.shape, shardings[k], lambda idx, k=k: read(k, idx))
@@ -352,10 +360,9 @@ def jax_read(views, prefix, table, shardings):
 
 
 # --- what each device has, and how XLA compiles for it ---------------------------------------
-# One JAX device is a TPU v4/v5p chip (its two TensorCores act as one), a TPU7x TensorCore (two a
-# chip), or one GPU. kinds: the device_kind strings JAX reports (torch.cuda.get_device_name gives
-# the same for NVIDIA GPUs); peak: dense bf16 FLOP/s per device, MFU's denominator; hbm: GiB each.
-# Sources: Google's TPU pages, NVIDIA's data sheets, jax's Pallas tpu_info.py (docs/sharding.md).
+# A JAX device: a TPU v4/v5p chip (two TensorCores as one), a TPU7x TensorCore, or a GPU. kinds:
+# device_kind as JAX (and torch, NVIDIA) say it; peak: dense bf16 FLOP/s, MFU's denominator; hbm:
+# GiB. Sources: docs/sharding.md#devices.
 
 @dataclass(frozen=True)
 class Device:
@@ -383,14 +390,14 @@ DEVICES = {
 
 
 def device_named(kind):
-    """The DEVICES entry of a device_kind as JAX or torch reports it; None for others (CPUs)."""
+    """The DEVICES entry of a device_kind as JAX or torch says it; None for others (CPUs)."""
     return next((d for d in DEVICES.values() if kind in d.kinds), None)
 
 
 def usable_gib(name):
-    """Memory per device a JAX run may use: on GPUs JAX's allocator stops at 75% of it, preallocated
-    or not (XLA_CLIENT_MEM_FRACTION, or the older XLA_PYTHON_CLIENT_MEM_FRACTION, moves that); TPUs
-    give it all."""
+    """GiB per device a JAX run may use: all a TPU's; 75% of a GPU's, where JAX's allocator stops,
+    preallocated or not (XLA_CLIENT_MEM_FRACTION, or the older XLA_PYTHON_CLIENT_MEM_FRACTION,
+    moves it)."""
     device = DEVICES[name]
     if not device.kinds[0].startswith("NVIDIA"):
         return device.hbm
@@ -400,8 +407,8 @@ def usable_gib(name):
 
 
 def unseen_accelerator(platform):
-    """A one-line warning when this machine has an accelerator and the framework runs on `platform`
-    "cpu" (a CPU-only jaxlib or torch): JAX only logs it where nobody looks, and the run goes on."""
+    """A warning when this machine has an accelerator and the run's `platform` is "cpu" (a
+    CPU-only jaxlib or torch): JAX only logs it where nobody looks, and the run goes on."""
     if platform != "cpu":
         return None
     if glob.glob("/dev/nvidia[0-9]*"):
@@ -415,18 +422,17 @@ def unseen_accelerator(platform):
 
 
 def compiler_options(mesh, dtype):
-    """XLA options for the train step on this mesh's devices. On one CPU, XLA's own code for an elementwise fusion
-    that also transposes (the MLP's gate gradient, laid out for its weight's matmul) runs ~15x slower than the same
-    fusion untransposed; YNNPACK's elementwise fusions avoid it: fp32 steps ~12% faster (docs/backends.md). bf16
-    steps ran slower with them, and on a mesh of CPU devices context parallelism's layouts make XLA refuse them
-    ("unsupported layout in YNN fusion": they are experimental), so one CPU in fp32 only."""
+    """XLA options for the train step on this mesh: on one CPU, YNNPACK's elementwise fusions (XLA's
+    own are slow where they transpose). fp32 only: bf16 ran slower; one CPU only: a CPU mesh's
+    context-parallel layouts make XLA refuse them (docs/sharding.md#notes-from-shardpy)."""
     if mesh.devices.size > 1 or mesh.devices.flat[0].platform != "cpu" or dtype != "float32":
         return None
     kinds = ("INDIVIDUAL_DOT", "ELTWISE", "REDUCE")  # (XLA's default is the first and last)
-    return {"xla_cpu_experimental_ynn_fusion_type": ",".join(f"LIBRARY_FUSION_TYPE_{k}" for k in kinds)}
+    fusions = ",".join(f"LIBRARY_FUSION_TYPE_{k}" for k in kinds)
+    return {"xla_cpu_experimental_ynn_fusion_type": fusions}
 
 
-# --- the ahead-of-time plan: compile the train step for a mesh we do not have ---------------------
+# --- the ahead-of-time plan: the train step compiled for a mesh we do not have -----------------
 
 def plan(argv, make_step, new_history):
     """python train.py plan CONFIG.toml... [--mesh data=D,fsdp=F,context=C,tensor=T] [--device v5p]
@@ -440,15 +446,15 @@ def plan(argv, make_step, new_history):
     ap.add_argument("--mesh", default="", help="data=D,fsdp=F,context=C,tensor=T: these axes")
     ap.add_argument("--device", choices=sorted(DEVICES), help="the target's; default mesh.device")
     ap.add_argument("--devices", type=int, help="how many of them; default mesh.devices")
-    ap.add_argument("--batch", type=int, help="instances per step (global); default data.global_batch")
+    ap.add_argument("--batch", type=int,
+                    help="instances per step (global); default data.global_batch")
     ap.add_argument("--seq", type=int, help="tokens per instance; default data.seq_len")
     ap.add_argument("--topology", help="with libtpu: compile for this TPU topology, e.g. v5p:8x8x4")
     args, extra = ap.parse_known_args(argv)  # extra: --section.key=value config overrides
     flags = [f"--mesh.{axis}" for axis in args.mesh.split(",") if axis]
-    flags += [f"--mesh.device={args.device}"] * bool(args.device)
-    flags += [f"--mesh.devices={args.devices}"] * bool(args.devices)
-    flags += [f"--data.global_batch={args.batch}"] * bool(args.batch)
-    flags += [f"--data.seq_len={args.seq}"] * bool(args.seq)
+    given = {"mesh.device": args.device, "mesh.devices": args.devices,
+             "data.global_batch": args.batch, "data.seq_len": args.seq}
+    flags += [f"--{key}={value}" for key, value in given.items() if value]
     cfg = load_config(args.configs + extra + flags)
     m, dc, tc, target = cfg.model, cfg.data, cfg.train, cfg.mesh
     if not (target.device and target.devices):
@@ -464,16 +470,20 @@ def plan(argv, make_step, new_history):
     else:
         jax.config.update("jax_num_cpu_devices", n)  # must happen before anything touches a backend
         devices = jax.devices()
-        caveat = ("CPU compiler on fake devices: it lowers gradient reductions as all-reduce, not reduce-scatter, "
-                  "so 'temporary' over-states what a TPU/GPU needs; params and optimizer state are exact")
+        caveat = ("CPU compiler on fake devices: it lowers gradient reductions as all-reduce, not "
+                  "reduce-scatter, so 'temporary' over-states what a TPU/GPU needs; params and "
+                  "optimizer state are exact")
     if len(devices) < n:
         raise ValueError(f"--topology {args.topology} has {len(devices)} devices, the target {n}")
     mesh = make_mesh(target, devices[:n])
     _, micro, accum = check_batch(dc.global_batch, tc.micro_batch, dp_size(mesh), mesh_where(mesh))
     check_mesh(mesh.shape, m, dc.seq_len)
-    p_sh, o_sh, h_sh = state_shardings(mesh, model.param_table(m))
-    abstract = lambda shape, dtype, sh: jax.ShapeDtypeStruct(shape, dtype, sharding=sh)  # noqa: E731
-    params = {k: abstract(p.shape, jnp.float32, p_sh[k]) for k, p in model.param_table(m).items()}
+    table = model.param_table(m)
+    p_sh, o_sh, h_sh = state_shardings(mesh, table)
+
+    def abstract(shape, dtype, sh):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
+    params = {k: abstract(p.shape, jnp.float32, p_sh[k]) for k, p in table.items()}
     opt = dict(m=params, v=params, count=abstract((), jnp.int32, o_sh["count"]))
     hist = jax.tree.map(lambda x: abstract(x.shape, x.dtype, h_sh), jax.eval_shape(new_history))
     rows = dc.global_batch * (2 if tc.loss.startswith("dpo") else 1)  # (a pair is two rows)
@@ -489,7 +499,8 @@ def plan(argv, make_step, new_history):
     def per_dev(tree):  # bytes one device holds
         return sum(math.prod(s.sharding.shard_shape(s.shape)) * s.dtype.itemsize
                    for s in jax.tree.leaves(tree))
-    p_bytes, o_bytes, temp = per_dev(params), per_dev(opt), compiled.memory_analysis().temp_size_in_bytes
+    p_bytes, o_bytes = per_dev(params), per_dev(opt)
+    temp = compiled.memory_analysis().temp_size_in_bytes
     total, usable = p_bytes + o_bytes + per_dev(batch) + temp, usable_gib(target.device)
     attention = attention_impl(mesh, m, tc.compute_dtype, dc.doc_mask)
     gib = lambda b: f"{b / 2**30:8.2f} GiB"  # noqa: E731
@@ -507,14 +518,15 @@ def plan(argv, make_step, new_history):
 
 
 # --- PyTorch: torchrun processes and FSDP2 --------------------------------------------------------
-# torchrun starts one process per device (RANK, WORLD_SIZE, LOCAL_RANK); FSDP2's fully_shard splits each parameter's
-# dim 0 over the ranks, gathers a block's weights just before it runs, reduce-scatters its gradients after. The mesh
-# config means what it does in JAX: data = replicas, fsdp = shards (both > 1 is HSDP); no tensor parallelism.
+# A process per device (torchrun); FSDP2 splits each param's dim 0 over the ranks, gathers a block's
+# weights to run it. mesh: data = replicas, fsdp = shards (both > 1: HSDP); no tensor parallelism.
 
 def torch_start():
-    """(rank, processes, device) of this process; under torchrun, join the others (nccl on GPUs, gloo on CPU)."""
+    """(rank, processes, device) here; under torchrun, join the others (nccl on GPUs, gloo on
+    CPU)."""
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu")
+    gpu = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
+    device = torch.device(gpu if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
@@ -523,20 +535,19 @@ def torch_start():
 
 
 def torch_shard(net, mesh_cfg, world, device, dtype):
-    """fully_shard each block, then the root (embedding, final norm, head), over a (data, fsdp)
-    device mesh. With bf16 compute (`dtype`), OLMo-core's mixed precision: FSDP2 gathers the weights
-    in bf16 and reduces the gradients in fp32; the sharded weights and AdamW stay fp32."""
+    """fully_shard each block, then the root, over a (data, fsdp) mesh. bf16 `dtype`: OLMo-core's
+    mixed precision (weights gathered in bf16, gradients reduced in fp32; shards, AdamW fp32)."""
     data, fsdp, _, _ = mesh_shape(mesh_cfg, world)
     if world == 1:
         return net
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    # fully_shard on a 2-D mesh replicates over the first axis and shards over the second (HSDP);
-    # data=N, fsdp=1 is plain data parallelism, each rank keeping whole weights.
+    # a 2-D mesh: replicas over the first axis, shards over the second (HSDP); fsdp=1: plain DP
     mesh = init_device_mesh(device.type, (data, fsdp), mesh_dim_names=("data", "fsdp"))
     policy = {}
-    if dtype == torch.bfloat16:  # else autograd keeps each Linear's .to(bf16) copy: a bf16 model
-        # a rank. The norm weights are rounded to bf16 too, as OLMo-core's; RoPE's cos, sin: fp32.
+    # Without: autograd keeps each Linear's bf16 copy, a whole bf16 model a rank. Norm weights go
+    # bf16 too, as OLMo-core's; RoPE's cos, sin stay fp32.
+    if dtype == torch.bfloat16:
         policy["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32,
                                                    cast_forward_inputs=False)
     for block in net.layers:
@@ -546,32 +557,35 @@ def torch_shard(net, mesh_cfg, world, device, dtype):
 
 
 def torch_layout(mesh_cfg, world, table):
-    """layout_table for the torch backend: FSDP2 splits the rows of every tensor (each layer's, for stacked ones)."""
+    """layout_table for torch: FSDP2 splits every tensor's rows (each layer's, if stacked)."""
     for axis in ("tensor", "context"):
-        if getattr(mesh_cfg, axis) != 1:
-            raise ValueError(f"mesh.{axis}={getattr(mesh_cfg, axis)}: the torch backend shards with FSDP2 only "
+        if (size := getattr(mesh_cfg, axis)) != 1:
+            raise ValueError(f"mesh.{axis}={size}: the torch backend shards with FSDP2 only "
                              f"(mesh.data x mesh.fsdp); {axis} parallelism is the JAX backend's")
     data, fsdp, _, _ = mesh_shape(mesh_cfg, world)
 
     def split(name, p):
-        rows = p.shape[1] if name.startswith("layers.") else p.shape[0]
-        where = f"rows over fsdp={fsdp}" + (" per layer" if name.startswith("layers.") else "") if fsdp > 1 else "whole"
-        return where, -(-rows // fsdp) / rows  # torch.chunk's ceil(rows / fsdp) rows on the first ranks
+        stacked = name.startswith("layers.")
+        rows = p.shape[1] if stacked else p.shape[0]
+        where = "whole"
+        if fsdp > 1:
+            where = f"rows over fsdp={fsdp}" + (" per layer" if stacked else "")
+        return where, -(-rows // fsdp) / rows  # torch.chunk: ceil(rows / fsdp) on the first ranks
 
-    return layout_table(table, split) + [f"torch {torch.__version__}: {world} process(es), mesh data={data} x fsdp={fsdp}"
-                                         + (" (FSDP2)" if world > 1 else "")]
+    summary = f"torch {torch.__version__}: {world} process(es), mesh data={data} x fsdp={fsdp}"
+    return layout_table(table, split) + [summary + (" (FSDP2)" if world > 1 else "")]
 
 
 def is_dtensor(t):
-    # Imported here, not at the top: torch.distributed.tensor takes ~1 s to import, and JAX runs never need it.
+    # Imported here: torch.distributed.tensor is slow to import, and JAX runs never need it.
     from torch.distributed.tensor import DTensor
     return isinstance(t, DTensor)
 
 
 def torch_local(t):
-    """(local tensor, index into the whole tensor, writes) for the piece of `t` this process holds. FSDP2
-    cuts dim 0 as torch.chunk does (ceil(n/shards) rows each, the last ones shorter or empty). `writes` is
-    False on all replicas but the first, so a checkpoint gets each value once."""
+    """(local tensor, its index in `t`, writes) for the piece of `t` here. FSDP2 cuts dim 0 as
+    torch.chunk (ceil(n/shards) rows, the last shorter or empty); `writes` only on replica 0, so a
+    checkpoint gets each value once."""
     if not is_dtensor(t):
         return t, (slice(None),) * t.ndim, True
     local, idx, writes = t.to_local(), [slice(None)] * t.ndim, True
@@ -585,8 +599,9 @@ def torch_local(t):
             writes = False
     expect = tuple(len(range(*s.indices(n))) for s, n in zip(idx, t.shape))
     if tuple(local.shape) != expect:
-        raise RuntimeError(f"FSDP2 holds a {tuple(local.shape)} piece of a {tuple(t.shape)} tensor here, where "
-                           f"torch.chunk would give {expect}: this torch cuts tensors differently")
+        raise RuntimeError(f"FSDP2 holds a {tuple(local.shape)} piece of a {tuple(t.shape)} tensor "
+                           f"here, where torch.chunk would give {expect}: this torch cuts tensors "
+                           "differently")
     return local, tuple(idx), writes
 
 
@@ -608,7 +623,7 @@ def torch_barrier():
 
 
 def torch_allgather(values, device):
-    """Every process's int `values` (n,) -> (processes, n) numpy, on every process (no pickles)."""
+    """Every process's int `values` (n,) -> (processes, n) numpy, on each (no pickles)."""
     mine = torch.tensor(values, dtype=torch.int64, device=device)
     if not dist.is_initialized():
         return mine[None].cpu().numpy()

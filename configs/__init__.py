@@ -1,12 +1,13 @@
-"""The config schema and its loader: dataclass defaults, then TOML files (only what differs from the
-defaults, under `[section]` headers) merged left to right, then dotted `--section.key=value` overrides.
+"""The config schema and its loader: dataclass defaults, then TOML files (only what differs, under
+`[section]` headers) merged left to right, then dotted `--section.key=value` overrides.
 
     python model.py configs/olmo2-7b.toml                    # a released shape
     python model.py configs/tiny.toml --model.n_layers=8     # a file plus an override
 
-Each value is checked against its field's type; an unknown section or key names the file (or flag) and suggests
-a close match. Derived values (head_dim, n_kv_heads, mlp_hidden, the YaRN attention factor) are filled in one
-place, `ModelConfig.__post_init__`, with the formula `describe()` prints. Standard library only: all import it.
+Each value is checked against its field's type; an unknown section or key names the file (or flag)
+and suggests a close match. Derived values (head_dim, n_kv_heads, mlp_hidden, the YaRN attention
+factor) are filled in `ModelConfig.__post_init__`, with the formula `describe()` prints. Standard
+library only: everything imports it. Notes on the fields: docs/sharding.md#config-notes.
 """
 
 import argparse
@@ -28,14 +29,15 @@ class ConfigError(ValueError):
 
 
 def _need(cfg, ok, name, why):
-    """Unless ok, raise 'section.name=value: why' (the section from the class: ModelConfig -> model)."""
+    """Unless ok, raise 'section.name=value: why' (section from the class: ModelConfig -> model)."""
     if not ok:
-        raise ConfigError(f"{type(cfg).__name__.removesuffix('Config').lower()}.{name}={getattr(cfg, name)!r}: {why}")
+        section = type(cfg).__name__.removesuffix("Config").lower()
+        raise ConfigError(f"{section}.{name}={getattr(cfg, name)!r}: {why}")
 
 
 def _checks(positive="", nonneg="", devices="", unit="", **choices):
-    """A __post_init__ that checks single fields: each named one is > 0, >= 0, a device count, in [0, 1), or in
-    its list. Every test is written so that a NaN (TOML's nan) fails it too."""
+    """A __post_init__ that checks single fields: each named one is > 0, >= 0, a device count, in
+    [0, 1), or in its list. Every test is written so that a NaN (TOML's nan) fails it too."""
     table = [(n, lambda v: v > 0, "must be positive") for n in positive.split()]
     table += [(n, lambda v: v >= 0, "must be >= 0") for n in nonneg.split()]
     table += [(n, lambda v: 0 <= v < 1, "must be in [0, 1)") for n in unit.split()]
@@ -51,59 +53,60 @@ def _checks(positive="", nonneg="", devices="", unit="", **choices):
 
 @dataclass
 class ModelConfig:
-    # Which OLMo: olmo1 = pre-norm, parameter-free LayerNorm (HF OlmoForCausalLM); olmo2 = RMSNorm on
-    # each sublayer's output + QK-norm (Olmo2ForCausalLM); olmo3 = olmo2 + sliding-window layers and
-    # YaRN (Olmo3ForCausalLM). The defaults are the OLMo 2/3 settings at a laptop size.
+    # Which OLMo: olmo1 = pre-norm, parameter-free LayerNorm; olmo2 = RMSNorm on each sublayer's
+    # output + QK-norm; olmo3 = olmo2 + sliding windows and YaRN. Defaults: OLMo 2/3, laptop-sized.
     family: str = "olmo3"
     d_model: int = 256            # D
     n_layers: int = 4             # L
     n_heads: int = 4              # N query heads
     n_kv_heads: int = 0           # K; 0 = n_heads (no GQA)
     head_dim: int = 0             # H; 0 = d_model // n_heads
-    mlp_hidden: int = 0           # F, per SwiGLU branch (HF intermediate_size); 0 = OLMo-core's llama rule
-    vocab_size: int = 100352      # V = embedding rows: dolma2's 100278 ids padded to a multiple of 128
+    mlp_hidden: int = 0           # F, per SwiGLU branch (HF intermediate_size); 0 = llama rule
+    vocab_size: int = 100352      # V rows: dolma2's 100278 ids padded to a multiple of 128
     tie_embeddings: bool = False  # lm_head reuses embed_tokens (OLMo-1B)
     norm_eps: float = 1e-6        # RMSNorm eps; OLMo 1's LayerNorm uses 1e-5 (HF hard-codes it)
     rope_theta: float = 500000.0
     max_seq_len: int = 4096       # HF max_position_embeddings; T in the FLOP count
-    clip_qkv: float = 0.0         # olmo1 only: clamp q, k, v to +-clip_qkv (the 0424/0724 releases use 8); 0 = off
-    sliding_window: int = 0       # W: a sliding layer's query sees W keys, itself included; 0 = none
-    layer_pattern: str = "F"      # S = sliding, F = full attention; repeated to n_layers (OLMo 3: "SSSF")
-    yarn_factor: float = 0.0      # YaRN RoPE scaling on full-attention layers only; 0 = off (OLMo 3 long context: 8)
+    clip_qkv: float = 0.0         # olmo1: clamp q, k, v to +-this (releases 0424/0724: 8); 0 = off
+    sliding_window: int = 0       # W: a sliding layer's query sees W keys (itself too); 0 = none
+    layer_pattern: str = "F"      # S = sliding, F = full; repeated to n_layers (OLMo 3: "SSSF")
+    yarn_factor: float = 0.0      # YaRN on full layers' RoPE; 0 = off (OLMo 3 long context: 8)
     yarn_original_max_seq_len: int = 8192
     yarn_beta_fast: float = 32.0
     yarn_beta_slow: float = 1.0
     yarn_attention_factor: float = 0.0  # 0 = 0.1·ln(factor) + 1, as HF and OLMo-core
-    init: str = "normal"          # normal: truncated normal init_std at +-3σ (OLMo 2/3); mitchell: OLMo 1
+    init: str = "normal"          # normal: init_std cut at +-3σ (OLMo 2/3); mitchell: OLMo 1
     init_std: float = 0.02
     eos_token_id: int = 100257    # written to the HF config.json; dolma2's <|endoftext|>
     pad_token_id: int = 100277    # dolma2's <|pad|>
-    # How attention is computed, not what: every choice gives the same numbers (to rounding). auto = by device:
-    # JAX on TPU splash (Pallas), on GPU cudnn, else xla (blocks that skip what the mask hides); torch: sdpa (its
-    # flash kernel on full layers, a mask elsewhere), or flex (flex_attention block masks, compiled on GPUs).
+    # How attention is computed, not what (same numbers to rounding): auto picks by device
     attention: str = "auto"
 
     def __post_init__(self):
-        # A derived value fills a field left at 0 and keeps its formula for describe() (`derived` is not a field,
-        # so not saved). mlp_hidden: OLMo-core's TransformerConfig.llama_like rule.
+        # A field left at 0 takes its derived value; `derived` keeps the formula for describe() (not
+        # a field, so not saved). mlp_hidden: OLMo-core's TransformerConfig.llama_like rule.
         self.derived = {}
+        head_dim = self.d_model // self.n_heads if self.n_heads > 0 else 0
+        mlp_hidden = 256 * math.ceil(int(8 * self.d_model / 3) / 256)
+        yarn_attention = 0.1 * math.log(self.yarn_factor) + 1 if self.yarn_factor > 0 else 0.0
         for name, value, formula in [
             ("n_kv_heads", self.n_heads, "n_heads"),
-            ("head_dim", self.d_model // self.n_heads if self.n_heads > 0 else 0, "d_model / n_heads"),
-            ("mlp_hidden", 256 * math.ceil(int(8 * self.d_model / 3) / 256), "256·ceil(int(8·d_model/3) / 256)"),
-            ("yarn_attention_factor", 0.1 * math.log(self.yarn_factor) + 1 if self.yarn_factor > 0 else 0.0,
-             "0.1·ln(yarn_factor) + 1"),
+            ("head_dim", head_dim, "d_model / n_heads"),
+            ("mlp_hidden", mlp_hidden, "256·ceil(int(8·d_model/3) / 256)"),
+            ("yarn_attention_factor", yarn_attention, "0.1·ln(yarn_factor) + 1"),
         ]:
             if getattr(self, name) == 0 and value:
                 setattr(self, name, value)
                 self.derived[name] = formula
-        # The checks, in order: each may rely on those above it (n_kv_heads > 0 before n_heads % n_kv_heads).
+        # The checks in order: each may rely on those above (n_kv_heads > 0 before n_heads % it)
         need, pattern = functools.partial(_need, self), self.layer_pattern
-        _checks(positive="d_model n_layers n_heads n_kv_heads head_dim mlp_hidden vocab_size max_seq_len",
-                nonneg="sliding_window clip_qkv", family=["olmo1", "olmo2", "olmo3"], init=["normal", "mitchell"],
+        _checks(positive="d_model n_layers n_heads n_kv_heads head_dim mlp_hidden vocab_size "
+                         "max_seq_len",
+                nonneg="sliding_window clip_qkv", family=["olmo1", "olmo2", "olmo3"],
+                init=["normal", "mitchell"],
                 attention=["auto", "xla", "splash", "cudnn", "sdpa", "flex"])(self)
-        need(self.n_heads % self.n_kv_heads == 0, "n_kv_heads", f"n_heads={self.n_heads} must be a multiple of "
-             "n_kv_heads (each kv head serves n_heads/n_kv_heads query heads)")
+        need(self.n_heads % self.n_kv_heads == 0, "n_kv_heads", f"n_heads={self.n_heads} must be a "
+             "multiple of n_kv_heads (each kv head serves n_heads/n_kv_heads query heads)")
         need(self.head_dim % 2 == 0, "head_dim", "must be even: RoPE rotates pairs of dimensions")
         need(pattern and not set(pattern) - {"S", "F"}, "layer_pattern",
              "must be a string of S (sliding window) and F (full attention), e.g. 'SSSF'")
@@ -113,10 +116,12 @@ class ModelConfig:
              f"layer_pattern={pattern!r} needs sliding_window > 0 exactly when it has an S layer")
         need(self.family == "olmo3" or not (self.sliding_window or self.yarn_factor), "family",
              "sliding windows and YaRN need family 'olmo3' (HF Olmo3ForCausalLM)")
-        need(not self.clip_qkv or self.family == "olmo1", "clip_qkv", "only OLMo 1 clamps q, k, v (HF Olmo2/3 do not)")
+        need(not self.clip_qkv or self.family == "olmo1", "clip_qkv",
+             "only OLMo 1 clamps q, k, v (HF Olmo2/3 do not)")
         need(self.family != "olmo1" or self.norm_eps == 1e-5, "norm_eps",
              "OLMo 1's LayerNorm eps is 1e-5 (HF OlmoLayerNorm hard-codes it)")
-        need(not self.yarn_factor or self.yarn_factor > 1, "yarn_factor", "must be > 1 (or 0 for no YaRN)")
+        need(not self.yarn_factor or self.yarn_factor > 1, "yarn_factor",
+             "must be > 1 (or 0 for no YaRN)")
         for name in ("eos_token_id", "pad_token_id"):
             need(0 <= getattr(self, name) < self.vocab_size, name,
                  f"must be a token id below vocab_size={self.vocab_size}")
@@ -126,28 +131,31 @@ class ModelConfig:
         return self.layer_pattern * (self.n_layers // len(self.layer_pattern))
 
     def differences(self, other, ignore=()):
-        """'field: this vs other' where two models differ, init and init_std aside (they shape no tensor)."""
-        return [f"{f.name}: {getattr(self, f.name)!r} vs {getattr(other, f.name)!r}" for f in dataclasses.fields(self)
-                if f.name not in ("init", "init_std", *ignore) and getattr(self, f.name) != getattr(other, f.name)]
+        """'field: this vs other' where two models differ, init and init_std aside (they shape no
+        tensor)."""
+        skip = ("init", "init_std", *ignore)
+        names = [f.name for f in dataclasses.fields(self) if f.name not in skip]
+        return [f"{n}: {getattr(self, n)!r} vs {getattr(other, n)!r}" for n in names
+                if getattr(self, n) != getattr(other, n)]
 
 
 @dataclass
 class DataConfig:
-    path: str = "data/tiny"       # a folder from `data.py prepare` (its train split), a mix file, or a token file
+    path: str = "data/tiny"       # a `data.py prepare` folder (train split), a mix or a token file
     seq_len: int = 256            # T: tokens per instance
     global_batch: int = 16        # G: instances per optimizer step, over all devices
     seed: int = 0                 # the order: epoch e shuffles with PCG64(seed + e), as OLMo-core
-    doc_mask: bool = False        # attention kept inside each document (ends at EOS); Olmo 3: off in stages 1-2
-    # fsl: the token stream cut every seq_len tokens (stages 1-2); packed: whole documents best-fit into instances
-    # and padded (OLMo-core's NumpyPackedFSLDataset: stage 3, SFT), which needs doc_mask.
+    # attention kept inside each document (ends at EOS); Olmo 3: off in stages 1-2
+    doc_mask: bool = False
+    # fsl: the token stream cut every seq_len tokens (stages 1-2); packed: whole documents best-fit
+    # into instances and padded (stage 3, SFT), which needs doc_mask
     packing: str = "fsl"
     source_group_size: int = 8          # packed: files packed together (Olmo 3 stage 3: 8; SFT: 1)
-    source_permutation_seed: int = 123  # packed: Python's random.Random(seed).shuffle of the files first
-    long_docs: str = "truncate"         # packed: a document longer than seq_len keeps its start, or is cut in pieces
-    chat_template: str = "tulu"   # GRPO's prompts file (data.path *.jsonl) is rendered in this (data.CHAT_TEMPLATES)
-    # OLMo-core's InstanceFilterConfig (data.filtered): an instance where a pattern of
-    # min..max_period tokens repeats max_count times back to back trains nothing
-    # (all its labels -100). Off by default, as in OLMo-core.
+    source_permutation_seed: int = 123  # packed: random.Random(seed).shuffle of the files first
+    long_docs: str = "truncate"         # packed: a doc over seq_len keeps its start, or is cut up
+    chat_template: str = "tulu"   # GRPO's prompts (*.jsonl) rendered in it (data.CHAT_TEMPLATES)
+    # OLMo-core's instance filter (data.filtered): an instance where a pattern of min..max_period
+    # tokens repeats max_count times back to back trains nothing (labels -100). Off, as OLMo-core.
     instance_filter: bool = False
     repetition_min_period: int = 1
     repetition_max_period: int = 13
@@ -161,21 +169,20 @@ class DataConfig:
         _need(self, self.repetition_min_period <= self.repetition_max_period,
               "repetition_min_period",
               f"must be <= repetition_max_period ({self.repetition_max_period})")
-        _need(self, self.packing == "fsl" or self.doc_mask, "doc_mask", "packing='packed' puts several documents "
-              "in an instance with padding after them: set data.doc_mask=true to keep them apart")
+        _need(self, self.packing == "fsl" or self.doc_mask, "doc_mask", "packing='packed' puts "
+              "several documents in an instance with padding after them: set data.doc_mask=true to "
+              "keep them apart")
 
 
 @dataclass
 class MeshConfig:
-    # Devices along each mesh axis; one may be -1 (= what remains). The batch splits over data x
-    # fsdp, each instance's positions over context; weights split over fsdp (their embed dimension)
-    # and tensor (heads, mlp, vocab), and are whole on every data and context device. See shard.py.
+    # Devices along each mesh axis; one may be -1 (= what remains). What splits over which: shard.py
     data: int = -1
     fsdp: int = 1
-    context: int = 1              # context parallelism (long sequences): devices that share one instance's tokens
+    context: int = 1              # context parallelism: devices that share one instance's tokens
     tensor: int = 1
-    # The target this config is made for: `python train.py plan CONFIG` compiles the step for it and
-    # says if it fits. A run goes wherever it is started, any device count the mesh divides.
+    # The target this config is made for (`python train.py plan CONFIG` checks it fits); a run
+    # goes wherever it is started, on any device count the mesh divides.
     device: str = ""              # a name in shard.DEVICES (v5p, h100, ...); "" = none named
     devices: int = 0              # how many JAX devices: TPU chips (v5p-512 is 256 chips); 0 = none
     __post_init__ = _checks(devices="data fsdp context tensor", nonneg="devices")
@@ -183,19 +190,22 @@ class MeshConfig:
 
 @dataclass
 class TrainConfig:
-    run_dir: str = "runs/tiny"    # checkpoints, metrics.jsonl, config.json, loss.png; a rerun resumes from here
-    backend: str = "jax"          # jax (any mesh, TPU/GPU/CPU) | torch (one device, or torchrun + FSDP2)
+    # run
+    run_dir: str = "runs/tiny"    # checkpoints, metrics.jsonl, config.json, loss.png; reruns resume
+    backend: str = "jax"          # jax: any mesh, TPU/GPU/CPU | torch: a device or torchrun + FSDP2
     compile: bool = False         # torch backend: torch.compile each block (JAX always compiles)
     steps: int = 1000             # optimizer steps in this stage
-    micro_batch: int = 0          # instances per device per forward/backward; 0 = all of them (no accumulation)
+    micro_batch: int = 0          # instances per device per pass; 0 = all of them (no accumulation)
     compute_dtype: str = "float32"  # float32 | bfloat16 (params and optimizer state stay fp32)
-    remat: str = "none"           # activation checkpointing: none | block (each layer) | mlp (OLMo 3 mid-training)
-    loss_chunks: int = 8          # JAX: the head and softmax in this many passes over the positions (token_logps)
-    scan_layers: bool = True      # JAX: layers in a loop over repeats of layer_pattern (compile time flat in L); false
-                                  # unrolls it: on a CPU faster (XLA's CPU loop keeps the saved activations stacked)
+    remat: str = "none"           # activation checkpoints: none | block | mlp (OLMo 3 mid-training)
+    loss_chunks: int = 8          # JAX: the head and softmax in this many passes over the positions
+    # JAX: layers in a loop over repeats of layer_pattern (compile time flat in L); false unrolls
+    # them, faster on a CPU (XLA's CPU loop keeps the saved activations stacked)
+    scan_layers: bool = True
     init_seed: int = 0
-    init_from: str = ""           # start a new stage from this checkpoint: its params (and moments), step 0
-    load_optimizer: bool = True   # with init_from: also take its AdamW moments (OLMo 3 mid-training does)
+    init_from: str = ""           # a new stage from this checkpoint's params (and moments), step 0
+    load_optimizer: bool = True   # init_from: also its AdamW moments (OLMo 3 mid-training does)
+    # schedule
     lr: float = 4e-4
     schedule: str = "cosine"      # cosine | linear | half_cosine | constant, after a linear warmup
     units: str = "steps"          # steps | tokens: what warmup and t_max count
@@ -203,46 +213,54 @@ class TrainConfig:
     warmup_min_lr: float = 0.0    # OLMo 1 (Feb 2024) warmed up from 0.1·lr
     t_max: int = 0                # schedule length; 0 = this stage's steps (or their tokens)
     alpha_f: float = 0.1          # the schedule ends at alpha_f·lr
+    # optimizer
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8             # OLMo 1 used 1e-5
     weight_decay: float = 0.1     # on every weight but the embedding (the table's `decay` flag)
     clip: float = 1.0             # global gradient-norm clipping; 0 = off
+    # stability
     z_loss: float = 1e-5          # OLMo 2/3; OLMo 1 had none
     skip_step: bool = False       # OLMo 3: skip updates whose loss or grad norm is a 6σ outlier
+    # checkpoints (and logging)
     log_every: int = 10
     checkpoint_every: int = 500
     keep: int = 2                 # checkpoints kept (the newest)
-    # What the step minimises (docs/posttrain.md): ce = next-token cross-entropy (pretraining, and SFT on chat data,
-    # whose label mask keeps the assistant's tokens); dpo / dpo_norm on preference pairs; grpo on a prompts file.
+    # post-training (docs/posttrain.md). loss: ce = next-token cross-entropy (pretraining, SFT);
+    # dpo / dpo_norm on preference pairs; grpo on a prompts file
     loss: str = "ce"
-    epochs: int = 0               # > 0: steps = epochs x the data's steps per epoch (post-training counts epochs)
-    warmup_fraction: float = 0.0  # > 0: warmup = this fraction of the steps (OLMo-core SFT 0.03, open-instruct DPO 0.1)
-    dpo_beta: float = 0.1         # DPO's β: 0.1 for sigmoid DPO (Tulu 2), 5 for dpo_norm (OLMo 2/3)
-    grpo_group: int = 8           # GRPO: completions per prompt (Olmo 3: 8); data.global_batch counts completions
+    epochs: int = 0               # > 0: steps = epochs x the data's steps per epoch
+    warmup_fraction: float = 0.0  # > 0: warmup = this fraction of steps (SFT 0.03, DPO 0.1)
+    dpo_beta: float = 0.1         # β: 0.1 for sigmoid DPO (Tulu 2), 5 for dpo_norm (OLMo 2/3)
+    # GRPO: completions per prompt (Olmo 3: 8); data.global_batch counts completions
+    grpo_group: int = 8
     grpo_max_new: int = 8         # GRPO: tokens per completion at most
     grpo_temperature: float = 1.0  # GRPO: sampling temperature (Olmo 3: 1.0)
-    __post_init__ = _checks(positive="steps log_every checkpoint_every keep eps dpo_beta grpo_group grpo_max_new loss_chunks "
-                                     "grpo_temperature", unit="beta1 beta2 warmup_fraction",
-                            nonneg="micro_batch warmup t_max lr warmup_min_lr alpha_f weight_decay clip z_loss epochs",
-                            backend=["jax", "torch"], compute_dtype=["float32", "bfloat16"], units=["steps", "tokens"],
-                            remat=["none", "block", "mlp"], schedule=["cosine", "linear", "half_cosine", "constant"],
+    __post_init__ = _checks(positive="steps log_every checkpoint_every keep eps dpo_beta "
+                                     "grpo_group grpo_max_new loss_chunks grpo_temperature",
+                            unit="beta1 beta2 warmup_fraction",
+                            nonneg="micro_batch warmup t_max lr warmup_min_lr alpha_f weight_decay "
+                                   "clip z_loss epochs",
+                            backend=["jax", "torch"], compute_dtype=["float32", "bfloat16"],
+                            units=["steps", "tokens"], remat=["none", "block", "mlp"],
+                            schedule=["cosine", "linear", "half_cosine", "constant"],
                             loss=["ce", "dpo", "dpo_norm", "grpo"])
 
 
 @dataclass
 class EvalConfig:
-    every: int = 200              # held-out loss and bits per byte every N steps (and at the end); 0 = only at the end
-    batches: int = 8              # held-out batches per in-loop eval (the final one uses all); 0 = all
-    prompt: str = "It is a truth universally acknowledged"  # sampled from at the end of training; "" = no sample
+    # held-out loss and bits per byte every N steps (and at the end); 0 = only at the end
+    every: int = 200
+    batches: int = 8              # held-out batches per in-loop eval (the last uses all); 0 = all
+    prompt: str = "It is a truth universally acknowledged"  # sampled at the end; "" = no sample
     sample_tokens: int = 48
     temperature: float = 0.8
-    # Downstream tasks (eval.py tasks) scored with the same schedule as the held-out eval, logged as
-    # <task>_acc. Single-process runs only; scored by the JAX forward on the gathered params.
-    tasks: str = ""               # comma list, e.g. "arc_easy,hellaswag,piqa" (eval.TASKS); "" = none
-    tasks_data: str = "../shared/evaldata"  # a folder laid out like ../shared/evaldata (eval.py tasks --data)
+    # Downstream tasks (eval.py tasks) on the held-out eval's schedule, logged as <task>_acc.
+    # Single-process runs only: the JAX forward scores them on the gathered params.
+    tasks: str = ""               # comma list, e.g. "arc_easy,piqa" (eval.TASKS); "" = none
+    tasks_data: str = "../shared/evaldata"  # a folder laid out like it (eval.py tasks --data)
     tasks_limit: int = 100        # the first N documents of each task; 0 = all
-    tasks_norm: str = "olmes"     # olmes | catwalk: prompts and per-task normalisation (eval.py tasks --norm)
+    tasks_norm: str = "olmes"     # olmes | catwalk: prompts, per-task normalising (eval.py --norm)
     __post_init__ = _checks(nonneg="every batches sample_tokens temperature tasks_limit",
                             tasks_norm=["olmes", "catwalk"])
 
@@ -261,31 +279,39 @@ class Config:
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}  # "model" -> ModelConfig, ...
 
 
+def _hint(word, known, show="{}"):
+    """' (did you mean X?)' for the closest of `known`, X written show.format(it); "" if none."""
+    close = difflib.get_close_matches(word, known, n=1)
+    return f" (did you mean {show.format(close[0])}?)" if close else ""
+
+
 def _check(section, key, value, source):
     """Type-check one value against the dataclass field; return it (ints widen to float)."""
     if section not in SECTIONS:
-        hint = difflib.get_close_matches(section, SECTIONS, n=1)
-        raise ConfigError(f"{source}: unknown section [{section}]" + (f" (did you mean [{hint[0]}]?)" if hint else ""))
+        raise ConfigError(f"{source}: unknown section [{section}]"
+                          + _hint(section, SECTIONS, "[{}]"))
     types = {f.name: f.type for f in dataclasses.fields(SECTIONS[section])}
     if key not in types:
-        hint = difflib.get_close_matches(key, types, n=1)
         raise ConfigError(f"{source}: unknown key {section}.{key}"
-                          + (f" (did you mean {section}.{hint[0]}?)" if hint else ""))
+                          + _hint(key, types, section + ".{}"))
     want = types[key]
     value = float(value) if want is float and type(value) is int else value
     if type(value) is not want:  # exact: a bool is not an int here, an int is not a str
-        raise ConfigError(f"{source}: {section}.{key}={value!r} is {type(value).__name__}, expected {want.__name__}")
+        raise ConfigError(f"{source}: {section}.{key}={value!r} is {type(value).__name__}, "
+                          f"expected {want.__name__}")
     return value
 
 
 def load_config(argv):
-    """A Config from TOML paths and --section.key=value overrides (TOML values), in order; errors name the argument."""
+    """A Config from TOML paths and --section.key=value overrides (TOML values), in order; errors
+    name the argument."""
     merged = {}
     for arg in argv:
         if arg.startswith("--"):
             dotted, eq, raw = arg[2:].partition("=")
             if not eq or not re.fullmatch(r"\w+\.\w+", dotted, re.ASCII):
-                raise ConfigError(f"{arg}: overrides look like --section.key=value, e.g. --model.n_layers=8")
+                raise ConfigError(f"{arg}: overrides look like --section.key=value, "
+                                  "e.g. --model.n_layers=8")
             try:  # a dotted TOML key is {section: {key: value}}
                 data = tomllib.loads(f"{dotted} = {raw}")
             except tomllib.TOMLDecodeError:  # a bare word is a string
@@ -299,7 +325,8 @@ def load_config(argv):
                 raise ConfigError(f"{arg}: not valid TOML: {e}") from e
         for section, table in data.items():
             if not isinstance(table, dict):
-                raise ConfigError(f"{arg}: top-level key {section!r} must sit under a [section] header such as [model]")
+                raise ConfigError(f"{arg}: top-level key {section!r} must sit under a [section] "
+                                  "header such as [model]")
             for key, value in table.items():
                 merged.setdefault(section, {})[key] = _check(section, key, value, arg)
     return build(merged, " + ".join(argv) or "defaults")
@@ -307,7 +334,8 @@ def load_config(argv):
 
 def build(merged, source="config"):
     """Config from {section: {key: value}}; errors name the sources."""
-    merged = {s: {k: _check(s, k, v, source) for k, v in table.items()} for s, table in merged.items()}
+    merged = {s: {k: _check(s, k, v, source) for k, v in table.items()}
+              for s, table in merged.items()}
     try:
         return Config(**{s: cls(**merged.get(s, {})) for s, cls in SECTIONS.items()})
     except ConfigError as e:
@@ -327,7 +355,7 @@ def load_json(path):
 
 
 def read_json(path, fix="the file is damaged: restore it or write it again"):
-    """A JSON file's value; if it does not parse, an error that names the file and says what to do."""
+    """A JSON file's value; if it does not parse, an error naming the file and what to do."""
     try:
         return json.loads(Path(path).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -340,16 +368,17 @@ def describe(cfg):
     for section in SECTIONS:
         derived = getattr(getattr(cfg, section), "derived", {})
         for key, value in to_dict(getattr(cfg, section)).items():
-            lines.append(f"{section}.{key:<26} {value!r}" + (f"    = {derived[key]}" if key in derived else ""))
+            formula = f"    = {derived[key]}" if key in derived else ""
+            lines.append(f"{section}.{key:<26} {value!r}{formula}")
     return "\n".join(lines)
 
 
 # --- command lines -------------------------------------------------------------------------------
 
 def run_cli(main, argv=None):
-    """Every script's entry point. The errors bad input raises (ValueError, which ConfigError is; OSError; a
-    non-finite loss) already name the file, field or value: print that one line, exit status 1. A traceback is
-    for bugs (any other exception), or for everything with NANOLMO_TRACEBACK=1."""
+    """Every script's entry point. Bad input's errors (ValueError, as ConfigError; OSError; a
+    non-finite loss) name the file, field or value: that one line, exit status 1. A traceback is
+    for bugs (other exceptions), or for all with NANOLMO_TRACEBACK=1."""
     name = Path(main.__code__.co_filename).name
     try:
         return main(sys.argv[1:] if argv is None else argv)
@@ -358,17 +387,21 @@ def run_cli(main, argv=None):
             raise
         print(f"{name}: error: {e}", file=sys.stderr)
         sys.exit(1)
-    except KeyboardInterrupt:  # Ctrl-C where nothing handles it: stop, as the shell expects (128 + SIGINT)
+    except KeyboardInterrupt:  # Ctrl-C unhandled: stop as the shell expects (128 + SIGINT)
         print(f"{name}: interrupted", file=sys.stderr)
         sys.exit(130)
 
 
 def in_range(kind, lo, hi=math.inf, open_lo=False):
-    """An argparse type: a `kind` in [lo, hi] (or (lo, hi]); anything else is a usage error (exit status 2)."""
+    """An argparse type: a `kind` in [lo, hi] (or (lo, hi]); else a usage error (exit status 2)."""
     def parse(text):
         v = kind(text)  # a ValueError here: argparse says "invalid int value"
-        if not ((lo < v) if open_lo else (lo <= v)) or not v <= hi:
-            need = f"{'>' if open_lo else '>='} {lo}" if hi == math.inf else f"in {'(' if open_lo else '['}{lo}, {hi}]"
+        above_lo = lo < v if open_lo else lo <= v
+        if not above_lo or not v <= hi:
+            if hi == math.inf:
+                need = f"{'>' if open_lo else '>='} {lo}"
+            else:
+                need = f"in {'(' if open_lo else '['}{lo}, {hi}]"
             raise argparse.ArgumentTypeError(f"{text}: must be {need}")
         return v
     parse.__name__ = kind.__name__
