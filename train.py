@@ -1,22 +1,17 @@
-"""Train an OLMo: config -> devices -> data -> params -> optimizer -> train step -> loop, in JAX or PyTorch.
+"""Train an OLMo in JAX or PyTorch: config -> devices -> data -> params -> train step -> loop.
 
-    python train.py configs/tiny.toml                                    # the main job's run (JAX)
-    python train.py configs/tiny.toml --train.steps=50 --train.run_dir=runs/x   # rerun the same command to resume
-    python train.py configs/tiny.toml --train.backend=torch              # the same run with model.py's nn.Module
+    python train.py configs/tiny.toml                        # the main job's run (JAX)
+    python train.py configs/tiny.toml --train.steps=50 --train.run_dir=runs/x  # rerun: resumes
+    python train.py configs/tiny.toml --train.backend=torch  # the same run, model.py's nn.Module
     torchrun --nproc_per_node=8 train.py configs/olmo2-1b.toml --train.backend=torch --mesh.data=1 --mesh.fsdp=-1
-    python train.py configs/tiny.toml --bench                            # tokens/s, MFU: JAX, torch eager, compiled
-    python train.py configs/tiny.toml --eval.tasks=arc_easy,piqa --eval.tasks_limit=100   # + in-loop tasks (eval.py)
-    python train.py plan configs/olmo3-32b.toml                          # fits on its target?
-    python train.py configs/tiny.toml configs/tiny-sft.toml              # post-training: -sft, -dpo, -grpo (make posttrain)
+    python train.py configs/tiny.toml --bench                # tokens/s, MFU: JAX, torch, compiled
+    python train.py configs/tiny.toml --eval.tasks=arc_easy,piqa  # + in-loop tasks (eval.py)
+    python train.py plan configs/olmo3-32b.toml              # fits on its target?
+    python train.py configs/tiny.toml configs/tiny-sft.toml  # post-training: -sft, -dpo, -grpo
 
-Both backends read the same config, data loader, schedule and checkpoints; everything between the
-loader and the checkpoint is one of two classes, JaxBackend and TorchBackend, with the same methods
-(init, load, step, eval, score, pieces for the checkpoint writer, host_params), so the loop has no `if backend`.
-A post-training stage is the same loop: other data (chat, pairs, prompts) and another train.loss (model.make_loss).
-
-A run directory holds config.json (the resolved config), metrics.jsonl (a line per logged step), loss.png and
-checkpoints step_N/: HF model directories (config.json, model.safetensors) + optimizer.safetensors (AdamW moments,
-same names) + nanolmo.json (config, step, data position, skip-step history); `latest` names the newest whole one.
+JaxBackend and TorchBackend have the same methods (init, load, step, eval, score, pieces,
+host_params) around one loader, schedule and checkpoint format, so the loop has no `if backend`;
+post-training is the same loop on other data and train.loss. Run directories: docs/training.md.
 """
 
 import dataclasses
@@ -44,17 +39,20 @@ import data
 import eval as evaluate
 import model
 import shard
-from configs import ConfigError, build, describe, load_config, read_json, run_cli, save_json, to_dict
+from configs import (ConfigError, build, describe, load_config, read_json, run_cli, save_json,
+                     to_dict)
 
 SKIP_WINDOW, SKIP_MIN, SKIP_SIGMA = 128, 64, 6.0  # OLMo-core SkipStepAdamW defaults
-POSTTRAIN_METRICS = ("margin", "accuracy", "reward", "eval_accuracy")  # DPO's and GRPO's, logged as they come
+# DPO's and GRPO's, logged as they come
+POSTTRAIN_METRICS = ("margin", "accuracy", "reward", "eval_accuracy")
 
 
 # --- learning rate and AdamW (pure functions) ---------------------------------------------------
 
 # exercise: lr_schedule
 def lr_at(step, tc, tokens_per_step, total_steps):
-    """OLMo's schedules (OLMo-core scheduler.py). `step` counts from 1, as OLMo-core's global_step."""
+    """OLMo's schedules (OLMo-core scheduler.py).
+    `step` counts from 1, as OLMo-core's global_step."""
     unit = tokens_per_step if tc.units == "tokens" else 1
     t, T = step * unit, tc.t_max or total_steps * unit
     W, lr, floor = tc.warmup, tc.lr, tc.alpha_f * tc.lr
@@ -68,13 +66,15 @@ def lr_at(step, tc, tokens_per_step, total_steps):
         return lr - (lr - floor) * (t - W) / (T - W)
     if tc.schedule == "cosine":
         return floor + (lr - floor) * (1 + math.cos(math.pi * (t - W) / (T - W))) / 2
-    # half_cosine (OLMo 3 pretraining part 2): the second half of a cosine twice as long, from its midpoint.
+    # half_cosine (OLMo 3 pretraining part 2): the second half of a cosine twice as long,
+    # from its midpoint.
     return floor + (lr - floor) * (1 + math.cos(math.pi * (t - W + (T - W)) / (2 * (T - W)))) / 2
 
 
 # exercise: adamw
 def adamw(params, grads, opt, lr, tc, decay):
-    """Decoupled AdamW in the same operation order as torch.optim.AdamW: decay, then the bias-corrected step."""
+    """Decoupled AdamW in the same operation order as torch.optim.AdamW: decay, then the
+    bias-corrected step."""
     count = opt["count"] + 1
     bc1, bc2 = 1 - tc.beta1 ** count, 1 - tc.beta2 ** count
     new_p, new_m, new_v = {}, {}, {}
@@ -89,13 +89,15 @@ def adamw(params, grads, opt, lr, tc, decay):
 
 
 def new_optimizer(params):
-    zeros = lambda: {k: jnp.zeros_like(v) for k, v in params.items()}  # noqa: E731  (two sets: both are donated)
+    def zeros():  # two sets: both are donated
+        return {k: jnp.zeros_like(v) for k, v in params.items()}
     return dict(m=zeros(), v=zeros(), count=jnp.zeros((), jnp.int32))
 
 
 def new_history():
-    return dict(loss=jnp.zeros(SKIP_WINDOW, jnp.float32), grad_norm=jnp.zeros(SKIP_WINDOW, jnp.float32),
-                n=jnp.zeros((), jnp.int32))
+    def window():
+        return jnp.zeros(SKIP_WINDOW, jnp.float32)
+    return dict(loss=window(), grad_norm=window(), n=jnp.zeros((), jnp.int32))
 
 
 # exercise: skip_step
@@ -110,32 +112,33 @@ def is_outlier(history, loss, grad_norm):
         std = jnp.sqrt(jnp.sum(jnp.where(valid, (xs - mean) ** 2, 0)) / jnp.maximum(n - 1, 1))
         return x - mean > SKIP_SIGMA * std
 
-    return (n >= SKIP_MIN) & (outlier(loss, history["loss"]) | outlier(grad_norm, history["grad_norm"]))
+    either = outlier(loss, history["loss"]) | outlier(grad_norm, history["grad_norm"])
+    return (n >= SKIP_MIN) & either
 
 
 def push_history(history, loss, grad_norm):
-    slot = history["n"] % SKIP_WINDOW
-    return dict(loss=history["loss"].at[slot].set(loss), grad_norm=history["grad_norm"].at[slot].set(grad_norm),
-                n=history["n"] + 1)
+    h, slot = history, history["n"] % SKIP_WINDOW
+    return dict(loss=h["loss"].at[slot].set(loss), grad_norm=h["grad_norm"].at[slot].set(grad_norm),
+                n=h["n"] + 1)
 
 
 # --- checkpoints (both backends) -----------------------------------------------------------------
-# Stored in the HF layout (one tensor per layer, HF names), whatever the backend or mesh: each process
-# writes the pieces it holds into the shared files, and a restore reads only the slices it needs, so a
-# checkpoint written on one mesh (or by one backend) resumes on another and no host holds a whole array.
+# HF layout (a tensor per layer, HF names) whatever the backend or mesh: each process writes its
+# pieces into the shared files, a restore reads only its slices, so a checkpoint resumes on another
+# mesh or backend and no host holds a whole array.
 
 def checkpoint_entries(m):
-    """{name: (shape, dtype)} of model.safetensors and optimizer.safetensors: both backends write these, in fp32."""
+    """{name: (shape, dtype)} of model.safetensors and optimizer.safetensors, both fp32."""
     shapes = convert.expected_tensors(m)  # unstacked names, as stored
-    model_e = {convert.hf_name(n): (shape, np.float32) for n, shape in shapes.items()}
-    opt_e = {prefix + n: (shape, np.float32) for prefix in ("exp_avg.", "exp_avg_sq.") for n, shape in shapes.items()}
+    model_e = {convert.hf_name(n): (s, np.float32) for n, s in shapes.items()}
+    opt_e = {p + n: (s, np.float32) for p in ("exp_avg.", "exp_avg_sq.") for n, s in shapes.items()}
     opt_e["step"] = ((), np.int32)
     return model_e, opt_e
 
 
 def save_checkpoint(run_dir, step, backend, cfg, loader_state, log_window):
-    """step_N.tmp/ -> fsync -> step_N/ -> `latest` -> drop those beyond `keep`; a crash leaves the last one whole.
-    log_window: the losses since the last log line, so that a resumed run's next line averages the same steps."""
+    """step_N.tmp/ -> fsync -> step_N/ -> `latest` -> drop those past `keep`: a crash leaves the
+    last whole. log_window: losses since the last log line, for a resumed run's next line."""
     run_dir, lead, barrier = Path(run_dir), backend.lead, backend.barrier
     final, tmp = run_dir / f"step_{step}", run_dir / f"step_{step}.tmp"
     try:
@@ -143,11 +146,10 @@ def save_checkpoint(run_dir, step, backend, cfg, loader_state, log_window):
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         barrier()
-        files = (("model.safetensors", "model.", "pt"), ("optimizer.safetensors", "optimizer", "nanolmo"))
+        files = (("model.safetensors", "model.", "pt"),
+                 ("optimizer.safetensors", "optimizer", "nanolmo"))
         for (fname, kind, fmt), entries in zip(files, checkpoint_entries(cfg.model)):
-            # The lead process sizes the file (its disk space claimed); every process writes its pieces through a
-            # writable memory map.
-            if lead:
+            if lead:  # sizes the file (claims its disk); all write their pieces into a memory map
                 convert.allocate_safetensors(tmp / fname, entries, {"format": fmt})
             barrier()
             views, _ = convert.read_safetensors(tmp / fname, writable=True)
@@ -157,20 +159,22 @@ def save_checkpoint(run_dir, step, backend, cfg, loader_state, log_window):
             convert.fsync(tmp / fname)  # the mapped pages, on disk
             barrier()
         if lead:
+            history = {k: np.asarray(v).tolist() for k, v in backend.history.items()}
             meta = dict(step=step, config=to_dict(cfg), data=loader_state, log_window=log_window,
-                        history={k: np.asarray(v).tolist() for k, v in backend.history.items()})
-            for f, obj, indent in (("config.json", convert.config_to_hf(cfg.model), 2), ("nanolmo.json", meta, 1)):
+                        history=history)
+            for f, obj, indent in (("config.json", convert.config_to_hf(cfg.model), 2),
+                                   ("nanolmo.json", meta, 1)):
                 (tmp / f).write_text(json.dumps(obj, indent=indent) + "\n")
                 convert.fsync(tmp / f)
     except BaseException as e:  # a full disk, or Ctrl-C: no half-written step_N.tmp stays behind
         if lead:
             shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError):
-            raise OSError(e.errno, f"checkpoint {final.name} not written ({e}); {tmp} removed, and {run_dir / 'latest'}"
-                          " still names the last whole checkpoint") from None
+            raise OSError(e.errno, f"checkpoint {final.name} not written ({e}); {tmp} removed, and "
+                          f"{run_dir / 'latest'} still names the last whole checkpoint") from None
         raise
     if lead:
-        if final.exists():  # left by a run that crashed before updating `latest`: same step, redo it
+        if final.exists():  # left by a run that crashed before updating `latest`: redo it
             discard(final)
         convert.replace(tmp, final)
         (run_dir / "latest.tmp").write_text(final.name + "\n")
@@ -183,16 +187,17 @@ def save_checkpoint(run_dir, step, backend, cfg, loader_state, log_window):
 
 
 def discard(path):
-    """Delete a checkpoint directory: renamed first (atomic), so a kill half-way through the delete leaves a
-    .trash folder, which the next start clears, never a half-deleted step_N that counts against `keep`."""
+    """Delete a checkpoint, renamed first (atomic): a kill mid-delete leaves a .trash folder
+    (cleared at the next start), never a half-deleted step_N that counts against `keep`."""
     trash = path.with_name(path.name + ".trash")
     os.replace(path, trash)
     shutil.rmtree(trash)
 
 
 def clear_leftovers(run_dir):
-    """What killed runs leave: step_N.tmp (a save cut short) and step_N.trash (a delete cut short)."""
-    for p in [*run_dir.glob("step_*.tmp"), *run_dir.glob("step_*.trash"), *run_dir.glob("*.jsonl.tmp")]:
+    """What killed runs leave: step_N.tmp (a save cut short), step_N.trash (a delete cut short)."""
+    for p in [*run_dir.glob("step_*.tmp"), *run_dir.glob("step_*.trash"),
+              *run_dir.glob("*.jsonl.tmp")]:
         shutil.rmtree(p) if p.is_dir() else p.unlink()
         print(f"removed {p}, left by a run that was killed")
 
@@ -201,18 +206,19 @@ def latest_checkpoint(run_dir):
     pointer = Path(run_dir) / "latest"
     path = pointer.parent / pointer.read_text().strip() if pointer.is_file() else None
     if path and not (path / "nanolmo.json").is_file():
-        raise FileNotFoundError(f"{pointer} names {path.name}, which is not a complete checkpoint (no nanolmo.json)")
+        raise FileNotFoundError(f"{pointer} names {path.name}, which is not a complete checkpoint "
+                                "(no nanolmo.json)")
     return path
 
 
-# A new stage may stretch the context (Olmo 3 stage 3: 8192 -> 65536 with YaRN): these change no parameter.
-STAGE_MAY_CHANGE = ("max_seq_len", "rope_theta", "yarn_factor", "yarn_original_max_seq_len", "yarn_beta_fast",
-                    "yarn_beta_slow", "yarn_attention_factor")
+# A new stage may stretch the context (Olmo 3 stage 3: 8192 -> 65536, YaRN): no parameter changes.
+STAGE_MAY_CHANGE = ("max_seq_len", "rope_theta", "yarn_factor", "yarn_original_max_seq_len",
+                    "yarn_beta_fast", "yarn_beta_slow", "yarn_attention_factor")
 
 
 def open_checkpoint(path, m, with_optimizer=True, new_stage=False):
-    """(model, optimizer or None, meta) memory maps by stored name; any HF OLMo dir of the configured model will do
-    (a new stage's model may differ from it in STAGE_MAY_CHANGE)."""
+    """(model, optimizer or None, meta) memory maps by stored name; any HF OLMo dir of model `m`
+    will do (a new stage's may differ in STAGE_MAY_CHANGE)."""
     path = Path(path)
     saved_m, state = convert.open_hf(path)
     fix = f"delete {path} (and fix {path.parent / 'latest'}) to go on from the checkpoint before it"
@@ -231,27 +237,26 @@ def open_checkpoint(path, m, with_optimizer=True, new_stage=False):
 # --- the JAX backend: one jitted step over a device mesh -----------------------------------------
 
 def documents(cfg, tokens):
-    """Document ids (model.segment_ids) when data.doc_mask keeps packed documents apart; None: one attention span."""
+    """Document ids (model.segment_ids) if data.doc_mask keeps packed documents apart, else None."""
     return model.segment_ids(tokens, cfg.model.eos_token_id) if cfg.data.doc_mask else None
 
 
 def token_stats(cfg, mesh, params, batch, remat="none"):
-    """(log p(label), logsumexp, next-token labels) per position (B, T) of rows {tokens, mask?} over the mesh: the
-    train step's forward, eval's and score's, the head in train.loss_chunks passes (model.token_logps).
-    shard.py pins the residual stream's layout and runs a kernel (or context parallelism's attention) per device."""
+    """(log p(label), logsumexp, next-token labels), each (B, T), of rows {tokens, mask?} over the
+    mesh: the forward of step, eval and score (docs/training.md); the head in train.loss_chunks
+    passes (model.token_logps)."""
     m, tokens = cfg.model, batch["tokens"]
     dtype, docs = jnp.dtype(cfg.train.compute_dtype), documents(cfg, tokens)
     attend_fn = shard.attention(mesh, m, dtype, docs is not None)
     x = model.forward(params, tokens, m, dtype, remat, shard.residual_constraint(mesh), docs,
                       attend_fn=attend_fn, head=False, scan_layers=cfg.train.scan_layers)
     labels = model.shift_labels(tokens, m.pad_token_id, batch.get("mask"))
-    return (*model.token_logps(params, x, labels, m, cfg.train.loss_chunks,
-                               temperature(cfg.train)), labels)
+    stats = model.token_logps(params, x, labels, m, cfg.train.loss_chunks, temperature(cfg.train))
+    return (*stats, labels)
 
 
 def temperature(tc):
-    """What the logits are divided by in the loss:
-    GRPO's sampling temperature (its rollouts' policy), else 1."""
+    """The loss's logit divisor: GRPO's sampling temperature (its rollouts' policy), else 1."""
     return tc.grpo_temperature if tc.loss == "grpo" else 1.0
 
 
@@ -261,12 +266,14 @@ def make_train_step(cfg, mesh):
     loss_of, total_of = model.make_loss(cfg, jnp)
 
     def step(params, opt, history, batch, lr):
-        """batch: tokens (A, B, T) (A micro-batches of B rows, B split over the data axis), and per loss its mask
-        (A, B, T), ref or advantage (A, B)."""
-        total = jnp.maximum(total_of(model.shift_labels(batch["tokens"], m.pad_token_id, batch.get("mask"))), 1)
+        """batch: tokens (A, B, T) (A micro-batches of B rows, B split over the data axis), and per
+        loss its mask (A, B, T), ref or advantage (A, B)."""
+        labels = model.shift_labels(batch["tokens"], m.pad_token_id, batch.get("mask"))
+        total = jnp.maximum(total_of(labels), 1)
 
         def accumulate(grads, micro):
-            loss_fn = lambda p: loss_of(*token_stats(cfg, mesh, p, micro, tc.remat), micro, total)  # noqa: E731
+            def loss_fn(p):
+                return loss_of(*token_stats(cfg, mesh, p, micro, tc.remat), micro, total)
             (loss, aux), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
             return jax.tree.map(jnp.add, grads, g), (loss, aux)
 
@@ -274,50 +281,64 @@ def make_train_step(cfg, mesh):
         loss, aux = losses.sum(), jax.tree.map(jnp.sum, aux)
         grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
         if tc.clip:  # torch.nn.utils.clip_grad_norm_: scale by min(1, clip / (norm + 1e-6))
-            grads = jax.tree.map(lambda g: g * jnp.minimum(1.0, tc.clip / (grad_norm + 1e-6)), grads)
+            scale = jnp.minimum(1.0, tc.clip / (grad_norm + 1e-6))
+            grads = jax.tree.map(lambda g: g * scale, grads)
         new_params, new_opt = adamw(params, grads, opt, lr, tc, decay)
 
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         if tc.skip_step:
             ok &= ~is_outlier(history, loss, grad_norm)
-        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
+
+        def keep(new, old):
+            return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
         metrics = dict(loss=loss, grad_norm=grad_norm, skipped=~ok, **aux)
-        return keep(new_params, params), keep(new_opt, opt), push_history(history, loss, grad_norm), metrics
+        history = push_history(history, loss, grad_norm)
+        return keep(new_params, params), keep(new_opt, opt), history, metrics
 
     p, o, h = shard.state_shardings(mesh, model.param_table(m))
-    return jax.jit(step, in_shardings=(p, o, h, None, None),  # the batch: laid out by JaxBackend.step
+    # (the batch: laid out by JaxBackend.step)
+    return jax.jit(step, in_shardings=(p, o, h, None, None),
                    out_shardings=(p, o, h, shard.replicated(mesh)), donate_argnums=(0, 1, 2),
                    compiler_options=shard.compiler_options(mesh, tc.compute_dtype))
 
 
+def peak_flops(kind):
+    """Peak FLOP/s of a device as JAX or torch names it (shard.DEVICES); None: MFU n/a."""
+    return getattr(shard.device_named(kind), "peak", None)
+
+
 class JaxBackend:
-    """State as global jax.Arrays over the mesh; one jitted step (micro-batches inside) per step; any processes."""
+    """Global jax.Arrays over the mesh; a jitted step (micro-batches inside); any process count."""
 
     def __init__(self, cfg):
         shard.start_distributed()
         self.cfg, self.lead, self.processes = cfg, jax.process_index() == 0, jax.process_count()
         self.mesh = mesh = shard.make_mesh(cfg.mesh)
-        self.n_devices, self.world, self.ranks = mesh.devices.size, shard.dp_size(mesh), shard.local_ranks(mesh)
-        _, self.micro, self.accum = shard.check_batch(cfg.data.global_batch, cfg.train.micro_batch, self.world,
-                                                      shard.mesh_where(mesh))
+        self.n_devices, self.world = mesh.devices.size, shard.dp_size(mesh)
+        self.ranks = shard.local_ranks(mesh)
+        _, self.micro, self.accum = shard.check_batch(cfg.data.global_batch, cfg.train.micro_batch,
+                                                      self.world, shard.mesh_where(mesh))
         shard.check_mesh(mesh.shape, cfg.model, cfg.data.seq_len)
         table = model.param_table(cfg.model)
-        self.param_sh, self.opt_sh, hist_sh = shard.state_shardings(mesh, table)  # every split checked, before compiling
-        # The attention each step runs (a kernel that cannot run the case is refused now, not later)
+        # every split checked, before compiling
+        self.param_sh, self.opt_sh, hist_sh = shard.state_shardings(mesh, table)
+        # the step's attention: a kernel that cannot run the case is refused now, not later
         attention = shard.attention_impl(mesh, cfg.model, cfg.train.compute_dtype,
                                          cfg.data.doc_mask)
         self.layout = shard.jax_layout(mesh, table)
         self.layout.append(f"{shard.describe(mesh)}; attention {attention}")
         if warning := shard.unseen_accelerator(jax.default_backend()):
             print(warning, file=sys.stderr)
-        self.peak = getattr(shard.device_named(jax.devices()[0].device_kind), "peak", None)
+        self.peak = peak_flops(jax.devices()[0].device_kind)
         self.history = jax.device_put(new_history(), hist_sh)
         self.train_step = make_train_step(cfg, mesh)
-        def nats(params, batch):  # summed next-token nats and the targets they cover (held-out bits per byte)
+
+        def nats(params, batch):  # summed next-token nats, and the targets they cover (bpb)
             logp, _, labels = token_stats(cfg, mesh, params, batch)
             return -logp.sum(), (labels != model.IGNORE_INDEX).sum()
         self.eval_step = jax.jit(nats)
-        self.score_step = jax.jit(lambda p, b: token_stats(cfg, mesh, p, b)[0].sum(-1))  # each row's log-prob (DPO)
+        # each row's log-prob (DPO)
+        self.score_step = jax.jit(lambda p, b: token_stats(cfg, mesh, p, b)[0].sum(-1))
         self.new_optimizer = jax.jit(new_optimizer, out_shardings=self.opt_sh)
 
     barrier, allgather = staticmethod(shard.jax_barrier), staticmethod(shard.jax_allgather)
@@ -325,29 +346,37 @@ class JaxBackend:
     def init(self, seed):
         """Initialised where it lives: each device draws only its own shard."""
         m = self.cfg.model
-        self.params = jax.jit(lambda key: model.init_params(m, key), out_shardings=self.param_sh)(jax.random.PRNGKey(seed))
+        init = jax.jit(lambda key: model.init_params(m, key), out_shardings=self.param_sh)
+        self.params = init(jax.random.PRNGKey(seed))
         self.opt = self.new_optimizer(self.params)
 
     def load(self, state, views):
-        read = lambda views, prefix: shard.jax_read(views, prefix, model.param_table(self.cfg.model), self.param_sh)  # noqa: E731
+        table = model.param_table(self.cfg.model)
+        def read(views, prefix):
+            return shard.jax_read(views, prefix, table, self.param_sh)
         self.params = read(state, "")
-        self.opt = self.new_optimizer(self.params) if views is None else dict(
-            m=read(views, "exp_avg."), v=read(views, "exp_avg_sq."),
-            count=jax.device_put(jnp.asarray(int(views["step"]), jnp.int32), self.opt_sh["count"]))
+        if views is None:
+            self.opt = self.new_optimizer(self.params)
+        else:
+            count = jax.device_put(jnp.asarray(int(views["step"]), jnp.int32), self.opt_sh["count"])
+            self.opt = dict(m=read(views, "exp_avg."), v=read(views, "exp_avg_sq."), count=count)
 
     def step(self, batch, lr):
-        """batch: {tokens (B_local, T), ...} for this process's ranks' rows, rank-major (Loader.batch)."""
-        def lay_out(x):  # (B_local, ...) -> (A, B, ...): micro-batch a of every rank, rows over data x fsdp
+        """batch: {tokens (B_local, T), ...}: this process's ranks' rows, rank-major (Loader)."""
+        def lay_out(x):  # (B_local, ...) -> (A, B, ...): micro-batch a of all ranks, B: data x fsdp
             per = x.reshape(len(self.ranks), self.accum, -1, *x.shape[1:]).swapaxes(0, 1)
-            return jax.make_array_from_process_local_data(shard.batch_sharding(self.mesh, x.ndim),
-                                                          per.reshape(self.accum, -1, *x.shape[1:]))
+            return jax.make_array_from_process_local_data(
+                shard.batch_sharding(self.mesh, x.ndim), per.reshape(self.accum, -1, *x.shape[1:]))
         batch = {k: lay_out(v) for k, v in batch.items()}
-        self.params, self.opt, self.history, out = self.train_step(self.params, self.opt, self.history, batch, jnp.float32(lr))
+        state = self.params, self.opt, self.history
+        self.params, self.opt, self.history, out = self.train_step(*state, batch, jnp.float32(lr))
         return out  # on the device, still being computed: the loop reads it when it must
 
     def _put(self, batch):
-        return {k: jax.make_array_from_process_local_data(shard.instance_sharding(self.mesh, v.ndim), v)
-                for k, v in batch.items()}
+        def put(v):
+            sharding = shard.instance_sharding(self.mesh, v.ndim)
+            return jax.make_array_from_process_local_data(sharding, v)
+        return {k: put(v) for k, v in batch.items()}
 
     def eval(self, batch):
         """Summed nats and token count over every process's rows {tokens (B_local, T), mask}."""
@@ -355,11 +384,12 @@ class JaxBackend:
         return float(s), int(n)
 
     def score(self, batch):
-        """Each row's summed log-prob of its targets (B,), as numpy (one process: the reference pass)."""
+        """Each row's summed log-prob of its targets (B,), numpy (one process: DPO's reference)."""
         return np.asarray(self.score_step(self.params, self._put(batch)))
 
     def pieces(self, kind):
-        opt = [("exp_avg.", self.opt["m"]), ("exp_avg_sq.", self.opt["v"]), ("", {"step": self.opt["count"]})]
+        o = self.opt
+        opt = [("exp_avg.", o["m"]), ("exp_avg_sq.", o["v"]), ("", {"step": o["count"]})]
         return shard.jax_pieces([("model.", self.params)] if kind == "model." else opt)
 
     def host_params(self):
@@ -368,21 +398,26 @@ class JaxBackend:
 
 # --- the PyTorch backend: model.py's nn.Module, torch.optim.AdamW, FSDP2 under torchrun ----------
 
+def stacked_name(n):  # param_table's name of a layer's tensor: "layers.3.X" -> "layers.X"
+    return re.sub(r"^layers\.\d+\.", "layers.", n)
+
+
 class TorchBackend:
-    """One process per device; fp32 master weights, cast by model.py to the compute dtype where used, as in JAX."""
+    """A process per device; fp32 master weights, cast by model.py to the compute dtype in use."""
 
     def __init__(self, cfg):
         m, dc, tc = cfg.model, cfg.data, cfg.train
-        # JAX only draws the initial weights here (the same draws as a JAX run): keep it off the GPUs.
+        # JAX only draws the initial weights here (a JAX run's draws): keep it off the GPUs.
         jax.config.update("jax_platforms", "cpu")
         self.rank, self.processes, self.device = shard.torch_start()
         self.cfg, self.lead, self.ranks = cfg, self.rank == 0, [self.rank]
-        self.n_devices = self.world = self.processes  # one device and one data-parallel rank per process
+        self.n_devices = self.world = self.processes  # a device, a data-parallel rank per process
         _, self.micro, self.accum = shard.check_batch(dc.global_batch, tc.micro_batch, self.world,
                                                       f"{self.processes} torch process(es)")
-        with torch.device("meta"):  # no memory until the weights are sharded: each rank allocates its piece
+        with torch.device("meta"):  # no memory until sharded: each rank allocates its piece
             net = model.OLMo(m)
-        self.layout = shard.torch_layout(cfg.mesh, self.processes, model.param_table(m))  # checks the mesh
+        table = model.param_table(m)
+        self.layout = shard.torch_layout(cfg.mesh, self.processes, table)  # checks the mesh
         if warning := shard.unseen_accelerator(self.device.type):
             print(warning, file=sys.stderr)
         dtype = getattr(torch, tc.compute_dtype)
@@ -394,16 +429,17 @@ class TorchBackend:
             for block in net.layers:
                 block.compile()  # in place: parameter names stay the HF ones (no _orig_mod.)
         self.net, self.dtype = net, dtype
-        self.named = dict(net.named_parameters())  # unstacked HF names: "layers.3.mlp.up_proj.weight"
-        decay = {n: model.param_table(m)[re.sub(r"^layers\.\d+\.", "layers.", n)].decay for n in self.named}
-        self.optim = torch.optim.AdamW(
-            [dict(params=[p for n, p in self.named.items() if decay[n]], weight_decay=tc.weight_decay),
-             dict(params=[p for n, p in self.named.items() if not decay[n]], weight_decay=0.0)],
-            lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps)
+        # unstacked HF names: "layers.3.mlp.up_proj.weight"
+        self.named = dict(net.named_parameters())
+        decay = {n: table[stacked_name(n)].decay for n in self.named}
+        named = self.named.items()
+        groups = [dict(params=[p for n, p in named if decay[n]], weight_decay=tc.weight_decay),
+                  dict(params=[p for n, p in named if not decay[n]], weight_decay=0.0)]
+        self.optim = torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps)
         self.history = new_history()  # on the host, read by is_outlier
         self.loss, self.total_of = model.make_loss(cfg, torch)
         kind = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-        self.peak = getattr(shard.device_named(kind), "peak", None)
+        self.peak = peak_flops(kind)
         self.layout[-1] += f" on {kind}" + (", torch.compile" if tc.compile else "")
 
     barrier = staticmethod(shard.torch_barrier)
@@ -412,55 +448,68 @@ class TorchBackend:
         return shard.torch_allgather(values, self.device)
 
     def _fill(self, tensors, source):
-        """Copy into each tensor the piece this rank holds, from source(unstacked name, index) -> numpy."""
+        """Copy into each tensor this rank's piece, from source(unstacked name, index) -> numpy."""
         with torch.no_grad():
             for n, t in tensors.items():
                 local, idx, _ = shard.torch_local(t)
-                local.copy_(torch.from_numpy(np.array(source(n, idx), np.float32)))  # (a copy: memmaps are read-only)
+                piece = np.array(source(n, idx), np.float32)  # a copy: memmaps are read-only
+                local.copy_(torch.from_numpy(piece))
 
     def init(self, seed):
-        """JAX's init_params, drawn on the host one tensor at a time: the same weights as a JAX run's with this seed."""
+        """JAX's init_params, drawn on the host a tensor at a time: a JAX run's weights."""
         m, key, cache = self.cfg.model, jax.random.PRNGKey(seed), {}
 
         def draw(n, idx):
-            stacked = re.sub(r"^layers\.\d+\.", "layers.", n)
+            stacked = stacked_name(n)
             if stacked not in cache:
                 cache.clear()  # one tensor in memory at a time
                 cache[stacked] = np.asarray(model.init_params(m, key, [stacked])[stacked])
-            return (cache[stacked][int(n.split(".")[1])] if n.startswith("layers.") else cache[stacked])[idx]
+            whole = cache[stacked]
+            if n.startswith("layers."):
+                whole = whole[int(n.split(".")[1])]  # (L, ...) -> this layer's
+            return whole[idx]
 
         self._fill(self.named, draw)
 
     def load(self, state, views):
         self._fill(self.named, lambda n, idx: state[n][idx])
-        if views is not None:  # AdamW's state, set before its first step so that it keeps ours
-            for key in ("exp_avg", "exp_avg_sq"):
-                moments = {n: torch.zeros_like(p) for n, p in self.named.items()}  # sharded as p is
-                self._fill(moments, lambda n, idx: views[f"{key}.{n}"][idx])
-                for n, p in self.named.items():
-                    self.optim.state[p].update({key: moments[n], "step": torch.tensor(float(views["step"]))})
+        if views is None:
+            return
+        # AdamW's state, set before its first step so that it keeps ours
+        for key in ("exp_avg", "exp_avg_sq"):
+            moments = {n: torch.zeros_like(p) for n, p in self.named.items()}  # sharded as p is
+            self._fill(moments, lambda n, idx: views[f"{key}.{n}"][idx])
+            for n, p in self.named.items():
+                step = torch.tensor(float(views["step"]))  # one per tensor: AdamW adds 1 in place
+                self.optim.state[p].update({key: moments[n], "step": step})
 
     def step(self, batch, lr):
-        """batch: {tokens (B_rank, T), ...}, this rank's rows, cut into micro-batches; the same sums as the JAX step."""
+        """batch: {tokens (B_rank, T), ...}: this rank's rows, in micro-batches; sums as in JAX."""
         tc = self.cfg.train
         x, y, docs, rows = self._inputs(batch)  # (B_rank, T) each; rows: the per-row values (ref)
-        total = shard.torch_sum(torch.as_tensor(self.total_of(y), device=self.device)).clamp(min=1)  # global batch's
-        per = self.micro * (2 if tc.loss.startswith("dpo") else 1)  # rows per micro-batch: a pair's two together
+        total = torch.as_tensor(self.total_of(y), device=self.device)
+        total = shard.torch_sum(total).clamp(min=1)  # the global batch's
+        per = self.micro  # rows per micro-batch
+        if tc.loss.startswith("dpo"):
+            per *= 2  # a pair's two rows together
         sums = {}
         for a in range(self.accum):
             at = slice(a * per, (a + 1) * per)
             if self.processes > 1:
-                self.net.set_requires_gradient_sync(a == self.accum - 1)  # reduce-scatter once, after the last
-            logits = self.net(x[at], self.dtype, tc.remat, None if docs is None else docs[at])  # (the head unchunked)
+                # reduce-scatter once, after the last
+                self.net.set_requires_gradient_sync(a == self.accum - 1)
+            segments = None if docs is None else docs[at]
+            logits = self.net(x[at], self.dtype, tc.remat, segments)  # (the head unchunked)
             logp, lse = model.label_logps_torch(logits, y[at], temperature(tc))
             share, aux = self.loss(logp, lse, y[at], {k: v[at] for k, v in rows.items()}, total)
-            # FSDP2 averages gradients over ranks; each rank's loss is already its share of the global
-            # mean, so scale by the rank count to get their sum.
+            # FSDP2 averages gradients over ranks; each rank's loss is its share of the global mean:
+            # scaled by the rank count, their sum.
             (share * self.world).backward()
             for k, v in dict(loss=share, **aux).items():
                 sums[k] = sums.get(k, 0.0) + v.detach().double()
         sums = dict(zip(sums, shard.torch_sum(torch.stack(list(sums.values()))).tolist()))
-        loss, norm = sums["loss"], shard.torch_full(torch.nn.utils.get_total_norm([p.grad for p in self.named.values()]))
+        norm = torch.nn.utils.get_total_norm([p.grad for p in self.named.values()])
+        loss, norm = sums["loss"], shard.torch_full(norm)
         grad_norm = float(norm)
         ok = math.isfinite(loss) and math.isfinite(grad_norm)
         if ok and tc.skip_step:
@@ -475,28 +524,36 @@ class TorchBackend:
         self.history = push_history(self.history, loss, grad_norm)
         return dict(sums, grad_norm=grad_norm, skipped=not ok)
 
-    def _inputs(self, batch):  # tokens, next-token labels, document ids or None: int64 on this rank's device; the rest
+    def _inputs(self, batch):
+        """[tokens, next-token labels, document ids or None] (int64, on the device) + the rest."""
+        def on(a):
+            return torch.from_numpy(a).to(self.device)
         tokens = batch["tokens"]
-        parts = tokens, model.shift_labels(tokens, self.cfg.model.pad_token_id, batch.get("mask")), documents(self.cfg, tokens)
-        rows = {k: torch.from_numpy(v).to(self.device) for k, v in batch.items() if k not in ("tokens", "mask")}
-        return [None if a is None else torch.from_numpy(a.astype(np.int64)).to(self.device) for a in parts] + [rows]
+        labels = model.shift_labels(tokens, self.cfg.model.pad_token_id, batch.get("mask"))
+        ids = tokens, labels, documents(self.cfg, tokens)
+        rows = {k: on(v) for k, v in batch.items() if k not in ("tokens", "mask")}
+        return [None if a is None else on(a.astype(np.int64)) for a in ids] + [rows]
+
+    def _forward(self, batch):  # (logits, labels) for eval and score
+        x, y, docs, _ = self._inputs(batch)
+        return self.net(x, self.dtype, segments=docs), y
 
     @torch.no_grad()
     def score(self, batch):
-        x, y, docs, _ = self._inputs(batch)
-        return model.label_logps_torch(self.net(x, self.dtype, segments=docs), y)[0].sum(-1).double().cpu().numpy()
+        return model.label_logps_torch(*self._forward(batch))[0].sum(-1).double().cpu().numpy()
 
     @torch.no_grad()
     def eval(self, batch):
-        x, y, docs, _ = self._inputs(batch)
+        logits, y = self._forward(batch)
         n = (y != model.IGNORE_INDEX).sum()
-        nats = model.cross_entropy_torch(self.net(x, self.dtype, segments=docs), y)[1].double() * n
+        nats = model.cross_entropy_torch(logits, y)[1].double() * n
         s, n = shard.torch_sum(torch.stack([nats, n.double()])).tolist()
         return s, int(n)
 
     def pieces(self, kind):
-        for n, p in self.named.items():  # (AdamW has no state before its first step: zeros, then)
-            st = self.optim.state.get(p) or dict(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p), step=0)
+        zero = torch.zeros_like  # (AdamW has no state before its first step: zeros, then)
+        for n, p in self.named.items():
+            st = self.optim.state.get(p) or dict(exp_avg=zero(p), exp_avg_sq=zero(p), step=0)
             moments = {f"{k}.{n}": st[k] for k in ("exp_avg", "exp_avg_sq")}
             for fname, t in ({convert.hf_name(n): p} if kind == "model." else moments).items():
                 local, idx, writes = shard.torch_local(t)
@@ -507,63 +564,69 @@ class TorchBackend:
 
     def host_params(self):
         """Stacked numpy params, gathered whole on every process."""
-        return model.stack_layers({n: shard.torch_full(p).detach().cpu().numpy() for n, p in self.named.items()}, self.cfg.model)
+        full = {n: shard.torch_full(p).detach().cpu().numpy() for n, p in self.named.items()}
+        return model.stack_layers(full, self.cfg.model)
 
 
-# --- post-training: DPO's reference log-probs, GRPO's rollouts ---------------------------------------
+# --- post-training: DPO's reference log-probs, GRPO's rollouts -----------------------------------
 
 def pair_scores(backend, pairs, rows):
-    """(N, 2) summed log-probs of each pair's answers and their target counts; `rows` pairs per forward (one process)."""
+    """(N, 2) summed log-probs of each pair's answers, and their target counts; `rows` a forward."""
     sums, counts = np.zeros((pairs.n, 2)), np.zeros((pairs.n, 2))
     for start in tqdm(range(0, pairs.n, rows), desc="log-probs of pairs", leave=False):
-        ids = np.arange(start, start + rows) % pairs.n  # the last forward wraps round (same values, written twice)
+        ids = np.arange(start, start + rows) % pairs.n  # the last wraps round (same values twice)
         batch = {k: v for k, v in data.read_rows(pairs, ids).items() if k != "ref"}
-        sums[ids], counts[ids] = backend.score(batch).reshape(-1, 2), batch["mask"][:, 1:].sum(-1).reshape(-1, 2)
+        sums[ids] = backend.score(batch).reshape(-1, 2)
+        counts[ids] = batch["mask"][:, 1:].sum(-1).reshape(-1, 2)
     return sums, counts
 
 
 def reference_logps(backend, cfg, splits):
-    """DPO's reference: each pair's summed log-probs under the frozen start (train.init_from), computed by one pass
-    before the first step and kept beside the data (DATA/reference_logps.npz: an array per split, the checkpoint, its
-    weights' sha256, seq_len), as open-instruct caches them; one for other weights or seq_len is refused."""
+    """Set each split's `ref`: DPO's reference log-probs of its pairs under train.init_from, from
+    one pass before the first step, cached in DATA/reference_logps.npz (docs/training.md)."""
     dc, tc = cfg.data, cfg.train
     if not tc.init_from:
-        raise ConfigError(f"train.loss={tc.loss!r} needs train.init_from: the SFT model, policy and reference both")
+        raise ConfigError(f"train.loss={tc.loss!r} needs train.init_from: the SFT model, policy "
+                          "and reference both")
     sha = [data.sha256(f) for f in sorted(Path(tc.init_from).glob("model*.safetensors"))]
     path = Path(dc.path) / "reference_logps.npz"
     if path.is_file():
-        with np.load(path, allow_pickle=False) as f:  # plain arrays; strings as unicode arrays, never pickles
+        with np.load(path, allow_pickle=False) as f:  # strings as unicode arrays, never pickles
             have = {k: f[k].tolist() for k in f.files}
-        why = [what for what, differs in [("its weights (sha256)", have.get("sha256") != sha),
-                                          ("seq_len", have.get("seq_len") != dc.seq_len),
-                                          ("the pairs", any(len(have.get(k, ())) != p.n for k, p in splits.items()))] if differs]
-        if why:
-            raise ValueError(f"{path}: reference log-probs of {have.get('checkpoint')} at seq_len {have.get('seq_len')}"
-                             f", not of train.init_from={tc.init_from} at data.seq_len={dc.seq_len} ({', '.join(why)} "
-                             f"differ): delete {path} to recompute them")
+        checks = [("its weights (sha256)", have.get("sha256") != sha),
+                  ("seq_len", have.get("seq_len") != dc.seq_len),
+                  ("the pairs", any(len(have.get(k, ())) != p.n for k, p in splits.items()))]
+        if why := [what for what, differs in checks if differs]:
+            raise ValueError(
+                f"{path}: reference log-probs of {have.get('checkpoint')} at seq_len "
+                f"{have.get('seq_len')}, not of train.init_from={tc.init_from} at data.seq_len="
+                f"{dc.seq_len} ({', '.join(why)} differ): delete {path} to recompute them")
         for k, pairs in splits.items():
             pairs.ref = np.asarray(have[k], np.float32)
         return
     if backend.processes > 1:
-        raise ConfigError("the reference pass runs in one process: start the DPO run once on one host, then resume")
+        raise ConfigError("the reference pass runs in one process: start the DPO run once on one "
+                          "host, then resume")
     for pairs in splits.values():
         pairs.ref = pair_scores(backend, pairs, cfg.data.global_batch)[0].astype(np.float32)
     tmp = path.with_suffix(".tmp.npz")
-    np.savez(tmp, checkpoint=str(tc.init_from), sha256=sha, seq_len=dc.seq_len, **{k: p.ref for k, p in splits.items()})
+    refs = {k: p.ref for k, p in splits.items()}
+    np.savez(tmp, checkpoint=str(tc.init_from), sha256=sha, seq_len=dc.seq_len, **refs)
     convert.replace(tmp, path)
-    print(f"reference log-probs of {tc.init_from} for {', '.join(f'{p.n} {k}' for k, p in splits.items())} pairs: {path}")
+    n = ", ".join(f"{p.n} {k}" for k, p in splits.items())
+    print(f"reference log-probs of {tc.init_from} for {n} pairs: {path}")
 
 
 def rollouts(backend, cfg, batch, step, tok):
-    """GRPO's batch for this step: train.grpo_group completions of each prompt from the current policy (KV cache),
-    each rewarded by eval.reward; advantages normalised in the group, (r - mean) / (std + 1e-8) (open-instruct's
-    "standard"; all equal: no signal). Rows: prompt + completion padded to seq_len, the mask on the completion.
+    """GRPO's rows for this step: train.grpo_group rewarded completions of each prompt by the
+    current policy, masked to the completion, advantages normalised in the group (docs/training.md).
     Each step draws from its own seed, so a resumed run samples what the first would have."""
     tc, T, G = cfg.train, cfg.data.seq_len, cfg.train.grpo_group
     tokens = np.full((len(batch["prompts"]) * G, T), cfg.model.pad_token_id, np.int32)
     mask, reward = np.zeros_like(tokens, bool), np.zeros(len(tokens), np.float32)
     for j, (prompt, answer) in enumerate(zip(batch["prompts"], batch["answers"])):
-        seed = int(np.random.SeedSequence([tc.init_seed, step, backend.ranks[0], j]).generate_state(1)[0])
+        seed = np.random.SeedSequence([tc.init_seed, step, backend.ranks[0], j])
+        seed = int(seed.generate_state(1)[0])
         new = evaluate.sample(backend.params, cfg.model, np.tile(prompt, (G, 1)), tc.grpo_max_new,
                               tc.grpo_temperature, seed, tok.vocab_size, tok.eos_id)
         for r, done in enumerate(new, j * G):
@@ -572,46 +635,54 @@ def rollouts(backend, cfg, batch, step, tok):
             reward[r] = evaluate.reward(tok, done, answer)
     groups = reward.reshape(-1, G)
     advantage = (groups - groups.mean(1, keepdims=True)) / (groups.std(1, keepdims=True) + 1e-8)
-    return dict(tokens=tokens, mask=mask, advantage=advantage.ravel().astype(np.float32), reward=reward)
+    advantage = advantage.ravel().astype(np.float32)
+    return dict(tokens=tokens, mask=mask, advantage=advantage, reward=reward)
 
 
 # --- main: one run, in the sections below -------------------------------------------------------
 
 def open_data(cfg):
-    """(training instances, held-out instances or None, the dataset's tokenizer or None). The data says what it is:
-    text or chat (a prepared folder; chat has label masks), preference pairs (a prepared folder) or prompts (a
-    .jsonl file); train.loss must fit it."""
+    """(train instances, held-out instances or None, tokenizer or None). The data says what it is:
+    text or chat (a prepared folder; chat has label masks), pairs (a prepared folder) or prompts
+    (.jsonl); train.loss must fit it."""
     dc, m, tc = cfg.data, cfg.model, cfg.train
-    kind = ("prompts" if dc.path.endswith(".jsonl") else
-            data.load_dataset_info(dc.path).get("kind", "text") if Path(dc.path).is_dir() else "text")
-    fits = {"ce": ("text", "chat"), "dpo": ("pairs",), "dpo_norm": ("pairs",), "grpo": ("prompts",)}[tc.loss]
+    if dc.path.endswith(".jsonl"):
+        kind = "prompts"
+    elif Path(dc.path).is_dir():
+        kind = data.load_dataset_info(dc.path).get("kind", "text")
+    else:
+        kind = "text"
+    fits = dict(ce=("text", "chat"), dpo=("pairs",), dpo_norm=("pairs",),
+                grpo=("prompts",))[tc.loss]
     if kind not in fits:
-        raise ConfigError(f"train.loss={tc.loss!r} does not train on {kind} (data.path={dc.path!r}); it takes "
-                          + " or ".join(fits) + " (docs/posttrain.md)")
-    # OLMo-core filters pretraining instances, not pairs or rollouts
-    if dc.instance_filter and tc.loss != "ce":
+        raise ConfigError(f"train.loss={tc.loss!r} does not train on {kind} (data.path="
+                          f"{dc.path!r}); it takes " + " or ".join(fits) + " (docs/posttrain.md)")
+    if dc.instance_filter and tc.loss != "ce":  # OLMo-core filters pretraining instances only
         raise ConfigError(f"data.instance_filter=true: masks instances of a cross-entropy run, "
                           f"not train.loss={tc.loss!r}")
     if kind == "prompts":  # the tokenizer and template the policy was fine-tuned with
         if tc.backend != "jax" or not tc.init_from:
-            raise ConfigError("train.loss='grpo' samples with the JAX KV cache from a fine-tuned model: it needs "
-                              "train.backend='jax' and train.init_from")
+            raise ConfigError("train.loss='grpo' samples with the JAX KV cache from a fine-tuned "
+                              "model: it needs train.backend='jax' and train.init_from")
         if dc.global_batch % tc.grpo_group:
-            raise ConfigError(f"data.global_batch={dc.global_batch} counts completions: a multiple of "
-                              f"train.grpo_group={tc.grpo_group}")
+            raise ConfigError(f"data.global_batch={dc.global_batch} counts completions: a multiple "
+                              f"of train.grpo_group={tc.grpo_group}")
         tok = evaluate.checkpoint_tokenizer(tc.init_from, m)
         prompts = evaluate.Prompts(dc.path, tok, dc.chat_template)
         if (P := max(len(p) for p, _ in prompts.items)) + tc.grpo_max_new > dc.seq_len:
-            raise ConfigError(f"data.seq_len={dc.seq_len} cannot hold {dc.path}'s longest prompt ({P} tokens) and "
-                              f"train.grpo_max_new={tc.grpo_max_new} more")
+            raise ConfigError(f"data.seq_len={dc.seq_len} cannot hold {dc.path}'s longest prompt "
+                              f"({P} tokens) and train.grpo_max_new={tc.grpo_max_new} more")
         return prompts, None, tok
-    packed = dict(eos=m.eos_token_id, pad=m.pad_token_id, group_size=dc.source_group_size,
-                  permutation_seed=dc.source_permutation_seed, long_docs=dc.long_docs) if dc.packing == "packed" else None
+    packed = None
+    if dc.packing == "packed":
+        packed = dict(eos=m.eos_token_id, pad=m.pad_token_id, group_size=dc.source_group_size,
+                      permutation_seed=dc.source_permutation_seed, long_docs=dc.long_docs)
     instances = data.open_instances(dc.path, dc.seq_len, dc.seed, packed)
-    if not Path(dc.path).is_dir():  # a mix file or a bare token file: no tokenizer, no held-out split
+    if not Path(dc.path).is_dir():  # a mix or bare token file: no tokenizer, no held-out split
         return instances, None, None
-    if (V := data.load_dataset_info(dc.path)["vocab_size"]) > cfg.model.vocab_size:
-        raise ConfigError(f"{dc.path} was tokenized with {V} ids but model.vocab_size={cfg.model.vocab_size}")
+    if (V := data.load_dataset_info(dc.path)["vocab_size"]) > m.vocab_size:
+        raise ConfigError(f"{dc.path} was tokenized with {V} ids but model.vocab_size="
+                          f"{m.vocab_size}")
     held = data.dataset_files(dc.path, "heldout")
     enough = held and sum(f.tokens for f in held) >= dc.seq_len  # one instance at least
     heldout = data.open_instances(dc.path, dc.seq_len, split="heldout") if enough else None
@@ -619,101 +690,116 @@ def open_data(cfg):
 
 
 def restore(backend, cfg):
-    """Resume (latest), start a stage (train.init_from) or initialise -> (checkpoint or None, step, loader step,
-    the losses since the last log line)."""
+    """Resume (latest), start a stage (train.init_from) or initialise -> (checkpoint or None, step,
+    loader step, the losses since the last log line)."""
     dc, tc = cfg.data, cfg.train
     ckpt = latest_checkpoint(tc.run_dir)
     if ckpt:
         state, views, meta = open_checkpoint(ckpt, cfg.model)
         if views is None:
             raise ValueError(f"{ckpt}: no optimizer.safetensors, cannot resume")
-        was = {k: meta["config"]["data"].get(k, "fsl")  # (checkpoints from before data.packing are fsl)
+        was = {k: meta["config"]["data"].get(k, "fsl")  # (before data.packing: fsl)
                for k in ("path", "seq_len", "global_batch", "seed", "packing")}
         if was != {k: getattr(dc, k) for k in was}:
-            raise ConfigError(f"{ckpt} was trained with data {was}; resuming needs the same data settings "
-                              "(to change them, start a new stage: train.init_from)")
+            raise ConfigError(f"{ckpt} was trained with data {was}; resuming needs the same data "
+                              "settings (to change them, start a new stage: train.init_from)")
         backend.load(state, views)
         saved = {k: jnp.asarray(v, backend.history[k].dtype) for k, v in meta["history"].items()}
         backend.history = jax.device_put(saved, jax.tree.map(lambda a: a.sharding, backend.history))
-        print(f"resuming {ckpt} at step {meta['step']} (written by the {meta['config']['train'].get('backend', 'jax')} backend)")
+        by = meta["config"]["train"].get("backend", "jax")
+        print(f"resuming {ckpt} at step {meta['step']} (written by the {by} backend)")
         return ckpt, meta["step"], meta["data"]["step"], meta.get("log_window", [])
     if tc.init_from:
-        backend.load(*open_checkpoint(tc.init_from, cfg.model, tc.load_optimizer, new_stage=True)[:2])  # (params, moments or None)
-        print(f"new stage from {tc.init_from}: its params{' and AdamW moments' if tc.load_optimizer else ''}, step 0")
+        start = open_checkpoint(tc.init_from, cfg.model, tc.load_optimizer, new_stage=True)
+        backend.load(*start[:2])  # params, AdamW's moments or None
+        moments = " and AdamW moments" if tc.load_optimizer else ""
+        print(f"new stage from {tc.init_from}: its params{moments}, step 0")
     else:
         backend.init(tc.init_seed)
     return None, 0, 0, []
 
 
 def held_out_eval(backend, heldout, cfg, token_bytes, batches):
-    """Loss (nats/token) and bits per byte on the held-out split, first `batches` batches (0 = all); DPO: the loss,
-    the preference accuracy (chosen preferred over rejected) and the mean margin on every held-out pair."""
+    """Loss (nats/token) and bits per byte of the held-out split's first `batches` batches (0: all);
+    DPO: loss, accuracy (chosen preferred) and mean margin on every held-out pair."""
     if heldout is None:
         return {}
     if cfg.train.loss.startswith("dpo"):
         sums, counts = pair_scores(backend, heldout, cfg.data.global_batch)
-        losses, margins = model.dpo_of(sums.ravel(), heldout.ref.ravel(), counts.ravel(), cfg.train, np)
+        ref = heldout.ref.ravel()
+        losses, margins = model.dpo_of(sums.ravel(), ref, counts.ravel(), cfg.train, np)
         return dict(eval_loss=float(losses.mean()), eval_accuracy=float((margins > 0).mean()),
                     eval_margin=float(margins.mean()))
-    dc = cfg.data
-    rows = np.arange(dc.global_batch).reshape(backend.world, -1)[backend.ranks].ravel()  # this process's ranks' rows
+    B = cfg.data.global_batch
+    rows = np.arange(B).reshape(backend.world, -1)[backend.ranks].ravel()  # this process's ranks'
     nats = count = n_bytes = 0
-    for b in range(min(heldout.n // dc.global_batch, batches or heldout.n)):
-        batch = data.read_rows(heldout, b * dc.global_batch + np.arange(dc.global_batch))
+    for b in range(min(heldout.n // B, batches or heldout.n)):
+        batch = data.read_rows(heldout, b * B + np.arange(B))
         s, n = backend.eval({k: v[rows] for k, v in batch.items()})
         nats, count = nats + s, count + n
         if token_bytes is not None:  # chat data: the assistant's tokens only, as in the loss
-            tokens, keep = batch["tokens"][:, 1:], batch["mask"][:, 1:] if "mask" in batch else True
-            n_bytes += int(token_bytes[tokens][keep].sum())
-    return dict(eval_loss=nats / count, eval_bpb=evaluate.bits_per_byte(nats, n_bytes) if n_bytes else None)
+            keep = batch["mask"][:, 1:] if "mask" in batch else True
+            n_bytes += int(token_bytes[batch["tokens"][:, 1:]][keep].sum())
+    bpb = evaluate.bits_per_byte(nats, n_bytes) if n_bytes else None
+    return dict(eval_loss=nats / count, eval_bpb=bpb)
 
 
 def in_loop_tasks(cfg, tok, backend):
-    """eval.py's tasks as in-loop ICL evals, tokenized once; None without eval.tasks (or with several processes)."""
+    """eval.py's tasks as in-loop ICL evals, tokenized once; None without eval.tasks (or in several
+    processes)."""
     ec = cfg.eval
     if not ec.tasks:
         return None
     if tok is None:
-        raise ConfigError(f"eval.tasks needs a tokenizer, and data.path={cfg.data.path!r} is not a folder from `data.py prepare`")
+        raise ConfigError(f"eval.tasks needs a tokenizer, and data.path={cfg.data.path!r} is not a "
+                          "folder from `data.py prepare`")
     if backend.processes > 1:
-        print("eval.tasks: skipped (in-loop tasks run in single-process runs; use `eval.py tasks` on a checkpoint)")
+        print("eval.tasks: skipped (in-loop tasks run in single-process runs; "
+              "use `eval.py tasks` on a checkpoint)")
         return None
-    tasks = evaluate.prepare_tasks(ec.tasks.replace(",", " ").split(), ec.tasks_data, tok, ec.tasks_norm, ec.tasks_limit)
-    tasks["scorer"] = evaluate.Scorer(cfg.model, None, "jax", cfg.train.compute_dtype)  # params: each eval's
-    print("in-loop tasks: " + ", ".join(f"{n} ({len(t['items'])} docs)" for n, t in tasks["tasks"].items())
-          + f", {ec.tasks_norm} prompts and normalisation")
+    names = ec.tasks.replace(",", " ").split()
+    tasks = evaluate.prepare_tasks(names, ec.tasks_data, tok, ec.tasks_norm, ec.tasks_limit)
+    # (its params: set by each task_eval)
+    tasks["scorer"] = evaluate.Scorer(cfg.model, None, "jax", cfg.train.compute_dtype)
+    docs = ", ".join(f"{n} ({len(t['items'])} docs)" for n, t in tasks["tasks"].items())
+    print(f"in-loop tasks: {docs}, {ec.tasks_norm} prompts and normalisation")
     return tasks
 
 
 def task_eval(backend, tasks):
-    """{<task>_acc}: the JAX forward (on CPU for torch runs) on host params; compiled once, later evals swap params."""
+    """{<task>_acc}: the JAX forward (on CPU for torch runs) on host params, compiled once."""
     if tasks is None:
         return {}
     tasks["scorer"].params = backend.host_params()
-    return {f"{name}_acc": r["acc"] for name, r in evaluate.score_tasks(tasks["scorer"], tasks).items()}
+    scores = evaluate.score_tasks(tasks["scorer"], tasks)
+    return {f"{name}_acc": r["acc"] for name, r in scores.items()}
 
 
 def log(record, metrics_path, write):
     """One metrics.jsonl line, and its aligned line on the screen."""
-    if "loss" in record:
-        mfu = f"{100 * record['mfu']:.1f}%" if record["mfu"] is not None else "n/a"
-        write(f"step {record['step']:>6} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | grad norm "
-              f"{record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s | MFU {mfu}"
-              + (" | SKIPPED" if record["skipped"] else "")
-              + (f" | held-out bpb {record['eval_bpb']:.3f}" if record.get("eval_bpb") else "")
-              + (f" | masked {record['masked']:.1%}" if "masked" in record else "")
-              + "".join(f" | {k.replace('_', ' ')} {record[k]:.3f}" for k in POSTTRAIN_METRICS if k in record))
-    accs = [f"{k[:-4]} {100 * v:.1f}%" for k, v in record.items() if k.endswith("_acc")]
-    if accs:
-        write(f"step {record['step']:>6} | " + " | ".join(accs))
+    r = record
+    if "loss" in r:
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
+        parts = [f"step {r['step']:>6}", f"loss {r['loss']:.4f}", f"lr {r['lr']:.2e}",
+                 f"grad norm {r['grad_norm']:.3f}", f"{r['tokens_per_s']:,.0f} tok/s", f"MFU {mfu}"]
+        if r["skipped"]:
+            parts.append("SKIPPED")
+        if r.get("eval_bpb"):
+            parts.append(f"held-out bpb {r['eval_bpb']:.3f}")
+        if "masked" in r:
+            parts.append(f"masked {r['masked']:.1%}")
+        parts += [f"{k.replace('_', ' ')} {r[k]:.3f}" for k in POSTTRAIN_METRICS if k in r]
+        write(" | ".join(parts))
+    if accs := [f"{k[:-4]} {100 * v:.1f}%" for k, v in r.items() if k.endswith("_acc")]:
+        write(f"step {r['step']:>6} | " + " | ".join(accs))
     if metrics_path is not None:
         with open(metrics_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json.dumps(r) + "\n")
 
 
 def trim_metrics(path, start):
-    """Keep the lines of steps <= start (a crashed run logged more than its checkpoint holds); rewritten only when
-    lines must go, through a temporary file and a rename, so that a kill during the rewrite loses nothing."""
+    """Keep the lines of steps <= start (a crashed run logged past its checkpoint); rewritten only
+    when lines must go, through a temporary file and a rename: a kill mid-rewrite loses nothing."""
     rows, torn = evaluate.read_metrics(path)
     kept = [r for r in rows if r["step"] <= start]
     if torn or len(kept) < len(rows):
@@ -722,13 +808,27 @@ def trim_metrics(path, start):
         convert.replace(tmp, path)
 
 
+def read_pending(pending, window, tc, last_saved):
+    """Read the pending steps' metrics off the device (the host waits for them here only), each
+    loss into `window`; a non-finite loss stops the run unless train.skip_step. -> the last's."""
+    for s, _, out in pending:
+        out = {k: np.asarray(v).item() for k, v in jax.device_get(out).items()}
+        window.append(out["loss"])
+        if not math.isfinite(out["loss"]) and not tc.skip_step:
+            raise FloatingPointError(
+                f"loss is {out['loss']} at step {s}; last good checkpoint: {last_saved or 'none'} "
+                "(the update was not applied; lower train.lr or set train.skip_step=true)")
+    return out
+
+
 def main(argv):
     # --- config and devices
     cfg = load_config(argv)
     m, dc, tc, ec = cfg.model, cfg.data, cfg.train, cfg.eval
-    if dc.seq_len > m.max_seq_len:  # RoPE would go on, but past what the model (and its HF config) declares
-        raise ConfigError(f"data.seq_len={dc.seq_len} is longer than model.max_seq_len={m.max_seq_len} "
-                          "(HF max_position_embeddings): raise model.max_seq_len or shorten data.seq_len")
+    if dc.seq_len > m.max_seq_len:  # RoPE would go on, past what the model (and HF config) declares
+        raise ConfigError(f"data.seq_len={dc.seq_len} is longer than model.max_seq_len="
+                          f"{m.max_seq_len} (HF max_position_embeddings): raise model.max_seq_len "
+                          "or shorten data.seq_len")
     run_dir = Path(tc.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     backend = (TorchBackend if tc.backend == "torch" else JaxBackend)(cfg)
@@ -745,21 +845,31 @@ def main(argv):
     tokens_per_step, flops = dc.global_batch * dc.seq_len, model.flops_per_token(m, dc.seq_len)
 
     # --- params: resume this run, or start a stage from another checkpoint, or initialise
-    last_saved, start, loader_pos, window = restore(backend, cfg)  # window: losses since the last log line
-    if tc.loss.startswith("dpo"):  # the start is the reference: its log-probs, before the first step changes it
-        reference_logps(backend, cfg, dict(train=instances, **({"heldout": heldout} if heldout else {})))
-    rows_per_item = tc.grpo_group if tc.loss == "grpo" else 1  # GRPO: global_batch counts completions, G a prompt
-    check = dict(max_period=dc.repetition_max_period, min_period=dc.repetition_min_period,
-                 max_count=dc.repetition_max_count) if dc.instance_filter else None
-    loader = data.Loader(instances, dc.global_batch // rows_per_item, dc.seed, world=backend.world,
+    # window: the losses since the last log line
+    last_saved, start, loader_pos, window = restore(backend, cfg)
+    if tc.loss.startswith("dpo"):  # the start is the reference: its log-probs, before any step
+        splits = dict(train=instances)
+        if heldout:
+            splits["heldout"] = heldout
+        reference_logps(backend, cfg, splits)
+    # GRPO: global_batch counts completions, G a prompt
+    per_item = tc.grpo_group if tc.loss == "grpo" else 1
+    check = None
+    if dc.instance_filter:
+        check = dict(max_period=dc.repetition_max_period, min_period=dc.repetition_min_period,
+                     max_count=dc.repetition_max_count)
+    loader = data.Loader(instances, dc.global_batch // per_item, dc.seed, world=backend.world,
                          ranks=backend.ranks, start_step=loader_pos, vocab_size=m.vocab_size,
                          instance_filter=check)
-    if tc.epochs:  # resolved here, from the data, before anything reads them (and saved so in config.json)
+    if tc.epochs:  # resolved from the data before anything reads them (saved so in config.json)
         tc.steps = tc.epochs * loader.batches_per_epoch
     if tc.warmup_fraction:
-        tc.warmup = round(tc.warmup_fraction * tc.steps * (tokens_per_step if tc.units == "tokens" else 1))
-    # The step's rows: the loader's, or (GRPO) completions sampled from the policy of the moment for its prompts.
-    make_batch = (lambda step, b: rollouts(backend, cfg, b, step, tok)) if tc.loss == "grpo" else lambda step, b: b
+        unit = tokens_per_step if tc.units == "tokens" else 1
+        tc.warmup = round(tc.warmup_fraction * tc.steps * unit)
+
+    def make_batch(step, batch):  # the loader's rows, or (GRPO) completions of its prompts
+        return rollouts(backend, cfg, batch, step, tok) if tc.loss == "grpo" else batch
+
     metrics_path = run_dir / "metrics.jsonl" if lead else None
     if lead:
         save_json(cfg, run_dir / "config.json")
@@ -767,13 +877,15 @@ def main(argv):
     # what this run is: the config, params, the batch arithmetic, the layout, the data
     print(describe(cfg))
     print(f"params {model.count_params(m):,} (by tensor: python model.py CONFIG)")
-    print(f"tokens/step {tokens_per_step:,} = global_batch {dc.global_batch} x seq_len {dc.seq_len}; "
-          f"{backend.world} data-parallel rank(s) x {backend.accum} micro-batch(es) of {backend.micro}; "
-          f"FLOPs/token {flops / 1e6:,.1f}M")
+    print(f"tokens/step {tokens_per_step:,} = global_batch {dc.global_batch} x seq_len "
+          f"{dc.seq_len}; {backend.world} data-parallel rank(s) x {backend.accum} micro-batch(es) "
+          f"of {backend.micro}; FLOPs/token {flops / 1e6:,.1f}M")
     print("\n".join(backend.layout))
-    print(f"backend {tc.backend}; peak " + (f"{backend.peak / 1e12:.0f} TFLOP/s per device" if backend.peak else "unknown: MFU n/a"))
-    print(f"data: {instances.n:,} instances of {dc.seq_len}, {loader.batches_per_epoch:,} steps per epoch"
-          + (f"; held-out {heldout.n:,} instances" if heldout else "; no held-out split"))
+    peak = f"{backend.peak / 1e12:.0f} TFLOP/s per device" if backend.peak else "unknown: MFU n/a"
+    print(f"backend {tc.backend}; peak {peak}")
+    split = f"held-out {heldout.n:,} instances" if heldout else "no held-out split"
+    print(f"data: {instances.n:,} instances of {dc.seq_len}, {loader.batches_per_epoch:,} steps "
+          f"per epoch; {split}")
     tasks = in_loop_tasks(cfg, tok, backend)
 
     # --- stop cleanly on SIGTERM / Ctrl-C: finish the step, save, exit
@@ -781,46 +893,39 @@ def main(argv):
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: stop.update(signal=signal.Signals(signum).name))
 
-    # --- the loop
-    bar = tqdm(range(start + 1, tc.steps + 1), initial=start, total=tc.steps, desc="train", dynamic_ncols=True,
-               disable=not lead)
-    # pending: (step, lr, metrics still on the device)
-    t_last, pending, masked = time.perf_counter(), [], []
+    # --- the loop: step -> log? -> eval? -> save? -> stop?
+    bar = tqdm(range(start + 1, tc.steps + 1), initial=start, total=tc.steps, desc="train",
+               dynamic_ncols=True, disable=not lead)
+    t_last, pending, masked = time.perf_counter(), [], []  # pending: (step, lr, metrics on device)
     for step, (_, batch) in zip(bar, loader):
-        # instances the instance filter masked (this process's rows)
-        masked.append(batch.pop("masked", 0))
+        masked.append(batch.pop("masked", 0))  # the instance filter's, of this process's rows
         lr = lr_at(step, tc, tokens_per_step, tc.steps)
-        pending.append((step, lr, backend.step(make_batch(step, batch), lr)))  # JAX returns at once: runs meanwhile
+        out = backend.step(make_batch(step, batch), lr)  # JAX returns at once: it runs meanwhile
+        pending.append((step, lr, out))
         logging = step % tc.log_every == 0 or step == tc.steps
         evaluating = ec.every and step % ec.every == 0 and step != tc.steps
-        stopping = stop["signal"]  # read once: a signal that lands later is this same path after the next step
+        stopping = stop["signal"]  # read once: a later signal takes this path after the next step
         saving = step % tc.checkpoint_every == 0 or step == tc.steps or stopping
         if not (logging or evaluating or saving):
-            if len(pending) > 1:  # one step ahead, no more: the next batch is read while this step runs
+            if len(pending) > 1:  # one step ahead, no more: the next batch is read while it runs
                 jax.block_until_ready(pending[-2][2])
             continue
-        for s, lr, out in pending:  # the host reads the device here only, every step's values at once
-            out = {k: np.asarray(v).item() for k, v in jax.device_get(out).items()}
-            window.append(out["loss"])
-            if not math.isfinite(out["loss"]) and not tc.skip_step:
-                raise FloatingPointError(f"loss is {out['loss']} at step {s}; last good checkpoint: "
-                                         f"{last_saved or 'none'} (the update was not applied; lower train.lr or "
-                                         "set train.skip_step=true)")
+        out = read_pending(pending, window, tc, last_saved)
         pending, record = [], {}
         if logging:
             tps = len(window) * tokens_per_step / (time.perf_counter() - t_last)
             mfu = flops * tps / (backend.peak * backend.n_devices) if backend.peak else None
-            record = dict(step=step, loss=sum(window) / len(window), lr=lr, grad_norm=out["grad_norm"],
-                          tokens_per_s=tps, skipped=out["skipped"], mfu=mfu, tokens=step * tokens_per_step,
+            record = dict(step=step, loss=sum(window) / len(window), lr=lr,
+                          grad_norm=out["grad_norm"], tokens_per_s=tps, skipped=out["skipped"],
+                          mfu=mfu, tokens=step * tokens_per_step,
                           **{k: out[k] for k in POSTTRAIN_METRICS + ("ce",) if k in out})
-            # the fraction of this process's instances masked since the last line
-            if dc.instance_filter:
-                record["masked"] = sum(masked) / (len(masked) * dc.global_batch
-                                                  * len(backend.ranks) / backend.world)
+            if dc.instance_filter:  # the fraction of this process's instances masked since then
+                rows = len(masked) * dc.global_batch * len(backend.ranks) / backend.world
+                record["masked"] = sum(masked) / rows
             t_last, window, masked = time.perf_counter(), [], []
         if evaluating:
-            record = {"step": step, **record, **held_out_eval(backend, heldout, cfg, token_bytes, ec.batches),
-                      **task_eval(backend, tasks)}
+            held = held_out_eval(backend, heldout, cfg, token_bytes, ec.batches)
+            record = {"step": step, **record, **held, **task_eval(backend, tasks)}
             t_last = time.perf_counter()  # tokens/s measures training only
         if record and lead:
             log(record, metrics_path, bar.write)
@@ -831,42 +936,45 @@ def main(argv):
             print(f"{stopping}: saved {last_saved}; rerun the same command to continue")
             return
     bar.close()
-    # Saved: from here a signal stops the final eval, plot and sample at once (exit 130 or 143), not at their end.
+    # Saved: from here a signal stops the final eval, plot and sample at once (exit 130 or 143).
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
-    # --- the end: held-out bits per byte against a unigram model, downstream tasks, the plot, a sample
+    # --- the end: held-out bits per byte against a unigram model, tasks, the plot, a sample
     final = held_out_eval(backend, heldout, cfg, token_bytes, 0)
     if final and lead and "eval_bpb" in final:
         line = f"held-out loss {final['eval_loss']:.4f} nats/token"
-        if final["eval_bpb"] is not None and not heldout.files[0].has_mask:  # (a unigram of chat data: not comparable)
-            final["unigram_bpb"] = evaluate.unigram_bpb(instances, heldout, token_bytes, m.vocab_size)
-            line += f", {final['eval_bpb']:.4f} bits/byte (a unigram model of the training tokens: {final['unigram_bpb']:.4f})"
+        if final["eval_bpb"] is not None and not heldout.files[0].has_mask:  # (chat: no unigram)
+            unigram = evaluate.unigram_bpb(instances, heldout, token_bytes, m.vocab_size)
+            final["unigram_bpb"] = unigram
+            line += (f", {final['eval_bpb']:.4f} bits/byte (a unigram model of the training "
+                     f"tokens: {unigram:.4f})")
         print(line)
     if "eval_accuracy" in final and lead:
-        print(f"held-out pairs: DPO loss {final['eval_loss']:.4f}, chosen preferred {100 * final['eval_accuracy']:.1f}%, "
-              f"mean margin {final['eval_margin']:.3f}")
+        print(f"held-out pairs: DPO loss {final['eval_loss']:.4f}, chosen preferred "
+              f"{100 * final['eval_accuracy']:.1f}%, mean margin {final['eval_margin']:.3f}")
     final.update(task_eval(backend, tasks))
     if lead:
         log(dict(step=tc.steps, **final), None, print)  # (no "loss": the accuracies' line only)
         if final:
-            (run_dir / "final.json").write_text(json.dumps(dict(step=tc.steps, **final), indent=1) + "\n")
+            final_json = json.dumps(dict(step=tc.steps, **final), indent=1)
+            (run_dir / "final.json").write_text(final_json + "\n")
         evaluate.plot([run_dir], run_dir / "loss.png")
-    print(f"checkpoint {last_saved}; metrics {run_dir / 'metrics.jsonl'}; plot {run_dir / 'loss.png'}")
-    if ec.prompt and tok is not None and backend.processes == 1:  # (the sampler wants every weight on one host)
+    print(f"checkpoint {last_saved}; metrics {run_dir / 'metrics.jsonl'}; "
+          f"plot {run_dir / 'loss.png'}")
+    if ec.prompt and tok is not None and backend.processes == 1:  # (the sampler: all weights here)
         ids = tok.enc.encode(ec.prompt, allowed_special="all")
-        new, _ = evaluate.generate(backend.host_params(), m, ids, ec.sample_tokens, temperature=ec.temperature,
-                                   eos=m.eos_token_id, seed=tc.init_seed, tokenizer_size=tok.vocab_size)
+        new, _ = evaluate.generate(backend.host_params(), m, ids, ec.sample_tokens,
+                                   temperature=ec.temperature, eos=m.eos_token_id,
+                                   seed=tc.init_seed, tokenizer_size=tok.vocab_size)
         print(f"sample: {ec.prompt}{tok.decode(new)!r}")
 
 
 # --- bench --------------------------------------------------------------------------------------
 
 def bench_rows(cfg, platform, cuda):
-    """[(label, dtype, on the accelerator, make)] of --bench; make(tokens) -> (step, peak FLOP/s,
-    devices). JAX with each attention this device runs (splash only on TPUs: elsewhere interpreted,
-    not a speed), torch eager and compiled where torch runs on JAX's device, transformers, the
-    reference. Only rows that can run: a kernel that refuses a case (cuDNN in fp32) is left out."""
+    """[(label, dtype, on the accelerator, make)] of --bench, make(tokens) -> (step, peak FLOP/s,
+    devices): the rows that can run here (docs/training.md)."""
     m, tc = cfg.model, cfg.train
     dtypes = ("float32", "bfloat16")
     rows = []
@@ -889,8 +997,8 @@ def bench_rows(cfg, platform, cuda):
     for dtype in dtypes if cuda else (tc.compute_dtype,):  # (torch's bf16 on a CPU is not its path)
         for attention in ["sdpa", "flex"] if cuda else ["sdpa"]:
             for compiled in (False, True):
-                run = changed(model=dict(attention=attention),
-                              train=dict(compute_dtype=dtype, compile=compiled))
+                train = dict(compute_dtype=dtype, compile=compiled)
+                run = changed(model=dict(attention=attention), train=train)
                 how = "compiled" if compiled else "eager"
                 label = f"nanolmo torch {attention} {how} ({device}, {dtype})"
                 rows.append((label, dtype, cuda, partial(BenchRow.of, TorchBackend, run)))
@@ -936,15 +1044,13 @@ class BenchRow:
             if device == "cuda":
                 torch.cuda.synchronize()  # (the JAX rows block on their output)
         kind = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-        return step, getattr(shard.device_named(kind), "peak", None), 1
+        return step, peak_flops(kind), 1
 
 
 def bench(argv, steps=10, rounds=3, seconds=5.0):
-    """Tokens/s of train steps of the configured model and batch in each backend, in one process
-    (bench_rows). Each row warms up (2 untimed steps), then is timed in `rounds` rounds of `steps`
-    steps (fewer past `seconds`), keeping its best. On a CPU (shared, noisy) the rows take turns
-    round by round; on an accelerator each runs alone, torch's first, its memory freed before the
-    next (JAX's allocator keeps what it took until the process ends)."""
+    """Tokens/s of train steps of the configured model and batch, every bench_rows row in one
+    process: 2 untimed steps, then the best of `rounds` rounds of `steps` steps (fewer past
+    `seconds`); how rows share the device: docs/training.md."""
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # else JAX takes 75% of a GPU
     cfg = load_config(argv)
     m, B, T = cfg.model, cfg.data.global_batch, cfg.data.seq_len
@@ -952,10 +1058,10 @@ def bench(argv, steps=10, rounds=3, seconds=5.0):
     flops = model.flops_per_token(m, T)
     platform = jax.default_backend()
     rows = bench_rows(cfg, platform, torch.cuda.is_available())
-    if platform == "cpu":
-        groups = [list(range(len(rows)))]  # all at once, taking turns
-    else:
-        later = lambda i: rows[i][0].startswith("nanolmo JAX")  # noqa: E731  (JAX's memory stays)
+    if platform == "cpu":  # (shared, noisy) all at once, taking turns round by round
+        groups = [list(range(len(rows)))]
+    else:  # each alone, freed before the next; JAX's last: its allocator keeps what it took
+        later = lambda i: rows[i][0].startswith("nanolmo JAX")  # noqa: E731
         groups = [[i] for i in sorted(range(len(rows)), key=later)]
     best, reps, peaks = [0.0] * len(rows), [steps] * len(rows), [None] * len(rows)
     for group in groups:
