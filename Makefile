@@ -92,6 +92,7 @@ $(DATA)/arith-%/prepare.json: $(ARITH) $(DATA)/bpe4096.tiktoken
 posttrain: $(DATA)/arith-sft/prepare.json $(DATA)/arith-dpo/prepare.json
 	test -f runs/tiny/step_1350/nanolmo.json || $(MAKE) demo
 	$(PY) train.py configs/tiny.toml configs/tiny-sft.toml
+	rm -f $(DATA)/arith-dpo/reference_logps.npz  # the new SFT model is DPO's reference: computed again
 	$(PY) train.py configs/tiny.toml configs/tiny-dpo.toml
 	$(PY) train.py configs/tiny.toml configs/tiny-grpo.toml
 	$(PY) eval.py exact runs/tiny/step_1350 runs/tiny-sft/step_600 runs/tiny-dpo/step_150 runs/tiny-grpo/step_200 \
