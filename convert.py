@@ -1,5 +1,6 @@
-"""Checkpoints in and out. Every OLMo checkpoint format converts to ours (an HF model directory,
-DESIGN §3) and back out as a release-style HF directory; `check` measures how close two models are.
+"""Checkpoints in and out. Every OLMo checkpoint format converts to ours (an HF model directory:
+config.json + model.safetensors) and back out as a release-style HF directory; `check` measures how
+close two models are.
 
     python convert.py SRC OUT [--dtype bfloat16] [--config FILE]   # any OLMo checkpoint -> ours
     python convert.py SRC OUT --to-hf [--tokenizer dolma2] [--shard-size 5]  # -> release-style HF

@@ -11,7 +11,7 @@ Token files are OLMo-core's (raw little-endian uint16 or uint32 ids, no header, 
 document), so its own read as they are; PART.json and PART.docs.npy beside each map tokens to
 documents.
 
-The order (DESIGN §4, OLMo-core NumpyFSLDataLoader): instance k of a file is tokens [k·T, (k+1)·T),
+The order (OLMo-core NumpyFSLDataLoader): instance k of a file is tokens [k·T, (k+1)·T),
 the tail dropped; ids run over files in mix order; epoch e (from 1) shuffles arange(N) with
 PCG64(seed + e); global batch b is row b of it in rows of G (the N mod G tail sits out); rank r
 takes row[r::world].
@@ -57,7 +57,7 @@ from configs import in_range, read_json, run_cli
 PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
            r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 CL100K_SHA256 = "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7"
-DOLMA2_ADDED = {  # reference/olmo-facts.md §4.2: all 22 added tokens; HF matches each in text
+DOLMA2_ADDED = {  # all 22 added tokens of allenai_dolma2.json; HF matches each in text
     "<|extra_id_0|>": 100256, "<|endoftext|>": 100257, "<|fim_prefix|>": 100258,
     "<|fim_middle|>": 100259, "<|fim_suffix|>": 100260, "|||PHONE_NUMBER|||": 100261,
     "|||EMAIL_ADDRESS|||": 100262, "|||IP_ADDRESS|||": 100263, "<|im_start|>": 100264,
