@@ -15,7 +15,6 @@ Only context parallelism (`attention`) writes its communication by hand. Measure
 these choices: docs/sharding.md#notes-from-shardpy.
 """
 
-import argparse
 import glob
 import hashlib
 import math
@@ -434,39 +433,23 @@ def compiler_options(mesh, dtype):
 
 # --- the ahead-of-time plan: the train step compiled for a mesh we do not have -----------------
 
-def plan(argv, make_step, new_history):
-    """python train.py plan CONFIG.toml... [--mesh data=D,fsdp=F,context=C,tensor=T] [--device v5p]
-    [--devices 256] [--batch B --seq T] [--topology v5p:8x8x4] [--section.key=value ...]: the train
-    step compiled for the config's target (mesh.device x mesh.devices, its mesh; flags change them)
-    and its memory per device, read off the compiler, against what JAX can use there. The step is
-    train.py's, passed in (make_step(cfg, mesh), new_history() its skip-step state), so that nothing
-    here imports train.py."""
-    ap = argparse.ArgumentParser(prog="train.py plan", description=plan.__doc__)
-    ap.add_argument("configs", nargs="+")
-    ap.add_argument("--mesh", default="", help="data=D,fsdp=F,context=C,tensor=T: these axes")
-    ap.add_argument("--device", choices=sorted(DEVICES), help="the target's; default mesh.device")
-    ap.add_argument("--devices", type=int, help="how many of them; default mesh.devices")
-    ap.add_argument("--batch", type=int,
-                    help="instances per step (global); default data.global_batch")
-    ap.add_argument("--seq", type=int, help="tokens per instance; default data.seq_len")
-    ap.add_argument("--topology", help="with libtpu: compile for this TPU topology, e.g. v5p:8x8x4")
-    args, extra = ap.parse_known_args(argv)  # extra: --section.key=value config overrides
-    flags = [f"--mesh.{axis}" for axis in args.mesh.split(",") if axis]
-    given = {"mesh.device": args.device, "mesh.devices": args.devices,
-             "data.global_batch": args.batch, "data.seq_len": args.seq}
-    flags += [f"--{key}={value}" for key, value in given.items() if value]
-    cfg = load_config(args.configs + extra + flags)
+def plan(cfg, names, topology, make_step, new_history):
+    """The train step compiled for cfg's target (mesh.device x mesh.devices, its mesh) and its
+    memory per device, read off the compiler, against what JAX can use there (`train.py plan`
+    parses the command line). names: the config files, for messages. topology: a libtpu TPU
+    topology, or None for fake CPU devices. The step is train.py's, passed in (make_step(cfg, mesh),
+    new_history() its skip-step state), so that nothing here imports train.py."""
     m, dc, tc, target = cfg.model, cfg.data, cfg.train, cfg.mesh
     if not (target.device and target.devices):
-        raise ConfigError(f"{' + '.join(args.configs)} names no target to plan for: set "
+        raise ConfigError(f"{' + '.join(names)} names no target to plan for: set "
                           "mesh.device and mesh.devices in the config (e.g. [mesh] device = "
                           "\"v5p\", devices = 256) or pass --device and --devices")
     if target.device not in DEVICES:
         raise ConfigError(f"mesh.device={target.device!r}: plan knows {', '.join(DEVICES)}")
     n = target.devices
-    if args.topology:
-        devices = topologies.get_topology_desc(args.topology, "tpu").devices
-        caveat = f"TPU compiler for {args.topology} (libtpu): its own memory figures"
+    if topology:
+        devices = topologies.get_topology_desc(topology, "tpu").devices
+        caveat = f"TPU compiler for {topology} (libtpu): its own memory figures"
     else:
         jax.config.update("jax_num_cpu_devices", n)  # must happen before anything touches a backend
         devices = jax.devices()
@@ -474,7 +457,7 @@ def plan(argv, make_step, new_history):
                   "reduce-scatter, so 'temporary' over-states what a TPU/GPU needs; params and "
                   "optimizer state are exact")
     if len(devices) < n:
-        raise ValueError(f"--topology {args.topology} has {len(devices)} devices, the target {n}")
+        raise ValueError(f"--topology {topology} has {len(devices)} devices, the target {n}")
     mesh = make_mesh(target, devices[:n])
     _, micro, accum = check_batch(dc.global_batch, tc.micro_batch, dp_size(mesh), mesh_where(mesh))
     check_mesh(mesh.shape, m, dc.seq_len)

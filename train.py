@@ -14,6 +14,7 @@ host_params) around one loader, schedule and checkpoint format, so the loop has 
 post-training is the same loop on other data and train.loss. Run directories: docs/training.md.
 """
 
+import argparse
 import dataclasses
 import gc
 import importlib.util
@@ -1100,9 +1101,34 @@ def bench(argv, steps=10, rounds=3, seconds=5.0):
           f"against transformers in its dtype where that has a row; malloc: {malloc})")
 
 
+def plan(argv):
+    """python train.py plan CONFIG.toml... [--mesh data=D,fsdp=F,context=C,tensor=T] [--device v5p]
+    [--devices 256] [--batch B --seq T] [--topology v5p:8x8x4] [--section.key=value ...]: the train
+    step compiled for the config's target (mesh.device x mesh.devices, its mesh; flags change
+    them) and its memory per device, read off the compiler, against what JAX can use there
+    (shard.plan)."""
+    ap = argparse.ArgumentParser(prog="train.py plan", description=plan.__doc__)
+    ap.add_argument("configs", nargs="+")
+    ap.add_argument("--mesh", default="", help="data=D,fsdp=F,context=C,tensor=T: these axes")
+    ap.add_argument("--device", choices=sorted(shard.DEVICES),
+                    help="the target's; default mesh.device")
+    ap.add_argument("--devices", type=int, help="how many of them; default mesh.devices")
+    ap.add_argument("--batch", type=int,
+                    help="instances per step (global); default data.global_batch")
+    ap.add_argument("--seq", type=int, help="tokens per instance; default data.seq_len")
+    ap.add_argument("--topology", help="with libtpu: compile for this TPU topology, e.g. v5p:8x8x4")
+    args, extra = ap.parse_known_args(argv)  # extra: --section.key=value config overrides
+    flags = [f"--mesh.{axis}" for axis in args.mesh.split(",") if axis]
+    given = {"mesh.device": args.device, "mesh.devices": args.devices,
+             "data.global_batch": args.batch, "data.seq_len": args.seq}
+    flags += [f"--{key}={value}" for key, value in given.items() if value]
+    cfg = load_config(args.configs + extra + flags)
+    shard.plan(cfg, args.configs, args.topology, make_train_step, new_history)
+
+
 def cli(args):
     if args[:1] == ["plan"]:
-        shard.plan(args[1:], make_train_step, new_history)
+        plan(args[1:])
     elif "--bench" in args:
         bench([a for a in args if a != "--bench"])
     else:
