@@ -385,7 +385,7 @@ def read_winogrande(rec, at):
     return dict(_strings(rec, ("option1", "option2"), at), sentence=sentence, gold=int(answer) - 1)
 
 
-def read_rows(path):
+def read_task_file(path):
     """(where, record) per row of .jsonl(.gz), a JSON array or an OLMES request dump (its docs),
     with labels from a sibling NAME-labels.lst (PIQA, WinoGrande)."""
     path = Path(path)
@@ -443,7 +443,7 @@ def load_task(name, root, limit=0):
     found = [f for f in files if f.is_file()]
     if not found:
         raise FileNotFoundError(f"{name}: none of {', '.join(map(str, files))} exists")
-    return [reader(rec, at) for at, rec in read_rows(found[0])[:limit or None]], found[0]
+    return [reader(rec, at) for at, rec in read_task_file(found[0])[:limit or None]], found[0]
 
 
 # --- the eight tasks: prompts (OLMES, and the lm-eval v0.3 ones Catwalk used) -------------------

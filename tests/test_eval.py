@@ -41,7 +41,7 @@ def test_requests_equal_the_olmes_dumps():
     for f in dumps:
         task, shots = f.name.split(".")[0].rsplit("_rc_", 1)
         shots = int(shots.removesuffix("shot"))
-        docs = ([ev.read_hellaswag(r, at) for at, r in ev.read_rows(f)] if task == "hellaswag"
+        docs = ([ev.read_hellaswag(r, at) for at, r in ev.read_task_file(f)] if task == "hellaswag"
                 else ev.load_task(task, SHARED)[0])
         items = [ev.render(task, d, "olmes", shots) for d in docs]
         seen, bad = set(), []
