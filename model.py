@@ -40,7 +40,7 @@ from torch.utils.checkpoint import checkpoint
 from configs import ModelConfig, describe, load_config, run_cli
 
 IGNORE_INDEX = -100  # labels equal to this add nothing to the loss (as in HF and OLMo-core)
-Q_BLOCK = 256  # `attend` takes longer query sequences in blocks of this many
+Q_BLOCK = 256  # `attend_in_blocks` takes longer query sequences in blocks of this many
 
 
 # --- the parameter table (both backends) ----------------------------------------------------------
@@ -294,7 +294,19 @@ def segment_ids(tokens, eos):
 
 
 # exercise: gqa
-def attend(q, k, v, window, scale, segments=None, offset=0):
+def attend(q, k, v, seg, scale, first, lo, window):
+    """Queries at positions first.. against keys at lo..: q (B, Tq, N, H), k and v (B, S, K, H) ->
+    (B, Tq, N, H)."""
+    q_pos, k_pos = first + jnp.arange(q.shape[1]), lo + jnp.arange(k.shape[1])
+    mask = attention_mask(q_pos, k_pos, window)[None, None]  # (1, 1, Tq, S)
+    if seg is not None:
+        mask = mask & (seg[0][:, None, :, None] == seg[1][:, None, None, :])  # (B, 1, Tq, S)
+    with matmul_precision(q.dtype):
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale)
+
+
+# exercise: gqa
+def attend_in_blocks(q, k, v, window, scale, segments=None, offset=0):
     """Softmax attention on XLA (any device), q (B, Tq, N, H), k and v (B, S, K, H) ->
     (B, Tq, N, H). GQA: query head n reads kv head n // (N/K) (HF repeat_kv). `window` is a Python
     int (0 = full causal). Past Q_BLOCK queries go in blocks, one at a time under lax.map and each
@@ -313,7 +325,7 @@ def attend(q, k, v, window, scale, segments=None, offset=0):
         lo = max(0, offset - window + 1) if window else 0
         end = offset + Tq
         seg = None if segments is None else (segments[:, offset:end], segments[:, lo:end])
-        return attend_block(q, k[:, lo:end], v[:, lo:end], seg, scale, offset, lo, window)
+        return attend(q, k[:, lo:end], v[:, lo:end], seg, scale, offset, lo, window)
     step = min(Tq, Q_BLOCK, window // 2 or Q_BLOCK)
     n = -(-Tq // step) * step  # queries padded to whole blocks; the extra rows are cut at the end
     q = pad_t(q, n - Tq)
@@ -325,22 +337,10 @@ def attend(q, k, v, window, scale, segments=None, offset=0):
         cut = partial(t_slice, start_index=lo, slice_size=size)
         seg = None if segments is None else (t_slice(qseg, first, step), cut(segments))
         q_block = t_slice(q, first, step)
-        return attend_block(q_block, cut(k), cut(v), seg, scale, offset + first, lo, window)
+        return attend(q_block, cut(k), cut(v), seg, scale, offset + first, lo, window)
 
     out = jax.lax.map(jax.checkpoint(one), jnp.arange(0, n, step))  # (n / step, B, step, N, H)
     return jnp.moveaxis(out, 0, 1).reshape(q.shape)[:, :Tq]
-
-
-# exercise: gqa
-def attend_block(q, k, v, seg, scale, first, lo, window):
-    """Queries at positions first.. against keys at lo..: q (B, Tq, N, H), k and v (B, S, K, H) ->
-    (B, Tq, N, H)."""
-    q_pos, k_pos = first + jnp.arange(q.shape[1]), lo + jnp.arange(k.shape[1])
-    mask = attention_mask(q_pos, k_pos, window)[None, None]  # (1, 1, Tq, S)
-    if seg is not None:
-        mask = mask & (seg[0][:, None, :, None] == seg[1][:, None, None, :])  # (B, 1, Tq, S)
-    with matmul_precision(q.dtype):
-        return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale)
 
 
 # --- the layer: QKV projection, attention sublayer, MLP, block ------------------------------------
@@ -655,10 +655,10 @@ def splash_kernel(Tq, S, N, window, offset, interpret):
 
 
 def splash_attend(q, k, v, window, scale, segments=None, offset=0):
-    """attend on TPUs (attend's arguments); elsewhere the same kernel interpreted (slow, exact: what
-    the tests compare). Chosen where the step is lowered (platform_dependent): a CPU host compiling
-    for a TPU gets the real kernel. A traced offset (context parallelism) picks its shard's
-    kernel."""
+    """attend_in_blocks on TPUs (the same arguments); elsewhere the same kernel interpreted (slow,
+    exact: what the tests compare). Chosen where the step is lowered (platform_dependent): a CPU
+    host compiling for a TPU gets the real kernel. A traced offset (context parallelism) picks its
+    shard's kernel."""
     Tq, S = q.shape[1], k.shape[1]
     # Padded to the kernel's 128 lanes: causality hides the padded keys, and the padded rows are cut
     Tqp, Sp = -(-Tq // 128) * 128, -(-S // 128) * 128
@@ -687,14 +687,16 @@ def splash_attend(q, k, v, window, scale, segments=None, offset=0):
 
 
 def cudnn_attend(q, k, v, window, scale):
-    """attend on NVIDIA GPUs: cuDNN's flash kernel skips the masked blocks itself. bf16/fp16 only,
-    no document ids or offset (JAX's call has none): pick_attention sends those to xla."""
+    """attend_in_blocks on NVIDIA GPUs: cuDNN's flash kernel skips the masked blocks itself.
+    bf16/fp16 only, no document ids or offset (JAX's call has none): pick_attention sends those to
+    xla."""
     window = (window - 1, 0) if window else None
     return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
                                         implementation="cudnn", local_window_size=window)
 
 
-ATTEND = {"xla": attend, "splash": splash_attend, "cudnn": cudnn_attend}  # model.attention -> JAX's
+# model.attention's choice -> the JAX function that computes it
+ATTEND = {"xla": attend_in_blocks, "splash": splash_attend, "cudnn": cudnn_attend}
 
 
 def accelerator(device=None):

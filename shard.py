@@ -117,11 +117,11 @@ def residual_constraint(mesh):
 
 
 def attention(mesh, m, dtype, documents):
-    """attend's function for model.forward on this mesh (model.pick_attention's, for `dtype` and
-    `documents`: ids or not). GSPMD splits XLA's; a kernel (splash, cudnn) is a custom call it
-    would gather whole, so it runs under shard_map on each device's instances and heads. With a
-    context axis each device gathers the keys, values and ids, and attends from its queries'
-    offset (docs/longctx.md)."""
+    """The attention function (model.ATTEND's) for model.forward on this mesh
+    (model.pick_attention's, for `dtype` and `documents`: ids or not). GSPMD splits XLA's; a kernel
+    (splash, cudnn) is a custom call it would gather whole, so it runs under shard_map on each
+    device's instances and heads. With a context axis each device gathers the keys, values and ids,
+    and attends from its queries' offset (docs/longctx.md)."""
     context, impl = mesh.shape["context"], attention_impl(mesh, m, dtype, documents)
     if context == 1 and (impl == "xla" or mesh.devices.size == 1):
         return model.ATTEND[impl]

@@ -132,7 +132,7 @@ def test_xla_work_grows_with_the_window():
     shape = jax.ShapeDtypeStruct((1, 2048, 4, 64), jnp.float32)
 
     def flops(window, block):
-        f = jax.jit(lambda q, k, v: model.attend(q, k, v, window, 0.125))
+        f = jax.jit(lambda q, k, v: model.attend_in_blocks(q, k, v, window, 0.125))
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(model, "Q_BLOCK", block)
             return f.lower(shape, shape, shape).compile().cost_analysis()["flops"]
