@@ -310,15 +310,11 @@ def attend_in_blocks(q, k, v, window, scale, segments=None, offset=0):
     """Softmax attention on XLA (any device), q (B, Tq, N, H), k and v (B, S, K, H) ->
     (B, Tq, N, H). GQA: query head n reads kv head n // (N/K) (HF repeat_kv). `window` is a Python
     int (0 = full causal). Past Q_BLOCK queries go in blocks, one at a time under lax.map and each
-    recomputed in the backward pass, so no (N, Tq, S) scores are ever kept: on a sliding layer a
-    block is W/2 queries (at most Q_BLOCK) reading only its 1.5W - 1 keys, so work and memory grow
-    with min(W, T) (a third of the scores masked; blocks of W mask half, and at W 128 took twice as
-    long on a CPU); on full layers each block scores all S keys, masked. (A Python loop of blocks,
-    each cut to the keys before it, halves the full layers' work but lets XLA schedule every block
-    at once: 16.7 GiB of temporaries for one 8192-token layer's gradient against 1.1 GiB here. The
-    kernels skip the hidden blocks.) segments (B, S) or None: queries read only keys of their own
-    document. Softmax in fp32. offset: where q's rows sit among the keys; 0 (the same T) unless q is
-    one context-parallel shard of the sequence (shard.attention), and then it is traced."""
+    recomputed in the backward pass, so no (N, Tq, S) scores are ever kept; a sliding layer's block
+    is W/2 queries (at most Q_BLOCK) reading only its 1.5W - 1 keys, so work grows with min(W, T)
+    (why this shape, with timings: docs/backends.md). segments (B, S) or None: queries read only
+    keys of their own document. Softmax in fp32. offset: where q's rows sit among the keys; 0
+    unless q is one context-parallel shard of the sequence (shard.attention), and then traced."""
     Tq, S = q.shape[1], k.shape[1]
     t_slice = partial(jax.lax.dynamic_slice_in_dim, axis=1)  # (x, start, size) along T
     if Tq <= Q_BLOCK and isinstance(offset, int):  # one block: only the keys it can see

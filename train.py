@@ -899,7 +899,8 @@ def main(argv):
                dynamic_ncols=True, disable=not lead)
     t_last, pending, masked = time.perf_counter(), [], []  # pending: (step, lr, metrics on device)
     for step, (_, batch) in zip(bar, loader):
-        masked.append(batch.pop("masked", 0))  # the instance filter's, of this process's rows
+        if "masked" in batch:  # data.instance_filter: the share of this process's rows it masked
+            masked.append(batch.pop("masked") / len(batch["tokens"]))
         lr = lr_at(step, tc, tokens_per_step, tc.steps)
         out = backend.step(make_batch(step, batch), lr)  # JAX returns at once: it runs meanwhile
         pending.append((step, lr, out))
@@ -920,9 +921,8 @@ def main(argv):
                           grad_norm=out["grad_norm"], tokens_per_s=tps, skipped=out["skipped"],
                           mfu=mfu, tokens=step * tokens_per_step,
                           **{k: out[k] for k in POSTTRAIN_METRICS + ("ce",) if k in out})
-            if dc.instance_filter:  # the fraction of this process's instances masked since then
-                rows = len(masked) * dc.global_batch * len(backend.ranks) / backend.world
-                record["masked"] = sum(masked) / rows
+            if masked:  # over the steps since the last line
+                record["masked"] = sum(masked) / len(masked)
             t_last, window, masked = time.perf_counter(), [], []
         if evaluating:
             held = held_out_eval(backend, heldout, cfg, token_bytes, ec.batches)
