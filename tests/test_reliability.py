@@ -137,8 +137,8 @@ def test_truncated_gzip_names_the_file_and_line(setup, ckpt, tmp_path, capsys):
 
 def test_object_arrays_are_refused_by_name(ckpt, tmp_path, capsys):
     bad = tmp_path / "tokens.npy"
-    # A hostile file: an object array is a pickle inside the .npy. Writing it needs allow_pickle; our
-    # reader loads with allow_pickle=False and must refuse it by name, never unpickle it.
+    # A hostile file: an object array is a pickle inside the .npy. Writing it needs allow_pickle;
+    # our reader loads with allow_pickle=False and must refuse it by name, never unpickle it.
     np.save(bad, np.array([[1, 2], [3, None]], dtype=object), allow_pickle=True)
     line = fails(capsys, convert.main, ["check", f"jax:{ckpt}", f"jax:{ckpt}", "--tokens", bad])
     assert f"{bad}: not a readable array of token ids" in line and "int32, int64, uint16, uint32" in line
