@@ -1,18 +1,10 @@
-"""Device meshes and shardings. The model never sees them: train.py asks here how to lay out the
-params, optimizer state and batch, and jit (GSPMD) inserts the communication. Also: torch's torchrun
-+ FSDP2, the piece of each array a process checkpoints, what each device has, and the ahead-of-time
-plan (`python train.py plan`: train.py's step compiled for a mesh you do not have).
+"""Device meshes and shardings: train.py asks here how to lay out the params, optimizer state and
+batch, and jit (GSPMD) inserts the communication; the model never sees a mesh. Also: torchrun +
+FSDP2, the piece of each array a process checkpoints, what each device has, and the ahead-of-time
+plan (`python train.py plan`). Only context parallelism (`attention`) writes its communication by
+hand. Why each choice: docs/sharding.md#notes-from-shardpy.
 
     python shard.py configs/olmo3-7b.toml --mesh.data=1 --mesh.fsdp=-1  # the mesh, param layouts
-
-Mesh axes ("data", "fsdp", "context", "tensor"): a batch's instances split over data × fsdp, their
-T positions over context; params split by their dimensions' logical axes through RULES:
-    embed -> fsdp (FSDP/ZeRO-3: each device keeps 1/fsdp of every weight, gathered for use).
-             Not also over context, as OLMo-core does: the lookup's output would be split on
-             D, and XLA gathers all of it to move it to (instances, positions)
-    heads, kv_heads, mlp, vocab -> tensor (Megatron-style); layers -> not split (the scan walks it)
-Only context parallelism (`attention`) writes its communication by hand. Measurements behind
-these choices: docs/sharding.md#notes-from-shardpy.
 """
 
 import glob
@@ -36,6 +28,8 @@ import model
 from configs import ConfigError, load_config, run_cli
 
 
+# A parameter's logical axis -> the mesh axes it splits over: embed as FSDP/ZeRO-3 (gathered for
+# use), the others Megatron-style; layers not split (the scan walks it)
 RULES = {"embed": ("fsdp",), "heads": ("tensor",), "kv_heads": ("tensor",), "mlp": ("tensor",),
          "vocab": ("tensor",), "layers": ()}
 AXES = ("data", "fsdp", "context", "tensor")
@@ -45,7 +39,7 @@ BATCH = ("data", "fsdp")  # a batch's instances split over these (context splits
 def mesh_shape(mesh_cfg, n_devices):
     """(data, fsdp, context, tensor) with the one -1 filled in; checked against the device count."""
     sizes = [getattr(mesh_cfg, a) for a in AXES]
-    asked = dict(zip(AXES, sizes))  # as given: the last error is reached only without a -1
+    asked = dict(zip(AXES, sizes))  # as given, before the -1 is filled
     if sizes.count(-1) > 1:
         raise ValueError(f"mesh {asked}: at most one axis may be -1")
     known = math.prod(s for s in sizes if s != -1)
@@ -67,8 +61,7 @@ def make_mesh(mesh_cfg, devices=None):
 
 # exercise: fsdp_rules
 def spec_for(name, param, mesh_sizes):
-    """PartitionSpec of one parameter from its logical axes; every split must divide its
-    dimension."""
+    """A parameter's PartitionSpec from its logical axes; each split must divide its dimension."""
     out = []
     for dim, logical in zip(param.shape, param.axes):
         # a mesh axis of size 1 splits nothing
@@ -98,48 +91,43 @@ def state_shardings(mesh, table):
     return p, dict(m=p, v=p, count=replicated(mesh)), replicated(mesh)
 
 
-def batch_sharding(mesh, ndim=2):
-    """Step batches (A micro-batches, B rows, T): rows over data × fsdp, T over context; ndim 1,
-    a value per row (DPO's reference log-prob, GRPO's advantage): (A, B)."""
-    return NamedSharding(mesh, P(None, BATCH, "context") if ndim == 2 else P(None, BATCH))
-
-
 def instance_sharding(mesh, ndim=2):
     """A plain batch of rows (B, T), split over data × fsdp and context; (B,) over data × fsdp."""
     return NamedSharding(mesh, P(BATCH, "context") if ndim == 2 else P(BATCH))
 
 
+def batch_sharding(mesh, ndim=2):
+    """A step's batch (A micro-batches, B rows, T), or a value per row (A, B): A not split."""
+    return NamedSharding(mesh, P(None, *instance_sharding(mesh, ndim).spec))
+
+
 def residual_constraint(mesh):
-    """Pin the residual stream (B, T, D) to (instances over data x fsdp, positions over context):
-    else GSPMD may split it on D like the fsdp weights, whole batches on every device."""
+    """Pin the residual stream (B, T, D) to instances over data x fsdp, positions over context (else
+    GSPMD may split it on D like the weights: docs/sharding.md#notes-from-shardpy)."""
     pinned = NamedSharding(mesh, P(BATCH, "context", None))
     return lambda x: jax.lax.with_sharding_constraint(x, pinned)
 
 
 def attention(mesh, m, dtype, documents):
-    """The attention function (model.ATTEND's) for model.forward on this mesh
-    (model.pick_attention's, for `dtype` and `documents`: ids or not). GSPMD splits XLA's; a kernel
-    (splash, cudnn) is a custom call it would gather whole, so it runs under shard_map on each
-    device's instances and heads. With a context axis each device gathers the keys, values and ids,
-    and attends from its queries' offset (docs/longctx.md)."""
+    """The attention function model.forward calls on this mesh: GSPMD splits XLA's; a kernel (a
+    custom call it would gather whole) or context parallelism runs per device under shard_map."""
     context, impl = mesh.shape["context"], attention_impl(mesh, m, dtype, documents)
+    attend = model.ATTEND[impl]
     if context == 1 and (impl == "xla" or mesh.devices.size == 1):
-        return model.ATTEND[impl]
+        return attend
     qkv, ids = P(BATCH, "context", "tensor", None), P(BATCH, "context")
 
     def attend_fn(q, k, v, window, scale, segments=None):
         def local(q, k, v, *segments):  # q (B/dp, T/C, N/tp, H), k and v (B/dp, T/C, K/tp, H)
             if context == 1:
-                return model.ATTEND[impl](q, k, v, window, scale, *segments)
-
-            def gather(x):  # (B/dp, T, ...): JAX transposes it to a reduce-scatter of dK, dV
-                return jax.lax.all_gather(x, "context", axis=1, tiled=True)
+                return attend(q, k, v, window, scale, *segments)
+            # all T's keys, values and ids (docs/longctx.md); its transpose reduce-scatters dK, dV
+            k, v, *segments = [jax.lax.all_gather(x, "context", axis=1, tiled=True)
+                               for x in (k, v, *segments)]
             offset = jax.lax.axis_index("context") * q.shape[1]
-            segments = [gather(s) for s in segments]
-            k, v = gather(k), gather(v)
-            return model.ATTEND[impl](q, k, v, window, scale, *segments, offset=offset)
+            return attend(q, k, v, window, scale, *segments, offset=offset)
         args = (q, k, v) + (() if segments is None else (segments,))
-        in_specs = (qkv,) * 3 + (ids,) * (len(args) - 3)
+        in_specs = (qkv, qkv, qkv, ids)[:len(args)]
         # check_vma off: a kernel's custom call has no replication rule to check
         run = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=qkv, check_vma=False)
         return run(*args)
@@ -166,6 +154,7 @@ def check_mesh(sizes, m, seq_len):
 
 
 def mesh_where(mesh):
+    """The mesh's data-parallel axes, as check_batch's errors name them."""
     return f"mesh data={mesh.shape['data']} x fsdp={mesh.shape['fsdp']}"
 
 
@@ -247,12 +236,12 @@ def jax_allgather(values):
 
 
 def check_hosts_agree(backend, run_dir, data_path):
-    """With several processes: every host sees the lead's run folder (all write checkpoint pieces
-    there) and the same data, or one error on every process at the start, not a hang or a mixed
-    checkpoint later. backend: processes, lead, barrier, allgather."""
+    """With several processes: every host sees the lead's run folder and the same data, or one error
+    on each now, not a hang or a mixed checkpoint later (backend: processes, lead, barrier,
+    allgather)."""
     if backend.processes == 1:
         return
-    if filesystem(run_dir) == "fuse.gcsfuse":  # (a checkpoint file is written by every host)
+    if filesystem(run_dir) == "fuse.gcsfuse":
         raise OSError(f"train.run_dir={run_dir} is on GCS FUSE, which keeps one writer's copy of a "
                       "file that several hosts write: every process writes its pieces of each "
                       "checkpoint, so put the run folder on Filestore or NFS (data may stay on GCS "
@@ -278,8 +267,8 @@ def check_hosts_agree(backend, run_dir, data_path):
 
 
 def filesystem(path, mounts="/proc/mounts"):
-    """The type of the filesystem `path` is on ("nfs4", "fuse.gcsfuse", ...), by the longest
-    mount point that holds it; "" if unreadable."""
+    """The type of the filesystem `path` is on ("nfs4", "fuse.gcsfuse", ...), by the longest mount
+    point that holds it; "" if unreadable."""
     path, best = Path(path).resolve(), ("", "")
     try:
         lines = Path(mounts).read_text().splitlines()
@@ -305,9 +294,8 @@ def data_fingerprint(path):
 
 
 def start_distributed():
-    """Join the other processes JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID
-    name, or of a cluster JAX detects (SLURM, Open MPI, TPU pods: no JAX_* variables set). Call
-    before any device use."""
+    """Join the processes JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID name, or the
+    cluster JAX detects (SLURM, Open MPI, TPU pods). Call before any device use."""
     if address := os.environ.get("JAX_COORDINATOR_ADDRESS"):
         args = (address, int(os.environ["JAX_NUM_PROCESSES"]), int(os.environ["JAX_PROCESS_ID"]))
     else:
@@ -324,7 +312,7 @@ def start_distributed():
 
 # --- checkpoints: the piece of each array a process writes (train.save_checkpoint), reads back ---
 
-def stored(name, shape, prefix, idx):
+def stored_slices(name, shape, prefix, idx):
     """[(stored name, index)] that slice idx of a param covers, one per layer if stacked; prefix
     "model.": HF names."""
     rename = convert.hf_name if prefix == "model." else lambda n: prefix + n  # noqa: E731
@@ -342,15 +330,14 @@ def jax_pieces(trees):
                     continue  # another device holds the same values and writes them
                 value = np.asarray(sh.data)
                 values = value if name.startswith("layers.") else [value]  # one per stored tensor
-                for (fname, idx), v in zip(stored(name, a.shape, prefix, sh.index), values):
+                for (fname, idx), v in zip(stored_slices(name, a.shape, prefix, sh.index), values):
                     yield fname, idx, v
 
 
 def jax_read(views, prefix, table, shardings):
-    """{name: global array}, each device's slice read from the stored tensors (fp32 whatever
-    they hold)."""
+    """{name: global array}, each device's slice read from the stored tensors, as fp32."""
     def read(name, idx):
-        pieces = stored(name, table[name].shape, prefix, idx)
+        pieces = stored_slices(name, table[name].shape, prefix, idx)
         parts = [np.asarray(views[f][i], np.float32) for f, i in pieces]
         return np.stack(parts) if name.startswith("layers.") else parts[0]
 
@@ -359,15 +346,13 @@ def jax_read(views, prefix, table, shardings):
 
 
 # --- what each device has, and how XLA compiles for it ---------------------------------------
-# A JAX device: a TPU v4/v5p chip (two TensorCores as one), a TPU7x TensorCore, or a GPU. kinds:
-# device_kind as JAX (and torch, NVIDIA) say it; peak: dense bf16 FLOP/s, MFU's denominator; hbm:
-# GiB. Sources: docs/sharding.md#devices.
+# A JAX device: a TPU v4/v5p chip, a TPU7x TensorCore, or a GPU. Sources: docs/sharding.md#devices
 
 @dataclass(frozen=True)
 class Device:
-    kinds: tuple
-    peak: float
-    hbm: float
+    kinds: tuple  # its device_kind as JAX (and torch, for NVIDIA) says it
+    peak: float   # dense bf16 FLOP/s: MFU's denominator
+    hbm: float    # GiB
 
 
 DEVICES = {
@@ -394,9 +379,8 @@ def device_named(kind):
 
 
 def usable_gib(name):
-    """GiB per device a JAX run may use: all a TPU's; 75% of a GPU's, where JAX's allocator stops,
-    preallocated or not (XLA_CLIENT_MEM_FRACTION, or the older XLA_PYTHON_CLIENT_MEM_FRACTION,
-    moves it)."""
+    """GiB per device a JAX run may use: all a TPU's; 75% of a GPU's, where JAX's allocator stops
+    (preallocated or not), unless an XLA_*MEM_FRACTION variable moves it."""
     device = DEVICES[name]
     if not device.kinds[0].startswith("NVIDIA"):
         return device.hbm
@@ -406,8 +390,8 @@ def usable_gib(name):
 
 
 def unseen_accelerator(platform):
-    """A warning when this machine has an accelerator and the run's `platform` is "cpu" (a
-    CPU-only jaxlib or torch): JAX only logs it where nobody looks, and the run goes on."""
+    """A warning when this machine has an accelerator and the run's `platform` is "cpu" (a CPU-only
+    jaxlib or torch): JAX only logs it where nobody looks."""
     if platform != "cpu":
         return None
     if glob.glob("/dev/nvidia[0-9]*"):
@@ -421,9 +405,8 @@ def unseen_accelerator(platform):
 
 
 def compiler_options(mesh, dtype):
-    """XLA options for the train step on this mesh: on one CPU, YNNPACK's elementwise fusions (XLA's
-    own are slow where they transpose). fp32 only: bf16 ran slower; one CPU only: a CPU mesh's
-    context-parallel layouts make XLA refuse them (docs/sharding.md#notes-from-shardpy)."""
+    """XLA options for the train step: on one CPU in fp32, YNNPACK's elementwise fusions (XLA's own
+    are slow where they transpose; why only there: docs/sharding.md#notes-from-shardpy)."""
     if mesh.devices.size > 1 or mesh.devices.flat[0].platform != "cpu" or dtype != "float32":
         return None
     kinds = ("INDIVIDUAL_DOT", "ELTWISE", "REDUCE")  # (XLA's default is the first and last)
@@ -434,11 +417,10 @@ def compiler_options(mesh, dtype):
 # --- the ahead-of-time plan: the train step compiled for a mesh we do not have -----------------
 
 def plan(cfg, names, topology, make_step, new_history):
-    """The train step compiled for cfg's target (mesh.device x mesh.devices, its mesh) and its
-    memory per device, read off the compiler, against what JAX can use there (`train.py plan`
-    parses the command line). names: the config files, for messages. topology: a libtpu TPU
-    topology, or None for fake CPU devices. The step is train.py's, passed in (make_step(cfg, mesh),
-    new_history() its skip-step state), so that nothing here imports train.py."""
+    """Compile the train step for cfg's target (mesh.device x mesh.devices) and print its memory per
+    device, read off the compiler, against what JAX can use there. names: the config files;
+    topology: a libtpu TPU topology (v5p:8x8x4), or None for fake CPU devices; make_step(cfg,
+    mesh), new_history(): train.py's step and skip-step state, passed in so nothing imports it."""
     m, dc, tc, target = cfg.model, cfg.data, cfg.train, cfg.mesh
     if not (target.device and target.devices):
         raise ConfigError(f"{' + '.join(names)} names no target to plan for: set "
@@ -479,6 +461,7 @@ def plan(cfg, names, topology, make_step, new_history):
     t0 = time.perf_counter()
     compiled = make_step(cfg, mesh).lower(params, opt, hist, batch, jnp.float32(1e-4)).compile()
     seconds = time.perf_counter() - t0
+
     def per_dev(tree):  # bytes one device holds
         return sum(math.prod(s.sharding.shard_shape(s.shape)) * s.dtype.itemsize
                    for s in jax.tree.leaves(tree))
@@ -500,13 +483,10 @@ def plan(cfg, names, topology, make_step, new_history):
     print(f"  ({caveat})")
 
 
-# --- PyTorch: torchrun processes and FSDP2 --------------------------------------------------------
-# A process per device (torchrun); FSDP2 splits each param's dim 0 over the ranks, gathers a block's
-# weights to run it. mesh: data = replicas, fsdp = shards (both > 1: HSDP); no tensor parallelism.
+# --- PyTorch: a process per device (torchrun), FSDP2 over mesh.data x mesh.fsdp ----------------
 
 def torch_start():
-    """(rank, processes, device) here; under torchrun, join the others (nccl on GPUs, gloo on
-    CPU)."""
+    """(rank, processes, device) here; under torchrun, joins the others (nccl, or gloo on CPU)."""
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     gpu = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
     device = torch.device(gpu if torch.cuda.is_available() else "cpu")
@@ -518,19 +498,17 @@ def torch_start():
 
 
 def torch_shard(net, mesh_cfg, world, device, dtype):
-    """fully_shard each block, then the root, over a (data, fsdp) mesh. bf16 `dtype`: OLMo-core's
-    mixed precision (weights gathered in bf16, gradients reduced in fp32; shards, AdamW fp32)."""
+    """fully_shard each block, then the root, over a (data, fsdp) mesh; bf16 `dtype`: OLMo-core's
+    mixed precision (docs/sharding.md#pytorch-torchrun-and-fsdp2)."""
     data, fsdp, _, _ = mesh_shape(mesh_cfg, world)
     if world == 1:
         return net
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    # a 2-D mesh: replicas over the first axis, shards over the second (HSDP); fsdp=1: plain DP
+    # replicas over the first axis, shards over the second (HSDP); fsdp=1: plain DP
     mesh = init_device_mesh(device.type, (data, fsdp), mesh_dim_names=("data", "fsdp"))
     policy = {}
-    # Without: autograd keeps each Linear's bf16 copy, a whole bf16 model a rank. Norm weights go
-    # bf16 too, as OLMo-core's; RoPE's cos, sin stay fp32.
-    if dtype == torch.bfloat16:
+    if dtype == torch.bfloat16:  # else autograd keeps a bf16 copy of every weight on each rank
         policy["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32,
                                                    cast_forward_inputs=False)
     for block in net.layers:
@@ -566,9 +544,8 @@ def is_dtensor(t):
 
 
 def torch_local(t):
-    """(local tensor, its index in `t`, writes) for the piece of `t` here. FSDP2 cuts dim 0 as
-    torch.chunk (ceil(n/shards) rows, the last shorter or empty); `writes` only on replica 0, so a
-    checkpoint gets each value once."""
+    """(local tensor, its index in `t`, writes) for the piece of `t` here, cut as torch.chunk cuts;
+    `writes` on replica 0 only, so a checkpoint gets each value once."""
     if not is_dtensor(t):
         return t, (slice(None),) * t.ndim, True
     local, idx, writes = t.to_local(), [slice(None)] * t.ndim, True
@@ -576,7 +553,7 @@ def torch_local(t):
         at, size = t.device_mesh.get_local_rank(axis), t.device_mesh.size(axis)
         if placement.is_shard():
             n = t.shape[placement.dim]
-            rows = -(-n // size)
+            rows = -(-n // size)  # torch.chunk: ceil(n / size), the last shorter or empty
             idx[placement.dim] = slice(min(at * rows, n), min((at + 1) * rows, n))
         elif at:
             writes = False

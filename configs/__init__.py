@@ -4,10 +4,7 @@
     python model.py configs/olmo2-7b.toml                    # a released shape
     python model.py configs/tiny.toml --model.n_layers=8     # a file plus an override
 
-Each value is checked against its field's type; an unknown section or key names the file (or flag)
-and suggests a close match. Derived values (head_dim, n_kv_heads, mlp_hidden, the YaRN attention
-factor) are filled in `ModelConfig.__post_init__`, with the formula `describe()` prints. Standard
-library only: everything imports it. Notes on the fields: docs/sharding.md#config-notes.
+Standard library only: everything imports it. Notes on the fields: docs/design.md#config-notes.
 """
 
 import argparse
@@ -35,27 +32,25 @@ def _need(cfg, ok, name, why):
         raise ConfigError(f"{section}.{name}={getattr(cfg, name)!r}: {why}")
 
 
-def _checks(positive="", nonneg="", devices="", unit="", **choices):
-    """A __post_init__ that checks single fields: each named one is > 0, >= 0, a device count, in
-    [0, 1), or in its list. Every test is written so that a NaN (TOML's nan) fails it too."""
-    table = [(n, lambda v: v > 0, "must be positive") for n in positive.split()]
-    table += [(n, lambda v: v >= 0, "must be >= 0") for n in nonneg.split()]
-    table += [(n, lambda v: 0 <= v < 1, "must be in [0, 1)") for n in unit.split()]
-    table += [(n, lambda v: v > 0 or v == -1, "a positive number of devices, or -1 for the rest")
-              for n in devices.split()]
-    table += [(n, lambda v, a=a: v in a, f"must be one of {a}") for n, a in choices.items()]
-
-    def check(cfg):
-        for name, ok, why in table:
+def _checks(cfg, positive="", nonneg="", unit="", devices="", **choices):
+    """Check single fields: each one named (space-separated) > 0, >= 0, in [0, 1), a device count,
+    or in its list. Each test fails a NaN (TOML's nan) too."""
+    tests = [(positive, lambda v: v > 0, "must be positive"),
+             (nonneg, lambda v: v >= 0, "must be >= 0"),
+             (unit, lambda v: 0 <= v < 1, "must be in [0, 1)"),
+             (devices, lambda v: v > 0 or v == -1,
+              "a positive number of devices, or -1 for the rest")]
+    for names, ok, why in tests:
+        for name in names.split():
             _need(cfg, ok(getattr(cfg, name)), name, why)
-    return check
+    for name, allowed in choices.items():
+        _need(cfg, getattr(cfg, name) in allowed, name, f"must be one of {allowed}")
 
 
 @dataclass
 class ModelConfig:
-    # Which OLMo: olmo1 = pre-norm, parameter-free LayerNorm; olmo2 = RMSNorm on each sublayer's
-    # output + QK-norm; olmo3 = olmo2 + sliding windows and YaRN. Defaults: OLMo 2/3, laptop-sized.
-    family: str = "olmo3"
+    # Defaults: OLMo 2/3 at a laptop size
+    family: str = "olmo3"         # olmo1 | olmo2 (post-norm, QK-norm) | olmo3 (+ windows, YaRN)
     d_model: int = 256            # D
     n_layers: int = 4             # L
     n_heads: int = 4              # N query heads
@@ -79,15 +74,13 @@ class ModelConfig:
     init_std: float = 0.02
     eos_token_id: int = 100257    # written to the HF config.json; dolma2's <|endoftext|>
     pad_token_id: int = 100277    # dolma2's <|pad|>
-    # How attention is computed, not what (same numbers to rounding): auto picks by device
-    attention: str = "auto"
+    attention: str = "auto"       # how attention is computed, not what; auto: by device
 
     def __post_init__(self):
-        # A field left at 0 takes its derived value; `derived` keeps the formula for describe() (not
-        # a field, so not saved). mlp_hidden: OLMo-core's TransformerConfig.llama_like rule.
+        # A field left at 0 takes its derived value; `derived` (not a field: not saved) its formula
         self.derived = {}
         head_dim = self.d_model // self.n_heads if self.n_heads > 0 else 0
-        mlp_hidden = 256 * math.ceil(int(8 * self.d_model / 3) / 256)
+        mlp_hidden = 256 * math.ceil(int(8 * self.d_model / 3) / 256)  # OLMo-core's llama rule
         yarn_attention = 0.1 * math.log(self.yarn_factor) + 1 if self.yarn_factor > 0 else 0.0
         for name, value, formula in [
             ("n_kv_heads", self.n_heads, "n_heads"),
@@ -98,13 +91,14 @@ class ModelConfig:
             if getattr(self, name) == 0 and value:
                 setattr(self, name, value)
                 self.derived[name] = formula
-        # The checks in order: each may rely on those above (n_kv_heads > 0 before n_heads % it)
-        need, pattern = functools.partial(_need, self), self.layer_pattern
-        _checks(positive="d_model n_layers n_heads n_kv_heads head_dim mlp_hidden vocab_size "
-                         "max_seq_len",
+        # In order: each check may rely on those above (n_kv_heads > 0 before n_heads % it)
+        _checks(self, positive="d_model n_layers n_heads n_kv_heads head_dim mlp_hidden vocab_size "
+                               "max_seq_len",
                 nonneg="sliding_window clip_qkv", family=["olmo1", "olmo2", "olmo3"],
                 init=["normal", "mitchell"],
-                attention=["auto", "xla", "splash", "cudnn", "sdpa", "flex"])(self)
+                attention=["auto", "xla", "splash", "cudnn", "sdpa", "flex"])
+        need = functools.partial(_need, self)
+        pattern = self.layer_pattern
         need(self.n_heads % self.n_kv_heads == 0, "n_kv_heads", f"n_heads={self.n_heads} must be a "
              "multiple of n_kv_heads (each kv head serves n_heads/n_kv_heads query heads)")
         need(self.head_dim % 2 == 0, "head_dim", "must be even: RoPE rotates pairs of dimensions")
@@ -145,27 +139,22 @@ class DataConfig:
     seq_len: int = 256            # T: tokens per instance
     global_batch: int = 16        # G: instances per optimizer step, over all devices
     seed: int = 0                 # the order: epoch e shuffles with PCG64(seed + e), as OLMo-core
-    # attention kept inside each document (ends at EOS); Olmo 3: off in stages 1-2
-    doc_mask: bool = False
-    # fsl: the token stream cut every seq_len tokens (stages 1-2); packed: whole documents best-fit
-    # into instances and padded (stage 3, SFT), which needs doc_mask
-    packing: str = "fsl"
+    doc_mask: bool = False        # attention kept inside each document (Olmo 3: off in stages 1-2)
+    packing: str = "fsl"          # fsl: the stream cut every seq_len | packed: whole docs, padded
     source_group_size: int = 8          # packed: files packed together (Olmo 3 stage 3: 8; SFT: 1)
     source_permutation_seed: int = 123  # packed: random.Random(seed).shuffle of the files first
     long_docs: str = "truncate"         # packed: a doc over seq_len keeps its start, or is cut up
     chat_template: str = "tulu"   # GRPO's prompts (*.jsonl) rendered in it (data.CHAT_TEMPLATES)
-    # OLMo-core's instance filter (data.filtered): an instance where a pattern of min..max_period
-    # tokens repeats max_count times back to back trains nothing (labels -100). Off, as OLMo-core.
-    instance_filter: bool = False
-    repetition_min_period: int = 1
+    instance_filter: bool = False  # OLMo-core's: no loss on instances of a repeating pattern
+    repetition_min_period: int = 1  # the pattern's length in tokens: min..max_period
     repetition_max_period: int = 13
-    repetition_max_count: int = 32
+    repetition_max_count: int = 32  # repeats back to back that filter an instance
 
     def __post_init__(self):
-        _checks(positive="seq_len global_batch source_group_size repetition_min_period "
-                "repetition_max_period repetition_max_count",
+        _checks(self, positive="seq_len global_batch source_group_size repetition_min_period "
+                               "repetition_max_period repetition_max_count",
                 packing=["fsl", "packed"], long_docs=["truncate", "fragment"],
-                chat_template=["tulu", "olmo"])(self)
+                chat_template=["tulu", "olmo"])
         _need(self, self.repetition_min_period <= self.repetition_max_period,
               "repetition_min_period",
               f"must be <= repetition_max_period ({self.repetition_max_period})")
@@ -181,11 +170,11 @@ class MeshConfig:
     fsdp: int = 1
     context: int = 1              # context parallelism: devices that share one instance's tokens
     tensor: int = 1
-    # The target this config is made for (`python train.py plan CONFIG` checks it fits); a run
-    # goes wherever it is started, on any device count the mesh divides.
-    device: str = ""              # a name in shard.DEVICES (v5p, h100, ...); "" = none named
-    devices: int = 0              # how many JAX devices: TPU chips (v5p-512 is 256 chips); 0 = none
-    __post_init__ = _checks(devices="data fsdp context tensor", nonneg="devices")
+    device: str = ""              # the target `train.py plan` fits to (shard.DEVICES); "" = none
+    devices: int = 0              # the target's JAX devices (v5p-512: 256 chips); 0 = none
+
+    def __post_init__(self):
+        _checks(self, devices="data fsdp context tensor", nonneg="devices")
 
 
 @dataclass
@@ -199,9 +188,7 @@ class TrainConfig:
     compute_dtype: str = "float32"  # float32 | bfloat16 (params and optimizer state stay fp32)
     remat: str = "none"           # activation checkpoints: none | block | mlp (OLMo 3 mid-training)
     loss_chunks: int = 8          # JAX: the head and softmax in this many passes over the positions
-    # JAX: layers in a loop over repeats of layer_pattern (compile time flat in L); false unrolls
-    # them, faster on a CPU (XLA's CPU loop keeps the saved activations stacked)
-    scan_layers: bool = True
+    scan_layers: bool = True      # JAX: loop over layers (compile time flat in L); false unrolls
     init_seed: int = 0
     init_from: str = ""           # a new stage from this checkpoint's params (and moments), step 0
     load_optimizer: bool = True   # init_from: also its AdamW moments (OLMo 3 mid-training does)
@@ -226,43 +213,42 @@ class TrainConfig:
     log_every: int = 10
     checkpoint_every: int = 500
     keep: int = 2                 # checkpoints kept (the newest)
-    # post-training (docs/posttrain.md). loss: ce = next-token cross-entropy (pretraining, SFT);
-    # dpo / dpo_norm on preference pairs; grpo on a prompts file
-    loss: str = "ce"
+    # post-training (docs/posttrain.md)
+    loss: str = "ce"              # ce: cross-entropy (pretraining, SFT) | dpo | dpo_norm | grpo
     epochs: int = 0               # > 0: steps = epochs x the data's steps per epoch
     warmup_fraction: float = 0.0  # > 0: warmup = this fraction of steps (SFT 0.03, DPO 0.1)
     dpo_beta: float = 0.1         # β: 0.1 for sigmoid DPO (Tulu 2), 5 for dpo_norm (OLMo 2/3)
-    # GRPO: completions per prompt (Olmo 3: 8); data.global_batch counts completions
-    grpo_group: int = 8
+    grpo_group: int = 8           # GRPO: completions per prompt (Olmo 3: 8), in global_batch
     grpo_max_new: int = 8         # GRPO: tokens per completion at most
     grpo_temperature: float = 1.0  # GRPO: sampling temperature (Olmo 3: 1.0)
-    __post_init__ = _checks(positive="steps log_every checkpoint_every keep eps dpo_beta "
-                                     "grpo_group grpo_max_new loss_chunks grpo_temperature",
-                            unit="beta1 beta2 warmup_fraction",
-                            nonneg="micro_batch warmup t_max lr warmup_min_lr alpha_f weight_decay "
-                                   "clip z_loss epochs",
-                            backend=["jax", "torch"], compute_dtype=["float32", "bfloat16"],
-                            units=["steps", "tokens"], remat=["none", "block", "mlp"],
-                            schedule=["cosine", "linear", "half_cosine", "constant"],
-                            loss=["ce", "dpo", "dpo_norm", "grpo"])
+
+    def __post_init__(self):
+        _checks(self, positive="steps log_every checkpoint_every keep eps dpo_beta grpo_group "
+                               "grpo_max_new loss_chunks grpo_temperature",
+                unit="beta1 beta2 warmup_fraction",
+                nonneg="micro_batch warmup t_max lr warmup_min_lr alpha_f weight_decay clip "
+                       "z_loss epochs",
+                backend=["jax", "torch"], compute_dtype=["float32", "bfloat16"],
+                units=["steps", "tokens"], remat=["none", "block", "mlp"],
+                schedule=["cosine", "linear", "half_cosine", "constant"],
+                loss=["ce", "dpo", "dpo_norm", "grpo"])
 
 
 @dataclass
 class EvalConfig:
-    # held-out loss and bits per byte every N steps (and at the end); 0 = only at the end
-    every: int = 200
+    every: int = 200              # held-out loss and bits/byte every N steps; 0 = only at the end
     batches: int = 8              # held-out batches per in-loop eval (the last uses all); 0 = all
     prompt: str = "It is a truth universally acknowledged"  # sampled at the end; "" = no sample
     sample_tokens: int = 48
     temperature: float = 0.8
-    # Downstream tasks (eval.py tasks) on the held-out eval's schedule, logged as <task>_acc.
-    # Single-process runs only: the JAX forward scores them on the gathered params.
-    tasks: str = ""               # comma list, e.g. "arc_easy,piqa" (eval.TASKS); "" = none
+    tasks: str = ""               # eval.TASKS run with the held-out eval, e.g. "arc_easy,piqa"
     tasks_data: str = "../shared/evaldata"  # a folder laid out like it (eval.py tasks --data)
     tasks_limit: int = 100        # the first N documents of each task; 0 = all
     tasks_norm: str = "olmes"     # olmes | catwalk: prompts, per-task normalising (eval.py --norm)
-    __post_init__ = _checks(nonneg="every batches sample_tokens temperature tasks_limit",
-                            tasks_norm=["olmes", "catwalk"])
+
+    def __post_init__(self):
+        _checks(self, nonneg="every batches sample_tokens temperature tasks_limit",
+                tasks_norm=["olmes", "catwalk"])
 
 
 @dataclass
@@ -285,8 +271,8 @@ def _hint(word, known, show="{}"):
     return f" (did you mean {show.format(close[0])}?)" if close else ""
 
 
-def _check(section, key, value, source):
-    """Type-check one value against the dataclass field; return it (ints widen to float)."""
+def _typed(section, key, value, source):
+    """One value checked against its dataclass field's type; returned (ints widen to float)."""
     if section not in SECTIONS:
         raise ConfigError(f"{source}: unknown section [{section}]"
                           + _hint(section, SECTIONS, "[{}]"))
@@ -302,39 +288,42 @@ def _check(section, key, value, source):
     return value
 
 
+def _read(arg):
+    """{section: {key: value}} of one argument: a --section.key=value override or a TOML file."""
+    if arg.startswith("--"):
+        dotted, eq, raw = arg[2:].partition("=")
+        if not eq or not re.fullmatch(r"\w+\.\w+", dotted, re.ASCII):
+            raise ConfigError(f"{arg}: overrides look like --section.key=value, "
+                              "e.g. --model.n_layers=8")
+        try:  # a dotted TOML key is {section: {key: value}}
+            return tomllib.loads(f"{dotted} = {raw}")
+        except tomllib.TOMLDecodeError:  # a bare word is a string
+            return tomllib.loads(f"{dotted} = {json.dumps(raw)}")
+    if not Path(arg).is_file():
+        raise ConfigError(f"config file {arg} not found")
+    try:
+        return tomllib.loads(Path(arg).read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{arg}: not valid TOML: {e}") from e
+
+
 def load_config(argv):
-    """A Config from TOML paths and --section.key=value overrides (TOML values), in order; errors
-    name the argument."""
+    """A Config from TOML paths and --section.key=value overrides, merged in order; errors name the
+    argument."""
     merged = {}
     for arg in argv:
-        if arg.startswith("--"):
-            dotted, eq, raw = arg[2:].partition("=")
-            if not eq or not re.fullmatch(r"\w+\.\w+", dotted, re.ASCII):
-                raise ConfigError(f"{arg}: overrides look like --section.key=value, "
-                                  "e.g. --model.n_layers=8")
-            try:  # a dotted TOML key is {section: {key: value}}
-                data = tomllib.loads(f"{dotted} = {raw}")
-            except tomllib.TOMLDecodeError:  # a bare word is a string
-                data = tomllib.loads(f"{dotted} = {json.dumps(raw)}")
-        elif not Path(arg).is_file():
-            raise ConfigError(f"config file {arg} not found")
-        else:
-            try:
-                data = tomllib.loads(Path(arg).read_text())
-            except tomllib.TOMLDecodeError as e:
-                raise ConfigError(f"{arg}: not valid TOML: {e}") from e
-        for section, table in data.items():
+        for section, table in _read(arg).items():
             if not isinstance(table, dict):
                 raise ConfigError(f"{arg}: top-level key {section!r} must sit under a [section] "
                                   "header such as [model]")
             for key, value in table.items():
-                merged.setdefault(section, {})[key] = _check(section, key, value, arg)
+                merged.setdefault(section, {})[key] = _typed(section, key, value, arg)
     return build(merged, " + ".join(argv) or "defaults")
 
 
 def build(merged, source="config"):
     """Config from {section: {key: value}}; errors name the sources."""
-    merged = {s: {k: _check(s, k, v, source) for k, v in table.items()}
+    merged = {s: {k: _typed(s, k, v, source) for k, v in table.items()}
               for s, table in merged.items()}
     try:
         return Config(**{s: cls(**merged.get(s, {})) for s, cls in SECTIONS.items()})
@@ -376,9 +365,8 @@ def describe(cfg):
 # --- command lines -------------------------------------------------------------------------------
 
 def run_cli(main, argv=None):
-    """Every script's entry point. Bad input's errors (ValueError, as ConfigError; OSError; a
-    non-finite loss) name the file, field or value: that one line, exit status 1. A traceback is
-    for bugs (other exceptions), or for all with NANOLMO_TRACEBACK=1."""
+    """Every script's entry point: bad input (ValueError, OSError, a non-finite loss) prints its
+    one-line error and exits 1; bugs (other exceptions), or all with NANOLMO_TRACEBACK=1, raise."""
     name = Path(main.__code__.co_filename).name
     try:
         return main(sys.argv[1:] if argv is None else argv)
@@ -393,16 +381,13 @@ def run_cli(main, argv=None):
 
 
 def in_range(kind, lo, hi=math.inf, open_lo=False):
-    """An argparse type: a `kind` in [lo, hi] (or (lo, hi]); else a usage error (exit status 2)."""
+    """An argparse type: a `kind` in [lo, hi] ((lo, hi] if open_lo); else a usage error (exit 2)."""
     def parse(text):
         v = kind(text)  # a ValueError here: argparse says "invalid int value"
-        above_lo = lo < v if open_lo else lo <= v
-        if not above_lo or not v <= hi:
-            if hi == math.inf:
-                need = f"{'>' if open_lo else '>='} {lo}"
-            else:
-                need = f"in {'(' if open_lo else '['}{lo}, {hi}]"
-            raise argparse.ArgumentTypeError(f"{text}: must be {need}")
+        if not (lo < v if open_lo else lo <= v) or not v <= hi:
+            low = f"{'>' if open_lo else '>='} {lo}"
+            span = f"in {'(' if open_lo else '['}{lo}, {hi}]"
+            raise argparse.ArgumentTypeError(f"{text}: must be {low if hi == math.inf else span}")
         return v
     parse.__name__ = kind.__name__
     return parse
