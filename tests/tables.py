@@ -238,7 +238,7 @@ def attention():
 
 
 def databench():
-    return shown("python data.py bench")
+    return shown("python tests/bench.py data")
 
 
 def eval_tasks():
