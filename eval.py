@@ -6,7 +6,6 @@
     python eval.py logits DIR --tokens IN.npy --out OUT.npy [--backend jax|torch] [--dtype bfloat16]
     python eval.py generate CKPT --prompt TEXT [--max-new 64] [--temperature 0.8 --top-k 50 \\
         --top-p 0.95] [--backend jax|torch] [--dtype bfloat16] [--no-cache]
-    python eval.py generate --bench olmo2-1b|olmo3-7b       # nanolmo and transformers
     python eval.py positions CKPT... --data data/tiny --seq-len 1024    # held-out loss by position
     python eval.py chat CKPT [--prompt TEXT] [--template tulu|olmo]
     python eval.py exact CKPT... --prompts data/arith/heldout.jsonl --template tulu
@@ -21,7 +20,6 @@ docs/evaluation.md and docs/posttrain.md.
 import argparse
 import itertools
 import json
-import math
 import re
 import sys
 import time
@@ -67,11 +65,7 @@ def token_bytes(tok):
 def loss_by_position(params, m, instances, edges, backend="jax", dtype="float32", batch=4, limit=0):
     """Mean loss (nats) per target position bucket [edges[i], edges[i+1]) over the first `limit`
     instances (0 = all): how well a model uses its context."""
-    def nll(xp, logits, t):  # (B, T-1): -log p(t[i+1] | t[..i]), the softmax in fp32
-        top = logits[:, :-1].max(-1, keepdims=True)
-        lse = top[..., 0] + xp.log(xp.exp(logits[:, :-1] - top).sum(-1))
-        return lse - xp.take_along_axis(logits[:, :-1], t[:, 1:, None], axis=-1)[..., 0]
-    load, run = _backend(m, backend, dtype, nll)
+    load, run = _backend(m, backend, dtype, lambda xp, x, t: -_logp(xp, x, t)[0][:, :-1])
     net, n = load(params), min(instances.n, limit or instances.n)
     sums = np.zeros(len(edges) - 1)
     for b in tqdm(range(0, n, batch), desc="loss by position", leave=False):
@@ -113,10 +107,8 @@ def load_checkpoint(ckpt, dtype=None):
 
 
 def checkpoint_tokenizer(ckpt, m, spec=None):
-    """CKPT's tokenizer (module docstring); it must fit the model's ids and EOS (the empty
-    context)."""
-    meta = Path(ckpt) / "nanolmo.json"
-    dataset = None
+    """CKPT's tokenizer (module docstring); it must fit the model's ids and EOS (empty contexts)."""
+    meta, dataset = Path(ckpt) / "nanolmo.json", None
     if meta.is_file():
         dataset = read_json(meta, "restore it from a copy of the run")["config"]["data"]["path"]
     added = data.DOLMA2_ADDED
@@ -149,12 +141,16 @@ def encode(tok, text):
 J = 8  # extra (position, token) queries per row: hosted rows' last tokens
 
 
-def _score(xp, logits, tokens, qpos, qtok):
-    """logits (B, T, V), tokens (B, T), qpos, qtok (B, J) -> log p of each next token (B, T; the
-    last is meaningless), log p(qtok | up to qpos) (B, J). xp: numpy or jnp."""
+def _logp(xp, logits, tokens):
+    """(log p of each next token (the last: noise), log-sum-exp) (B, T) of logits (B, T, V)."""
     mx = logits.max(-1, keepdims=True)  # (B, T, 1)
     lse = (mx + xp.log(xp.exp(logits - mx).sum(-1, keepdims=True)))[..., 0]  # (B, T)
-    own = xp.take_along_axis(logits, xp.roll(tokens, -1, 1)[..., None], -1)[..., 0] - lse
+    return xp.take_along_axis(logits, xp.roll(tokens, -1, 1)[..., None], -1)[..., 0] - lse, lse
+
+
+def _score(xp, logits, tokens, qpos, qtok):
+    """_logp's, and log p(qtok | up to qpos) (B, J) of the extra queries qpos, qtok (B, J)."""
+    own, lse = _logp(xp, logits, tokens)
     b = xp.arange(tokens.shape[0])[:, None]
     return own, logits[b, qpos, qtok] - lse[b, qpos]  # (B, T), (B, J)
 
@@ -167,8 +163,7 @@ class Scorer:
         if backend not in ("jax", "torch") or dtype not in ("float32", "bfloat16"):
             raise ValueError(f"backend {backend!r} / dtype {dtype!r}: "
                              "expected jax|torch and float32|bfloat16")
-        self.m, self.params, self.backend, self.dtype = m, params, backend, dtype
-        self.batch_tokens = batch_tokens
+        self.m, self.params, self.batch_tokens = m, params, batch_tokens
         # positions run (real, padded); requests asked, rows run (fewer: shared prefixes)
         self.tokens = self.padded = self.requests = self.rows = self.seconds = 0
         self._net_for = None
@@ -231,8 +226,7 @@ class Scorer:
 # --- bits per byte, as Paloma -------------------------------------------------------------------
 
 def rolling_windows(t, L, prefix):
-    """[(context, continuation)] windows of up to L tokens predicting each token of t once, as
-    catwalk's for Paloma (docs/evaluation.md)."""
+    """Catwalk's Paloma windows of t: [(context, continuation)], up to L tokens, each token once."""
     out, done = [], 0
     while done < len(t):
         end = done + min(len(t) - done, L)
@@ -267,23 +261,22 @@ def bpb(scorer, tok, docs):
     L, eos = scorer.m.max_seq_len, scorer.m.eos_token_id
     windows = [rolling_windows(encode(tok, text), L, eos) for *_, text in docs]
     ll, n = scorer.loglikelihoods([w for ws in windows for w in ws], "bpb windows")
-    cut = np.cumsum([len(ws) for ws in windows])[:-1]  # each document's first window
+    firsts = np.cumsum([len(ws) for ws in windows])[:-1]  # each document's first window
     stats = defaultdict(lambda: np.zeros(4))  # (source, domain) -> docs, tokens, bytes, nats
-    for (domain, source, text), lls, ns in zip(docs, np.split(ll, cut), np.split(n, cut)):
+    for (domain, source, text), lls, ns in zip(docs, np.split(ll, firsts), np.split(n, firsts)):
         stats[source, domain] += [1, ns.sum(), len(text.encode("utf-8")), -lls.sum()]
     domains = {}
-    for (source, domain), v in sorted(stats.items()):
-        s = dict(source=source, docs=int(v[0]), tokens=int(v[1]), bytes=int(v[2]), nats=float(v[3]))
-        s.update(bpb=bits_per_byte(s["nats"], s["bytes"]),
-                 ppl_token=float(np.exp(s["nats"] / s["tokens"])))
-        domains[domain if domain == source else f"{source}/{domain}"] = s
+    for (source, domain), (n_docs, tokens, n_bytes, nats) in sorted(stats.items()):
+        domains[domain if domain == source else f"{source}/{domain}"] = dict(
+            source=source, docs=int(n_docs), tokens=int(tokens), bytes=int(n_bytes),
+            nats=float(nats), bpb=bits_per_byte(nats, n_bytes),
+            ppl_token=float(np.exp(nats / tokens)))
     macro = {src: float(np.mean([s["bpb"] for s in domains.values() if s["source"] == src]))
              for src in sorted({source for source, _ in stats})}
     total = {k: sum(s[k] for s in domains.values()) for k in ("docs", "tokens", "bytes", "nats")}
     macro_bpb = float(np.mean([s["bpb"] for s in domains.values()]))
-    micro_bpb = bits_per_byte(total["nats"], total["bytes"])
     return dict(domains=domains, macro_bpb=macro_bpb, macro_bpb_per_source=macro,
-                micro_bpb=micro_bpb, **total)
+                micro_bpb=bits_per_byte(total["nats"], total["bytes"]), **total)
 
 
 def print_bpb(res):
@@ -325,18 +318,17 @@ def _index(label, n, at, name="label"):
 
 
 def read_choice(rec, at):
-    """ARC and OpenBookQA: HF rows (choices {text, label}) or original ones (question {stem,
-    choices})."""
-    q = rec.get("question") if isinstance(rec, dict) else None
+    """ARC, OpenBookQA: HF rows (choices {text, label}) or original (question {stem, choices})."""
+    q = rec.get("question")
     if isinstance(q, dict):
         stem, choices = _field(q, "stem", str, at), _field(q, "choices", list, at)
         texts = [_field(c, "text", str, at) for c in choices]
-        labels = [str(_field(c, "label", (str, int), at)) for c in choices]
+        labels = [_field(c, "label", (str, int), at) for c in choices]
     else:
         stem = _field(rec, "question" if "question" in rec else "question_stem", str, at)
         choices = _field(rec, "choices", dict, at)
-        texts = _field(choices, "text", list, at)
-        labels = [str(x) for x in _field(choices, "label", list, at)]
+        texts, labels = _field(choices, "text", list, at), _field(choices, "label", list, at)
+    labels = [str(x) for x in labels]
     key = str(_field(rec, "answerKey", (str, int), at)).strip()
     if key not in labels and key in ("1", "2", "3", "4", "5"):  # digits over letter labels: 1 = A
         key = "ABCDE"[int(key) - 1]
@@ -347,8 +339,7 @@ def read_choice(rec, at):
 
 def read_boolq(rec, at):
     """HF boolq or the original (with titles)."""
-    return dict(_strings(rec, ("question", "passage"), at),
-                title=rec.get("title") or None,
+    return dict(_strings(rec, ("question", "passage"), at), title=rec.get("title") or None,
                 answer=_field(rec, "answer", bool, at))
 
 
@@ -413,8 +404,7 @@ def read_task_file(path):
     return out
 
 
-# Each task's rows under --data: the first file that exists. BoolQ prefers the original (OLMES
-# prompts with its titles); HellaSwag's only rows in ../shared are OLMES's dumps (1000 docs).
+# Each task's rows under --data: the first file that exists (BoolQ's original first: its titles).
 HF = "hf_validation/{task}.validation.jsonl"
 TASKS = {  # name: (reader, files, Catwalk's normalisation (the OLMo paper), OLMES v0.1's)
     "arc_easy": (read_choice, [HF, "original/arc_easy/ARC-Easy-Dev.jsonl"], "pmi", "per_char"),
@@ -449,8 +439,7 @@ def load_task(name, root, limit=0):
 # --- the eight tasks: prompts (OLMES, and the lm-eval v0.3 ones Catwalk used) -------------------
 
 def preprocess(text, style="olmes"):
-    """HellaSwag's cleaner of WikiHow's [title]/[header]/[step] marks; OLMES's also turns ".. " into
-    ". "."""
+    """HellaSwag's cleaner of WikiHow's [title]/[step] marks; OLMES's also turns ".. " to ". "."""
     text = text.strip().replace(" [title]", ". ")
     text = re.sub("\\[.*?\\]", "", text).replace("  ", " ")
     return re.sub(r"\.\. ", ". ", text) if style == "olmes" else text
@@ -558,8 +547,7 @@ def prepare_tasks(names, root, tok, style="olmes", limit=0):
     OLMo does: " yes" stays one token."""
     if style not in ("olmes", "catwalk"):
         raise ValueError(f"norm {style!r}: expected olmes or catwalk")
-    tasks = {}
-    index = {}  # distinct (context, continuation) -> its number
+    tasks, index = {}, {}  # index: distinct (context, continuation) -> its number
     for name in names:
         docs, path = load_task(name, root, limit)
         items = [render(name, d, style) for d in docs]
@@ -611,21 +599,27 @@ def print_tasks(res, style):
               f"{mean('majority'):>6.1f}")
 
 
-# --- generation ---------------------------------------------------------------------------------
+# --- generation: one rule picks each token, one compiled step runs the KV cache -----------------
+
+def cut(xp, logits, temperature, top_k=0, top_p=1.0):
+    """(ids, p, keep) on the last axis, xp numpy or jnp: ids most likely first (ties: the lower id),
+    p: softmax(logits / temperature) over the top_k (0 = all), keep: the prefix reaching top_p."""
+    order = xp.argsort(-logits, axis=-1, stable=True)[..., :top_k or None]
+    z = xp.take_along_axis(logits, order, axis=-1)
+    p = xp.exp((z - z[..., :1]) / temperature)
+    p = p / p.sum(-1, keepdims=True)
+    return order, p, xp.cumsum(p, -1) - p < top_p  # those above a token have not reached top_p yet
+
 
 def pick(logits, temperature=0.0, top_k=0, top_p=1.0, rng=None):
-    """The next token from logits (V,): the argmax at temperature 0, else a draw from
-    softmax(logits / temperature) over the top_k (0 = all) cut to top_p. In float64 on the host:
-    both backends draw alike."""
+    """The next token from logits (V,): the argmax at temperature 0, else a draw by `cut`'s rule.
+    In float64 on the host: both backends draw alike."""
     logits = np.asarray(logits, np.float64)
     if temperature == 0:
         return int(np.argmax(logits))
-    order = np.argsort(-logits, kind="stable")[: top_k or None]
-    p = np.exp((logits[order] - logits[order[0]]) / temperature)
-    p /= p.sum()
-    keep = np.cumsum(p) - p < top_p  # those above a token have not reached top_p yet
+    order, p, keep = cut(np, logits, temperature, top_k, top_p)
     p = p[keep] / p[keep].sum()
-    return int(order[:len(p)][rng.choice(len(p), p=p)])
+    return int(order[keep][rng.choice(len(p), p=p)])
 
 
 def generate(params, m, prompt_ids, n_new, backend="jax", dtype="float32", temperature=0.0, top_k=0,
@@ -658,7 +652,20 @@ def generate(params, m, prompt_ids, n_new, backend="jax", dtype="float32", tempe
     return ids[len(prompt):], dict(prompt=len(prompt), prefill_s=prefill_s, step_s=step_s)
 
 
-_STEPS = {}  # (model, dtype) -> the compiled step, for every generate
+_STEPS = {}  # (model, dtype) -> the compiled step, for every generate and sample
+
+
+def decode_step(m, dtype="float32"):
+    """model.forward_step(params, tokens, pos, cache), compiled once per model and dtype; the cache
+    is donated, so XLA updates it in place rather than copying every layer's keys each token."""
+    import jax
+    import jax.numpy as jnp
+    key = (str(m), dtype)
+    if key not in _STEPS:
+        _STEPS[key] = jax.jit(
+            lambda p, t, pos, c: model.forward_step(p, t, pos, c, m, jnp.dtype(dtype)),
+            donate_argnums=3)
+    return _STEPS[key]
 
 
 def _steps(params, m, S, backend, dtype, cache):
@@ -680,15 +687,7 @@ def _steps(params, m, S, backend, dtype, cache):
     import jax
     import jax.numpy as jnp
     params = cpu_bits(params) if jax.default_backend() == "cpu" else jax.device_put(params)
-    # Compiled for the prompt and for one token; the cache is donated, so XLA updates it in place
-    # rather than copying every layer's keys each token.
-    key = (str(m), dtype)
-    if key not in _STEPS:
-        _STEPS[key] = jax.jit(
-            lambda p, t, pos, c: model.forward_step(p, t, pos, c, m, jnp.dtype(dtype)),
-            donate_argnums=3)
-    step = _STEPS[key]
-    state = {"cache": model.new_cache(m, 1, S, jnp.dtype(dtype))}
+    step, state = decode_step(m, dtype), {"cache": model.new_cache(m, 1, S, jnp.dtype(dtype))}
 
     def run(ids, n):
         t = jnp.asarray([ids[n:]], jnp.int32)  # (1, T): the unseen tokens
@@ -710,147 +709,43 @@ def cpu_bits(params):
             for k, v in params.items()}
 
 
-_SAMPLERS = {}
+_SAMPLERS = {}  # (model, shapes, cut) -> the compiled sampler
 
 
-def sample(params, m, prompts, max_new, temperature, seed, vocab, eos):
-    """n lists of up to max_new ids drawn after prompts (n, P), from softmax(logits / temperature)
-    over the first `vocab` ids (greedy at 0), each cut after its first EOS (the rest is noise)."""
+def sample(params, m, prompts, max_new, temperature, seed, vocab, eos, top_k=0, top_p=1.0):
+    """n lists of up to max_new ids drawn after prompts (n, P) by `cut`'s rule over the first
+    `vocab` ids (greedy at temperature 0), each cut after its first EOS; on the device, one scan."""
     import jax
     import jax.numpy as jnp
     n, P = prompts.shape
-    key = (str(m), n, P, max_new, vocab)
+    key = (str(m), n, P, max_new, vocab, top_k, top_p)
     if key not in _SAMPLERS:  # one compile per shape
+        step = decode_step(m)
+
+        def draw(k, z, temperature):  # z (n, vocab) -> (n,) ids
+            t = jnp.maximum(temperature, 1e-6)
+            if top_k or top_p < 1:  # only cut's ids may be drawn (no cut: GRPO's draws as ever)
+                order, _, keep = cut(jnp, z, t, top_k, top_p)
+                kept = jnp.put_along_axis(jnp.zeros(z.shape, bool), order, keep, -1, inplace=False)
+                z = jnp.where(kept, z, -jnp.inf)
+            drawn = jax.random.categorical(k, z / t)
+            return jnp.where(temperature > 0, drawn, jnp.argmax(z, axis=-1)).astype(jnp.int32)
+
         def run(params, prompts, temperature, rng):
-            cache = model.new_cache(m, n, P + max_new)
-            logits, cache = model.forward_step(params, prompts, 0, cache, m)
+            logits, cache = step(params, prompts, 0, model.new_cache(m, n, P + max_new))
 
             def one(carry, k):
                 z, cache, pos = carry  # z (n, vocab): the logits of the position to fill
-                drawn = jax.random.categorical(k, z / jnp.maximum(temperature, 1e-6))
-                t = jnp.where(temperature > 0, drawn, jnp.argmax(z, axis=-1)).astype(jnp.int32)
-                logits, cache = model.forward_step(params, t[:, None], pos, cache, m)
+                t = draw(k, z, temperature)
+                logits, cache = step(params, t[:, None], pos, cache)
                 return (logits[:, -1, :vocab].astype(jnp.float32), cache, pos + 1), t
             first = logits[:, -1, :vocab].astype(jnp.float32)
             keys = jax.random.split(rng, max_new)
             return jax.lax.scan(one, (first, cache, jnp.int32(P)), keys)[1].T  # (n, max_new)
         _SAMPLERS[key] = jax.jit(run)
-    prompts = jnp.asarray(prompts, jnp.int32)
     out = _SAMPLERS[key](params, prompts, jnp.float32(temperature), jax.random.PRNGKey(seed))
+    # the scan runs every position: what follows a row's EOS is noise
     return [row[:row.index(eos) + 1] if eos in row else row for row in np.asarray(out).tolist()]
-
-
-# --- generation benchmark: a released shape, nanolmo and transformers side by side --------------
-# Each runner is a process of its own, so that its peak memory (max RSS, from wait4) is its own.
-BENCH_SHAPES = {"olmo2-1b": "configs/olmo2-1b.toml", "olmo3-7b": "configs/olmo3-7b.toml"}
-RUNNERS = {"hf": "transformers", "jax": "nanolmo JAX", "torch": "nanolmo torch"}
-
-
-def bench_checkpoint(shape, root="data/bench"):
-    """data/bench/SHAPE: random weights in a release's shape, bf16, made once by transformers."""
-    import configs
-    d = Path(root) / shape
-    if (d / "config.json").is_file():
-        return d
-    import torch
-    import transformers
-    m = configs.load_config([str(Path(__file__).parent / BENCH_SHAPES[shape])]).model
-    cfg = transformers.AutoConfig.for_model(**{**convert.config_to_hf(m), "dtype": "bfloat16"})
-    print(f"writing {d}: random {shape} weights in bf16 (transformers {transformers.__version__})")
-    torch.manual_seed(0)
-    net = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    net.save_pretrained(d.with_name(shape + ".tmp"))
-    del net
-    convert.replace(d.with_name(shape + ".tmp"), d)
-    return d
-
-
-def timed_generate(ckpt, runner, prompt, n_new):
-    """One runner of RUNNERS on ckpt, in its dtype, greedy: {ids, load_s, prefill_s, step_s}."""
-    t0 = time.perf_counter()
-    if runner != "hf":
-        m, params, dtype = load_checkpoint(ckpt)
-        load_s = time.perf_counter() - t0
-        # compile both steps first, so that prefill times the prompt alone
-        if runner == "jax":
-            generate(params, m, prompt, n_new, runner, dtype)
-        ids, t = generate(params, m, prompt, n_new, runner, dtype)
-        return dict(ids=ids, load_s=load_s, prefill_s=t["prefill_s"], step_s=t["step_s"])
-    import torch
-    import transformers
-    auto = transformers.AutoModelForCausalLM
-    net = auto.from_pretrained(ckpt, dtype="auto", local_files_only=True)
-    load_s, times = time.perf_counter() - t0, []
-
-    class Clock(transformers.generation.BaseStreamer):  # called with the prompt, then each token
-        def put(self, value):
-            times.append(time.perf_counter())
-
-        def end(self):
-            pass
-    start = time.perf_counter()
-    out = net.eval().generate(torch.tensor([prompt]), max_new_tokens=n_new, min_new_tokens=n_new,
-                              do_sample=False, streamer=Clock(),
-                              pad_token_id=net.config.pad_token_id)
-    return dict(ids=out[0, len(prompt):].tolist(), load_s=load_s, prefill_s=times[1] - start,
-                step_s=float(np.median(np.diff(times[1:]))))  # times[1]: the first new token
-
-
-def agree(a, b):
-    """How many leading ids a and b share (bf16 sums can flip random weights' near ties)."""
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
-def read_bandwidth(gib=1):
-    """Memory read bandwidth (bytes/s): torch summing 1 GiB (past the caches), best of 5."""
-    import torch
-    x, best = torch.ones(gib * 2**28), float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t0)
-    return x.nbytes / best
-
-
-def generate_bench(shape, n_new=16, prompt_len=32):
-    """Peak RSS, load time, prefill and decode tokens/s of RUNNERS on SHAPE, side by side."""
-    import os
-    import subprocess
-    d = bench_checkpoint(shape)
-    m = convert.open_hf(d)[0]
-    prompt = np.random.default_rng(0).integers(1000, 50000, prompt_len).tolist()
-    rows = {}
-    for runner in RUNNERS:
-        call = f"eval.timed_generate({str(d)!r}, {runner!r}, {prompt}, {n_new})"
-        code = f"import eval, json; print(json.dumps({call}))"
-        p = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).parent,
-                             stdout=subprocess.PIPE)
-        out = p.stdout.read()
-        _, status, usage = os.wait4(p.pid, 0)  # ru_maxrss: KiB on Linux
-        rows[runner] = dict(json.loads(out.splitlines()[-1]) if status == 0 else {}, status=status,
-                            rss=usage.ru_maxrss * 1024)
-    ref = rows["hf"]
-    if ref["status"]:
-        raise RuntimeError(f"transformers' runner failed (wait status {ref['status']})")
-    stored = sum(math.prod(s) for s in convert.expected_tensors(m).values()) * 2  # bytes in bf16
-    per_token = stored - 2 * m.vocab_size * m.d_model * (not m.tie_embeddings)  # one embedding row
-    bw = read_bandwidth()
-    print(f"{shape}: {stored / 2e9:.2f}B params, bf16 ({stored / 2**30:.2f} GiB); "
-          f"{prompt_len} prompt tokens, {n_new} new, greedy; read bandwidth {bw / 1e9:.1f} GB/s "
-          f"-> decode bound {bw / per_token:.2f} tokens/s")
-    # same ids: how many of the new ids, from the first, equal transformers'
-    print(f"{'':<16}{'peak RSS':>17}{'load':>8}{'prefill':>10}{'decode':>17}{'same ids':>10}")
-    for k, r in rows.items():
-        memory = f"{RUNNERS[k]:<16}{r['rss'] / 2**30:>7.2f} GiB{r['rss'] / ref['rss']:>5.2f}x"
-        if r["status"]:
-            killed = os.WIFSIGNALED(r["status"]) and os.WTERMSIG(r["status"]) == 9  # the OOM killer
-            why = " (SIGKILL: out of memory?)" * killed
-            print(f"{memory}  failed: wait status {r['status']}{why}")
-            continue
-        speed = f"{prompt_len / r['prefill_s']:>6.1f} t/s{1 / r['step_s']:>6.2f} t/s"
-        print(f"{memory}{r['load_s']:>7.1f}s{speed}{ref['step_s'] / r['step_s']:>6.2f}x"
-              f"{agree(r['ids'], ref['ids']):>7}/{n_new}")
-    return rows
 
 
 # --- arithmetic: a task with verifiable answers (post-training's data, GRPO's reward) 
@@ -964,8 +859,7 @@ def read_metrics(path):
 
 
 def plot(run_dirs, out):
-    """Runs' loss curves (held-out dashed) and their relative differences from the first's; -> the
-    largest of each."""
+    """Runs' loss curves (held-out dashed), relative differences from the first's -> the largest."""
     import matplotlib.pyplot as plt  # here: it takes a second, and only plots need it
     many = len(run_dirs) > 1
     fig, axes = plt.subplots(2 if many else 1, 1, figsize=(8, 7 if many else 5), sharex=True,
@@ -980,8 +874,7 @@ def plot(run_dirs, out):
         axes[0, 0].plot(list(loss), list(loss.values()), color=f"C{i}", label=f"{d.name} train",
                         lw=1.5 if i else 2.5)
         if held:
-            axes[0, 0].plot(*zip(*held), "--o", color=f"C{i}", markersize=3,
-                            label=f"{d.name} held-out")
+            axes[0, 0].plot(*zip(*held), "--o", color=f"C{i}", ms=3, label=f"{d.name} held-out")
         first = loss if first is None else first
         common = sorted(set(first) & set(loss)) if i else []
         if common:
@@ -1002,171 +895,32 @@ def plot(run_dirs, out):
     return diffs
 
 
-# --- command line -------------------------------------------------------------------------------
+# --- command line: one function per command, then main's parser --------------------------------
 
-def main(argv):
-    if argv[:2] == ["generate", "--bench"]:  # no checkpoint: it makes its own
-        bp = argparse.ArgumentParser(prog="eval.py generate --bench",
-                                     description=generate_bench.__doc__)
-        bp.add_argument("shape", choices=list(BENCH_SHAPES))
-        bp.add_argument("--max-new", type=in_range(int, 2), default=16)
-        args = bp.parse_args(argv[2:])
-        generate_bench(args.shape, args.max_new)
-        return
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    sub = ap.add_subparsers(dest="command", required=True)
+def cmd_logits(args):
+    m, params, dtype = load_checkpoint(args.ckpt, args.dtype)
+    load, forward = _backend(m, args.backend, dtype, lambda xp, x, t: x)
+    tokens = model.check_tokens(convert.load_tokens(args.tokens), m, args.tokens)
+    out = forward(load(params), tokens)
+    np.save(args.out, out)
+    print(f"wrote {args.out}: {out.shape} {out.dtype} ({args.backend}, {dtype} compute)")
 
-    def command(name, help, *parents):
-        return sub.add_parser(name, parents=list(parents), help=help)
 
-    def options(*parents):  # options that several commands share
-        return argparse.ArgumentParser(add_help=False, parents=list(parents))
-    run = options()  # every command's
-    run.add_argument("--backend", choices=["jax", "torch"], default="jax")
-    run.add_argument("--dtype", choices=["float32", "bfloat16"],
-                     help="weights and compute (default: the checkpoint's own; float32 for ours)")
-    ck = options(run)  # and those of the commands that read a checkpoint
-    ck.add_argument("ckpt",
-                    help="our checkpoint directory (HF layout: config.json + model.safetensors)")
-    ck.add_argument("--tokenizer",
-                    help="'dolma2' or a .tiktoken file (default: CKPT/nanolmo.json's, else dolma2)")
-    sc = options(ck)  # and the scoring ones'
-    sc.add_argument("--batch-tokens", type=in_range(int, 1), default=8192,
-                    help="padded tokens per forward")
-    sc.add_argument("--limit", type=in_range(int, 0), default=0,
-                    help="first N documents (of each task); 0 = all")
-    sc.add_argument("--out", help="write the results here as JSON")
-    lg = command("logits", "logits of an HF-format model directory on given tokens", run)
-    lg.add_argument("ckpt", metavar="DIR")
-    lg.add_argument("--tokens", required=True, help=".npy of int token ids, shape (B, T)")
-    lg.add_argument("--out", required=True, help=".npy to write float32 logits (B, T, V) to")
-    bp = command("bpb", "bits per byte per domain of JSON-lines documents, as Paloma", sc)
-    bp.add_argument("files", nargs="+", help=".jsonl / .jsonl.gz, one {'text': ...} per line")
-    tk = command("tasks", "zero-shot multiple choice on the OLMo paper's eight tasks", sc)
-    tk.add_argument("--tasks", default=",".join(TASKS), help="comma list of " + ", ".join(TASKS))
-    tk.add_argument("--data", default="../shared/evaldata",
-                    help="folder with hf_validation/ and/or original/")
-    tk.add_argument("--norm", choices=["olmes", "catwalk"], default="olmes",
-                    help="OLMES v0.1's prompts, or Catwalk's")
-    gen = command("generate", "continue a prompt, with a KV cache", ck)
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--max-new", type=in_range(int, 1), default=64)
-    gen.add_argument("--temperature", type=in_range(float, 0), default=0.0, help="0 = greedy")
-    gen.add_argument("--top-k", type=in_range(int, 0), default=0, help="0 = no cut")
-    gen.add_argument("--top-p", type=in_range(float, 0, 1, open_lo=True), default=1.0)
-    gen.add_argument("--seed", type=in_range(int, 0), default=0)
-    gen.add_argument("--no-cache", action="store_true",
-                     help="recompute the whole sequence for every token")
-    ch = command("chat", "talk to a checkpoint in a chat template (KV cache)", ck)
-    ch.add_argument("--prompt", help="one turn, then exit (default: an interactive loop; "
-                                     "an empty line ends it)")
-    ch.add_argument("--template", choices=list(data.CHAT_TEMPLATES), default="olmo")
-    ch.add_argument("--max-new", type=in_range(int, 1), default=256)
-    ch.add_argument("--temperature", type=in_range(float, 0), default=0.0)
-    ckpts = "our checkpoint directories (HF layout)"
-    ex = command("exact", "exact-match accuracy of greedy answers, checkpoints side by side")
-    ex.add_argument("ckpts", nargs="+", help=ckpts)
-    ex.add_argument("--prompts", required=True,
-                    help="JSON lines of {messages, answer} (eval.py arith's heldout.jsonl)")
-    ex.add_argument("--template", choices=list(data.CHAT_TEMPLATES), required=True)
-    ex.add_argument("--tokenizer",
-                    help="as for the other commands (default: the first checkpoint's)")
-    ar = command("arith",
-                 "write the arithmetic post-training task (SFT, preference, RL, held-out files)")
-    ar.add_argument("--out", required=True)
-    ar.add_argument("--seed", type=in_range(int, 0), default=0)
-    pl = command("plot",
-                 "overlay runs' loss curves -> RUN/loss.png; the largest per-step difference")
-    pl.add_argument("runs", nargs="+",
-                    help="run directories (metrics.jsonl); the first is the reference")
-    pos = command("positions", "held-out loss by position bucket, checkpoints side by side", run)
-    pos.add_argument("ckpts", nargs="+", help=ckpts)
-    pos.add_argument("--data", required=True,
-                     help="a folder from `data.py prepare`: its held-out split is read")
-    pos.add_argument("--seq-len", type=in_range(int, 2), required=True, help="tokens per instance")
-    pos.add_argument("--buckets", default="",
-                     help="comma list of bucket starts (default: 0 and powers of 2 from 64)")
-    pos.add_argument("--limit", type=in_range(int, 0), default=0, help="first N instances; 0 = all")
-    args = ap.parse_args(argv)
-    if args.command == "arith":
-        counts = arithmetic(args.out, args.seed)
-        print(f"{args.out}: " + ", ".join(f"{n} {k}" for k, n in counts.items()))
-        return
-    if args.command == "plot":
-        out = Path(args.runs[0]) / "loss.png"
-        for d in plot(args.runs, out):
-            print(f"{d['run']} vs {args.runs[0]}: largest per-step loss difference {d['diff']:.3g} "
-                  f"({d['rel']:.2g} relative) at step {d['step']}, over {d['steps']} common steps")
-        print(f"wrote {out}")
-        return
-    if args.command == "positions":
-        T = args.seq_len
-        if args.buckets:
-            starts = {0, *(int(b) for b in args.buckets.split(",") if b)}
-        else:
-            starts = {0, *(2 ** k for k in range(6, T.bit_length()) if 2 ** k < T)}
-        edges = sorted(starts) + [T - 1]
-        held = data.Instances([("heldout", data.dataset_files(args.data, "heldout"), None)], T)
-        rows = []
-        for c in args.ckpts:
-            m, params, dtype = load_checkpoint(c, args.dtype)
-            rows.append(loss_by_position(params, m, held, edges, args.backend, dtype,
-                                         limit=args.limit))
-        n = min(held.n, args.limit or held.n)
-        print(f"held-out loss (nats/token) by target position, {n} instances of {T} "
-              f"from {args.data}/heldout")
-        columns = [Path(c).parent.name + "/" + Path(c).name for c in args.ckpts]
-        print(f"{'positions':<14}" + "".join(f"{c:>26}" for c in columns))
-        for i, (lo, hi) in enumerate(zip(edges, edges[1:])):
-            print(f"{f'[{lo}, {hi})':<14}" + "".join(f"{r[i]:>26.4f}" for r in rows))
-        return
-    if args.command == "exact":  # every checkpoint with the first one's tokenizer
-        m, params = convert.load_hf(args.ckpts[0])
-        tok = checkpoint_tokenizer(args.ckpts[0], m, args.tokenizer)
-        prompts = Prompts(args.prompts, tok, args.template)
-        print(f"exact match of greedy answers to {prompts.n} prompts of {args.prompts} "
-              f"({args.template} template)")
-        for c in args.ckpts:
-            m, params = convert.load_hf(c)
-            print(f"  {c:<32} {exact_match(params, m, prompts, tok):.3f}")
-        return
+def _checkpoint(args):
+    """(ModelConfig, params, tokenizer) of args.ckpt; args.dtype becomes the weights' dtype."""
     m, params, args.dtype = load_checkpoint(args.ckpt, args.dtype)
-    if args.command == "logits":
-        load, forward = _backend(m, args.backend, args.dtype, lambda xp, x, t: x)
-        tokens = model.check_tokens(convert.load_tokens(args.tokens), m, args.tokens)
-        out = forward(load(params), tokens)
-        np.save(args.out, out)
-        print(f"wrote {args.out}: {out.shape} {out.dtype} ({args.backend}, {args.dtype} compute)")
-        return
-    tok = checkpoint_tokenizer(args.ckpt, m, args.tokenizer)
-    if args.command == "chat":
-        return chat(params, m, tok, args.template, args.prompt, args.max_new, args.temperature,
-                    backend=args.backend, dtype=args.dtype)
-    if args.command == "generate":
-        prompt = encode(tok, args.prompt)
-        new, t = generate(params, m, prompt, args.max_new, args.backend, args.dtype,
-                          args.temperature, args.top_k, args.top_p, m.eos_token_id, args.seed,
-                          not args.no_cache, tokenizer_size=tok.vocab_size)
-        print(args.prompt + tok.decode(new))
-        how = "no cache" if args.no_cache else "KV cache"
-        print(f"({t['prompt']} prompt tokens, then {len(new)} new ones at {1 / t['step_s']:,.1f} "
-              f"tokens/s (the median step); {args.backend}, {args.dtype}, {how})", file=sys.stderr)
-        return
+    return m, params, checkpoint_tokenizer(args.ckpt, m, args.tokenizer)
+
+
+def _scorer(args):
+    m, params, tok = _checkpoint(args)
     s = Scorer(m, params, args.backend, args.dtype, args.batch_tokens)
     print(f"{args.ckpt}: {m.family}, max_seq_len {m.max_seq_len}; tokenizer {tok.name}")
-    if args.command == "bpb":
-        docs, empty = read_documents(args.files, args.limit)
-        if not docs:
-            raise ValueError(f"no documents with text in {', '.join(args.files)}")
-        res = dict(checkpoint=args.ckpt, files=args.files, max_seq_len=m.max_seq_len,
-                   empty_skipped=empty, **bpb(s, tok, docs))
-        print_bpb(res)
-    else:
-        names = args.tasks.replace(",", " ").split()
-        prep = prepare_tasks(names, args.data, tok, args.norm, args.limit)
-        res = dict(checkpoint=args.ckpt, norm=args.norm, limit=args.limit,
-                   tasks=score_tasks(s, prep))
-        print_tasks(res["tasks"], args.norm)
+    return s, tok
+
+
+def _scored(args, s, res):
+    """The scorer's speed, into res too; res to --out."""
     res["tokens_per_s"] = tps = s.tokens / max(s.seconds, 1e-9)
     print(f"{s.requests:,} requests in {s.rows:,} rows (shared prefixes run once); scored "
           f"{s.tokens:,} tokens ({s.padded:,} with padding) in {s.seconds:.1f}s: {tps:,.0f} "
@@ -1174,6 +928,162 @@ def main(argv):
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
         print(f"wrote {args.out}")
+
+
+def cmd_bpb(args):
+    s, tok = _scorer(args)
+    docs, empty = read_documents(args.files, args.limit)
+    if not docs:
+        raise ValueError(f"no documents with text in {', '.join(args.files)}")
+    res = dict(checkpoint=args.ckpt, files=args.files, max_seq_len=s.m.max_seq_len,
+               empty_skipped=empty, **bpb(s, tok, docs))
+    print_bpb(res)
+    _scored(args, s, res)
+
+
+def cmd_tasks(args):
+    s, tok = _scorer(args)
+    names = args.tasks.replace(",", " ").split()
+    prep = prepare_tasks(names, args.data, tok, args.norm, args.limit)
+    res = dict(checkpoint=args.ckpt, norm=args.norm, limit=args.limit, tasks=score_tasks(s, prep))
+    print_tasks(res["tasks"], args.norm)
+    _scored(args, s, res)
+
+
+def cmd_generate(args):
+    m, params, tok = _checkpoint(args)
+    new, t = generate(params, m, encode(tok, args.prompt), args.max_new, args.backend, args.dtype,
+                      args.temperature, args.top_k, args.top_p, m.eos_token_id, args.seed,
+                      not args.no_cache, tokenizer_size=tok.vocab_size)
+    print(args.prompt + tok.decode(new))
+    how = "no cache" if args.no_cache else "KV cache"
+    print(f"({t['prompt']} prompt tokens, then {len(new)} new ones at {1 / t['step_s']:,.1f} "
+          f"tokens/s (the median step); {args.backend}, {args.dtype}, {how})", file=sys.stderr)
+
+
+def cmd_chat(args):
+    m, params, tok = _checkpoint(args)
+    chat(params, m, tok, args.template, args.prompt, args.max_new, args.temperature,
+         backend=args.backend, dtype=args.dtype)
+
+
+def cmd_exact(args):  # every checkpoint with the first one's tokenizer
+    tok = checkpoint_tokenizer(args.ckpts[0], convert.open_hf(args.ckpts[0])[0], args.tokenizer)
+    prompts = Prompts(args.prompts, tok, args.template)
+    print(f"exact match of greedy answers to {prompts.n} prompts of {args.prompts} "
+          f"({args.template} template)")
+    for c in args.ckpts:
+        m, params = convert.load_hf(c)
+        print(f"  {c:<32} {exact_match(params, m, prompts, tok):.3f}")
+
+
+def cmd_arith(args):
+    counts = arithmetic(args.out, args.seed)
+    print(f"{args.out}: " + ", ".join(f"{n} {k}" for k, n in counts.items()))
+
+
+def cmd_plot(args):
+    out = Path(args.runs[0]) / "loss.png"
+    for d in plot(args.runs, out):
+        print(f"{d['run']} vs {args.runs[0]}: largest per-step loss difference {d['diff']:.3g} "
+              f"({d['rel']:.2g} relative) at step {d['step']}, over {d['steps']} common steps")
+    print(f"wrote {out}")
+
+
+def cmd_positions(args):
+    T = args.seq_len
+    if args.buckets:
+        starts = [int(b) for b in args.buckets.split(",") if b]
+    else:
+        starts = [2 ** k for k in range(6, T.bit_length()) if 2 ** k < T]
+    edges = sorted({0, *starts}) + [T - 1]
+    held = data.Instances([("heldout", data.dataset_files(args.data, "heldout"), None)], T)
+    rows = []
+    for c in args.ckpts:
+        m, params, dtype = load_checkpoint(c, args.dtype)
+        rows.append(loss_by_position(params, m, held, edges, args.backend, dtype, limit=args.limit))
+    n = min(held.n, args.limit or held.n)
+    print(f"held-out loss (nats/token) by target position, {n} instances of {T} "
+          f"from {args.data}/heldout")
+    columns = [Path(c).parent.name + "/" + Path(c).name for c in args.ckpts]
+    print(f"{'positions':<14}" + "".join(f"{c:>26}" for c in columns))
+    for i, (lo, hi) in enumerate(zip(edges, edges[1:])):
+        print(f"{f'[{lo}, {hi})':<14}" + "".join(f"{r[i]:>26.4f}" for r in rows))
+
+
+def main(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    def options(*parents):  # -> options that several commands share, and their add_argument
+        p = argparse.ArgumentParser(add_help=False, parents=list(parents))
+        return p, p.add_argument
+
+    def command(fn, help, *parents):  # -> the command's add_argument; it runs fn(args)
+        p = sub.add_parser(fn.__name__.removeprefix("cmd_"), parents=list(parents), help=help)
+        p.set_defaults(fn=fn)
+        return p.add_argument
+    run, add = options()  # every command's
+    add("--backend", choices=["jax", "torch"], default="jax")
+    add("--dtype", choices=["float32", "bfloat16"],
+        help="weights and compute (default: the checkpoint's own; float32 for ours)")
+    ck, add = options(run)  # and those of the commands that read a checkpoint
+    add("ckpt", help="our checkpoint directory (HF layout: config.json + model.safetensors)")
+    add("--tokenizer",
+        help="'dolma2' or a .tiktoken file (default: CKPT/nanolmo.json's, else dolma2)")
+    sc, add = options(ck)  # and the scoring ones'
+    add("--batch-tokens", type=in_range(int, 1), default=8192, help="padded tokens per forward")
+    add("--limit", type=in_range(int, 0), default=0,
+        help="first N documents (of each task); 0 = all")
+    add("--out", help="write the results here as JSON")
+
+    add = command(cmd_logits, "logits of an HF-format model directory on given tokens", run)
+    add("ckpt", metavar="DIR")
+    add("--tokens", required=True, help=".npy of int token ids, shape (B, T)")
+    add("--out", required=True, help=".npy to write float32 logits (B, T, V) to")
+    add = command(cmd_bpb, "bits per byte per domain of JSON-lines documents, as Paloma", sc)
+    add("files", nargs="+", help=".jsonl / .jsonl.gz, one {'text': ...} per line")
+    add = command(cmd_tasks, "zero-shot multiple choice on the OLMo paper's eight tasks", sc)
+    add("--tasks", default=",".join(TASKS), help="comma list of " + ", ".join(TASKS))
+    add("--data", default="../shared/evaldata", help="folder with hf_validation/ and/or original/")
+    add("--norm", choices=["olmes", "catwalk"], default="olmes",
+        help="OLMES v0.1's prompts, or Catwalk's")
+    add = command(cmd_generate, "continue a prompt, with a KV cache", ck)
+    add("--prompt", required=True)
+    add("--max-new", type=in_range(int, 1), default=64)
+    add("--temperature", type=in_range(float, 0), default=0.0, help="0 = greedy")
+    add("--top-k", type=in_range(int, 0), default=0, help="0 = no cut")
+    add("--top-p", type=in_range(float, 0, 1, open_lo=True), default=1.0)
+    add("--seed", type=in_range(int, 0), default=0)
+    add("--no-cache", action="store_true", help="recompute the whole sequence for every token")
+    add = command(cmd_chat, "talk to a checkpoint in a chat template (KV cache)", ck)
+    add("--prompt",
+        help="one turn, then exit (default: an interactive loop; an empty line ends it)")
+    add("--template", choices=list(data.CHAT_TEMPLATES), default="olmo")
+    add("--max-new", type=in_range(int, 1), default=256)
+    add("--temperature", type=in_range(float, 0), default=0.0)
+    add = command(cmd_exact, "exact-match accuracy of greedy answers, checkpoints side by side")
+    add("ckpts", nargs="+", help="our checkpoint directories (HF layout)")
+    add("--prompts", required=True,
+        help="JSON lines of {messages, answer} (eval.py arith's heldout.jsonl)")
+    add("--template", choices=list(data.CHAT_TEMPLATES), required=True)
+    add("--tokenizer", help="as for the other commands (default: the first checkpoint's)")
+    add = command(cmd_arith,
+                  "write the arithmetic post-training task (SFT, preference, RL, held-out files)")
+    add("--out", required=True)
+    add("--seed", type=in_range(int, 0), default=0)
+    add = command(cmd_plot,
+                  "overlay runs' loss curves -> RUN/loss.png; the largest per-step difference")
+    add("runs", nargs="+", help="run directories (metrics.jsonl); the first is the reference")
+    add = command(cmd_positions, "held-out loss by position bucket, checkpoints side by side", run)
+    add("ckpts", nargs="+", help="our checkpoint directories (HF layout)")
+    add("--data", required=True, help="a folder from `data.py prepare`: its held-out split is read")
+    add("--seq-len", type=in_range(int, 2), required=True, help="tokens per instance")
+    add("--buckets", default="",
+        help="comma list of bucket starts (default: 0 and powers of 2 from 64)")
+    add("--limit", type=in_range(int, 0), default=0, help="first N instances; 0 = all")
+    args = ap.parse_args(argv)
+    args.fn(args)
 
 
 if __name__ == "__main__":

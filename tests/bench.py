@@ -84,9 +84,140 @@ def data_bench(argv):
 
 
 # --- generate: a released shape, nanolmo and transformers side by side --------------------------
+# Each runner is a process of its own, so that its peak memory (max RSS, from wait4) is its own.
+BENCH_SHAPES = {"olmo2-1b": "configs/olmo2-1b.toml", "olmo3-7b": "configs/olmo3-7b.toml"}
+RUNNERS = {"hf": "transformers", "jax": "nanolmo JAX", "torch": "nanolmo torch"}
 
-def generate_bench(argv):
-    raise NotImplementedError  # moved here from eval.py
+
+def bench_checkpoint(shape, root=ROOT / "data/bench"):
+    """data/bench/SHAPE: random weights in a release's shape, bf16, made once by transformers (no
+    download)."""
+    import configs
+    import convert
+    d = Path(root) / shape
+    if (d / "config.json").is_file():
+        return d
+    import torch
+    import transformers
+    m = configs.load_config([str(ROOT / BENCH_SHAPES[shape])]).model
+    cfg = transformers.AutoConfig.for_model(**{**convert.config_to_hf(m), "dtype": "bfloat16"})
+    print(f"writing {d}: random {shape} weights in bf16 (transformers {transformers.__version__})")
+    torch.manual_seed(0)
+    net = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    net.save_pretrained(d.with_name(shape + ".tmp"))
+    del net
+    convert.replace(d.with_name(shape + ".tmp"), d)
+    return d
+
+
+def timed_generate(ckpt, runner, prompt, n_new):
+    """One runner of RUNNERS on ckpt, in its dtype, greedy: {ids, load_s, prefill_s, step_s}."""
+    import time
+
+    import numpy as np
+
+    import eval as evaluate
+    t0 = time.perf_counter()
+    if runner != "hf":
+        m, params, dtype = evaluate.load_checkpoint(ckpt)
+        load_s = time.perf_counter() - t0
+        # compile both steps first, so that prefill times the prompt alone
+        if runner == "jax":
+            evaluate.generate(params, m, prompt, n_new, runner, dtype)
+        ids, t = evaluate.generate(params, m, prompt, n_new, runner, dtype)
+        return dict(ids=ids, load_s=load_s, prefill_s=t["prefill_s"], step_s=t["step_s"])
+    import torch
+    import transformers
+    auto = transformers.AutoModelForCausalLM
+    net = auto.from_pretrained(ckpt, dtype="auto", local_files_only=True)
+    load_s, times = time.perf_counter() - t0, []
+
+    class Clock(transformers.generation.BaseStreamer):  # called with the prompt, then each token
+        def put(self, value):
+            times.append(time.perf_counter())
+
+        def end(self):
+            pass
+    start = time.perf_counter()
+    out = net.eval().generate(torch.tensor([prompt]), max_new_tokens=n_new, min_new_tokens=n_new,
+                              do_sample=False, streamer=Clock(),
+                              pad_token_id=net.config.pad_token_id)
+    return dict(ids=out[0, len(prompt):].tolist(), load_s=load_s, prefill_s=times[1] - start,
+                step_s=float(np.median(np.diff(times[1:]))))  # times[1]: the first new token
+
+
+def agree(a, b):
+    """How many leading ids a and b share (bf16 sums can flip random weights' near ties)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def read_bandwidth(gib=1):
+    """Memory read bandwidth (bytes/s): torch summing 1 GiB (past the caches), best of 5."""
+    import time
+
+    import torch
+    x, best = torch.ones(gib * 2**28), float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.nbytes / best
+
+
+def generate_bench(argv, prompt_len=32):
+    """Peak RSS, load time, prefill and decode tokens/s of RUNNERS on SHAPE, side by side; decode
+    against its CPU bound, read bandwidth / weight bytes (docs/evaluation.md)."""
+    import argparse
+    import json
+    import math
+    import os
+    import subprocess
+
+    import numpy as np
+
+    import convert
+    from configs import in_range
+    ap = argparse.ArgumentParser(prog="bench.py generate", description=generate_bench.__doc__)
+    ap.add_argument("shape", choices=list(BENCH_SHAPES))
+    ap.add_argument("--max-new", type=in_range(int, 2), default=16)
+    args = ap.parse_args(argv)
+    shape, n_new = args.shape, args.max_new
+    d = bench_checkpoint(shape)
+    m = convert.open_hf(d)[0]
+    prompt = np.random.default_rng(0).integers(1000, 50000, prompt_len).tolist()
+    rows = {}
+    for runner in RUNNERS:
+        call = f"bench.timed_generate({str(d)!r}, {runner!r}, {prompt}, {n_new})"
+        # this file imported as `bench`: its own folder on the path (it puts the repo's there)
+        path = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})"
+        code = f"{path}; import bench, json; print(json.dumps({call}))"
+        p = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE)
+        out = p.stdout.read()
+        _, status, usage = os.wait4(p.pid, 0)  # ru_maxrss: KiB on Linux
+        rows[runner] = dict(json.loads(out.splitlines()[-1]) if status == 0 else {}, status=status,
+                            rss=usage.ru_maxrss * 1024)
+    ref = rows["hf"]
+    if ref["status"]:
+        raise RuntimeError(f"transformers' runner failed (wait status {ref['status']})")
+    stored = sum(math.prod(s) for s in convert.expected_tensors(m).values()) * 2  # bytes in bf16
+    per_token = stored - 2 * m.vocab_size * m.d_model * (not m.tie_embeddings)  # one embedding row
+    bw = read_bandwidth()
+    print(f"{shape}: {stored / 2e9:.2f}B params, bf16 ({stored / 2**30:.2f} GiB); "
+          f"{prompt_len} prompt tokens, {n_new} new, greedy; read bandwidth {bw / 1e9:.1f} GB/s "
+          f"-> decode bound {bw / per_token:.2f} tokens/s")
+    # same ids: how many of the new ids, from the first, equal transformers'
+    print(f"{'':<16}{'peak RSS':>17}{'load':>8}{'prefill':>10}{'decode':>17}{'same ids':>10}")
+    for k, r in rows.items():
+        memory = f"{RUNNERS[k]:<16}{r['rss'] / 2**30:>7.2f} GiB{r['rss'] / ref['rss']:>5.2f}x"
+        if r["status"]:
+            killed = os.WIFSIGNALED(r["status"]) and os.WTERMSIG(r["status"]) == 9  # the OOM killer
+            why = " (SIGKILL: out of memory?)" * killed
+            print(f"{memory}  failed: wait status {r['status']}{why}")
+            continue
+        speed = f"{prompt_len / r['prefill_s']:>6.1f} t/s{1 / r['step_s']:>6.2f} t/s"
+        print(f"{memory}{r['load_s']:>7.1f}s{speed}{ref['step_s'] / r['step_s']:>6.2f}x"
+              f"{agree(r['ids'], ref['ids']):>7}/{n_new}")
+    return rows
 
 
 COMMANDS = {"train": train_bench, "attention": attention_bench, "data": data_bench,

@@ -282,8 +282,8 @@ def generate():
 
 
 def generate_bench(shape):
-    """nanolmo JAX, torch and transformers on a released shape in bf16 (eval.py generate --bench; minutes)."""
-    return shown(f"python eval.py generate --bench {shape}")
+    """nanolmo JAX, torch and transformers on a released shape in bf16 (tests/bench.py generate; minutes)."""
+    return shown(f"python tests/bench.py generate {shape}")
 
 
 PLAN_CELLS = {  # cell: what `train.py plan` prints it as (a regex per number, joined by the format)

@@ -64,6 +64,24 @@ def test_sampler():
     assert (draws == 1).mean() > 0.99  # a low temperature is nearly greedy
 
 
+def test_batched_sample_cuts_like_pick():
+    """eval.sample (GRPO's batched sampler) draws by pick's rule, eval.cut, on the device: top_k=1 or a
+    tiny top_p is greedy; with top_k=2 every token is one of its position's two most likely."""
+    m = variant("olmo3")
+    params = random_params(m, seed=5)
+    prompts = np.tile([3, 1, 4], (4, 1))
+    greedy = evaluate.sample(params, m, prompts, 12, 0.0, 0, m.vocab_size, -1)
+    assert evaluate.sample(params, m, prompts, 12, 1.0, 0, m.vocab_size, -1, top_k=1) == greedy
+    assert evaluate.sample(params, m, prompts, 12, 1.0, 0, m.vocab_size, -1, top_p=1e-6) == greedy
+    drawn = np.array(evaluate.sample(params, m, prompts, 12, 3.0, 0, m.vocab_size, -1, top_k=2))
+    assert (drawn != greedy).any()  # at temperature 3, some second choices
+    tokens = jnp.asarray(np.concatenate([prompts, drawn], 1))
+    logits = np.asarray(model.forward({k: jnp.asarray(v) for k, v in params.items()}, tokens, m))
+    logits = logits[:, 2:-1]  # those that predict the drawn tokens
+    second = np.sort(logits, -1)[..., -2]
+    assert (np.take_along_axis(logits, drawn[..., None], -1)[..., 0] >= second - 1e-4).all()
+
+
 def test_generate_command(setup, tmp_path):
     root, toml = setup
     m = load_config([str(toml)]).model
