@@ -50,8 +50,8 @@ def hf_cos_sin(net, T, layer_type=None):
 def test_rms_norm_is_transformers():
     """fp32, and bf16 activations with an fp32 weight (our mixed precision) bit for bit, against
     transformers' Olmo2RMSNorm; the torch twin RMSNorm the same."""
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
     norm = hf_net("olmo2").model.layers[0].post_attention_layernorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
     w, eps = numpy(norm.weight), norm.variance_epsilon
     x = 3 * np.random.default_rng(0).standard_normal((2, 8, w.size)).astype(np.float32)
     x[1] *= 1e-3  # batch row 1: mean(x²) ≈ 1e-5, where eps (1e-6) matters
@@ -238,8 +238,8 @@ def rotation_hint(rope, H, torch_layout=False):
 def test_rope_is_transformers_rotate_half():
     """rope and rope_torch against transformers' apply_rotary_pos_emb (q and k, fp32 inside), on
     transformers' own cos and sin of an OLMo 3 YaRN layer."""
-    from transformers.models.olmo3.modeling_olmo3 import apply_rotary_pos_emb
     net = hf_net("olmo3")
+    from transformers.models.olmo3.modeling_olmo3 import apply_rotary_pos_emb
     cos, sin = hf_cos_sin(net, 7, "full_attention")
     rng = np.random.default_rng(0)
     q = torch.from_numpy(rng.standard_normal((2, 4, 7, 32)).astype(np.float32))  # (B, N, T, H)
