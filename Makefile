@@ -13,7 +13,7 @@ ifneq ($(TCMALLOC),)
 export LD_PRELOAD ?= $(TCMALLOC)
 endif
 
-.PHONY: demo test longctx posttrain tables exercises device-check clean
+.PHONY: demo test env longctx posttrain tables exercises device-check clean
 
 # On an accelerator, name it once: `make demo ACCEL=cuda` (NVIDIA GPUs) or `make demo ACCEL=tpu`
 # installs JAX's plugin for it beside the CPU jaxlib (pinned to jax's version); torch's PyPI wheel
@@ -98,6 +98,9 @@ posttrain: $(DATA)/arith-sft/prepare.json $(DATA)/arith-dpo/prepare.json
 	$(PY) eval.py exact runs/tiny/step_1350 runs/tiny-sft/step_600 runs/tiny-dpo/step_150 runs/tiny-grpo/step_200 \
 		--prompts $(DATA)/arith/heldout.jsonl --template tulu
 
+# The environment alone, with the test extra (docs/exercises.md starts with it).
+env: $(VENV)/.installed-test
+
 test: $(VENV)/.installed-test
 	$(VENV)/bin/python -m pytest -q -n 2 tests  # pytest-xdist: two workers, one per core
 
@@ -105,7 +108,9 @@ test: $(VENV)/.installed-test
 tables: $(VENV)/.installed-test
 	$(PY) tests/tables.py
 
-# docs/exercises.md: each exercise's tests fail with its code removed and pass with it (tests/exercises.py).
+# docs/exercises.md, the course in order (tests/exercises.py; minutes): for each exercise k, a copy
+# without k and the later ones fails k's tests on k's marker, and a copy without only the later
+# ones passes them (a skipped test counts as a failure).
 exercises: $(VENV)/.installed-test
 	$(PY) tests/exercises.py check
 

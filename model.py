@@ -764,6 +764,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(width))
         self.eps = eps
 
+    # exercise: rmsnorm
     def forward(self, x):
         x32 = x.float()
         y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -774,12 +775,14 @@ def layer_norm_torch(x, eps):
     return F_.layer_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
 
 
+# exercise: rope
 def rope_cos_sin_torch(positions, inv_freq, scale):
     freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, H/2)
     emb = torch.cat([freqs, freqs], dim=-1)  # (T, H)
     return emb.cos() * scale, emb.sin() * scale
 
 
+# exercise: rope
 def rope_torch(x, cos, sin):
     """x (B, N, T, H)."""
     x32 = x.float()
@@ -797,6 +800,7 @@ class Attention(nn.Module):
         if m.family != "olmo1":
             self.q_norm, self.k_norm = RMSNorm(N * H, m.norm_eps), RMSNorm(K * H, m.norm_eps)
 
+    # exercise: qk_norm
     def project(self, x, cos, sin):
         """x (B, T, D) -> q (B, N, T, H), k and v (B, K, T, H), RoPE applied."""
         m, (B, T, _) = self.m, x.shape
@@ -853,6 +857,7 @@ def attention_masks_torch(m, windows, T, segments, device, pos=0):
     return out
 
 
+# exercise: sliding_window
 def visible_torch(i, j, w):
     """The JAX attention_mask: key j is visible to query i (causal; the last w keys if w > 0)."""
     return (j <= i) & ((w == 0) | (i - j < w))
@@ -919,6 +924,7 @@ class Block(nn.Module):
             self.post_attention_layernorm = RMSNorm(m.d_model, m.norm_eps)
             self.post_feedforward_layernorm = RMSNorm(m.d_model, m.norm_eps)
 
+    # exercise: rmsnorm
     def forward(self, x, cos, sin, mask, remat_mlp=False, cache=None, pos=0):
         """The JAX `block`."""
         ffn = partial(checkpoint, self.mlp, use_reentrant=False) if remat_mlp else self.mlp

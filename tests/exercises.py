@@ -1,17 +1,23 @@
-"""Course exercises that check themselves (docs/exercises.md lists them, in course order).
+"""The course (docs/exercises.md) as commands: its exercises in order, a student copy without the
+answers, one exercise's tests as a student runs them, and the check that the course can be taken in
+order.
 
-    python tests/exercises.py student DIR     # a student copy in DIR: every exercise's body -> raise NotImplementedError
-    python tests/exercises.py check [NAME..]  # each exercise's tests fail with its bodies removed, and pass as written
-    make exercises                            # the same check, for all of them
+    python tests/exercises.py list                      # in course order: NAME, then its tests
+    python tests/exercises.py student DIR [--from NAME] # a copy in DIR without NAME and every
+                                                        # later exercise (default: without all)
+    python tests/exercises.py test [NAME]               # in the copy: NAME's tests (default: the
+                                                        # first exercise left to write); a skip
+                                                        # fails
+    python tests/exercises.py check [NAME..]            # each exercise k: the copy from k fails
+                                                        # k's tests on k's marker, the copy from
+                                                        # k + 1 passes them (none skipped)
+    make exercises                                      # check, every exercise in order
 
-In the code, a one-line marker `# exercise: NAME` stands directly above each function (or method) that
-the exercise asks for; one exercise may mark several functions. The student copy keeps the signature
-and the docstring and replaces the rest of the body. docs/exercises.md names, under each `##` heading,
-the marker (**Marker** `NAME`) and the tests that check it (**Test** `tests/test_x.py::test_y`).
-
-`check` removes one exercise at a time (so a failing test can only be that exercise's doing), runs
-its tests and asks for a failure that names the exercise; then runs every exercise's tests on the
-solution and asks for all of them to pass (none skipped: a skip would hide a broken exercise).
+In the code, the line `# exercise: NAME` stands directly above each function (or method) an
+exercise removes; one marker may stand above several, such as the JAX function and its PyTorch
+twin, which go together. The copy keeps the signature and the docstring and replaces the rest of
+the body with `raise NotImplementedError("exercise: NAME ...")`. docs/exercises.md names, under each
+`##` heading, the marker (**Marker** `NAME`) and the tests that check it (**Tests** `tests/...`).
 """
 
 import ast
@@ -21,27 +27,33 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "exercises.md"
 MARKER = re.compile(r"^\s*# exercise: (\w+)\s*$")
+SETUP = ("the tests need the test extra (pytest, transformers): `make env` in the checkout makes "
+         ".venv with it; run this with that .venv/bin/python")
 
 
-def exercises(doc=ROOT / "docs" / "exercises.md"):
+def exercises(doc=None):
     """[(title, marker, [test ids])] from the `##` sections of docs/exercises.md, in order."""
-    out = []
+    doc, out = doc or DOC, []
     for section in re.split(r"^## ", doc.read_text(), flags=re.M)[1:]:
         title = section.splitlines()[0].strip()
         marker = re.search(r"\*\*Marker\*\* `(\w+)`", section)
         tests = re.search(r"\*\*Tests?\*\* ((?:`[^`]+`(?:, )?)+)", section)
         if not marker or not tests:
-            raise ValueError(f"{doc}: section '{title}' needs a **Marker** `name` and a **Test** `tests/...::test_...`")
+            raise ValueError(f"{doc}: section '{title}' needs a **Marker** `name` and a "
+                             "**Tests** `tests/...::test_...`")
         out.append((title, marker.group(1), re.findall(r"`([^`]+)`", tests.group(1))))
     return out
 
 
 def marked(source):
-    """{marker: [(first body line, last line, indent, docstring?)]} of the functions under markers (1-based lines)."""
+    """{marker: [(first body line, last line, indent)]} of the functions under markers (1-based)."""
     lines, found = source.splitlines(), {}
     defs = {}
     for node in ast.walk(ast.parse(source)):
@@ -54,103 +66,199 @@ def marked(source):
             continue
         node = defs.get(i + 1)
         if node is None:
-            raise ValueError(f"line {i}: '# exercise: {m.group(1)}' must stand directly above a def")
+            raise ValueError(f"line {i}: '# exercise: {m.group(1)}' must stand directly above a "
+                             "def")
         body = node.body
-        has_doc = isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant) \
+        has_doc = isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
             and isinstance(body[0].value.value, str)
-        first = body[1].lineno if has_doc and len(body) > 1 else body[0].lineno
         if has_doc and len(body) == 1:
-            raise ValueError(f"line {i}: the function under '# exercise: {m.group(1)}' has nothing but a docstring")
+            raise ValueError(f"line {i}: the function under '# exercise: {m.group(1)}' has nothing "
+                             "but a docstring")
+        first = body[1].lineno if has_doc else body[0].lineno
         indent = len(lines[body[0].lineno - 1]) - len(lines[body[0].lineno - 1].lstrip())
         found.setdefault(m.group(1), []).append((first, node.end_lineno, indent))
     return found
 
 
 def stub(source, names):
-    """The source with the bodies of the functions marked with any of `names` replaced by a raise."""
+    """The source with the bodies of the functions marked with any of `names` replaced by a
+    raise."""
     lines = source.splitlines(keepends=True)
-    spans = [(first, last, indent, name) for name, places in marked(source).items() if name in names
-             for first, last, indent in places]
-    for first, last, indent, name in sorted(spans, reverse=True):  # from the bottom, so line numbers hold
-        raise_line = " " * indent + f'raise NotImplementedError("exercise: {name} (docs/exercises.md)")\n'
-        lines[first - 1:last] = [raise_line]
+    spans = [(first, last, indent, name) for name, places in marked(source).items()
+             if name in names for first, last, indent in places]
+    for first, last, indent, name in sorted(spans, reverse=True):  # bottom up: line numbers hold
+        lines[first - 1:last] = [" " * indent + f'raise NotImplementedError("exercise: {name} '
+                                 '(docs/exercises.md)")\n']
     return "".join(lines)
 
 
 def tracked_files():
-    out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True,
-                         check=True).stdout.split()
+    out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout.split()
     return [f for f in out if (ROOT / f).is_file()]
 
 
+def sources():
+    """{file: source} of the .py files outside tests/ (in a checkout or in a student copy)."""
+    files = [p.relative_to(ROOT).as_posix() for p in ROOT.glob("*.py")]
+    return {f: (ROOT / f).read_text() for f in sorted(files)}
+
+
 def where(names):
-    """{file: source} of the tracked .py files holding markers for any of `names`."""
-    out = {}
-    for f in tracked_files():
-        if f.endswith(".py") and not f.startswith("tests/"):
-            source = (ROOT / f).read_text()
-            if set(marked(source)) & set(names):
-                out[f] = source
-    return out
+    """{file: source} of the code files holding markers for any of `names`."""
+    return {f: s for f, s in sources().items() if set(marked(s)) & set(names)}
+
+
+def left_to_write():
+    """The exercises whose bodies are still `raise NotImplementedError(...)` here, in order."""
+    code = "\n".join(sources().values())
+    return [name for _, name, _ in exercises() if f'NotImplementedError("exercise: {name} ' in code]
 
 
 def write_copy(dest, names):
-    """The tracked tree copied to dest, with the bodies of the `names` exercises removed; ../shared linked beside it
-    so the tests that read it do not skip."""
+    """The checkout's files copied into dest (nothing outside it), with the bodies of the `names`
+    exercises removed."""
     dest = Path(dest)
     for f in tracked_files():
         (dest / f).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / f, dest / f)
     for f, source in where(names).items():
         (dest / f).write_text(stub(source, names))
-    shared = ROOT.parent / "shared"
-    if shared.is_dir() and not (dest.parent / "shared").exists():
-        (dest.parent / "shared").symlink_to(shared)
     return dest
 
 
-def pytest(cwd, tests):
-    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-rs", "-p", "no:cacheprovider", *tests],
-                          cwd=cwd, capture_output=True, text=True, env=env)
+def run_pytest(cwd, tests, quiet=True):
+    """{test id: (passed | failed | error | skipped | not run, message)} and pytest's output (its
+    own printing goes to the terminal when not quiet). Outcomes come from pytest's junit report."""
+    with tempfile.TemporaryDirectory() as tmp:
+        junit = Path(tmp) / "junit.xml"
+        cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+               f"--junitxml={junit}", *tests]
+        env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+        r = subprocess.run(cmd, cwd=cwd, env=env, text=True,
+                           **(dict(capture_output=True) if quiet else {}))
+        found = {}
+        if junit.exists():
+            for case in ET.parse(junit).getroot().iter("testcase"):  # classname: [tests.]test_x
+                found[case.get("classname").rpartition(".")[2], case.get("name")] = case
+    out = {}
+    for t in tests:
+        path, _, name = t.partition("::")
+        case = found.get((Path(path).stem, name))
+        if case is None:
+            out[t] = ("not run", "pytest did not run it (a collection error? see its output)")
+            continue
+        kinds = dict(failure="failed", error="error", skipped="skipped")
+        child = next((c for c in case if c.tag in kinds), None)
+        out[t] = ("passed", "") if child is None else (kinds[child.tag], child.get("message", ""))
+    return out, (r.stdout or "") + (r.stderr or "")
+
+
+def raised_by(name, outcome):
+    """Did this outcome come from exercise `name`'s stub?"""
+    return outcome[0] == "failed" and f"NotImplementedError: exercise: {name} " in outcome[1]
 
 
 def check(only=()):
-    """True when every chosen exercise (all, by default) fails in its student copy and passes as written."""
+    """True when, for every chosen exercise k (all, by default), the copy without k and the later
+    ones fails k's tests, each on k's marker, and the copy without only the later ones passes
+    them, none skipped. Copy j (without exercise j on) runs exercise j's tests and j - 1's."""
     every = exercises()
-    todo = [e for e in every if not only or e[1] in only]
-    markers = {name for source in where([e[1] for e in every]).values() for name in marked(source)}
-    problems = [f"{title}: no '# exercise: {name}' marker in the code" for title, name, _ in todo if name not in markers]
+    names = [name for _, name, _ in every]
+    todo = [i for i, (_, name, _) in enumerate(every) if not only or name in only]
+    markers = {name for source in sources().values() for name in marked(source)}
+    problems = [f"{every[i][0]}: no '# exercise: {every[i][1]}' in the code" for i in todo
+                if every[i][1] not in markers]
+    problems += [f"{name}: unknown exercise" for name in only if name not in names]
+    ids = [t for _, _, tests in every for t in tests]
+    problems += [f"{t} is listed under two exercises" for t in sorted({t for t in ids
+                                                                        if ids.count(t) > 1})]
+    if problems:
+        print("\n".join(problems))
+        return False
+    start = time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        for title, name, tests in todo:
-            copy = write_copy(Path(tmp) / name / "nanolmo", [name])
-            r = pytest(copy, tests)
-            ok = r.returncode == 1 and f"exercise: {name}" in r.stdout
-            print(f"{'ok ' if ok else 'BAD'} {title} ({name}): {' '.join(tests)} fail(s) in the student copy", flush=True)
-            if not ok:
-                problems.append(f"{title}: with '{name}' removed, {' '.join(tests)} did not fail on NotImplementedError "
-                                f"(exit {r.returncode}):\n{r.stdout[-1500:]}")
+        for j in sorted({j for i in todo for j in (i, i + 1)}):
+            must_fail = [every[j]] if j in todo else []
+            must_pass = [every[j - 1]] if j - 1 in todo else []
+            label = f"from {names[j]}" if j < len(names) else "with every exercise written"
+            copy = write_copy(Path(tmp) / f"from-{j + 1}" / "nanolmo", names[j:])
+            tests = [t for _, _, ts in must_fail + must_pass for t in ts]
+            t0 = time.time()
+            results, output = run_pytest(copy, tests)
+            took = f"{time.time() - t0:.0f} s"
+            for title, name, ts in must_pass:
+                bad = [f"  {t}: {results[t][0]} {results[t][1][:300]}" for t in ts
+                       if results[t][0] != "passed"]
+                print(f"{'BAD' if bad else 'ok '} {title}: the copy {label} passes its "
+                      f"{len(ts)} tests ({took})", flush=True)
+                if bad:
+                    problems.append(f"{title}: in the copy {label} (exercise {name} written):\n"
+                                    + "\n".join(bad) + f"\n{output[-3000:]}")
+            for title, name, ts in must_fail:
+                bad = [f"  {t}: {results[t][0]} {results[t][1][:300]}" for t in ts
+                       if not raised_by(name, results[t])]
+                print(f"{'BAD' if bad else 'ok '} {title}: the copy {label} fails its "
+                      f"{len(ts)} tests on `exercise: {name}` ({took})", flush=True)
+                if bad:
+                    problems.append(f"{title}: in the copy {label}, each test must fail on "
+                                    f"NotImplementedError: exercise: {name}:\n" + "\n".join(bad)
+                                    + f"\n{output[-3000:]}")
             shutil.rmtree(copy.parent)
-    tests = [t for _, _, ts in todo for t in ts]
-    r = pytest(ROOT, tests)
-    skipped = re.search(r"\d+ skipped", r.stdout)
-    ok = r.returncode == 0 and not skipped
-    print(f"{'ok ' if ok else 'BAD'} the solution passes all {len(tests)} tests", flush=True)
-    if not ok:
-        problems.append(f"the solution does not pass (exit {r.returncode}{', ' + skipped.group(0) if skipped else ''}):\n"
-                        f"{r.stdout[-2000:]}")
-    print("\n".join(["", *problems]) if problems else f"all {len(todo)} exercises check")
+    took = f"{time.time() - start:.0f} s"
+    print("\n".join(["", *problems]) if problems else
+          f"all {len(todo)} exercises check, in course order ({took})")
     return not problems
 
 
+def student_test(name=None):
+    """A student's run of one exercise's tests, here (in a copy): pytest's own output, then a
+    verdict that counts a skipped or unrun test as not passed. True when every test passed."""
+    every = {n: (title, tests) for title, n, tests in exercises()}
+    if name is None:
+        left = left_to_write()
+        if not left:
+            print("every exercise here is written; `python tests/exercises.py test NAME` runs one")
+            return True
+        name = left[0]
+    if name not in every:
+        sys.exit(f"no exercise {name!r}; `python tests/exercises.py list` lists them")
+    title, tests = every[name]
+    print(f"{title} ({name}): {' '.join(tests)}", flush=True)
+    results, _ = run_pytest(ROOT, tests, quiet=False)
+    not_passed = {t: r for t, r in results.items() if r[0] != "passed"}
+    if not not_passed:
+        later = [n for n in left_to_write() if n != name]
+        print(f"\n{name}: done, all {len(tests)} tests pass." + (f" Next: {later[0]}" if later
+                                                                  else ""))
+        return True
+    print(f"\n{name}: NOT done ({len(not_passed)} of {len(tests)} tests did not pass)")
+    for t, (status, message) in not_passed.items():
+        print(f"  {status:8} {t}: {message.splitlines()[0] if message else ''}")
+        if status in ("skipped", "not run"):
+            print(f"           a {status} test is no pass: {SETUP}")
+    return False
+
+
 def main(argv):
-    if argv[:1] == ["student"] and len(argv) == 2:
+    if argv[:1] == ["list"] and len(argv) == 1:
+        for _, name, tests in exercises():
+            print(name, *tests)
+    elif argv[:1] == ["student"] and (len(argv) == 2 or len(argv) == 4 and argv[2] == "--from"):
+        names = [name for _, name, _ in exercises()]
+        first = argv[3] if len(argv) == 4 else names[0]
+        if first not in names:
+            sys.exit(f"--from {first}: no such exercise; they are {', '.join(names)}")
         dest = Path(argv[1])
         if dest.exists() and any(dest.iterdir()):
             sys.exit(f"{dest} exists and is not empty: give a new folder")
-        write_copy(dest, [e[1] for e in exercises()])
-        print(f"wrote a student copy to {dest}: {len(exercises())} exercises (docs/exercises.md); "
-              f"check one with `python -m pytest -q TEST` inside it")
+        removed = names[names.index(first):]
+        write_copy(dest, removed)
+        print(f"wrote a student copy to {dest}, without {len(removed)} of the {len(names)} "
+              f"exercises ({first} to {removed[-1]}; docs/exercises.md). In it, with the "
+              f"checkout's python: `python tests/exercises.py test` runs the first one's tests")
+    elif argv[:1] == ["test"] and len(argv) <= 2:
+        sys.exit(0 if student_test(*argv[1:]) else 1)
     elif argv[:1] == ["check"]:
         sys.exit(0 if check(argv[1:]) else 1)
     else:

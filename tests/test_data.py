@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import data
+from teach import fail
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
@@ -296,6 +297,24 @@ def ids_file(path, first_id, n, T):
     return data.open_token_file(path)
 
 
+def order_hint(step, r, got, seed, G, world, n=103):
+    """Which usual mistake in epoch_permutation gives the ids this rank got at this step."""
+    epoch, row = divmod(step, n // G)
+    pcg = lambda s: np.random.Generator(np.random.PCG64(s))  # noqa: E731
+    tries = {"seed + epoch with epochs counted from 0": pcg(seed + epoch),
+             "the seed alone, the same order every epoch": pcg(seed),
+             "numpy's legacy RandomState(seed + epoch)": np.random.RandomState(seed + epoch)}
+    for name, rng in tries.items():
+        perm = np.arange(n, dtype=np.uint32)
+        rng.shuffle(perm)
+        if np.array_equal(got, perm[row * G:(row + 1) * G][r::world]):
+            return (f"That is exactly {name}: epoch e (from 1) shuffles arange(N, uint32) with "
+                    "np.random.Generator(np.random.PCG64(seed + e)).shuffle.")
+    return ("epoch_permutation(n, seed, epoch) is OLMo-core's: ids = arange(n, dtype=uint32), "
+            "shuffled in place by np.random.Generator(np.random.PCG64(seed + epoch)), epochs "
+            "from 1.")
+
+
 def test_order_is_olmo_core(tmp_path):
     T, G, world, seed = 4, 8, 2, 7
     files = [ids_file(tmp_path / "a.npy", 0, 60, T), ids_file(tmp_path / "b.npy", 60, 43, T)]
@@ -316,7 +335,11 @@ def test_order_is_olmo_core(tmp_path):
             tokens = batch["tokens"]
             if step == 24:
                 break
-            assert np.array_equal(tokens[:, 0], expected[step, r]), (step, r)
+            if not np.array_equal(tokens[:, 0], expected[step, r]):
+                fail(f"step {step} (epoch {step // 12 + 1}, its row {step % 12}), rank {r} of "
+                     f"{world}: the loader reads instances {tokens[:, 0].tolist()}; OLMo-core's "
+                     f"order gives {expected[step, r].tolist()}",
+                     order_hint(step, r, tokens[:, 0], seed, G, world))
             assert np.all(tokens == tokens[:, :1])  # whole instances, not slices across them
     # Hand-checked against the first row: PCG64(8) shuffling 103 ids.
     assert list(expected[0, 0]) + list(expected[0, 1]) != list(range(8))

@@ -15,6 +15,7 @@ import model
 import train
 from common import VARIANTS, random_params
 from configs import build
+from teach import compare, mistake
 
 tf = pytest.importorskip("transformers")
 P, T, BETA = 4, 24, {"dpo": 0.1, "dpo_norm": 5.0}  # 4 pairs = 8 rows of 24 tokens
@@ -90,6 +91,43 @@ def direct(loss, hf_state):
     return value.item(), margin.detach().numpy(), {k: p.grad.numpy().copy() for k, p in net.named_parameters()}
 
 
+def check_dpo_loss(loss, hf_state, xp):
+    """model.dpo_loss itself, on transformers' summed log-probs (per-token means for dpo_norm):
+    its losses and margins against open-instruct's formula, and the usual mistake behind a
+    difference."""
+    _, nets, batch = hf_state
+    with torch.no_grad():
+        s, n = hf_logps(nets["policy"][1], batch)
+    ref = torch.from_numpy(batch["ref"])
+    if loss == "dpo_norm":
+        s, ref = s / n, ref / n
+    beta, ratio, policy = BETA[loss], (s - ref).double().numpy(), s.double().numpy()
+    margin = beta * (ratio[0::2] - ratio[1::2])
+    inputs = (s, ref) if xp is torch else (jnp.asarray(s.numpy()), jnp.asarray(ref.numpy()))
+    losses, margins = (np.asarray(a.detach() if xp is torch else a, np.float64)
+                       for a in model.dpo_loss(*inputs, beta, xp))
+    pair = ("pair",)
+    compare(f"model.dpo_loss's margins ({loss}, xp = {xp.__name__})", margins, margin, pair, 1e-5, [
+        mistake("rejected minus chosen", -margin, "the margin is the chosen row's log-ratio minus "
+                "the rejected row's: rows 0, 2, 4, ... are chosen."),
+        mistake("taking the two halves as chosen and rejected", beta * (ratio[:P] - ratio[P:]),
+                "pairs sit side by side: chosen_0, rejected_0, chosen_1, ...; take [0::2] and "
+                "[1::2]."),
+        mistake("leaving out β", margin / beta,
+                "margin = β · ((π_c − ref_c) − (π_r − ref_r))."),
+        mistake("leaving out the reference", beta * (policy[0::2] - policy[1::2]),
+                "each row's log-ratio is log π − log π_ref.")])
+    want = -F.logsigmoid(torch.from_numpy(margin)).numpy()
+    compare(f"model.dpo_loss's losses ({loss}, xp = {xp.__name__})", losses, want, pair, 1e-5, [
+        mistake("log σ(margin), the sign flipped,", -want, "the loss is −log σ(margin)."),
+        mistake("−log σ(−margin)", -F.logsigmoid(-torch.from_numpy(margin)).numpy(),
+                "−log σ(margin) = logaddexp(0, −margin)."),
+        mistake("1 − σ(margin) as the loss", 1 - torch.sigmoid(torch.from_numpy(margin)).numpy(),
+                "the loss is −log σ(margin).")],
+        hint="One loss per pair: −log σ(margin), written xp.logaddexp(0, −margin), which JAX and "
+             "torch both have.")
+
+
 def check_grads(ours, grads):
     """ours: unstacked names ("layers.3.mlp.up_proj.weight") -> array; grads: HF names."""
     assert sorted(convert.hf_name(k) for k in ours) == sorted(grads)
@@ -112,6 +150,7 @@ def test_jax_dpo_equals_hf(loss, hf):
     m, nets, batch = hf
     value, margin, grads = direct(loss, hf)
     assert 0 < (margin > 0).mean() < 1 and value > 0.1  # both signs among the pairs: accuracy says something
+    check_dpo_loss(loss, hf, jnp)
     cfg = config(loss, micro=2)  # 2 micro-batches of 2 pairs
     backend = train.JaxBackend(cfg)
     backend.load(model.unstack_layers(nets["policy"][0]), None)
@@ -134,6 +173,7 @@ def test_torch_dpo_equals_hf(loss, hf):
     """Torch: torch_model + make_loss(…, torch) and its autograd, and TorchBackend.step's metrics, equal HF's."""
     m, nets, batch = hf
     value, margin, grads = direct(loss, hf)
+    check_dpo_loss(loss, hf, torch)
     cfg = config(loss, micro=1)  # 4 micro-batches of 1 pair
     net = model.torch_model(m, nets["policy"][0])
     loss_fn, total_of = model.make_loss(cfg, torch)

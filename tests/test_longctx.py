@@ -12,6 +12,7 @@ import data
 import model
 import shard
 from configs import ConfigError, build, load_config
+from teach import fail
 
 
 
@@ -84,10 +85,31 @@ def token_files(tmp_path, n_files=11, seed=1, lengths=(1, 90)):
     return paths
 
 
+PACKING = ("OLMo-core's best fit decreasing: order = np.argsort(-lengths) (longest first; "
+           "numpy's default sort, whose order among equal lengths is part of the result); each "
+           "document goes into the open instance with the least room that still fits it (among "
+           "equal rooms, the one that got that room first), else into a new one. bins hold ranks "
+           "(positions in order).")
+
+
+def doc_lengths(instance, eos=0, pad=1):
+    """The lengths of the documents in a packed instance: each ends at EOS, or at L when cut."""
+    ends = (np.flatnonzero(instance == eos) + 1).tolist()
+    used = int(np.flatnonzero(instance != pad).max(initial=-1)) + 1
+    return np.diff([0, *ends, *([used] if not ends or ends[-1] < used else [])]).tolist()
+
+
 def test_facts_example():
-    order, bins = data.pack_documents([5, 3, 8, 2, 6, 1, 4, 4, 7], 8)
-    lengths = np.array([5, 3, 8, 2, 6, 1, 4, 4, 7])[order]
-    assert [lengths[b].tolist() for b in bins] == [[8], [7, 1], [6, 2], [5, 3], [4, 4]]
+    lengths = np.array([5, 3, 8, 2, 6, 1, 4, 4, 7])
+    order, bins = data.pack_documents(lengths.tolist(), 8)
+    want = [[8], [7, 1], [6, 2], [5, 3], [4, 4]]
+    if sorted(np.asarray(order).tolist()) != list(range(9)):
+        fail(f"data.pack_documents: order = {np.asarray(order).tolist()} is no permutation of the "
+             "9 documents", PACKING)
+    got = [np.asarray(lengths)[np.asarray(order)][b].tolist() for b in bins]
+    if got != want:
+        fail(f"data.pack_documents({lengths.tolist()}, L = 8): your instances hold lengths {got}; "
+             f"the facts' (reference/longctx-posttrain-facts.md §1.2) {want}", PACKING)
 
 
 def test_packing_is_olmo_cores_order(tmp_path):
@@ -97,9 +119,18 @@ def test_packing_is_olmo_cores_order(tmp_path):
         ours = data.PackedInstances([data.open_token_file(p, np.uint16) for p in paths], L, eos=0, pad=1,
                                     group_size=group, permutation_seed=123)
         ref = reference_pack(arrays, L, 0, 1, group, 123)
-        assert ours.n == len(ref)
+        where = f"{len(paths)} files of documents, L = {L}, groups of {group} files"
+        if ours.n != len(ref):
+            fail(f"{where}: data.pack_documents makes {ours.n} instances, the reference packer "
+                 f"{len(ref)}", PACKING)
         for i, want in enumerate(ref):  # instance by instance, ties included
-            np.testing.assert_array_equal(ours.read(i), want, err_msg=f"L={L} group={group} instance {i}")
+            got = ours.read(i)
+            if not np.array_equal(got, want):
+                mine, theirs = doc_lengths(got), doc_lengths(want)
+                fail(f"{where}: instance {i} differs (the earlier ones match). Its documents' "
+                     f"lengths: yours {mine}, the reference's {theirs}"
+                     + (" (the same lengths: a tie between equal lengths went the other way)"
+                        if sorted(mine) == sorted(theirs) else ""), PACKING)
 
 
 def test_packing_equals_olmo_core_itself(tmp_path):

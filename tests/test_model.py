@@ -10,6 +10,7 @@ import torch
 import model
 from common import VARIANTS, random_params, tokens, variant
 from configs import ModelConfig
+from teach import expect, fail, mistake, number
 
 
 def both_logits(m, params, toks, dtype="float32"):
@@ -58,19 +59,56 @@ def test_jax_torch_bf16(name):
 
 
 def test_loss_against_torch_reference():
-    # Our CE (with ignore index) equals torch's own; z-loss is mean of logsumexp².
+    """cross_entropy and cross_entropy_torch (both cross_entropy_of, with xp = jnp and torch): the
+    cross-entropy equals torch's own with ignore_index, the z term mean(logsumexp²) over the
+    targets."""
     rng = np.random.default_rng(0)
     logits = rng.standard_normal((2, 7, 11)).astype(np.float32) * 3
     labels = rng.integers(0, 11, (2, 7))
     labels[1, 2:] = model.IGNORE_INDEX
-    loss, ce, z = model.cross_entropy(jnp.asarray(logits), jnp.asarray(labels), z_loss=1e-4)
     t = torch.from_numpy(logits)
-    ref_ce = torch.nn.functional.cross_entropy(t.view(-1, 11), torch.from_numpy(labels).view(-1), ignore_index=-100)
+    flat = torch.from_numpy(labels).view(-1)
+    ref_ce = float(torch.nn.functional.cross_entropy(t.view(-1, 11), flat, ignore_index=-100))
     valid = labels != model.IGNORE_INDEX
-    ref_z = (torch.logsumexp(t, -1).numpy()[valid] ** 2).mean()
-    assert float(ce) == pytest.approx(float(ref_ce), rel=1e-6)
-    assert float(z) == pytest.approx(ref_z, rel=1e-6)
-    assert float(loss) == pytest.approx(float(ref_ce) + 1e-4 * ref_z, rel=1e-6)
+    lse = torch.logsumexp(t.double(), -1).numpy()
+    ref_z, n = (lse[valid] ** 2).mean(), valid.sum()
+    every = f"over all {labels.size} positions, the {labels.size - n} ignored ones included"
+    ce_mistakes = [
+        mistake("the sum over the targets, not divided by n", ref_ce * n,
+                "divide by n, the number of targets."),
+        mistake(f"dividing by all {labels.size} positions", ref_ce * n / labels.size,
+                "n counts only the labels that are not IGNORE_INDEX.")]
+    z_mistakes = [
+        mistake(f"averaging logsumexp² {every}", (lse ** 2).mean(),
+                "ignored positions take no part in z either."),
+        mistake(f"summing logsumexp² {every}, over n", (lse ** 2).sum() / n,
+                "sum over the targets only (labels != IGNORE_INDEX)."),
+        mistake("logsumexp, not squared", lse[valid].mean(), "z is the mean of logsumexp²."),
+        mistake("the sum over the targets, not divided by n", (lse[valid] ** 2).sum(),
+                "divide by n, as the cross-entropy.")]
+    loss_mistakes = [mistake("ce + z, without the multiplier", ref_ce + ref_z,
+                             "loss = ce + z_loss · z (z_loss = 1e-4 here)."),
+                     mistake("ce alone", ref_ce, "add z_loss · z.")]
+    def on_torch():
+        try:
+            return model.cross_entropy_torch(t, torch.from_numpy(labels), z_loss=1e-4)
+        except (TypeError, AttributeError, RuntimeError) as e:
+            fail(f"model.cross_entropy_torch, which calls cross_entropy_of with torch tensors and "
+                 f"xp = torch, raises {type(e).__name__}: {e}",
+                 "Write cross_entropy_of with what jnp and torch share: xp.where, .sum(), * and /, "
+                 "and no jnp.* call of your own.")
+    runs = [("model.cross_entropy",
+             lambda: model.cross_entropy(jnp.asarray(logits), jnp.asarray(labels), z_loss=1e-4)),
+            ("model.cross_entropy_torch (xp = torch)", on_torch)]
+    for name, run in runs:  # JAX first, then the same function on torch tensors
+        loss, ce, z = run()
+        expect(number(f"{name}'s ce", ce, ref_ce, 1e-6, ce_mistakes,
+                      "ce = −(sum of log p(label) over the targets) / n; label_logps gives "
+                      "log p(label) and 0 at ignored positions."),
+               number(f"{name}'s z", z, ref_z, 1e-6, z_mistakes,
+                      "z = (sum of logsumexp² over the targets) / n."),
+               number(f"{name}'s loss", loss, ref_ce + 1e-4 * ref_z, 1e-6, loss_mistakes,
+                      "cross_entropy_of returns (loss, ce, z), loss = ce + z_loss · z."))
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))

@@ -14,6 +14,7 @@ import model
 import shard
 from common import random_params, tokens, variant
 from configs import build
+from teach import fail
 
 ROOT = Path(__file__).resolve().parents[1]
 EIGHT = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
@@ -40,13 +41,27 @@ def test_layouts_follow_the_rules():
     m = build({"model": dict(d_model=64, n_heads=4, n_kv_heads=2, mlp_hidden=128, vocab_size=512,
                              eos_token_id=0, pad_token_id=1)}).model
     table = model.param_table(m)
-    sizes = dict(data=1, fsdp=4, tensor=2)
-    spec = lambda name: tuple(shard.spec_for(name, table[name], sizes))  # noqa: E731
-    assert spec("embed_tokens.weight") == ("tensor", "fsdp")
-    assert spec("layers.self_attn.q_proj.weight") == (None, "tensor", "fsdp")
-    assert spec("layers.self_attn.o_proj.weight") == (None, "fsdp", "tensor")
-    assert spec("layers.mlp.down_proj.weight") == (None, "fsdp", "tensor")
-    assert spec("layers.post_attention_layernorm.weight") == (None, "fsdp")
+    wrong = []
+    q, o = "layers.self_attn.q_proj.weight", "layers.self_attn.o_proj.weight"
+    down, norm = "layers.mlp.down_proj.weight", "layers.post_attention_layernorm.weight"
+    for sizes, want in [
+            (dict(data=1, fsdp=4, tensor=2),
+             {"embed_tokens.weight": ("tensor", "fsdp"), q: (None, "tensor", "fsdp"),
+              o: (None, "fsdp", "tensor"), down: (None, "fsdp", "tensor"), norm: (None, "fsdp")}),
+            (dict(data=2, fsdp=1, tensor=2),
+             {"embed_tokens.weight": ("tensor", None), q: (None, "tensor", None)})]:
+        for name, spec in want.items():
+            got = tuple(shard.spec_for(name, table[name], sizes))
+            if got != spec:
+                p = table[name]
+                wrong.append(f"  {name} {p.shape}, axes {p.axes}, mesh {sizes}: yours P{got}, "
+                             f"want P{spec}")
+    if wrong:
+        fail("shard.spec_for:", *wrong,
+             "Each dimension's logical axis goes through RULES (embed -> fsdp; heads, kv_heads, "
+             "mlp, vocab -> tensor; layers -> not split); a mesh axis of size 1 splits nothing, "
+             "so it is left out (None when none is left); one mesh axis is named alone, not as a "
+             "1-tuple.")
 
 
 def test_bad_meshes_fail_before_compiling():
@@ -60,8 +75,19 @@ def test_bad_meshes_fail_before_compiling():
     assert shard.mesh_shape(mesh(data=-1, fsdp=2, tensor=2), 8) == (2, 2, 1, 2)
     m = build({"model": dict(d_model=96, n_heads=4, vocab_size=1000, eos_token_id=0, pad_token_id=1)}).model
     p = model.param_table(m)["lm_head.weight"]
-    with pytest.raises(ValueError, match=r"lm_head.weight: dimension 'vocab' of size 1000 does not divide over mesh axis 'tensor' of size 16"):
-        shard.spec_for("lm_head.weight", p, dict(data=1, fsdp=1, tensor=16))
+    want = ("lm_head.weight: dimension 'vocab' of size 1000 does not divide over mesh axis "
+            "'tensor' of size 16")
+    try:
+        got = shard.spec_for("lm_head.weight", p, dict(data=1, fsdp=1, tensor=16))
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    if refused is None:
+        fail(f"shard.spec_for splits lm_head.weight's 1000 rows over tensor = 16 as {got}: "
+             f"refuse a split that does not divide, with a ValueError saying {want!r}.")
+    if want not in refused:
+        fail(f"shard.spec_for refuses lm_head.weight (1000 rows) over tensor = 16 with "
+             f"{refused!r}; the message must say {want!r} (the parameter, the axis, both sizes).")
 
     with pytest.raises(ValueError, match=r"data.global_batch=12 does not divide over the 8 data-parallel ranks \(mesh data=2 x fsdp=4\)"):
         shard.check_batch(12, 0, 8, "mesh data=2 x fsdp=4")

@@ -22,6 +22,7 @@ import model
 import shard
 import train
 from configs import build, load_config
+from teach import fail
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,43 +68,98 @@ def test_adamw_equals_torch():
             tp[k].grad = torch.from_numpy(grads[k])
         opt_t.step()
         p, opt = train.adamw(p, {k: jnp.asarray(v) for k, v in grads.items()}, opt, lr, tc, decay)
-        for k in tp:
-            np.testing.assert_allclose(np.asarray(p[k]), tp[k].detach().numpy(), rtol=2e-6, atol=1e-7, err_msg=k)
+        off = {k: np.abs(np.asarray(p[k]) - tp[k].detach().numpy()) for k in tp}
+        wrong = [k for k in tp if (off[k] > 1e-7 + 2e-6 * np.abs(tp[k].detach().numpy())).any()]
+        if wrong:
+            fail(f"train.adamw, step {step + 1} (lr {lr:g}): {', '.join(wrong)} "
+                 f"{'differs' if len(wrong) == 1 else 'differ'} from "
+                 f"torch.optim.AdamW's, by up to "
+                 + ", ".join(f"{off[k].max():.3g}" for k in wrong)
+                 + (" (earlier steps matched)" if step else ""),
+                 adamw_hint(step, wrong, decay))
+
+
+def adamw_hint(step, wrong, decay):
+    """The usual mistake behind which parameters differ, at which step."""
+    decayed, kept = {k for k in decay if decay[k]}, {k for k in decay if not decay[k]}
+    if set(wrong) == kept:
+        return (f"Only {', '.join(sorted(kept))} differs, the parameter with decay False: it takes "
+                "no weight decay (OLMo-core's override for the embedding).")
+    if set(wrong) == decayed:
+        return ("Only the decayed parameters differ: decoupled weight decay, p ← p · (1 − lr · "
+                "weight_decay), on the parameter before the Adam step, not added to the gradient.")
+    if step == 0:
+        return ("Every parameter differs at the first step: the Adam step itself. m ← β1·m + (1 − "
+                "β1)·g; v ← β2·v + (1 − β2)·g²; p ← p − lr · (m / (1 − β1^t)) / (sqrt(v) / "
+                "sqrt(1 − β2^t) + eps), t = 1 at the first step, eps outside the root.")
+    return (f"Every parameter matched until step {step + 1}: what changes from step to step is t "
+            "(opt['count'] + 1, in both bias corrections), the moments carried in the returned "
+            "state, and the learning rate passed in.")
 
 
 def tcfg(**kw):
     return build({"train": kw}).train
 
 
+WARMUP = ("linear from warmup_min_lr to lr over `warmup` steps, steps counted from 1 (OLMo-core's "
+          "global_step)")
+COSINE = "cosine from lr down to alpha_f·lr over the t_max − warmup steps after the warmup"
+LINEAR = "linear from lr to alpha_f·lr over the t_max − warmup steps after the warmup"
+HALF = ("half_cosine is the second half of a cosine twice as long: c = t − W + (T − W) over "
+        "2(T − W), so it starts at the midpoint, 1.65e-4")
+
+
 def test_schedules_match_the_reference_numbers():
+    wrong = []
+
+    def expect_lr(what, args, want, hint, rel=1e-12):
+        got = train.lr_at(*args)
+        if got != pytest.approx(want, rel=rel):
+            wrong.append(f"  {what}: lr_at(step {args[0]:,}) = {got:.10g}, want {want:.10g}: "
+                         f"{hint}")
     # OLMo 3 7B stage 1 part 1: lr 3e-4, warmup 2000, cosine to 0.1·lr over t_max = 1,192,093 steps.
     part1 = tcfg(lr=3e-4, warmup=2000, t_max=1_192_093, schedule="cosine", alpha_f=0.1)
     hand = 3e-5 + (3e-4 - 3e-5) * (1 + math.cos(math.pi * (597_046 - 2000) / (1_192_093 - 2000))) / 2
-    assert train.lr_at(597_046, part1, 1, 0) == pytest.approx(hand, rel=1e-12)
     assert hand == pytest.approx(1.65e-4, rel=1e-5)  # the reference's "≈ 1.6500e-4"
-    assert train.lr_at(1000, part1, 1, 0) == pytest.approx(1.5e-4)  # half-way up the warmup from 0
-    assert train.lr_at(1_192_093, part1, 1, 0) == pytest.approx(3e-5)
+    expect_lr("OLMo 3 part 1, mid-cosine", (597_046, part1, 1, 0), hand, COSINE)
+    expect_lr("OLMo 3 part 1, half-way up the warmup from 0", (1000, part1, 1, 0), 1.5e-4, WARMUP,
+              1e-9)
+    expect_lr("OLMo 3 part 1, at t_max", (1_192_093, part1, 1, 0), 3e-5,
+              "from t_max on, alpha_f·lr", 1e-9)
     # Part 2: HalfCosWithWarmup(warmup=597,046) over 1,668,931 steps continues at the midpoint and ends
     # stage 1 (step 1,413,814) at ~3.93e-5 (reference/olmo-facts.md §5.3).
     part2 = tcfg(lr=3e-4, warmup=597_046, t_max=1_668_931, schedule="half_cosine", alpha_f=0.1)
     W, T = 597_046, 1_668_931
     hand = lambda s: 3e-5 + 2.7e-4 * (1 + math.cos(math.pi * (s - W + (T - W)) / (2 * (T - W)))) / 2  # noqa: E731
-    assert train.lr_at(W, part2, 1, 0) == pytest.approx(hand(W), rel=1e-12) and hand(W) == pytest.approx(1.65e-4)
-    assert train.lr_at(1_413_814, part2, 1, 0) == pytest.approx(hand(1_413_814), rel=1e-12)
-    assert hand(1_413_814) == pytest.approx(3.93e-5, rel=2e-3)
+    assert hand(W) == pytest.approx(1.65e-4) and hand(1_413_814) == pytest.approx(3.93e-5, rel=2e-3)
+    expect_lr("OLMo 3 part 2, its start", (W, part2, 1, 0), hand(W), HALF)
+    expect_lr("OLMo 3 part 2, stage 1's end", (1_413_814, part2, 1, 0), hand(1_413_814), HALF)
     # OLMo 2 1B, counted in tokens: warmup 8,388,608,000 tokens, cosine to 0.1 over 5e12; at the stage-1
     # end (step 1,907,359 of 512 x 4096 tokens) the LR was the stage-2 starting LR 7.4487e-5.
     olmo2 = tcfg(lr=4e-4, units="tokens", warmup=8_388_608_000, t_max=5_000_000_000_000, alpha_f=0.1)
-    assert train.lr_at(1_907_359, olmo2, 512 * 4096, 0) == pytest.approx(7.4487e-5, rel=1e-4)
+    expect_lr("OLMo 2 1B at stage 1's end, in tokens", (1_907_359, olmo2, 512 * 4096, 0), 7.4487e-5,
+              "units = tokens: t = step · tokens_per_step; warmup and t_max count tokens", 1e-4)
     # OLMo 1 (Feb 2024): warmup from 0.1·lr; linear decay (7B) to 0.1·lr.
     olmo1 = tcfg(lr=3e-4, warmup=5000, warmup_min_lr=3e-5, schedule="linear", t_max=476_837, alpha_f=0.1)
-    assert train.lr_at(2500, olmo1, 1, 0) == pytest.approx(3e-4 * (0.1 + 0.9 * 0.5))
+    expect_lr("OLMo 1, half-way up a warmup from 0.1·lr", (2500, olmo1, 1, 0),
+              3e-4 * (0.1 + 0.9 * 0.5), WARMUP, 1e-9)
     mid = 5000 + (476_837 - 5000) / 2
-    assert train.lr_at(mid, olmo1, 1, 0) == pytest.approx(3e-4 - 2.7e-4 / 2)
+    expect_lr("OLMo 1, half-way down the linear decay", (mid, olmo1, 1, 0), 3e-4 - 2.7e-4 / 2,
+              LINEAR, 1e-9)
     # OLMo 2 stage 2: linear from lr to 0 without warmup; constant holds after warmup.
     anneal = tcfg(lr=6.1499e-5, warmup=0, schedule="linear", alpha_f=0.0)
-    assert train.lr_at(11931 // 2, anneal, 1, 11931) == pytest.approx(6.1499e-5 * (1 - (11931 // 2) / 11931))
-    assert train.lr_at(50, tcfg(lr=1e-3, warmup=10, schedule="constant"), 1, 100) == 1e-3
+    expect_lr("OLMo 2 stage 2, half-way (no warmup, no t_max)", (11931 // 2, anneal, 1, 11931),
+              6.1499e-5 * (1 - (11931 // 2) / 11931),
+              "without t_max the run's own length (total_steps) is T", 1e-9)
+    constant = tcfg(lr=1e-3, warmup=10, schedule="constant")
+    expect_lr("constant after the warmup", (50, constant, 1, 100), 1e-3,
+              "constant holds lr after the warmup", 0)
+    if wrong:
+        shifted = train.lr_at(1001, part1, 1, 0) == pytest.approx(1.5e-4, rel=1e-9)
+        fail("train.lr_at differs from OLMo-core's schedules (reference/olmo-facts.md §5.3):",
+             *wrong, "Your lr_at(s) is OLMo-core's LR at step s − 1 (lr_at(1001) is half-way up a "
+             "2000-step warmup): OLMo-core's global_step is 1 at the first batch, and t = step."
+             if shifted else "")
 
 
 # --- the step: accumulation ---

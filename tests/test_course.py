@@ -1,0 +1,565 @@
+"""The course's focused tests (docs/exercises.md), in course order, for the exercises the whole
+model needs: each checks one exercise's functions, JAX and its PyTorch twin, against something real
+nobody here wrote (transformers' RMSNorm, decoder layer, rotary embedding, masks and attention;
+OLMo-core's skip-step rule as reference/olmo-facts.md states it), on tiny shapes, and calls only
+that exercise and earlier ones, so the course can be taken in order. A failure says what differs,
+where, and which usual mistake gives that pattern (teach.py). The whole model against transformers
+is the capstone: test_hf.py::test_hf_to_ours, under the last model exercise.
+
+    .venv/bin/python -m pytest -q tests/test_course.py
+    python tests/exercises.py test rope   # in a student copy: one exercise's tests (a skip fails)
+"""
+import importlib
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import model
+import train
+from common import variant
+from teach import compare, fail, mistake, report, spans
+
+AXES = ("batch", "position", "head", "dim")  # q, k, v and attention outputs: (B, T, N, H)
+
+
+def hf_net(family):
+    """transformers' model of common.VARIANTS[family], every weight random (test_hf.hf_model)."""
+    pytest.importorskip("transformers")
+    from test_hf import hf_model
+    return hf_model(family)
+
+
+def numpy(t):
+    return t.detach().float().numpy()
+
+
+def hf_cos_sin(net, T, layer_type=None):
+    """transformers' rotary embedding at positions 0..T-1: cos, sin (T, H)."""
+    pos = torch.arange(T)[None]
+    extra = () if layer_type is None else (layer_type,)
+    cos, sin = net.model.rotary_emb(torch.zeros(1), pos, *extra)
+    return cos[0], sin[0]
+
+
+# --- 1. rmsnorm: rms_norm and block (torch: RMSNorm.forward, Block.forward) ----------------------
+
+def test_rms_norm_is_transformers():
+    """fp32, and bf16 activations with an fp32 weight (our mixed precision) bit for bit, against
+    transformers' Olmo2RMSNorm; the torch twin RMSNorm the same."""
+    norm = hf_net("olmo2").model.layers[0].post_attention_layernorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    w, eps = numpy(norm.weight), norm.variance_epsilon
+    x = 3 * np.random.default_rng(0).standard_normal((2, 8, w.size)).astype(np.float32)
+    x[1] *= 1e-3  # batch row 1: mean(x²) ≈ 1e-5, where eps (1e-6) matters
+    want = numpy(norm(torch.from_numpy(x)))
+    ms = (x.astype(np.float64) ** 2).mean(-1, keepdims=True)
+    centred = x - x.mean(-1, keepdims=True)
+    mistakes = [
+        mistake("subtracting the mean (LayerNorm, OLMo 1's norm)",
+                centred / np.sqrt((centred ** 2).mean(-1, keepdims=True) + eps) * w,
+                "RMSNorm only divides by the root mean square; it never centres x."),
+        mistake("leaving out the weight", x / np.sqrt(ms + eps),
+                "multiply by the learned weight (D,) after normalising."),
+        mistake("adding eps outside the square root", x / (np.sqrt(ms) + eps) * w,
+                "x / sqrt(mean(x²) + eps): eps goes under the root, as HF and OLMo-core do.")]
+    hint = "RMSNorm: x / sqrt(mean(x²) + eps) * weight, the mean over the last axis (D), in fp32."
+    axes = ("batch", "position", "feature")
+    twin = model.RMSNorm(w.size, eps)
+    twin.weight.data = torch.from_numpy(w)
+    runs = [("model.rms_norm", lambda: model.rms_norm(jnp.asarray(x), jnp.asarray(w), eps)),
+            ("model.RMSNorm (torch)", lambda: numpy(twin(torch.from_numpy(x))))]
+    for name, run in runs:  # the JAX function first, then its twin
+        compare(f"{name}, fp32", run(), want, axes, 1e-6, mistakes, hint)
+
+    xb = torch.from_numpy(x).bfloat16()
+    want = numpy(norm(xb))
+    llama = LlamaRMSNorm(w.size, eps)  # Llama's order: cast to bf16, then times the weight
+    llama.weight.data = torch.from_numpy(w)
+    cast_first = numpy(llama(xb).to(torch.bfloat16))
+    runs = [("model.rms_norm", lambda: model.rms_norm(jnp.asarray(numpy(xb), jnp.bfloat16),
+                                                     jnp.asarray(w), eps)),
+            ("model.RMSNorm (torch)", lambda: twin(xb))]
+    for name, run in runs:
+        got = run()
+        if str(got.dtype) not in ("bfloat16", "torch.bfloat16"):
+            fail(f"{name} of a bf16 x returns {got.dtype}: cast the result back to x's dtype.")
+        got = np.asarray(got.astype(jnp.float32)) if isinstance(got, jax.Array) else numpy(got)
+        differ = got != want
+        # fp32 sums in another order may move a rare value by one bf16 step: up to 1% may differ
+        if differ.mean() > 0.01:
+            lines = [f"{name}, bf16 x and an fp32 weight: {differ.sum()} of {differ.size} values "
+                     f"differ from transformers' Olmo2RMSNorm (bit for bit, up to 1%); the fp32 "
+                     f"test passed, so the maths is right and the casts are not."]
+            if np.array_equal(got, cast_first):
+                lines.append("That is exactly Llama's order (LlamaRMSNorm): the normalised x cast "
+                             "to bf16, then times the weight. OLMo 2/3 multiply by the weight in "
+                             "fp32 and cast once, at the end.")
+            fail(*lines, hint)
+
+
+class HFAttentionStandIn(torch.nn.Module):
+    """In place of a decoder layer's attention: tanh(h @ A) · 2, no attention at all, so that only
+    the block's norms and residual adds are under test (attention is exercises 3 to 5)."""
+
+    def __init__(self, A):
+        super().__init__()
+        self.A = A
+
+    def forward(self, hidden_states, **kwargs):
+        return torch.tanh(hidden_states @ self.A) * 2, None
+
+
+class AttentionStandIn(HFAttentionStandIn):
+    def forward(self, x, *args):  # model.Block calls self_attn(x, cos, sin, mask, cache, pos)
+        return super().forward(x)[0]
+
+
+@pytest.mark.parametrize("family", ["olmo2", "olmo1"])
+def test_block_is_transformers_decoder_layer(family):
+    """block and the torch Block.forward against transformers' decoder layer (Olmo2DecoderLayer, the
+    reordered norm; OlmoDecoderLayer, pre-norm), their attention replaced by the same stand-in."""
+    layer = hf_net(family).model.layers[0]
+    D = layer.hidden_size
+    A = torch.from_numpy(0.3 * np.random.default_rng(1).standard_normal((D, D)).astype(np.float32))
+    layer.self_attn = HFAttentionStandIn(A)
+    x = torch.from_numpy(np.random.default_rng(2).standard_normal((2, 6, D)).astype(np.float32))
+    with torch.no_grad():
+        want = numpy(layer(x))
+    m = variant(family)
+    p = {k: jnp.asarray(numpy(v)) for k, v in layer.state_dict().items()}
+    twin = model.Block(m)
+    twin.self_attn = AttentionStandIn(A)
+    twin.load_state_dict(layer.state_dict())
+    attn = lambda h: torch.tanh(h @ A) * 2  # noqa: E731
+    if family == "olmo1":
+        mistakes, hint = [], ("OLMo 1 keeps the pre-norm block: x + attn(layer_norm(x)), then "
+                              "+ mlp(layer_norm(x)), with model.layer_norm (no weight).")
+    else:
+        na, nf, mlp = layer.post_attention_layernorm, layer.post_feedforward_layernorm, layer.mlp
+        with torch.no_grad():
+            pre = x + attn(na(x))
+            pre = pre + mlp(nf(pre))
+            after_add = na(x + attn(x))
+            after_add = nf(after_add + mlp(after_add))
+            swapped = x + nf(attn(x))
+            swapped = swapped + na(mlp(swapped))
+        mistakes = [
+            mistake("the pre-norm block (OLMo 1's and Llama's order)", numpy(pre),
+                    "OLMo 2/3 put no norm on the way into a sublayer; they normalise its output."),
+            mistake("normalising after the residual add (the 2017 Transformer's post-norm)",
+                    numpy(after_add), "normalise the sublayer's output, then add it to x."),
+            mistake("swapping the two norms", numpy(swapped),
+                    "post_attention_layernorm follows attention, post_feedforward_layernorm the "
+                    "MLP.")]
+        hint = ("OLMo 2/3 'reordered norm': x = x + rms_norm(attn(x)); x = x + rms_norm(mlp(x)), "
+                "each with its own weight (post_attention_layernorm, post_feedforward_layernorm).")
+    axes = ("batch", "position", "feature")
+    got = model.block(p, jnp.asarray(numpy(x)), lambda h: jnp.tanh(h @ jnp.asarray(A)) * 2, m)
+    compare(f"model.block ({family})", got, want, axes, 1e-5, mistakes, hint)
+    with torch.no_grad():
+        got = numpy(twin(x, None, None, None))
+    compare(f"model.Block.forward (torch, {family})", got, want, axes, 1e-5, mistakes, hint)
+
+
+# --- 2. rope: rope_cos_sin and rope (torch: rope_cos_sin_torch, rope_torch) ---------------------
+
+ROPE_LAYERS = [("olmo1", 0, None), ("olmo2", 0, None), ("olmo3", 0, "sliding_attention"),
+               ("olmo3", 3, "full_attention")]  # olmo3's layer 3: full attention, with YaRN
+
+
+def test_rope_cos_sin_is_transformers():
+    """cos and sin at 80 positions (past YaRN's original 64) against transformers' rotary embedding,
+    for plain RoPE and for YaRN's full layers, whose attention factor multiplies both."""
+    T = 80
+    for family, i, layer_type in ROPE_LAYERS:
+        cos, sin = (numpy(a) for a in hf_cos_sin(hf_net(family), T, layer_type))
+        _, inv_freq, scale = model.layer_arrays(variant(family))
+        f, s = inv_freq[i], float(scale[i])
+        angles = np.arange(T, dtype=np.float32)[:, None] * f[None, :]  # (T, H/2)
+        both = np.concatenate([angles, angles], -1)
+        case = f"{family} layer {i} ({'YaRN, scale %.4g' % s if s != 1 else 'plain RoPE'})"
+        runs = [("model.rope_cos_sin",
+                 lambda: model.rope_cos_sin(jnp.arange(T), jnp.asarray(f), s)),
+                ("model.rope_cos_sin_torch",
+                 lambda: model.rope_cos_sin_torch(torch.arange(T), torch.from_numpy(f), s))]
+        hint = (f"cos and sin are (T, H): the H/2 angles position · inv_freq, then the same H/2 "
+                f"again (HF's cat(freqs, freqs)), both times scale (YaRN's attention factor: "
+                f"{s:.4g} on this layer; plain RoPE layers pass 1).")
+        for name, run in runs:  # the JAX function first, then its twin
+            got = run()
+            for part, g, want, fn in [("cos", got[0], cos, np.cos), ("sin", got[1], sin, np.sin)]:
+                mistakes = [
+                    mistake("putting each angle twice in a row (f0 f0 f1 f1 ..., the interleaved "
+                            "layout)", fn(np.repeat(angles, 2, -1)) * s,
+                            "HF repeats the whole H/2 block."),
+                    mistake("leaving out YaRN's attention factor", fn(both),
+                            f"multiply by scale ({s:.4g} here): plain RoPE layers pass 1.")]
+                g = g.numpy() if isinstance(g, torch.Tensor) else np.asarray(g)
+                compare(f"{name}'s {part}, {case}", g, want, ("position", "dim"), 1e-6,
+                        mistakes if s != 1 else mistakes[:1], hint)
+
+
+def rotation_hint(rope, H, torch_layout=False):
+    """Which dimensions the learner's rope turns together, from rope(e_d) for each basis vector e_d
+    at one position: HF's rotate_half pairs d with d + H/2, and turns e_0 towards +e_{H/2}."""
+    a = 0.3 + 0.1 * np.arange(H // 2)
+    cos = np.concatenate([np.cos(a), np.cos(a)])[None].astype(np.float32)  # (T=1, H)
+    sin = np.concatenate([np.sin(a), np.sin(a)])[None].astype(np.float32)
+    eye = np.eye(H, dtype=np.float32)
+    if torch_layout:  # (B, N, T, H): head n holds e_n
+        out = numpy(rope(torch.from_numpy(eye)[None, :, None], torch.from_numpy(cos),
+                         torch.from_numpy(sin)))
+    else:  # (B, T, N, H)
+        out = np.asarray(rope(jnp.asarray(eye)[None, None], jnp.asarray(cos), jnp.asarray(sin)))
+    out = out.reshape(H, H)  # row d: the rotated e_d
+    partners = [set(np.flatnonzero(np.abs(out[d]) > 1e-3).tolist()) - {d} for d in range(H)]
+    if partners == [{d ^ 1} for d in range(H)]:
+        return ("Your rope turns neighbours (2i, 2i + 1) together: the interleaved convention "
+                "(GPT-J, Meta's original LLaMA). HF and OLMo turn dimension i with i + H/2 "
+                "(rotate_half: cat(-x2, x1) of the two halves), which is why convert.py never "
+                "permutes q or k.")
+    if partners == [{(d + H // 2) % H} for d in range(H)]:
+        if out[0, H // 2] < 0:
+            return ("Your rope pairs i with i + H/2, as HF does, but turns the other way: "
+                    "rotate_half(x) = cat(-x2, x1), so out[i] = x[i]·cos − x[i + H/2]·sin.")
+        return ("Your rope pairs the dimensions as HF does (i with i + H/2); check which cos and "
+                "sin entries multiply which half.")
+    if not any(partners):
+        return ("Your rope mixes no dimensions at all: x·cos + rotate_half(x)·sin, and the "
+                "second term is missing.")
+    return (f"Your rope mixes dimension 0 with {sorted(partners[0])}; HF's turns dimension i with "
+            f"i + H/2 ({H // 2} for 0).")
+
+
+def test_rope_is_transformers_rotate_half():
+    """rope and rope_torch against transformers' apply_rotary_pos_emb (q and k, fp32 inside), on
+    transformers' own cos and sin of an OLMo 3 YaRN layer."""
+    net = hf_net("olmo3")
+    from transformers.models.olmo3.modeling_olmo3 import apply_rotary_pos_emb
+    cos, sin = hf_cos_sin(net, 7, "full_attention")
+    rng = np.random.default_rng(0)
+    q = torch.from_numpy(rng.standard_normal((2, 4, 7, 32)).astype(np.float32))  # (B, N, T, H)
+    k = torch.from_numpy(rng.standard_normal((2, 1, 7, 32)).astype(np.float32))  # (B, K, T, H)
+    want_q, want_k = (numpy(a).transpose(0, 2, 1, 3)
+                      for a in apply_rotary_pos_emb(q, k, cos[None], sin[None]))
+    j = lambda t: jnp.asarray(numpy(t))  # noqa: E731
+    for name, fn, torch_layout in [("model.rope", model.rope, False),
+                                   ("model.rope_torch", model.rope_torch, True)]:
+        for part, x, want in [("q", q, want_q), ("k", k, want_k)]:
+            if torch_layout:
+                got = numpy(fn(x, cos, sin)).transpose(0, 2, 1, 3)
+            else:
+                got = np.asarray(fn(j(x).transpose(0, 2, 1, 3), j(cos), j(sin)))
+            message = report(f"{name}({part}) with transformers' cos and sin", got, want, AXES,
+                             1e-5)
+            if message:
+                fail(message, rotation_hint(fn, 32, torch_layout))
+    got = model.rope(jnp.zeros((1, 7, 4, 32), jnp.bfloat16), j(cos), j(sin))
+    if got.dtype != jnp.bfloat16:
+        fail(f"model.rope of a bf16 x returns {got.dtype}: rotate in fp32, return x's dtype.")
+
+
+# --- 3. qk_norm: project_qkv (torch: Attention.project) ------------------------------------------
+
+def captured_qkv(net, module, x, cos, sin, monkeypatch):
+    """q, k, v (B, T, N|K, H) as transformers' layer-0 attention hands them to its attention
+    function: projected, QK-normed or clamped, RoPE applied."""
+    seen = {}
+
+    def capture(mod, query, key, value, *args, **kwargs):
+        seen.update(q=query, k=key, v=value)
+        return original(mod, query, key, value, *args, **kwargs)
+    original = module.eager_attention_forward
+    monkeypatch.setattr(module, "eager_attention_forward", capture)
+    net.config._attn_implementation = "eager"
+    with torch.no_grad():
+        net.model.layers[0].self_attn(hidden_states=x, position_embeddings=(cos[None], sin[None]),
+                                      attention_mask=None)
+    return [numpy(seen[n]).transpose(0, 2, 1, 3) for n in "qkv"]
+
+
+@pytest.mark.parametrize("family", ["olmo2", "olmo3", "olmo1"])
+def test_project_qkv_is_transformers_attention(family, monkeypatch):
+    """project_qkv and the torch Attention.project against the q, k and v transformers' attention
+    layer computes: OLMo 2/3 with QK-norm (and GQA, and head_dim != D / N), OLMo 1.7 clip_qkv."""
+    net = hf_net(family)
+    hf_name = {"olmo1": "olmo"}.get(family, family)
+    module = importlib.import_module(f"transformers.models.{hf_name}.modeling_{hf_name}")
+    m = variant(family)
+    cos, sin = hf_cos_sin(net, 9, "sliding_attention" if family == "olmo3" else None)
+    x = torch.from_numpy(np.random.default_rng(3).standard_normal((2, 9, m.d_model))
+                         .astype(np.float32))
+    want = captured_qkv(net, module, x, cos, sin, monkeypatch)
+    attn = net.model.layers[0].self_attn
+    p = {f"self_attn.{k}": jnp.asarray(numpy(v)) for k, v in attn.state_dict().items()}
+    twin = model.Attention(m)
+    twin.load_state_dict(attn.state_dict())
+
+    def run_torch():
+        with torch.no_grad():
+            return [numpy(a).transpose(0, 2, 1, 3) for a in twin.project(x, cos, sin)]
+    B, T = x.shape[:2]
+
+    def rope(a):  # (B, T, n, H) -> the same, RoPE applied as transformers does
+        a = a.transpose(1, 2)
+        return module.apply_rotary_pos_emb(a, a, cos[None], sin[None])[0].transpose(1, 2)
+    alts = {"q": [], "k": [], "v": []}
+    with torch.no_grad():
+        for n, heads in (("q", m.n_heads), ("k", m.n_kv_heads)):
+            proj = getattr(attn, f"{n}_proj")(x)  # (B, T, n·H)
+            if family == "olmo1":
+                heads_first = rope(proj.view(B, T, heads, -1))
+                alts[n] = [mistake("not clamping to ±clip_qkv", numpy(heads_first),
+                                   "OLMo 1.7 clamps q, k and v right after the projections."),
+                           mistake("clamping after RoPE",
+                                   numpy(heads_first.clamp(-m.clip_qkv, m.clip_qkv)),
+                                   "clamp first, then RoPE.")]
+                continue
+            norm = getattr(attn, f"{n}_norm")
+            per_head = proj.view(B, T, heads, -1)
+            per_head = per_head * torch.rsqrt(per_head.pow(2).mean(-1, keepdim=True) + m.norm_eps)
+            per_head = per_head * norm.weight.view(heads, -1)
+            after = rope(proj.view(B, T, heads, -1)).reshape(B, T, -1)
+            alts[n] = [mistake("normalising per head (Qwen 3's and Gemma's QK-norm)",
+                               numpy(rope(per_head)),
+                               "OLMo 2/3 normalise over the whole projected width, before the "
+                               "split into heads."),
+                       mistake("normalising after RoPE", numpy(norm(after).view(B, T, heads, -1)),
+                               "normalise, then split into heads, then RoPE."),
+                       mistake("leaving out the QK-norm", numpy(rope(proj.view(B, T, heads, -1))),
+                               f"OLMo 2/3 RMS-normalise q and k (self_attn.{n}_norm.weight).")]
+    hint = ("OLMo 1.7: q, k, v = the projections clamped to ±clip_qkv; then heads, then RoPE."
+            if family == "olmo1" else
+            "OLMo 2/3: q = rms_norm(x @ Wq.T) over all N·H (k: K·H), then split into heads, "
+            "then RoPE; v has no norm.")
+    axes = {"q": AXES, "k": ("batch", "position", "kv head", "dim"),
+            "v": ("batch", "position", "kv head", "dim")}
+    runs = [("model.project_qkv", lambda: model.project_qkv(
+        p, jnp.asarray(numpy(x)), jnp.asarray(numpy(cos)), jnp.asarray(numpy(sin)), m)),
+            ("model.Attention.project (torch)", run_torch)]
+    for name, run in runs:  # the JAX function first, then its twin
+        for n, g, w in zip("qkv", run(), want):
+            compare(f"{name}'s {n} ({family})", np.asarray(g), w, axes[n], 1e-5, alts[n], hint)
+
+
+# --- 4. sliding_window: attention_mask (torch: visible_torch) ------------------------------------
+
+MASK_CASES = [
+    (0, range(12), range(12), "a full layer, 12 positions"),
+    (5, range(12), range(12), "a sliding layer, W = 5, 12 positions"),
+    (1, range(6), range(6), "W = 1: each query sees only its own key"),
+    (4, range(8, 12), range(5, 12),
+     "queries 8-11 against keys 5-11 (one of attend_in_blocks' blocks)"),
+    (4, [20, 21], [18, 19, 16, 17, 20, 21], "two new tokens against a ring of cached keys "
+     "(cached_attention: the keys in slot order, not position order)")]
+
+
+def visible_keys(mask, k_pos, row):
+    return sorted(int(k_pos[j]) for j in np.flatnonzero(mask[row]))
+
+
+def mask_message(name, got, want, window, q_pos, k_pos, what):
+    """None when the masks agree; else the first queries that differ, and what the pattern means."""
+    if got.shape != want.shape:
+        return f"{name}, {what}: shape {got.shape}, want {want.shape} (queries, keys)"
+    rows = np.flatnonzero((got != want).any(1))
+    if not len(rows):
+        return None
+    lines = [f"{name}, {what} (window {window}): queries at positions "
+             f"{spans(q_pos[r] for r in rows)} see other keys than transformers' mask lets them:"]
+    for r in rows[:3]:
+        lines.append(f"  the query at {q_pos[r]} sees keys {visible_keys(got, k_pos, r)}; "
+                     f"transformers: {visible_keys(want, k_pos, r)}")
+    extra = (got & ~want).sum(1)[rows]
+    gone = (want & ~got).sum(1)[rows]
+    future = (got & (k_pos[None, :] > q_pos[:, None])).any()
+    if future:
+        lines.append("Some query sees a key after its own position: the mask must be causal "
+                     "(key position <= query position).")
+    elif window and (extra == 1).all() and not gone.any():
+        lines.append("One key too many, the oldest: the window holds W keys, the query's own "
+                     "included (HF: key > query - W, i.e. query - key < W, not <= W).")
+    elif window and (gone == 1).all() and not extra.any():
+        lines.append("One key too few: the window holds W keys including the query's own key "
+                     "(query - key < W).")
+    elif not window:
+        lines.append("window 0 means a full layer: causal, no window.")
+    else:
+        lines.append("Compare positions (q_pos, k_pos), not row and column indices: the keys of a "
+                     "block or of a cache ring do not start at 0 nor come in order.")
+    return "\n".join(lines)
+
+
+def test_attention_mask_is_transformers_sliding_window():
+    """attention_mask and visible_torch against transformers' causal and sliding-window mask
+    functions (masking_utils), on positions: a whole sequence, a block, a ring of cached keys."""
+    pytest.importorskip("transformers")
+    from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
+    for window, q_pos, k_pos, what in MASK_CASES:
+        q_pos, k_pos = np.array(q_pos), np.array(k_pos)
+        fn = sliding_window_causal_mask_function(window) if window else causal_mask_function
+        i, j = torch.from_numpy(q_pos)[:, None], torch.from_numpy(k_pos)[None, :]
+        want = fn(0, 0, i, j).numpy()
+        runs = [("model.attention_mask", lambda: np.asarray(
+                    model.attention_mask(jnp.asarray(q_pos), jnp.asarray(k_pos), window))),
+                ("model.visible_torch", lambda: model.visible_torch(i, j, window).numpy())]
+        for name, run in runs:  # the JAX function first, then its twin
+            message = mask_message(name, run(), want, window, q_pos, k_pos, what)
+            if message:
+                fail(message)
+
+
+# --- 5. gqa: attend, attend_in_blocks (torch: SDPA's and flex's own enable_gqa) ------------------
+
+GQA_CASES = [(4, 2, 0, False, "a full layer, N = 4 query heads over K = 2 kv heads"),
+             (4, 2, 5, True, "a sliding layer, W = 5, over two documents in a row (segments)")]
+
+
+def test_attend_is_transformers_attention(monkeypatch):
+    """attend and attend_in_blocks (one block, and blocks of 8 queries) against transformers' own
+    attention of a layer (eager_attention_forward, repeat_kv, with its masking_utils mask), outputs
+    and gradients."""
+    pytest.importorskip("transformers")
+    from transformers import masking_utils as mu
+    from transformers.models.olmo3.modeling_olmo3 import eager_attention_forward
+    B, T, H = 2, 20, 8
+    rng = np.random.default_rng(4)
+    for N, K, window, documents, what in GQA_CASES:
+        q, k, v = (torch.from_numpy(rng.standard_normal((B, n, T, H)).astype(np.float32))
+                   .requires_grad_() for n in (N, K, K))
+        segments = np.repeat([[0] * 7 + [1] * 13], B, 0).astype(np.int32) if documents else None
+        docs = [mu.packed_sequence_mask_function(torch.from_numpy(segments))] if documents else []
+        causal = mu.and_masks(mu.causal_mask_function, *docs)
+        fn = causal if not window else mu.and_masks(
+            mu.sliding_window_causal_mask_function(window), *docs)
+
+        def hf(q, k, v, groups=N // K, scale=H ** -0.5, mask_fn=fn):
+            mask = None if mask_fn is None else mu.eager_mask(B, T, T, mask_function=mask_fn)
+            module = types.SimpleNamespace(num_key_value_groups=groups, training=False)
+            return eager_attention_forward(module, q, k, v, mask, scaling=scale)[0]  # (B, T, N, H)
+        want = hf(q, k, v)
+        g = torch.from_numpy(rng.standard_normal(want.shape).astype(np.float32))
+        grads = [numpy(t) for t in torch.autograd.grad((want * g).sum(), (q, k, v))]
+        with torch.no_grad():
+            tiled = hf(q, k.repeat(1, N // K, 1, 1), v.repeat(1, N // K, 1, 1), groups=1)
+            mistakes = [
+                mistake("query head n reading kv head n % K (tiling the kv heads)", numpy(tiled),
+                        "n // (N/K): HF's repeat_kv repeats each kv head N/K times in a row."),
+                mistake("leaving the scores unscaled", numpy(hf(q, k, v, scale=1.0)),
+                        "multiply q·k by scale (head_dim ** -0.5) before the softmax."),
+                mistake("leaving out the mask", numpy(hf(q, k, v, mask_fn=None)),
+                        "a query reads only the keys attention_mask lets it (causal, window).")]
+            if window:
+                mistakes.append(mistake("ignoring the window", numpy(hf(q, k, v, mask_fn=causal)),
+                                        "pass `window` on to attention_mask."))
+        j = [jnp.asarray(numpy(t).transpose(0, 2, 1, 3)) for t in (q, k, v)]
+        seg = None if segments is None else jnp.asarray(segments)
+        hint = ("GQA: query head n reads kv head n // (N/K); scores q·k · scale, masked, softmax "
+                "in fp32 over the keys.")
+        got = model.attend(*j, None if seg is None else (seg, seg), H ** -0.5, 0, 0, window)
+        compare(f"model.attend, {what}", got, numpy(want), AXES, 1e-5, mistakes, hint)
+        got = model.attend_in_blocks(*j, window, H ** -0.5, seg)
+        compare(f"model.attend_in_blocks (one block), {what}", got, numpy(want), AXES, 1e-5,
+                mistakes, hint)
+        monkeypatch.setattr(model, "Q_BLOCK", 8)
+
+        @jax.jit
+        def blocked(q, k, v, g):  # the output and the gradient of sum(output · g) by q, k, v
+            out, vjp = jax.vjp(lambda *a: model.attend_in_blocks(*a, window, H ** -0.5, seg),
+                               q, k, v)
+            return out, vjp(g)
+        step = min(8, window // 2 or 8)
+        hint_blocks = (f"attend is right; the blocks are not. With Q_BLOCK = 8 the queries go in "
+                       f"blocks of {step} (positions 0-{step - 1}, {step}-{2 * step - 1}, ...): "
+                       f"each block calls attend with its first query position and the first "
+                       f"key position lo it reads (on a sliding layer lo = first - W + 1, "
+                       f"clipped), "
+                       f"so that attention_mask compares positions, not indices.")
+        out, ours = blocked(*j, jnp.asarray(numpy(g)))
+        compare(f"model.attend_in_blocks (blocks), {what}", out, numpy(want), AXES, 1e-5,
+                hint=hint_blocks)
+        for name, a, w in zip("qkv", ours, grads):
+            axes = AXES if name == "q" else ("batch", "position", "kv head", "dim")
+            compare(f"the gradient of model.attend_in_blocks (blocks) by {name}, {what}", a,
+                    w.transpose(0, 2, 1, 3), axes, 1e-5, hint=hint_blocks)
+        monkeypatch.undo()
+
+
+# --- 9. skip_step: is_outlier ---------------------------------------------------------------------
+
+def skip_cases():
+    """(what, n, losses, grad norms, loss, grad_norm, hint): histories laid out as push_history
+    leaves them (step s in slot s % 128; slots never written hold new_history's zeros)."""
+    rng = np.random.default_rng(5)
+
+    def values(n, mean=2.0, std=0.05):
+        v = mean + std * rng.standard_normal(min(n, 128))
+        return np.concatenate([v, np.zeros(128 - len(v))]).astype(np.float32)
+    flat = values(100)
+    ok = values(100, 1.0, 0.1)
+    mu, sd = flat[:100].mean(), flat[:100].std(ddof=1)
+    return [
+        ("a loss 8σ above 100 steps", 100, flat, ok, mu + 8 * sd, 1.0,
+         "the mean and std of the last min(n, 128) values only: the slots never written hold "
+         "new_history's zeros."),
+        ("a loss 4σ above 100 steps", 100, flat, ok, mu + 4 * sd, 1.0,
+         "6σ is the threshold: 4σ is ordinary noise."),
+        ("a grad norm 8σ above, an ordinary loss", 100, flat, ok, mu,
+         1.0 + 8 * ok[:100].std(ddof=1),
+         "the gradient norm alone can make an outlier (loss OR grad norm)."),
+        ("a loss 8σ below the mean", 100, flat, ok, mu - 8 * sd, 1.0,
+         "one-sided: only a rise is an outlier (x - mean > 6σ, no absolute value)."),
+        ("63 values of history, a loss 100σ above", 63, values(63), values(63, 1.0, 0.1),
+         2.0 + 100 * 0.05, 1.0, "with fewer than 64 values (SKIP_MIN) never skip."),
+        ("exactly 64 values, a loss 8σ above", 64, values(64), values(64, 1.0, 0.1), 2.4, 1.0,
+         "from 64 values on (n >= SKIP_MIN) the rule is active."),
+        ("300 steps pushed (the ring wrapped), a loss 8σ above", 300, values(300),
+         values(300, 1.0, 0.1), 2.4, 1.0,
+         "n counts every push; the ring holds the last min(n, 128): divide by that, not by n."),
+    ]
+
+
+def olmo_core_skips(n, losses, grads, loss, grad_norm):
+    """The rule as reference/olmo-facts.md §5.3 states it: loss - mean > 6·std or grad_norm -
+    mean > 6·std over the previous <= 128 steps, once >= 64 values exist."""
+    held = min(n, 128)
+    if held < 64:
+        return False
+    pairs = ((loss, losses.astype(np.float64)), (grad_norm, grads.astype(np.float64)))
+    return any(x - h[:held].mean() > 6 * h[:held].std(ddof=1) for x, h in pairs)
+
+
+def test_is_outlier_is_olmo_cores_rule():
+    """train.is_outlier, jitted as the train step runs it, against OLMo-core's SkipStepAdamW
+    rule."""
+    step = jax.jit(train.is_outlier)
+    wrong = []
+    for what, n, losses, grads, loss, grad_norm, hint in skip_cases():
+        history = dict(loss=jnp.asarray(losses), grad_norm=jnp.asarray(grads),
+                       n=jnp.asarray(n, jnp.int32))
+        try:
+            got = step(history, jnp.float32(loss), jnp.float32(grad_norm))
+        except jax.errors.ConcretizationTypeError as e:
+            fail("train.is_outlier runs inside the jitted train step: its inputs are tracers, so "
+                 "a Python `if` (or bool(), int()) on a value cannot work; write the decision "
+                 "with jnp.where, & and |.", str(e).splitlines()[0])
+        if np.shape(got) != () or np.asarray(got).dtype != np.bool_:
+            fail(f"train.is_outlier returns {np.asarray(got).dtype} of shape {np.shape(got)}: "
+                 "it returns one bool (a jnp scalar).")
+        want = olmo_core_skips(n, losses, grads, loss, grad_norm)
+        held = min(n, 128)
+        z = [(x - h[:held].mean()) / h[:held].std(ddof=1)
+             for x, h in ((loss, losses), (grad_norm, grads))]
+        if bool(got) != want:
+            wrong.append(f"  {what} (n = {n}; of the last {held}, the loss is {z[0]:+.1f}σ from "
+                         f"the mean, the grad norm {z[1]:+.1f}σ): OLMo-core "
+                         f"{'skips' if want else 'does not skip'}, yours "
+                         f"{'does' if got else 'does not'}: {hint}")
+    if wrong:
+        fail("train.is_outlier disagrees with OLMo-core's SkipStepAdamW rule (skip when loss - "
+             "mean > 6·std or grad_norm - mean > 6·std over the last min(n, 128) values, once "
+             "n >= 64; std with n - 1, as torch.std):", *wrong)
