@@ -3,8 +3,7 @@
     python train.py configs/tiny.toml                        # the main job's run (JAX)
     python train.py configs/tiny.toml --train.steps=50 --train.run_dir=runs/x  # rerun: resumes
     python train.py configs/tiny.toml --train.backend=torch  # the same run, model.py's nn.Module
-    torchrun --nproc_per_node=8 train.py configs/olmo2-1b.toml --train.backend=torch --mesh.data=1 --mesh.fsdp=-1
-    python train.py configs/tiny.toml --bench                # tokens/s, MFU: JAX, torch, compiled
+    torchrun --nproc_per_node=8 train.py configs/olmo2-1b.toml --train.backend=torch --mesh.fsdp=8
     python train.py configs/tiny.toml --eval.tasks=arc_easy,piqa  # + in-loop tasks (eval.py)
     python train.py plan configs/olmo3-32b.toml              # fits on its target?
     python train.py configs/tiny.toml configs/tiny-sft.toml  # post-training: -sft, -dpo, -grpo
@@ -15,9 +14,6 @@ post-training is the same loop on other data and train.loss. Run directories: do
 """
 
 import argparse
-import dataclasses
-import gc
-import importlib.util
 import json
 import math
 import os
@@ -26,7 +22,6 @@ import shutil
 import signal
 import sys
 import time
-from functools import partial
 from pathlib import Path
 
 import jax
@@ -44,8 +39,7 @@ from configs import (ConfigError, build, describe, load_config, read_json, run_c
                      to_dict)
 
 SKIP_WINDOW, SKIP_MIN, SKIP_SIGMA = 128, 64, 6.0  # OLMo-core SkipStepAdamW defaults
-# DPO's and GRPO's, logged as they come
-POSTTRAIN_METRICS = ("margin", "accuracy", "reward", "eval_accuracy")
+POSTTRAIN_METRICS = ("margin", "accuracy", "reward", "eval_accuracy")  # DPO's and GRPO's
 
 
 # --- learning rate and AdamW (pure functions) ---------------------------------------------------
@@ -67,8 +61,7 @@ def lr_at(step, tc, tokens_per_step, total_steps):
         return lr - (lr - floor) * (t - W) / (T - W)
     if tc.schedule == "cosine":
         return floor + (lr - floor) * (1 + math.cos(math.pi * (t - W) / (T - W))) / 2
-    # half_cosine (OLMo 3 pretraining part 2): the second half of a cosine twice as long,
-    # from its midpoint.
+    # half_cosine (OLMo 3 pretraining part 2): a cosine twice as long, from its midpoint
     return floor + (lr - floor) * (1 + math.cos(math.pi * (t - W + (T - W)) / (2 * (T - W)))) / 2
 
 
@@ -124,9 +117,8 @@ def push_history(history, loss, grad_norm):
 
 
 # --- checkpoints (both backends) -----------------------------------------------------------------
-# HF layout (a tensor per layer, HF names) whatever the backend or mesh: each process writes its
-# pieces into the shared files, a restore reads only its slices, so a checkpoint resumes on another
-# mesh or backend and no host holds a whole array.
+# HF layout whatever the backend or mesh: each process writes and reads only its pieces, so a
+# checkpoint resumes on another mesh or backend and no host holds a whole array.
 
 def checkpoint_entries(m):
     """{name: (shape, dtype)} of model.safetensors and optimizer.safetensors, both fp32."""
@@ -139,7 +131,7 @@ def checkpoint_entries(m):
 
 def save_checkpoint(run_dir, step, backend, cfg, loader_state, log_window):
     """step_N.tmp/ -> fsync -> step_N/ -> `latest` -> drop those past `keep`: a crash leaves the
-    last whole. log_window: losses since the last log line, for a resumed run's next line."""
+    last whole. log_window: the losses since the last log line (a resumed run's next line)."""
     run_dir, lead, barrier = Path(run_dir), backend.lead, backend.barrier
     final, tmp = run_dir / f"step_{step}", run_dir / f"step_{step}.tmp"
     try:
@@ -218,8 +210,8 @@ STAGE_MAY_CHANGE = ("max_seq_len", "rope_theta", "yarn_factor", "yarn_original_m
 
 
 def open_checkpoint(path, m, with_optimizer=True, new_stage=False):
-    """(model, optimizer or None, meta) memory maps by stored name; any HF OLMo dir of model `m`
-    will do (a new stage's may differ in STAGE_MAY_CHANGE)."""
+    """(model, optimizer or None, meta) memory maps by stored name, of any HF OLMo dir of model `m`
+    (a new stage's may differ in STAGE_MAY_CHANGE)."""
     path = Path(path)
     saved_m, state = convert.open_hf(path)
     fix = f"delete {path} (and fix {path.parent / 'latest'}) to go on from the checkpoint before it"
@@ -243,9 +235,8 @@ def documents(cfg, tokens):
 
 
 def token_stats(cfg, mesh, params, batch, remat="none"):
-    """(log p(label), logsumexp, next-token labels), each (B, T), of rows {tokens, mask?} over the
-    mesh: the forward of step, eval and score (docs/training.md); the head in train.loss_chunks
-    passes (model.token_logps)."""
+    """(log p(label), logsumexp, labels), each (B, T), of rows {tokens, mask?} over the mesh: the
+    forward of step, eval and score, the head in train.loss_chunks passes (docs/training.md)."""
     m, tokens = cfg.model, batch["tokens"]
     dtype, docs = jnp.dtype(cfg.train.compute_dtype), documents(cfg, tokens)
     attend_fn = shard.attention(mesh, m, dtype, docs is not None)
@@ -296,8 +287,7 @@ def make_train_step(cfg, mesh):
         history = push_history(history, loss, grad_norm)
         return keep(new_params, params), keep(new_opt, opt), history, metrics
 
-    p, o, h = shard.state_shardings(mesh, model.param_table(m))
-    # (the batch: laid out by JaxBackend.step)
+    p, o, h = shard.state_shardings(mesh, model.param_table(m))  # (the batch: JaxBackend.step's)
     return jax.jit(step, in_shardings=(p, o, h, None, None),
                    out_shardings=(p, o, h, shard.replicated(mesh)), donate_argnums=(0, 1, 2),
                    compiler_options=shard.compiler_options(mesh, tc.compute_dtype))
@@ -313,19 +303,19 @@ class JaxBackend:
 
     def __init__(self, cfg):
         shard.start_distributed()
+        m, dc = cfg.model, cfg.data
         self.cfg, self.lead, self.processes = cfg, jax.process_index() == 0, jax.process_count()
         self.mesh = mesh = shard.make_mesh(cfg.mesh)
         self.n_devices, self.world = mesh.devices.size, shard.dp_size(mesh)
         self.ranks = shard.local_ranks(mesh)
-        _, self.micro, self.accum = shard.check_batch(cfg.data.global_batch, cfg.train.micro_batch,
+        _, self.micro, self.accum = shard.check_batch(dc.global_batch, cfg.train.micro_batch,
                                                       self.world, shard.mesh_where(mesh))
-        shard.check_mesh(mesh.shape, cfg.model, cfg.data.seq_len)
-        table = model.param_table(cfg.model)
+        shard.check_mesh(mesh.shape, m, dc.seq_len)
+        table = model.param_table(m)
         # every split checked, before compiling
         self.param_sh, self.opt_sh, hist_sh = shard.state_shardings(mesh, table)
         # the step's attention: a kernel that cannot run the case is refused now, not later
-        attention = shard.attention_impl(mesh, cfg.model, cfg.train.compute_dtype,
-                                         cfg.data.doc_mask)
+        attention = shard.attention_impl(mesh, m, cfg.train.compute_dtype, dc.doc_mask)
         self.layout = shard.jax_layout(mesh, table)
         self.layout.append(f"{shard.describe(mesh)}; attention {attention}")
         if warning := shard.unseen_accelerator(jax.default_backend()):
@@ -338,8 +328,7 @@ class JaxBackend:
             logp, _, labels = token_stats(cfg, mesh, params, batch)
             return -logp.sum(), (labels != model.IGNORE_INDEX).sum()
         self.eval_step = jax.jit(nats)
-        # each row's log-prob (DPO)
-        self.score_step = jax.jit(lambda p, b: token_stats(cfg, mesh, p, b)[0].sum(-1))
+        self.score_step = jax.jit(lambda p, b: token_stats(cfg, mesh, p, b)[0].sum(-1))  # DPO's
         self.new_optimizer = jax.jit(new_optimizer, out_shardings=self.opt_sh)
 
     barrier, allgather = staticmethod(shard.jax_barrier), staticmethod(shard.jax_allgather)
@@ -407,31 +396,29 @@ class TorchBackend:
     """A process per device; fp32 master weights, cast by model.py to the compute dtype in use."""
 
     def __init__(self, cfg):
-        m, dc, tc = cfg.model, cfg.data, cfg.train
+        m, tc = cfg.model, cfg.train
         # JAX only draws the initial weights here (a JAX run's draws): keep it off the GPUs.
         jax.config.update("jax_platforms", "cpu")
-        self.rank, self.processes, self.device = shard.torch_start()
-        self.cfg, self.lead, self.ranks = cfg, self.rank == 0, [self.rank]
+        rank, self.processes, self.device = shard.torch_start()
+        self.cfg, self.lead, self.ranks = cfg, rank == 0, [rank]
         self.n_devices = self.world = self.processes  # a device, a data-parallel rank per process
-        _, self.micro, self.accum = shard.check_batch(dc.global_batch, tc.micro_batch, self.world,
-                                                      f"{self.processes} torch process(es)")
+        _, self.micro, self.accum = shard.check_batch(cfg.data.global_batch, tc.micro_batch,
+                                                      self.world, f"{self.world} torch process(es)")
         with torch.device("meta"):  # no memory until sharded: each rank allocates its piece
             net = model.OLMo(m)
         table = model.param_table(m)
         self.layout = shard.torch_layout(cfg.mesh, self.processes, table)  # checks the mesh
         if warning := shard.unseen_accelerator(self.device.type):
             print(warning, file=sys.stderr)
-        dtype = getattr(torch, tc.compute_dtype)
-        net = shard.torch_shard(net, cfg.mesh, self.processes, self.device, dtype)
+        self.dtype = getattr(torch, tc.compute_dtype)
+        self.net = net = shard.torch_shard(net, cfg.mesh, self.processes, self.device, self.dtype)
         net.to_empty(device=self.device)
         with torch.no_grad():
             net.reset_buffers()
         if tc.compile:
             for block in net.layers:
                 block.compile()  # in place: parameter names stay the HF ones (no _orig_mod.)
-        self.net, self.dtype = net, dtype
-        # unstacked HF names: "layers.3.mlp.up_proj.weight"
-        self.named = dict(net.named_parameters())
+        self.named = dict(net.named_parameters())  # HF names: "layers.3.mlp.up_proj.weight"
         decay = {n: table[stacked_name(n)].decay for n in self.named}
         named = self.named.items()
         groups = [dict(params=[p for n, p in named if decay[n]], weight_decay=tc.weight_decay),
@@ -490,28 +477,23 @@ class TorchBackend:
         x, y, docs, rows = self._inputs(batch)  # (B_rank, T) each; rows: the per-row values (ref)
         total = torch.as_tensor(self.total_of(y), device=self.device)
         total = shard.torch_sum(total).clamp(min=1)  # the global batch's
-        per = self.micro  # rows per micro-batch
-        if tc.loss.startswith("dpo"):
-            per *= 2  # a pair's two rows together
-        sums = {}
+        per, sums = len(x) // self.accum, {}  # rows per micro-batch (DPO: a pair's two together)
         for a in range(self.accum):
             at = slice(a * per, (a + 1) * per)
-            if self.processes > 1:
-                # reduce-scatter once, after the last
+            if self.processes > 1:  # reduce-scatter once, after the last
                 self.net.set_requires_gradient_sync(a == self.accum - 1)
             segments = None if docs is None else docs[at]
             logits = self.net(x[at], self.dtype, tc.remat, segments)  # (the head unchunked)
             logp, lse = model.label_logps_torch(logits, y[at], temperature(tc))
             share, aux = self.loss(logp, lse, y[at], {k: v[at] for k, v in rows.items()}, total)
-            # FSDP2 averages gradients over ranks; each rank's loss is its share of the global mean:
-            # scaled by the rank count, their sum.
+            # FSDP2 averages over ranks; each loss is a share of the global mean: x world, their sum
             (share * self.world).backward()
             for k, v in dict(loss=share, **aux).items():
                 sums[k] = sums.get(k, 0.0) + v.detach().double()
         sums = dict(zip(sums, shard.torch_sum(torch.stack(list(sums.values()))).tolist()))
         norm = torch.nn.utils.get_total_norm([p.grad for p in self.named.values()])
-        loss, norm = sums["loss"], shard.torch_full(norm)
-        grad_norm = float(norm)
+        norm = shard.torch_full(norm)
+        loss, grad_norm = sums["loss"], float(norm)
         ok = math.isfinite(loss) and math.isfinite(grad_norm)
         if ok and tc.skip_step:
             ok = not bool(is_outlier(self.history, loss, grad_norm))
@@ -583,56 +565,55 @@ def pair_scores(backend, pairs, rows):
 
 
 def reference_logps(backend, cfg, splits):
-    """Set each split's `ref`: DPO's reference log-probs of its pairs under train.init_from, from
-    one pass before the first step, cached in DATA/reference_logps.npz (docs/training.md)."""
+    """Set each split's `ref` (a None split is left out): DPO's reference log-probs of its pairs
+    under train.init_from, one pass before the first step, cached in DATA/reference_logps.npz."""
     dc, tc = cfg.data, cfg.train
+    splits = {k: pairs for k, pairs in splits.items() if pairs is not None}
     if not tc.init_from:
         raise ConfigError(f"train.loss={tc.loss!r} needs train.init_from: the SFT model, policy "
                           "and reference both")
     sha = [data.sha256(f) for f in sorted(Path(tc.init_from).glob("model*.safetensors"))]
     path = Path(dc.path) / "reference_logps.npz"
-    if path.is_file():
-        with np.load(path, allow_pickle=False) as f:  # strings as unicode arrays, never pickles
-            have = {k: f[k].tolist() for k in f.files}
-        checks = [("its weights (sha256)", have.get("sha256") != sha),
-                  ("seq_len", have.get("seq_len") != dc.seq_len),
-                  ("the pairs", any(len(have.get(k, ())) != p.n for k, p in splits.items()))]
-        if why := [what for what, differs in checks if differs]:
-            raise ValueError(
-                f"{path}: reference log-probs of {have.get('checkpoint')} at seq_len "
-                f"{have.get('seq_len')}, not of train.init_from={tc.init_from} at data.seq_len="
-                f"{dc.seq_len} ({', '.join(why)} differ): delete {path} to recompute them")
-        for k, pairs in splits.items():
-            pairs.ref = np.asarray(have[k], np.float32)
-        return
-    if backend.processes > 1:
-        raise ConfigError("the reference pass runs in one process: start the DPO run once on one "
-                          "host, then resume")
-    for pairs in splits.values():
-        pairs.ref = pair_scores(backend, pairs, cfg.data.global_batch)[0].astype(np.float32)
-    tmp = path.with_suffix(".tmp.npz")
-    refs = {k: p.ref for k, p in splits.items()}
-    np.savez(tmp, checkpoint=str(tc.init_from), sha256=sha, seq_len=dc.seq_len, **refs)
-    convert.replace(tmp, path)
-    n = ", ".join(f"{p.n} {k}" for k, p in splits.items())
-    print(f"reference log-probs of {tc.init_from} for {n} pairs: {path}")
+    if not path.is_file():
+        if backend.processes > 1:
+            raise ConfigError("the reference pass runs in one process: start the DPO run once on "
+                              "one host, then resume")
+        refs = {k: pair_scores(backend, pairs, dc.global_batch)[0].astype(np.float32)
+                for k, pairs in splits.items()}
+        tmp = path.with_suffix(".tmp.npz")
+        np.savez(tmp, checkpoint=str(tc.init_from), sha256=sha, seq_len=dc.seq_len, **refs)
+        convert.replace(tmp, path)
+        n = ", ".join(f"{p.n} {k}" for k, p in splits.items())
+        print(f"reference log-probs of {tc.init_from} for {n} pairs: {path}")
+    with np.load(path, allow_pickle=False) as f:  # strings as unicode arrays, never pickles
+        have = {k: f[k].tolist() for k in f.files}
+    checks = [("its weights (sha256)", have.get("sha256") != sha),
+              ("seq_len", have.get("seq_len") != dc.seq_len),
+              ("the pairs", any(len(have.get(k, ())) != p.n for k, p in splits.items()))]
+    if why := [what for what, differs in checks if differs]:
+        raise ValueError(
+            f"{path}: reference log-probs of {have.get('checkpoint')} at seq_len "
+            f"{have.get('seq_len')}, not of train.init_from={tc.init_from} at data.seq_len="
+            f"{dc.seq_len} ({', '.join(why)} differ): delete {path} to recompute them")
+    for k, pairs in splits.items():
+        pairs.ref = np.asarray(have[k], np.float32)
 
 
 def rollouts(backend, cfg, batch, step, tok):
-    """GRPO's rows for this step: train.grpo_group rewarded completions of each prompt by the
-    current policy, masked to the completion, advantages normalised in the group (docs/training.md).
-    Each step draws from its own seed, so a resumed run samples what the first would have."""
+    """GRPO's rows of this step: train.grpo_group rewarded completions of each prompt by the policy,
+    the mask on the completion, advantages normalised in the group (docs/training.md). A seed per
+    step: a resumed run samples what the first would have."""
     tc, T, G = cfg.train, cfg.data.seq_len, cfg.train.grpo_group
     tokens = np.full((len(batch["prompts"]) * G, T), cfg.model.pad_token_id, np.int32)
     mask, reward = np.zeros_like(tokens, bool), np.zeros(len(tokens), np.float32)
     for j, (prompt, answer) in enumerate(zip(batch["prompts"], batch["answers"])):
-        seed = np.random.SeedSequence([tc.init_seed, step, backend.ranks[0], j])
-        seed = int(seed.generate_state(1)[0])
+        seed = np.random.SeedSequence([tc.init_seed, step, backend.ranks[0], j]).generate_state(1)
         new = evaluate.sample(backend.params, cfg.model, np.tile(prompt, (G, 1)), tc.grpo_max_new,
-                              tc.grpo_temperature, seed, tok.vocab_size, tok.eos_id)
+                              tc.grpo_temperature, int(seed[0]), tok.vocab_size, tok.eos_id)
         for r, done in enumerate(new, j * G):
-            tokens[r, :len(prompt) + len(done)] = prompt + done
-            mask[r, len(prompt):len(prompt) + len(done)] = True
+            P, N = len(prompt), len(done)
+            tokens[r, :P + N] = prompt + done
+            mask[r, P:P + N] = True
             reward[r] = evaluate.reward(tok, done, answer)
     groups = reward.reshape(-1, G)
     advantage = (groups - groups.mean(1, keepdims=True)) / (groups.std(1, keepdims=True) + 1e-8)
@@ -647,12 +628,8 @@ def open_data(cfg):
     text or chat (a prepared folder; chat has label masks), pairs (a prepared folder) or prompts
     (.jsonl); train.loss must fit it."""
     dc, m, tc = cfg.data, cfg.model, cfg.train
-    if dc.path.endswith(".jsonl"):
-        kind = "prompts"
-    elif Path(dc.path).is_dir():
-        kind = data.load_dataset_info(dc.path).get("kind", "text")
-    else:
-        kind = "text"
+    info = data.load_dataset_info(dc.path) if Path(dc.path).is_dir() else None
+    kind = "prompts" if dc.path.endswith(".jsonl") else (info or {}).get("kind", "text")
     fits = dict(ce=("text", "chat"), dpo=("pairs",), dpo_norm=("pairs",),
                 grpo=("prompts",))[tc.loss]
     if kind not in fits:
@@ -679,9 +656,9 @@ def open_data(cfg):
         packed = dict(eos=m.eos_token_id, pad=m.pad_token_id, group_size=dc.source_group_size,
                       permutation_seed=dc.source_permutation_seed, long_docs=dc.long_docs)
     instances = data.open_instances(dc.path, dc.seq_len, dc.seed, packed)
-    if not Path(dc.path).is_dir():  # a mix or bare token file: no tokenizer, no held-out split
+    if info is None:  # a mix or bare token file: no tokenizer, no held-out split
         return instances, None, None
-    if (V := data.load_dataset_info(dc.path)["vocab_size"]) > m.vocab_size:
+    if (V := info["vocab_size"]) > m.vocab_size:
         raise ConfigError(f"{dc.path} was tokenized with {V} ids but model.vocab_size="
                           f"{m.vocab_size}")
     held = data.dataset_files(dc.path, "heldout")
@@ -746,7 +723,7 @@ def held_out_eval(backend, heldout, cfg, token_bytes, batches):
 
 
 def in_loop_tasks(cfg, tok, backend):
-    """eval.py's tasks as in-loop ICL evals, tokenized once; None without eval.tasks (or in several
+    """eval.py's tasks, tokenized once, for in-loop evals; None without eval.tasks (or in several
     processes)."""
     ec = cfg.eval
     if not ec.tasks:
@@ -760,8 +737,7 @@ def in_loop_tasks(cfg, tok, backend):
         return None
     names = ec.tasks.replace(",", " ").split()
     tasks = evaluate.prepare_tasks(names, ec.tasks_data, tok, ec.tasks_norm, ec.tasks_limit)
-    # (its params: set by each task_eval)
-    tasks["scorer"] = evaluate.Scorer(cfg.model, None, "jax", cfg.train.compute_dtype)
+    tasks["scorer"] = evaluate.Scorer(cfg.model, None, "jax", cfg.train.compute_dtype)  # no params
     docs = ", ".join(f"{n} ({len(t['items'])} docs)" for n, t in tasks["tasks"].items())
     print(f"in-loop tasks: {docs}, {ec.tasks_norm} prompts and normalisation")
     return tasks
@@ -810,9 +786,9 @@ def trim_metrics(path, start):
 
 
 def read_pending(pending, window, tc, last_saved):
-    """Read the pending steps' metrics off the device (the host waits for them here only), each
-    loss into `window`; a non-finite loss stops the run unless train.skip_step. -> the last's."""
-    for s, _, out in pending:
+    """The last pending step's metrics, read off the device (the host waits here only), each loss
+    into `window`; a non-finite loss stops the run unless train.skip_step."""
+    for s, out in pending:
         out = {k: np.asarray(v).item() for k, v in jax.device_get(out).items()}
         window.append(out["loss"])
         if not math.isfinite(out["loss"]) and not tc.skip_step:
@@ -834,7 +810,7 @@ def main(argv):
     run_dir.mkdir(parents=True, exist_ok=True)
     backend = (TorchBackend if tc.backend == "torch" else JaxBackend)(cfg)
     lead = backend.lead  # the one process that prints and writes files other than checkpoints
-    shard.check_hosts_agree(backend, run_dir, cfg.data.path)  # several hosts: one folder, same data
+    shard.check_hosts_agree(backend, run_dir, dc.path)  # several hosts: one folder, same data
     if not lead:
         sys.stdout = open(os.devnull, "w")
     else:
@@ -846,19 +822,13 @@ def main(argv):
     tokens_per_step, flops = dc.global_batch * dc.seq_len, model.flops_per_token(m, dc.seq_len)
 
     # --- params: resume this run, or start a stage from another checkpoint, or initialise
-    # window: the losses since the last log line
     last_saved, start, loader_pos, window = restore(backend, cfg)
     if tc.loss.startswith("dpo"):  # the start is the reference: its log-probs, before any step
-        splits = dict(train=instances)
-        if heldout:
-            splits["heldout"] = heldout
-        reference_logps(backend, cfg, splits)
+        reference_logps(backend, cfg, dict(train=instances, heldout=heldout))
     # GRPO: global_batch counts completions, G a prompt
     per_item = tc.grpo_group if tc.loss == "grpo" else 1
-    check = None
-    if dc.instance_filter:
-        check = dict(max_period=dc.repetition_max_period, min_period=dc.repetition_min_period,
-                     max_count=dc.repetition_max_count)
+    check = dict(max_period=dc.repetition_max_period, min_period=dc.repetition_min_period,
+                 max_count=dc.repetition_max_count) if dc.instance_filter else None
     loader = data.Loader(instances, dc.global_batch // per_item, dc.seed, world=backend.world,
                          ranks=backend.ranks, start_step=loader_pos, vocab_size=m.vocab_size,
                          instance_filter=check)
@@ -867,9 +837,6 @@ def main(argv):
     if tc.warmup_fraction:
         unit = tokens_per_step if tc.units == "tokens" else 1
         tc.warmup = round(tc.warmup_fraction * tc.steps * unit)
-
-    def make_batch(step, batch):  # the loader's rows, or (GRPO) completions of its prompts
-        return rollouts(backend, cfg, batch, step, tok) if tc.loss == "grpo" else batch
 
     metrics_path = run_dir / "metrics.jsonl" if lead else None
     if lead:
@@ -897,20 +864,22 @@ def main(argv):
     # --- the loop: step -> log? -> eval? -> save? -> stop?
     bar = tqdm(range(start + 1, tc.steps + 1), initial=start, total=tc.steps, desc="train",
                dynamic_ncols=True, disable=not lead)
-    t_last, pending, masked = time.perf_counter(), [], []  # pending: (step, lr, metrics on device)
+    t_last, pending, masked = time.perf_counter(), [], []  # pending: (step, metrics on device)
     for step, (_, batch) in zip(bar, loader):
         if "masked" in batch:  # data.instance_filter: the share of this process's rows it masked
             masked.append(batch.pop("masked") / len(batch["tokens"]))
+        if tc.loss == "grpo":  # the loader's prompts -> their completions
+            batch = rollouts(backend, cfg, batch, step, tok)
         lr = lr_at(step, tc, tokens_per_step, tc.steps)
-        out = backend.step(make_batch(step, batch), lr)  # JAX returns at once: it runs meanwhile
-        pending.append((step, lr, out))
+        out = backend.step(batch, lr)  # JAX returns at once: it runs meanwhile
+        pending.append((step, out))
         logging = step % tc.log_every == 0 or step == tc.steps
         evaluating = ec.every and step % ec.every == 0 and step != tc.steps
         stopping = stop["signal"]  # read once: a later signal takes this path after the next step
         saving = step % tc.checkpoint_every == 0 or step == tc.steps or stopping
         if not (logging or evaluating or saving):
             if len(pending) > 1:  # one step ahead, no more: the next batch is read while it runs
-                jax.block_until_ready(pending[-2][2])
+                jax.block_until_ready(pending[-2][1])
             continue
         out = read_pending(pending, window, tc, last_saved)
         pending, record = [], {}
@@ -943,7 +912,7 @@ def main(argv):
 
     # --- the end: held-out bits per byte against a unigram model, tasks, the plot, a sample
     final = held_out_eval(backend, heldout, cfg, token_bytes, 0)
-    if final and lead and "eval_bpb" in final:
+    if lead and "eval_bpb" in final:
         line = f"held-out loss {final['eval_loss']:.4f} nats/token"
         if final["eval_bpb"] is not None and not heldout.files[0].has_mask:  # (chat: no unigram)
             unigram = evaluate.unigram_bpb(instances, heldout, token_bytes, m.vocab_size)
@@ -971,142 +940,10 @@ def main(argv):
         print(f"sample: {ec.prompt}{tok.decode(new)!r}")
 
 
-# --- bench --------------------------------------------------------------------------------------
-
-def bench_rows(cfg, platform, cuda):
-    """[(label, dtype, on the accelerator, make)] of --bench, make(tokens) -> (step, peak FLOP/s,
-    devices): the rows that can run here (docs/training.md)."""
-    m, tc = cfg.model, cfg.train
-    dtypes = ("float32", "bfloat16")
-    rows = []
-
-    def changed(**sections):  # the config with {section: {key: value}} changed
-        return build({k: {**v, **sections.get(k, {})} for k, v in to_dict(cfg).items()})
-
-    for dtype in dtypes:
-        for attention in {"tpu": ["splash", "xla"], "gpu": ["cudnn", "xla"]}.get(platform, ["xla"]):
-            try:
-                model.pick_attention(dataclasses.replace(m, attention=attention), dtype)
-            except ValueError:
-                continue  # (cudnn in fp32)
-            run = changed(model=dict(attention=attention), train=dict(compute_dtype=dtype))
-            label = f"nanolmo JAX {attention} ({platform}, {dtype})"
-            rows.append((label, dtype, platform != "cpu", partial(BenchRow.of, JaxBackend, run)))
-    if platform != ("gpu" if cuda else "cpu"):
-        return rows  # torch is on another device than JAX (a TPU host): it would compare machines
-    device = "cuda" if cuda else "cpu"
-    for dtype in dtypes if cuda else (tc.compute_dtype,):  # (torch's bf16 on a CPU is not its path)
-        for attention in ["sdpa", "flex"] if cuda else ["sdpa"]:
-            for compiled in (False, True):
-                train = dict(compute_dtype=dtype, compile=compiled)
-                run = changed(model=dict(attention=attention), train=train)
-                how = "compiled" if compiled else "eager"
-                label = f"nanolmo torch {attention} {how} ({device}, {dtype})"
-                rows.append((label, dtype, cuda, partial(BenchRow.of, TorchBackend, run)))
-    if importlib.util.find_spec("transformers"):  # a test extra: without it, no reference row
-        for dtype in dtypes if cuda else ("float32",):
-            label = f"transformers ({device}, {dtype})"
-            rows.append((label, dtype, cuda, partial(BenchRow.hf, cfg, device, dtype)))
-    return rows
-
-
-class BenchRow:
-    """One --bench row's train step on its own state, and how to measure it."""
-
-    @staticmethod
-    def of(backend_cls, cfg, tokens):
-        backend = backend_cls(cfg)
-        backend.init(0)
-
-        def step():
-            return backend.step(dict(tokens=tokens), cfg.train.lr)
-        return step, backend.peak, backend.n_devices
-
-    @staticmethod
-    def hf(cfg, device, dtype, tokens):
-        """transformers' model of the shape, torch.optim.AdamW; bf16: autocast, fp32 weights."""
-        import transformers
-        m, tc = cfg.model, cfg.train
-        hf_cfg = {k: v for k, v in convert.config_to_hf(m).items() if k != "architectures"}
-        hf_cfg = transformers.AutoConfig.for_model(**hf_cfg)
-        hf = transformers.AutoModelForCausalLM.from_config(hf_cfg).to(device)  # (in train mode)
-        optim = torch.optim.AdamW(hf.parameters(), lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps,
-                                  weight_decay=tc.weight_decay)
-        ids = torch.from_numpy(tokens.astype(np.int64)).to(device)
-        autocast = torch.autocast(device, getattr(torch, dtype), enabled=dtype != "float32")
-
-        def step():
-            with autocast:
-                loss = hf(ids, labels=ids).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(hf.parameters(), tc.clip or 1e9)
-            optim.step()
-            optim.zero_grad()
-            if device == "cuda":
-                torch.cuda.synchronize()  # (the JAX rows block on their output)
-        kind = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-        return step, peak_flops(kind), 1
-
-
-def bench(argv, steps=10, rounds=3, seconds=5.0):
-    """Tokens/s of train steps of the configured model and batch, every bench_rows row in one
-    process: 2 untimed steps, then the best of `rounds` rounds of `steps` steps (fewer past
-    `seconds`); how rows share the device: docs/training.md."""
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # else JAX takes 75% of a GPU
-    cfg = load_config(argv)
-    m, B, T = cfg.model, cfg.data.global_batch, cfg.data.seq_len
-    tokens = np.random.default_rng(0).integers(0, m.vocab_size, (B, T)).astype(np.int32)
-    flops = model.flops_per_token(m, T)
-    platform = jax.default_backend()
-    rows = bench_rows(cfg, platform, torch.cuda.is_available())
-    if platform == "cpu":  # (shared, noisy) all at once, taking turns round by round
-        groups = [list(range(len(rows)))]
-    else:  # each alone, freed before the next; JAX's last: its allocator keeps what it took
-        later = lambda i: rows[i][0].startswith("nanolmo JAX")  # noqa: E731
-        groups = [[i] for i in sorted(range(len(rows)), key=later)]
-    best, reps, peaks = [0.0] * len(rows), [steps] * len(rows), [None] * len(rows)
-    for group in groups:
-        made = {i: rows[i][3](tokens) for i in group}  # i -> (step, peak, devices)
-        # Round -1: 2 steps each, not counted (compiles, warm caches); the second sets reps
-        for r in range(-1, rounds):
-            for i, (step, _, _) in made.items():
-                if r < 0:
-                    jax.block_until_ready(step())
-                t0 = time.perf_counter()
-                for _ in range(1 if r < 0 else reps[i]):
-                    out = step()
-                jax.block_until_ready(out)  # the JAX steps are still running
-                dt = time.perf_counter() - t0
-                if r < 0:
-                    reps[i] = max(1, min(steps, int(seconds / dt)))
-                else:
-                    best[i] = max(best[i], reps[i] * B * T / dt)
-        for i, (_, peak, devices) in made.items():
-            peaks[i] = peak and peak * devices
-        del made, step, out
-        gc.collect()  # the row's state, before the next row's
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    refs = {dtype: tps for (label, dtype, *_), tps in zip(rows, best) if "transformers" in label}
-    print(f"{'':<52} {'tokens/s':>10} {'vs transformers':>16} {'MFU':>6} {'GFLOP/s':>9}")
-    for (label, dtype, _, _), tps, peak in zip(rows, best, peaks):
-        ref = refs.get(dtype) or refs.get("float32")
-        mfu = f"{100 * flops * tps / peak:.1f}%" if peak else "n/a"
-        ratio = f"{tps / ref:.2f}x" if ref else "n/a"
-        print(f"{label:<52} {tps:>10,.0f} {ratio:>16} {mfu:>6} {flops * tps / 1e9:>9.1f}")
-    how = "the rows taking turns" if platform == "cpu" else "one row at a time"
-    malloc = Path(os.environ.get("LD_PRELOAD") or "glibc").name
-    print(f"(B={B}, T={T}, {model.count_params(m):,} params; best of {rounds} rounds of "
-          f"{'/'.join(map(str, sorted(set(reps))))} steps each, {how}, one process; each ratio "
-          f"against transformers in its dtype where that has a row; malloc: {malloc})")
-
-
 def plan(argv):
-    """python train.py plan CONFIG.toml... [--mesh data=D,fsdp=F,context=C,tensor=T] [--device v5p]
-    [--devices 256] [--batch B --seq T] [--topology v5p:8x8x4] [--section.key=value ...]: the train
-    step compiled for the config's target (mesh.device x mesh.devices, its mesh; flags change
-    them) and its memory per device, read off the compiler, against what JAX can use there
-    (shard.plan)."""
+    """The train step compiled for the config's target (mesh.device x mesh.devices, its mesh; the
+    flags and --section.key=value change them): its memory per device, read off the compiler,
+    against what JAX can use there (shard.plan)."""
     ap = argparse.ArgumentParser(prog="train.py plan", description=plan.__doc__)
     ap.add_argument("configs", nargs="+")
     ap.add_argument("--mesh", default="", help="data=D,fsdp=F,context=C,tensor=T: these axes")
@@ -1129,8 +966,6 @@ def plan(argv):
 def cli(args):
     if args[:1] == ["plan"]:
         plan(args[1:])
-    elif "--bench" in args:
-        bench([a for a in args if a != "--bench"])
     else:
         main(args)
 

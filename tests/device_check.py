@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 import model  # noqa: E402
 import shard  # noqa: E402
-import train  # noqa: E402
+from bench import bench_rows  # noqa: E402
 from configs import load_config  # noqa: E402
 
 
@@ -140,7 +140,7 @@ def training(cfg, steps, rows):
     tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (B, T)).astype(np.int32)
     flops = model.flops_per_token(cfg.model, T)
     cuda = torch.cuda.is_available()
-    for label, dtype, _, make in train.bench_rows(cfg, jax.default_backend(), cuda):
+    for label, dtype, _, make in bench_rows(cfg, jax.default_backend(), cuda):
         # (a cold compile: ~40 s on a CPU)
         torch_row = "torch sdpa compiled" if cuda else "torch sdpa eager"
         if dtype != "bfloat16" and not label.startswith("transformers (cpu"):

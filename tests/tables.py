@@ -218,11 +218,11 @@ def check():
 # --- slow: benchmarks, evaluations, ahead-of-time plans, training curves --------------------------
 
 def bench():
-    return shown("python train.py configs/tiny.toml --bench")
+    return shown("python tests/bench.py train configs/tiny.toml")
 
 
 def bench100m():
-    return shown("python train.py configs/bench-100m.toml --bench")
+    return shown("python tests/bench.py train configs/bench-100m.toml")
 
 
 def tcmalloc(config):
@@ -230,7 +230,7 @@ def tcmalloc(config):
     lib = next(Path("/usr/lib").glob("*-linux-gnu/libtcmalloc_minimal.so.4"), None)
     if lib is None:
         raise Skip("tcmalloc is not installed (Debian: libtcmalloc-minimal4)")
-    return shown(f"LD_PRELOAD={lib} python train.py configs/{config}.toml --bench")
+    return shown(f"LD_PRELOAD={lib} python tests/bench.py train configs/{config}.toml")
 
 
 def attention():

@@ -1,7 +1,7 @@
 """The GPU and TPU paths, proved from this CPU: the attention each device gets, the real train step
 lowered for CUDA and TPU (tests/lower_check.py), full fp32 matmuls, the shipped configs against
 their targets, device tables, the memory JAX may use, a mesh that splits heads it cannot, an
-accelerator JAX does not see, --bench's rows."""
+accelerator JAX does not see, the train bench's rows (tests/bench.py)."""
 import json
 import os
 import subprocess
@@ -15,6 +15,7 @@ import pytest
 import model
 import shard
 import train
+from bench import bench_rows
 from common import SHIPPED, variant
 from configs import load_config
 
@@ -214,14 +215,14 @@ def test_an_unseen_accelerator_is_said(monkeypatch):
     assert shard.unseen_accelerator("cpu") is None
 
 
-# --- 7: --bench on an accelerator -----------------------------------------------------------------
+# --- 7: the train bench on an accelerator ---------------------------------------------------------
 
 def test_bench_rows_on_a_gpu_are_valid_and_on_the_gpu(monkeypatch):
     """No cuDNN row in fp32 (it cannot run), torch and transformers on the GPU too, in both dtypes;
     on a TPU host no torch rows (they would run on its CPU)."""
     cfg = load_config(["configs/tiny.toml"])
     monkeypatch.setattr(model, "accelerator", lambda device=None: H100)
-    rows = {label: (dtype, on) for label, dtype, on, _ in train.bench_rows(cfg, "gpu", cuda=True)}
+    rows = {label: (dtype, on) for label, dtype, on, _ in bench_rows(cfg, "gpu", cuda=True)}
     assert "nanolmo JAX cudnn (gpu, bfloat16)" in rows
     assert "nanolmo JAX cudnn (gpu, float32)" not in rows
     assert "nanolmo JAX xla (gpu, float32)" in rows
@@ -229,10 +230,10 @@ def test_bench_rows_on_a_gpu_are_valid_and_on_the_gpu(monkeypatch):
             "nanolmo torch flex compiled (cuda, bfloat16)"} <= set(rows)
     assert all(on for _, on in rows.values())
     monkeypatch.setattr(model, "accelerator", lambda device=None: TPU)
-    labels = [label for label, *_ in train.bench_rows(cfg, "tpu", cuda=False)]
+    labels = [label for label, *_ in bench_rows(cfg, "tpu", cuda=False)]
     assert labels and all(label.startswith("nanolmo JAX") for label in labels)
     monkeypatch.setattr(model, "accelerator", lambda device=None: CPU)
-    labels = [label for label, *_ in train.bench_rows(cfg, "cpu", cuda=False)]
+    labels = [label for label, *_ in bench_rows(cfg, "cpu", cuda=False)]
     assert labels[-1] == "transformers (cpu, float32)"
     assert not any("cudnn" in label for label in labels)
 

@@ -1,5 +1,5 @@
 """The PyTorch backend against the JAX one: same steps, checkpoints that cross between them, FSDP2 under
-torchrun equal to one process. (torch.compile is left to `train.py --bench`: a cold compile takes ~40 s here.)"""
+torchrun equal to one process. (torch.compile is left to `tests/bench.py train`: a cold compile takes ~40 s here.)"""
 import json
 import shutil
 import subprocess
