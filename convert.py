@@ -52,7 +52,7 @@ def read_safetensors(path, writable=False):
     """name -> array over a memmap of `path` (read-only unless `writable`), and __metadata__."""
     path = Path(path)
     size = path.stat().st_size
-    with open(path, "rb") as f:
+    with open(path, "r+b" if writable else "rb") as f:
         n = int.from_bytes(f.read(8), "little")
         if n > size - 8:  # also every file of fewer than 8 bytes
             raise ValueError(f"{path}: header claims {n} bytes but the file has {size}: "
@@ -61,11 +61,10 @@ def read_safetensors(path, writable=False):
             header = json.loads(f.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ValueError(f"{path}: the safetensors header is not valid JSON ({e})") from None
-    metadata, data_size = header.pop("__metadata__", None) or {}, size - 8 - n
-    # a plain ndarray over the map (its .base): read lazily; release() hands its pages back
-    access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
-    with open(path, "r+b" if writable else "rb") as f:
+        # a plain ndarray over the map (its .base): read lazily; release() hands its pages back
+        access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
         mapped = mmap.mmap(f.fileno(), 0, access=access)
+    metadata, data_size = header.pop("__metadata__", None) or {}, size - 8 - n
     data = np.frombuffer(mapped, np.uint8, data_size, 8 + n) if data_size else np.zeros(0, np.uint8)
     out = {}
     for name, info in header.items():
@@ -84,8 +83,7 @@ def read_safetensors(path, writable=False):
 
 
 def release(view):
-    """Hand a read view's pages back: a mapped page, once read, counts in RSS until unmapped, so
-    a model copied out of its file would count twice."""
+    """Hand a read view's pages back: a mapped page, once read, counts in RSS until unmapped."""
     mapped = view.base
     while isinstance(mapped, (np.ndarray, memoryview)):  # view -> the whole map's array -> the map
         mapped = mapped.obj if isinstance(mapped, memoryview) else mapped.base
@@ -97,8 +95,8 @@ def release(view):
 
 
 def copy_out(dst, src, block=64 << 20):
-    """dst[...] = src (cast if need be) from a map, `block` bytes of rows at a time, each released
-    once copied: even the largest tensor never counts twice."""
+    """dst[...] = src (cast if need be), `block` bytes of rows at a time, each released once
+    copied: a tensor never counts twice."""
     rows = max(1, block // max(src[:1].nbytes, 1))
     for i in range(0, len(src), rows):
         dst[i:i + rows] = src[i:i + rows]
@@ -123,8 +121,8 @@ def allocate_safetensors(path, entries, metadata=None):
 
 
 def reserve(f, size):
-    """Grow open file f to `size` bytes, blocks claimed now: a sparse file's are claimed as a map
-    fills it, and on a full disk the writer dies of SIGBUS, silently."""
+    """Grow open file f to `size` bytes, its disk blocks claimed now: a map filling a sparse file
+    dies of SIGBUS, silently, when the disk is full."""
     try:
         if hasattr(os, "posix_fallocate"):
             os.posix_fallocate(f.fileno(), 0, size)
@@ -147,8 +145,7 @@ def fsync(path):
 
 
 def replace(tmp, path):
-    """os.replace made durable: tmp's bytes on disk before the rename, the directory after it, so
-    a power cut can neither show a half-written file nor undo the rename."""
+    """os.replace made durable: tmp's bytes on disk before the rename, the directory after it."""
     fsync(tmp)
     os.replace(tmp, path)
     fsync(Path(path).parent)
@@ -233,7 +230,6 @@ def config_from_hf(hf):
         raise ConfigError(f"RoPE {sliding} on sliding-window layers is not plain RoPE at the full "
                           f"layers' rope_theta {theta}: not supported (OLMo 3 scales full layers "
                           "only)")
-
     if kind != "default" and (kind != "yarn" or full.get("mscale") or full.get("mscale_all_dim")):
         raise ConfigError(f"RoPE scaling {full} is not supported (only plain YaRN, as OLMo 3)")
     yarn = {}
@@ -260,10 +256,7 @@ def config_from_hf(hf):
 def config_to_hf(m: ModelConfig):
     model_type, arch = HF_CLASS[m.family]
     plain = {"rope_type": "default", "rope_theta": m.rope_theta}
-    if m.family == "olmo1":
-        norm = {"clip_qkv": m.clip_qkv or None}
-    else:
-        norm = {"rms_norm_eps": m.norm_eps}
+    norm = {"clip_qkv": m.clip_qkv or None} if m.family == "olmo1" else {"rms_norm_eps": m.norm_eps}
     hf = dict(
         architectures=[arch], model_type=model_type, vocab_size=m.vocab_size, hidden_size=m.d_model,
         intermediate_size=m.mlp_hidden, num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
@@ -275,10 +268,10 @@ def config_to_hf(m: ModelConfig):
     if m.family == "olmo3":
         full = plain
         if m.yarn_factor:
-            full = {**plain, "rope_type": "yarn", "factor": m.yarn_factor,
-                    "original_max_position_embeddings": m.yarn_original_max_seq_len,
-                    "beta_fast": m.yarn_beta_fast, "beta_slow": m.yarn_beta_slow,
-                    "attention_factor": m.yarn_attention_factor}
+            full = dict(plain, rope_type="yarn", factor=m.yarn_factor,
+                        original_max_position_embeddings=m.yarn_original_max_seq_len,
+                        beta_fast=m.yarn_beta_fast, beta_slow=m.yarn_beta_slow,
+                        attention_factor=m.yarn_attention_factor)
         # per layer type, so no reader guesses which layers a top-level rope_theta is for
         types = ["sliding_attention" if k == "S" else "full_attention" for k in m.layer_types()]
         hf.update(sliding_window=m.sliding_window or None, layer_types=types,
@@ -315,7 +308,7 @@ def open_hf(d):
         raise FileNotFoundError(f"{d}: no model.safetensors or its index ({', '.join(pickles)} are "
                                 f"pickles, which we never load here: `python convert.py {d} OUT` "
                                 "reads them with torch.load(weights_only=True) into safetensors)")
-    return m, _bind(_weights(d, HF_SAFETENSORS), None, m, str(d), "config.json")
+    return m, _bind(_weights(d, HF_SAFETENSORS), 0, m, str(d), "config.json")
 
 
 def load_hf(d, dtype=None):
@@ -359,30 +352,38 @@ def save_hf(d, m, params, dtype=np.float32):
 
 # --- the old OLMo trainer's and OLMo-core's configs -> ModelConfig -------------------------------
 
-@_names_file
-def config_from_olmo(c):
-    """The old trainer's model config (config.yaml's `model:`, or hf_olmo's config.json)."""
-    two = bool(c.get("norm_after"))  # OLMo 2: norm_after, QK-norm, RMSNorm; OLMo 1: LayerNorm
-    rules = [(key, want, "not an OLMo 1 / 2 architecture") for key, want in (
-        ("rope", True), ("alibi", False), ("include_bias", False), ("bias_for_layer_norm", False),
-        ("scale_logits", False), ("activation_type", "swiglu"), ("block_type", "sequential"))]
-    if two:
-        rules += [("attention_layer_norm", True, "OLMo 2 has QK-norm"),
-                  ("layer_norm_type", "rms", "OLMo 2 uses RMSNorm"),
-                  ("layer_norm_with_affine", True, "OLMo 2's RMSNorms have weights")]
-    else:
-        rules += [("attention_layer_norm", False, "OLMo 1 has no QK-norm"),
-                  ("layer_norm_with_affine", False, "OLMo 1's LayerNorm has no weight"),
-                  ("layer_norm_type", ("default", "low_precision"),
-                   "OLMo 1 uses LayerNorm ('default')")]
-    for key, want, why in rules:  # flags compare as booleans (bias_for_layer_norm: null = false)
+def _refuse(c, rules):
+    """Each (key, the value we implement (a tuple: any of them), why) in rules holds in c, or a
+    ConfigError names the key and its value. Flags compare as booleans (null = false)."""
+    for key, want, why in rules:
         wants = want if isinstance(want, tuple) else (want,)
         got = c.get(key, wants[0])
         if (bool(got) if isinstance(want, bool) else got) not in wants:
             raise ConfigError(f"{key}={got!r} is not supported ({why})")
+
+
+# The old trainer's flags: (key, the value we implement, why), for both families then per family
+OLMO_FLAGS = [(key, want, "not an OLMo 1 / 2 architecture") for key, want in (
+    ("rope", True), ("alibi", False), ("include_bias", False), ("bias_for_layer_norm", False),
+    ("scale_logits", False), ("activation_type", "swiglu"), ("block_type", "sequential"))]
+OLMO_FAMILY_FLAGS = {
+    "olmo1": [("attention_layer_norm", False, "OLMo 1 has no QK-norm"),
+              ("layer_norm_with_affine", False, "OLMo 1's LayerNorm has no weight"),
+              ("layer_norm_type", ("default", "low_precision"),
+               "OLMo 1 uses LayerNorm ('default')")],
+    "olmo2": [("attention_layer_norm", True, "OLMo 2 has QK-norm"),
+              ("layer_norm_type", "rms", "OLMo 2 uses RMSNorm"),
+              ("layer_norm_with_affine", True, "OLMo 2's RMSNorms have weights")]}
+
+
+@_names_file
+def config_from_olmo(c):
+    """The old trainer's model config (config.yaml's `model:`, or hf_olmo's config.json)."""
+    family = "olmo2" if c.get("norm_after") else "olmo1"  # OLMo 2: norm_after, QK-norm, RMSNorm
+    _refuse(c, OLMO_FLAGS + OLMO_FAMILY_FLAGS[family])
     D, N = c["d_model"], c["n_heads"]
     return ModelConfig(
-        family="olmo2" if two else "olmo1", d_model=D, n_layers=c["n_layers"], n_heads=N,
+        family=family, d_model=D, n_layers=c["n_layers"], n_heads=N,
         n_kv_heads=c.get("n_kv_heads") or (1 if c.get("multi_query_attention") else N),
         head_dim=D // N,
         # the trainer's hidden size counts both SwiGLU halves of ff_proj
@@ -598,57 +599,54 @@ class Source(NamedTuple):
     tokenizer: str = None  # "dolma2" when the checkpoint says so
 
 
-# The old trainer's names, ours -> theirs per layer: att_proj's rows are [q; k; v] and ff_proj's
-# [up; gate] (its SwiGLU is `x, gate = ff_proj(x).chunk(2); silu(gate) * x`), in the order listed.
-OLMO_NAMES = {f"{ours}.weight": f"{theirs}.weight" for ours, theirs in [
-    ("self_attn.q_proj", "att_proj"), ("self_attn.k_proj", "att_proj"),
-    ("self_attn.v_proj", "att_proj"), ("self_attn.o_proj", "attn_out"),
-    ("mlp.up_proj", "ff_proj"), ("mlp.gate_proj", "ff_proj"), ("mlp.down_proj", "ff_out"),
-    ("self_attn.q_norm", "q_norm"), ("self_attn.k_norm", "k_norm"),
-    ("post_attention_layernorm", "attn_norm"), ("post_feedforward_layernorm", "ff_norm")]}
-# ours -> OLMo-core's per layer (the pairs of olmo_core/nn/hf/convert.py's table)
-OLMO_CORE_NAMES = {f"{ours}.weight": f"{theirs}.weight" for ours, theirs in [
-    ("self_attn.q_proj", "attention.w_q"), ("self_attn.k_proj", "attention.w_k"),
-    ("self_attn.v_proj", "attention.w_v"), ("self_attn.o_proj", "attention.w_out"),
-    ("self_attn.q_norm", "attention.q_norm"), ("self_attn.k_norm", "attention.k_norm"),
-    ("mlp.gate_proj", "feed_forward.w1"), ("mlp.up_proj", "feed_forward.w3"),
-    ("mlp.down_proj", "feed_forward.w2"), ("post_attention_layernorm", "attention_norm"),
-    ("post_feedforward_layernorm", "feed_forward_norm")]}
+# Per layer: ours (HF's), the old trainer's, OLMo-core's (olmo_core/nn/hf/convert.py's pairs). The
+# trainer's att_proj rows are [q; k; v] and ff_proj's [up; gate] (its SwiGLU is
+# `x, gate = ff_proj(x).chunk(2); silu(gate) * x`): a fused tensor's parts in this table's order.
+LAYER_NAMES = [
+    ("self_attn.q_proj", "att_proj", "attention.w_q"),
+    ("self_attn.k_proj", "att_proj", "attention.w_k"),
+    ("self_attn.v_proj", "att_proj", "attention.w_v"),
+    ("self_attn.o_proj", "attn_out", "attention.w_out"),
+    ("mlp.up_proj", "ff_proj", "feed_forward.w3"),
+    ("mlp.gate_proj", "ff_proj", "feed_forward.w1"),
+    ("mlp.down_proj", "ff_out", "feed_forward.w2"),
+    ("self_attn.q_norm", "q_norm", "attention.q_norm"),
+    ("self_attn.k_norm", "k_norm", "attention.k_norm"),
+    ("post_attention_layernorm", "attn_norm", "attention_norm"),
+    ("post_feedforward_layernorm", "ff_norm", "feed_forward_norm")]
+# The tensors outside the layers, and each column's layer prefix
+TOP_NAMES = [("embed_tokens", "transformer.wte", "embeddings"),
+             ("norm", "transformer.ln_f", "lm_head.norm"),
+             ("lm_head", "transformer.ff_out", "lm_head.w_out")]
+LAYER_PREFIX = ["layers.{}.", "transformer.blocks.{}.", "blocks.{}."]
+OLMO_CORE_NAMES = {f"{ours}.weight": f"{core}.weight" for ours, _, core in LAYER_NAMES}
 
 HF_WEIGHTS = HF_SAFETENSORS + ["pytorch_model.bin.index.json", "pytorch_model.bin"]
-# kind -> (config reader, weight files in the order looked for, names: (block prefix, per-layer
-# names ours -> theirs, the rest ours -> theirs), or None where they are ours)
-OLMO = ("transformer.blocks.{}.", OLMO_NAMES, {"embed_tokens.weight": "transformer.wte.weight",
-                                                "norm.weight": "transformer.ln_f.weight",
-                                                "lm_head.weight": "transformer.ff_out.weight"})
+# kind -> (config reader, weight files in the order looked for, its names' column in the tables)
 FORMATS = {
-    "hf": (config_from_hf, HF_WEIGHTS, None),
-    "hf_olmo": (config_from_olmo, HF_WEIGHTS, OLMO),
-    "olmo": (config_from_olmo, ["model.safetensors", "model.pt"], OLMO),
-    "olmo_core": (config_from_olmo_core, ["model_and_optim", "model.safetensors", "model.pt"], (
-        "blocks.{}.", OLMO_CORE_NAMES,
-        {"embed_tokens.weight": "embeddings.weight", "norm.weight": "lm_head.norm.weight",
-         "lm_head.weight": "lm_head.w_out.weight"}))}
+    "hf": (config_from_hf, HF_WEIGHTS, 0),
+    "hf_olmo": (config_from_olmo, HF_WEIGHTS, 1),
+    "olmo": (config_from_olmo, ["model.safetensors", "model.pt"], 1),
+    "olmo_core": (config_from_olmo_core, ["model_and_optim", "model.safetensors", "model.pt"], 2)}
 
 
-def _bind(store, names, m, where, what):
-    """Our name -> its tensor in `store` (or a Lazy of its rows in a fused one; names as in
-    FORMATS), checked: every stored tensor used, in the shape the config implies."""
+def _bind(store, column, m, where, what):
+    """Our name -> its tensor in `store` (or a Lazy of its rows in a fused one), names from the
+    tables' `column`, checked: every stored tensor used, in the shape the config implies."""
     def unprefixed(k):  # HF's "model.layers.0...", unsharding's "model.transformer.wte.weight"
         return k[k.find("transformer."):] if "transformer." in k else k.removeprefix("model.")
 
     # old converters wrote rotary_emb.inv_freq; we recompute it from the config
     store = {unprefixed(k): v for k, v in store.items() if not k.endswith("rotary_emb.inv_freq")}
-
     if m.tie_embeddings:
         store.pop("lm_head.weight", None)  # some tied files carry a copy of the head
     want = expected_tensors(m)
-    if names:
-        prefix, per_layer, rest = names
-        plan = {f"layers.{i}.{ours}": prefix.format(i) + theirs
-                for i in range(m.n_layers) for ours, theirs in per_layer.items()}
-        plan.update(rest)
-    else:
+    if column:  # ours -> theirs, from the name tables
+        prefix = LAYER_PREFIX[column]
+        plan = {f"layers.{i}.{row[0]}.weight": f"{prefix.format(i)}{row[column]}.weight"
+                for i in range(m.n_layers) for row in LAYER_NAMES}
+        plan.update({f"{row[0]}.weight": f"{row[column]}.weight" for row in TOP_NAMES})
+    else:  # HF's names are ours
         plan = {k: k for k in want}
     rows, shapes = {}, {}
     for ours, theirs in plan.items():
@@ -710,11 +708,11 @@ def detect(path, config=None):
 def open_source(path, config=None):
     """Any supported checkpoint -> Source, checked: every tensor there, used, of the right shape."""
     kind, d, cfg, c = detect(path, config)
-    read, files, names = FORMATS[kind]
+    read, files, column = FORMATS[kind]
     m = read(c, str(cfg))
     given = [Path(path).name] if Path(path).is_file() else []
     store = _weights(d, given + files)
-    tensors = {k: Lazy.of(t) for k, t in _bind(store, names, m, str(path), cfg.name).items()}
+    tensors = {k: Lazy.of(t) for k, t in _bind(store, column, m, str(path), cfg.name).items()}
     # OLMo-core names its tokenizer; elsewhere OLMo 2/3's EOS 100257 and rows for its ids say dolma2
     ident = str(((c.get("dataset") or {}).get("tokenizer") or {}).get("identifier", ""))
     named = "dolma2" in ident or "dolma3" in ident
@@ -734,21 +732,21 @@ def write_checkpoint(out, m, tensors, dtype=None, files=None, shard_bytes=None):
     tensors = {hf_name(k): Lazy(t.shape, np.dtype(dtype or t.dtype), t.load)
                for k, t in tensors.items()}
     sizes = {k: math.prod(t.shape) * t.dtype.itemsize for k, t in tensors.items()}
-    total, shards = sum(sizes.values()), [[]]
+    total, groups = sum(sizes.values()), [[]]
     for k in tensors:  # greedy, in file order, as transformers' save_pretrained cuts its shards
-        filled = sum(sizes[j] for j in shards[-1])
-        if shard_bytes and shards[-1] and filled + sizes[k] > shard_bytes:
-            shards.append([])
-        shards[-1].append(k)
-    if len(shards) == 1:
-        names = ["model.safetensors"]
-    else:
-        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        filled = sum(sizes[j] for j in groups[-1])
+        if shard_bytes and groups[-1] and filled + sizes[k] > shard_bytes:
+            groups.append([])
+        groups[-1].append(k)
+    n = len(groups)
+    shards = {f"model-{i:05d}-of-{n:05d}.safetensors": keys for i, keys in enumerate(groups, 1)}
+    if n == 1:
+        shards = {"model.safetensors": groups[0]}
     kinds = {t.dtype for t in tensors.values()}
     hf = {**config_to_hf(m), "dtype": next(iter(kinds)).name if len(kinds) == 1 else "float32"}
     files = {"config.json": _json(hf), **(files or {})}
-    if len(shards) > 1:
-        weight_map = {k: f for f, ks in zip(names, shards) for k in ks}
+    if n > 1:
+        weight_map = {k: f for f, keys in shards.items() for k in keys}
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         files["model.safetensors.index.json"] = _json(index)
     tmp = out.with_name(out.name + ".tmp")
@@ -757,7 +755,7 @@ def write_checkpoint(out, m, tensors, dtype=None, files=None, shard_bytes=None):
     try:
         with tqdm(total=total, unit="B", unit_scale=True, desc=f"write {out.name}",
                   disable=total < 2**27) as bar:
-            for fname, keys in zip(names, shards):
+            for fname, keys in shards.items():
                 shard = {k: tensors[k] for k in keys}
                 write_safetensors(tmp / fname, shard, {"format": "pt"}, bar.update)
         for name, text in files.items():
@@ -777,15 +775,15 @@ def convert(src, out, to_hf=False, dtype=None, tokenizer=None, config=None, shar
     m, tensors, spec = s.m, dict(s.tensors), tokenizer or s.tokenizer
     files = {}
     if to_hf:
-        ids = {"eos_token_id": m.eos_token_id, "pad_token_id": m.pad_token_id}
-        files["generation_config.json"] = _json({"_from_model_config": True, **ids})
+        ids = dict(eos_token_id=m.eos_token_id, pad_token_id=m.pad_token_id)
+        files["generation_config.json"] = _json(dict(_from_model_config=True, **ids))
     if to_hf and spec:
         import data
         tok = data.load_tokenizer(spec)
         V = tok.vocab_size
         if V > m.vocab_size:
             raise ValueError(f"tokenizer {spec} has {V} ids, the model only {m.vocab_size} rows")
-        if m.family == "olmo3" and V < m.vocab_size:
+        if m.family == "olmo3" and V < m.vocab_size:  # as Olmo 3's releases; OLMo 2's keep them
             for k in ("embed_tokens.weight", "lm_head.weight"):
                 if k in tensors:
                     t = tensors[k]
@@ -812,15 +810,14 @@ BYTE_CHARS = {**{b: chr(b) for b in _KEPT},
 def hf_tokenizer_files(tok, max_len):
     """tokenizer.json (laid out as OLMo's allenai_dolma2.json), tokenizer_config.json and
     special_tokens_map.json: AutoTokenizer then tokenizes as data.py's Tokenizer (no BOS, added
-    tokens matched in text). Merges in rank order give HF tiktoken's priority; ignore_merges=True
-    is tiktoken's shortcut (a whole token stays one)."""
+    tokens matched in text)."""
     enc = tok.enc
     ranks = enc._mergeable_ranks
 
     def text(b):  # bytes -> their byte-level BPE characters
         return "".join(BYTE_CHARS[x] for x in b)
 
-    merges = []
+    merges = []  # in rank order, which gives them HF tiktoken's priority
     for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
         parts = [bytes([b]) for b in token]
         while len(parts) > 1:  # its merge: tiktoken's BPE on its bytes, with the lower ranks only
@@ -837,19 +834,16 @@ def hf_tokenizer_files(tok, max_len):
     added = [dict(id=i, content=s, single_word=False, lstrip=False, rstrip=False, normalized=False,
                   special=not s.startswith(("<|extra_id_", "|||")))  # dolma2: 2 kinds non-special
              for s, i in sorted(enc._special_tokens.items(), key=lambda kv: kv[1])]
-    split = {"type": "Split", "pattern": {"Regex": enc._pat_str}, "behavior": "Removed",
-             "invert": True}
-    pre = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
-    bpe = {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
-           "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False,
-           "ignore_merges": True, "vocab": {text(t): r for t, r in ranks.items()}, "merges": merges}
-    tj = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
-          "normalizer": None,
-          "pre_tokenizer": {"type": "Sequence", "pretokenizers": [split, pre]},
-          "post_processor": None,
-          "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True,
-                      "use_regex": True},
-          "model": bpe}
+    split = dict(type="Split", pattern={"Regex": enc._pat_str}, behavior="Removed", invert=True)
+    pre = dict(type="ByteLevel", add_prefix_space=False, trim_offsets=True, use_regex=False)
+    # ignore_merges: tiktoken's shortcut, a whole token stays one
+    bpe = dict(type="BPE", dropout=None, unk_token=None, continuing_subword_prefix="",
+               end_of_word_suffix="", fuse_unk=False, byte_fallback=False, ignore_merges=True,
+               vocab={text(t): r for t, r in ranks.items()}, merges=merges)
+    to_text = dict(type="ByteLevel", add_prefix_space=True, trim_offsets=True, use_regex=True)
+    tj = dict(version="1.0", truncation=None, padding=None, added_tokens=added, normalizer=None,
+              pre_tokenizer=dict(type="Sequence", pretokenizers=[split, pre]),
+              post_processor=None, decoder=to_text, model=bpe)
     eos, pad = enc.decode([tok.eos_id]), enc.decode([tok.pad_id])
     decoder = {str(a["id"]): {k: v for k, v in a.items() if k != "id"} for a in added}
     specials = dict(bos_token=eos, eos_token=eos, pad_token=pad, unk_token=eos)
@@ -898,10 +892,7 @@ def load_tokens(path, seq_len=None, rows=0):
         raise ValueError(f"{path}: {a.dtype} values of shape {a.shape}; expected integer token "
                          "ids, (T,) or (B, T)")
     T = seq_len or a.shape[-1] or 1
-    if a.ndim == 1:
-        out = a[:len(a) // T * T].reshape(-1, T)  # (B, T)
-    else:
-        out = a[:, :T]
+    out = a[:len(a) // T * T].reshape(-1, T) if a.ndim == 1 else a[:, :T]
     out = out[:rows or None]
     if not out.size or out.shape[1] < T:
         raise ValueError(f"{path}: token ids of shape {a.shape} hold no full row of {T} "
@@ -985,61 +976,75 @@ def check(a, b, tokens, dtype="float32"):
     return r
 
 
-# --- command line -------------------------------------------------------------------------------
+# --- command line: one function per command, each declaring its arguments, then running ---------
+
+DTYPE_NAMES = ["float32", "bfloat16"]
+
+
+def _source_args(arg):  # convert's and info's SRC, and its config when not beside its weights
+    arg("src")
+    arg("--config", help="the source's config.json / config.yaml, when not next to its weights")
+
+
+def convert_command(arg, parse):
+    _source_args(arg)
+    arg("out")
+    arg("--to-hf", action="store_true",
+        help="a release-style HF directory (shards, tokenizer, generation config)")
+    arg("--dtype", choices=DTYPE_NAMES,
+        help="cast every tensor (default: keep each tensor's dtype)")
+    arg("--tokenizer",
+        help="with --to-hf: dolma2 or a ranks file (default: dolma2 if the checkpoint uses it)")
+    arg("--shard-size", type=in_range(float, 0, open_lo=True), default=5.0,
+        help="with --to-hf: GiB per safetensors shard")
+    a = parse()
+    s, m = convert(a.src, a.out, a.to_hf, a.dtype, a.tokenizer, a.config, a.shard_size)
+    n = sum(math.prod(t.shape) for t in s.tensors.values())
+    print(f"{a.src} ({s.kind}, {m.family}, {n:,} params) -> {a.out}")
+
+
+def check_command(arg, parse):
+    arg("a", help="jax:DIR or torch:DIR (ours, any SRC format; a bare DIR is jax:DIR) "
+        "or hf:DIR (transformers)")
+    arg("b")
+    arg("--tokens", required=True,
+        help=".npy of ids, (B, T) or (N,); or a token file (ours, OLMo-core's uint32)")
+    arg("--seq-len", type=in_range(int, 1),
+        help="T: cut 1-D ids into rows of T (or truncate rows to T)")
+    arg("--rows", type=in_range(int, 0), default=0, help="only the first N rows (0 = all)")
+    arg("--dtype", choices=DTYPE_NAMES, default="float32", help="compute dtype of both models")
+    a = parse()
+    check(a.a, a.b, load_tokens(a.tokens, a.seq_len, a.rows), a.dtype)
+
+
+def soup_command(arg, parse):
+    arg("ckpts", nargs="+")
+    arg("--out", required=True)
+    a = parse()
+    soup(a.ckpts, a.out)
+    print(f"{a.out}: the average of {len(a.ckpts)} checkpoints")
+
+
+def info_command(arg, parse):
+    from configs import Config, describe
+    _source_args(arg)
+    a = parse()
+    s = open_source(a.src, a.config)
+    print(f"{s.path}: {s.kind} format\n{describe(Config(model=s.m))}")
+    for name, t in s.tensors.items():
+        print(f"{name:<52} {str(t.shape):<18} {t.dtype}")
+
 
 def main(argv):
     import argparse
-    cmd = argv[0] if argv and argv[0] in ("check", "soup", "info") else "convert"
-    if cmd == "convert":
-        prog, about = "convert.py", __doc__
-    else:
-        prog, about = f"convert.py {cmd}", __doc__.split("\n\n")[0]
+    commands = {"check": check_command, "soup": soup_command, "info": info_command}
+    cmd = argv[0] if argv and argv[0] in commands else None  # else convert: SRC OUT
+    prog = f"convert.py {cmd}" if cmd else "convert.py"
+    about = __doc__.split("\n\n")[0] if cmd else __doc__
     ap = argparse.ArgumentParser(prog=prog, description=about,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    arg, dtypes = ap.add_argument, ["float32", "bfloat16"]
-    if cmd in ("convert", "info"):
-        arg("src")
-        arg("--config", help="the source's config.json / config.yaml, when not next to its weights")
-    if cmd == "convert":
-        arg("out")
-        arg("--to-hf", action="store_true",
-            help="a release-style HF directory (shards, tokenizer, generation config)")
-        arg("--dtype", choices=dtypes, help="cast every tensor (default: keep each tensor's dtype)")
-        arg("--tokenizer",
-            help="with --to-hf: dolma2 or a ranks file (default: dolma2 if the checkpoint uses it)")
-        arg("--shard-size", type=in_range(float, 0, open_lo=True), default=5.0,
-            help="with --to-hf: GiB per safetensors shard")
-    elif cmd == "check":
-        arg("a", help="jax:DIR or torch:DIR (ours, any SRC format; a bare DIR is jax:DIR) "
-            "or hf:DIR (transformers)")
-        arg("b")
-        arg("--tokens", required=True,
-            help=".npy of ids, (B, T) or (N,); or a token file (ours, OLMo-core's uint32)")
-        arg("--seq-len", type=in_range(int, 1),
-            help="T: cut 1-D ids into rows of T (or truncate rows to T)")
-
-        arg("--rows", type=in_range(int, 0), default=0, help="only the first N rows (0 = all)")
-        arg("--dtype", choices=dtypes, default="float32", help="compute dtype of both models")
-    elif cmd == "soup":
-        arg("ckpts", nargs="+")
-        arg("--out", required=True)
-    a = ap.parse_args(argv if cmd == "convert" else argv[1:])
-
-    if cmd == "convert":
-        s, m = convert(a.src, a.out, a.to_hf, a.dtype, a.tokenizer, a.config, a.shard_size)
-        n = sum(math.prod(t.shape) for t in s.tensors.values())
-        print(f"{a.src} ({s.kind}, {m.family}, {n:,} params) -> {a.out}")
-    elif cmd == "check":
-        check(a.a, a.b, load_tokens(a.tokens, a.seq_len, a.rows), a.dtype)
-    elif cmd == "soup":
-        soup(a.ckpts, a.out)
-        print(f"{a.out}: the average of {len(a.ckpts)} checkpoints")
-    else:
-        from configs import Config, describe
-        s = open_source(a.src, a.config)
-        print(f"{s.path}: {s.kind} format\n{describe(Config(model=s.m))}")
-        for name, t in s.tensors.items():
-            print(f"{name:<52} {str(t.shape):<18} {t.dtype}")
+    rest = argv[1:] if cmd else argv
+    commands.get(cmd, convert_command)(ap.add_argument, lambda: ap.parse_args(rest))
 
 
 if __name__ == "__main__":
