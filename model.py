@@ -4,7 +4,6 @@ init and the parameter/FLOP counts come first and serve both, as do the losses (
 The JAX part reads in forward-pass order; the device attention kernels follow the model they serve.
 
     python model.py configs/olmo2-7b.toml    # parameter table, FLOPs/token, total_params=...
-    python model.py --attention-bench        # sliding against full layers: the time a window saves
 
 Notation (shape comments and einsum strings): B batch, T sequence, S key positions, D d_model,
 F MLP hidden (per SwiGLU branch), V vocab (embedding rows), L layers, N query heads, K kv heads,
@@ -54,9 +53,8 @@ class Param:
 
 
 def param_table(m: ModelConfig):
-    """name -> Param, in HF order. Per-layer params are stacked on a leading L axis and named
-    without the layer index ("layers.self_attn.q_proj.weight"). Linear weights are (out, in), as in
-    HF files."""
+    """name -> Param, in HF order: per-layer params stacked on a leading L axis and named without
+    the layer index; linear weights (out, in), as in HF files."""
     D, L, N, K, H = m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.head_dim
     F, V = m.mlp_hidden, m.vocab_size
     if m.init == "mitchell":
@@ -94,9 +92,7 @@ def count_params(m):
 
 
 def flops_per_token(m, T=None):
-    """Training FLOPs per token, as OLMo-core counts them: 6 per matmul weight, plus 12·N·H per
-    key a query attends to per layer (T on full layers, causal mask not discounted; min(W, T) on
-    sliding ones)."""
+    """Training FLOPs per token at length T, as OLMo-core counts them (docs/design.md)."""
     T = T or m.max_seq_len
     # all but the embedding lookup (a tied head still does its V·D matmul)
     matmul = count_params(m) - (0 if m.tie_embeddings else m.vocab_size * m.d_model)
@@ -105,8 +101,7 @@ def flops_per_token(m, T=None):
 
 
 def init_params(m, key, names=None):
-    """fp32, truncated normal at +-3σ, norms at 1. `names` (torch takes one at a time): just those,
-    same values."""
+    """fp32, truncated normal at ±3σ, norms at 1. `names`: just those, the same values."""
     params = {}
     for k, (name, p) in zip(jax.random.split(key, len(param_table(m))), param_table(m).items()):
         if names is not None and name not in names:
@@ -124,8 +119,7 @@ def layer_name(name, i):  # "layers.mlp.up_proj.weight", 3 -> "layers.3.mlp.up_p
 
 
 def stack_layers(state, m):
-    """Per-layer state dict (numpy or torch) -> stacked params (leading L), numpy. Inverse:
-    unstack_layers."""
+    """Per-layer state dict (numpy or torch) -> stacked params (leading L), numpy."""
     def stacked(name):
         return np.stack([np.asarray(state[layer_name(name, i)]) for i in range(m.n_layers)])
     return {name: stacked(name) if name.startswith("layers.") else np.asarray(state[name])
@@ -145,11 +139,11 @@ def unstack_layers(params):
 # --- per-layer arrays (not parameters): window and RoPE frequencies, both backends ----------------
 
 def layer_arrays(m):
-    """window (L,) int32, 0 = full attention; inv_freq (L, H/2) fp32; rope_scale (L,) fp32.
-    OLMo 3's sliding and full layers differ by these numbers, not by code paths."""
+    """window (L,) int32, 0 = full; inv_freq (L, H/2) fp32; rope_scale (L,) fp32: what sliding
+    and full layers differ by. Callers read them per layer, each window as a Python int."""
     H = m.head_dim
-    # theta^(2i/H) with torch's fp32 pow, as HF and OLMo-core: numpy's pow differs in the last bit
-    # for some i, which at position 65536 moves the angle by ~1e-2 rad.
+    # theta^(2i/H) with torch's fp32 pow, as HF and OLMo-core: numpy's differs in the last bit for
+    # some i, which moves the angle at position 65536 by ~1e-2 rad
     pos_freqs = m.rope_theta ** (torch.arange(0, H, 2, dtype=torch.float32, device="cpu") / H)
     plain = (1.0 / pos_freqs).numpy()
     full, full_scale = plain, 1.0
@@ -163,9 +157,8 @@ def layer_arrays(m):
 
 
 def yarn_inv_freq(m, pos_freqs):
-    """YaRN (HF _compute_yarn_parameters, OLMo-core YaRNRoPEScalingConfig): dimensions turning more
-    than beta_fast times over the original context keep their frequency, fewer than beta_slow are
-    divided by `factor`, a linear ramp between. HF's fp32 ops in HF's order: bit-identical."""
+    """YaRN's inv_freq (H/2,) (HF _compute_yarn_parameters): bit-identical to HF's (its fp32 ops in
+    its order); what it does: docs/design.md."""
     H, theta, ctx = m.head_dim, m.rope_theta, m.yarn_original_max_seq_len
 
     def dim_for(rotations):  # the dimension index whose wavelength fits `rotations` times into ctx
@@ -186,14 +179,13 @@ def yarn_inv_freq(m, pos_freqs):
 # --- matmuls and the embedding --------------------------------------------------------------------
 
 def matmul_precision(dtype):
-    """fp32 compute, fp32 matmuls: JAX's default rounds fp32 operands on GPUs (TF32) and TPUs
-    (bf16 passes), and the parity tests' 1e-5 would fail there. bf16 keeps the default."""
+    """Full-precision matmuls for fp32 compute (JAX's default rounds them on GPUs and TPUs: the
+    parity tests' 1e-5 fails), the default for bf16."""
     return jax.default_matmul_precision("highest" if jnp.dtype(dtype) == jnp.float32 else None)
 
 
 def linear(x, w):
-    """x @ w.T, w (out, in) fp32 cast to x's dtype at use; fp32 sums, cast back (as TPU and GPU
-    matmul units do; on CPUs the fast bf16 path, AMX)."""
+    """x (..., in) @ w (out, in).T -> (..., out) in x's dtype: w cast at use, fp32 sums."""
     if w.dtype == jnp.uint16:  # a bf16 matrix held as its bits, for decode on a CPU
         return bits_linear(x, w)
     with matmul_precision(x.dtype):
@@ -201,10 +193,8 @@ def linear(x, w):
     return y.astype(x.dtype)
 
 
-# The CPU decode path (eval.cpu_bits) holds each bf16 matrix as its bits (uint16): XLA's CPU backend
-# computes bf16 in fp32 and converts a bf16 weight whole before use, a fp32 copy of every matrix per
-# token. Widened a few hundred rows at a time in a loop, each weight is read once a token, at memory
-# speed, and never held in fp32.
+# CPU decode (eval.cpu_bits) holds bf16 matrices as bits (uint16): XLA's CPU backend would copy each
+# whole to fp32 every token; widened a block of rows at a time, each is read once (docs/design.md).
 
 def widen(bits):
     """bf16 bits (uint16) -> the same numbers in fp32: a bf16 is the top half of an fp32."""
@@ -212,8 +202,7 @@ def widen(bits):
 
 
 def bits_linear(x, w, rows=512):
-    """linear for w (out, in) held as bf16 bits:
-    the same products (bf16 x bf16 is exact in fp32), fp32 sums."""
+    """linear for w (out, in) held as bf16 bits: the same products (exact in fp32), fp32 sums."""
     rows = math.gcd(w.shape[0], rows)  # a block size that divides `out`
     x32 = x.astype(jnp.float32)
 
@@ -227,8 +216,7 @@ def bits_linear(x, w, rows=512):
 
 
 def embed(w, tokens, dtype):
-    """The embedding rows of tokens (B, T) -> (B, T, D) in dtype
-    (from bf16 bits, only the rows read)."""
+    """tokens (B, T) -> their embedding rows (B, T, D) in dtype (bf16 bits: only those widened)."""
     x = w[tokens]
     return (widen(x) if x.dtype == jnp.uint16 else x).astype(dtype)
 
@@ -237,8 +225,7 @@ def embed(w, tokens, dtype):
 
 # exercise: rmsnorm
 def rms_norm(x, w, eps):
-    # HF Olmo2RMSNorm: normalise in fp32, multiply by the weight *in fp32*, then cast down (Llama
-    # casts first).
+    # HF Olmo2RMSNorm: normalise and multiply by the weight in fp32, then cast (Llama casts first)
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return (w.astype(jnp.float32) * y).astype(x.dtype)
@@ -272,22 +259,21 @@ def rope(x, cos, sin):
 # --- attention: the masks, then softmax attention in query blocks (XLA, any device) ---------------
 
 def pad_t(x, n, **how):
-    """x with n more positions at the end of its T axis (axis 1); how: jnp.pad's mode, values."""
+    """x with n more positions at the end of axis 1 (T); how: jnp.pad's mode, values."""
     return jnp.pad(x, [(0, 0), (0, n)] + [(0, 0)] * (x.ndim - 2), **how)
 
 
 # exercise: sliding_window
-def attention_mask(q_pos, k_pos, window):
-    """(rows, cols) bool, True where the query at q_pos[i] may read the key at k_pos[j]: causal, and
-    on sliding layers (window W > 0) only the last W keys, the query's own included."""
-    i, j = q_pos[:, None], k_pos[None, :]
+def attention_mask(i, j, window):
+    """True where the query at position i may read the key at position j (arrays that broadcast,
+    jnp or torch: (rows, 1) and (1, cols) give the mask): causal, and on sliding layers (window
+    W > 0) only the last W keys, the query's own included."""
     return (j <= i) & ((window == 0) | (i - j < window))
 
 
 def segment_ids(tokens, eos):
-    """(B, T) -> (B, T) int32 document ids: a document ends at (and includes) each EOS (OLMo-core's
-    doc_lens); a trailing run without EOS is one more. Positions are not restarted (Olmo 3 never
-    did). numpy in, numpy out; jit-safe."""
+    """tokens (B, T) -> (B, T) int32 document ids: each EOS ends (and is in) a document, as
+    OLMo-core's doc_lens. numpy in, numpy out; jit-safe."""
     xp = np if isinstance(tokens, np.ndarray) else jnp
     ends = (tokens == eos).astype(np.int32)
     return xp.cumsum(ends, axis=-1, dtype=np.int32) - ends
@@ -298,7 +284,7 @@ def attend(q, k, v, seg, scale, first, lo, window):
     """Queries at positions first.. against keys at lo..: q (B, Tq, N, H), k and v (B, S, K, H) ->
     (B, Tq, N, H)."""
     q_pos, k_pos = first + jnp.arange(q.shape[1]), lo + jnp.arange(k.shape[1])
-    mask = attention_mask(q_pos, k_pos, window)[None, None]  # (1, 1, Tq, S)
+    mask = attention_mask(q_pos[:, None], k_pos[None, :], window)[None, None]  # (1, 1, Tq, S)
     if seg is not None:
         mask = mask & (seg[0][:, None, :, None] == seg[1][:, None, None, :])  # (B, 1, Tq, S)
     with matmul_precision(q.dtype):
@@ -307,14 +293,11 @@ def attend(q, k, v, seg, scale, first, lo, window):
 
 # exercise: gqa
 def attend_in_blocks(q, k, v, window, scale, segments=None, offset=0):
-    """Softmax attention on XLA (any device), q (B, Tq, N, H), k and v (B, S, K, H) ->
-    (B, Tq, N, H). GQA: query head n reads kv head n // (N/K) (HF repeat_kv). `window` is a Python
-    int (0 = full causal). Past Q_BLOCK queries go in blocks, one at a time under lax.map and each
-    recomputed in the backward pass, so no (N, Tq, S) scores are ever kept; a sliding layer's block
-    is W/2 queries (at most Q_BLOCK) reading only its 1.5W - 1 keys, so work grows with min(W, T)
-    (why this shape, with timings: docs/backends.md). segments (B, S) or None: queries read only
-    keys of their own document. Softmax in fp32. offset: where q's rows sit among the keys; 0
-    unless q is one context-parallel shard of the sequence (shard.attention), and then traced."""
+    """Softmax attention on XLA (any device): q (B, Tq, N, H), k and v (B, S, K, H) ->
+    (B, Tq, N, H); query head n reads kv head n // (N/K). window: a Python int, 0 = full causal;
+    segments (B, S): document ids or None; offset: q's first position among the keys (traced for a
+    context-parallel shard). Past Q_BLOCK queries go in blocks under lax.map, each recomputed in the
+    backward and reading only the keys it can see: no (N, Tq, S) scores kept (docs/backends.md)."""
     Tq, S = q.shape[1], k.shape[1]
     t_slice = partial(jax.lax.dynamic_slice_in_dim, axis=1)  # (x, start, size) along T
     if Tq <= Q_BLOCK and isinstance(offset, int):  # one block: only the keys it can see
@@ -383,8 +366,7 @@ def block(p, x, attn, m, ffn=mlp):
     if m.family == "olmo1":  # pre-norm
         x = x + attn(layer_norm(x, m.norm_eps))
         return x + ffn(p, layer_norm(x, m.norm_eps))
-    # OLMo 2/3 "reordered norm": no norm on the way in; RMSNorm on each sublayer's output, then the
-    # residual add.
+    # OLMo 2/3 "reordered norm": none on the way in; RMSNorm on each sublayer's output, then the add
     x = x + rms_norm(attn(x), p["post_attention_layernorm.weight"], m.norm_eps)
     return x + rms_norm(ffn(p, x), p["post_feedforward_layernorm.weight"], m.norm_eps)
 
@@ -393,17 +375,14 @@ def block(p, x, attn, m, ffn=mlp):
 
 def forward(params, tokens, m, dtype=jnp.float32, remat="none", constrain=lambda x: x,
             segments=None, positions=None, attend_fn=None, head=True, scan_layers=True):
-    """tokens (B, T) int -> logits (B, T, V) in `dtype`, or (head=False) the last layer's output
-    (B, T, D) for token_logps. Ids must be < V: JAX clamps silently (check_tokens).
-    remat "block" keeps each layer's input for the backward pass, "mlp" recomputes the MLPs;
-    constrain (shard.py) pins each layer's output; segments (B, T): document ids; positions (T,):
-    RoPE's, default 0..T-1; attend_fn replaces model.attention's pick (shard.attention);
-    scan_layers=False unrolls."""
-    x = constrain(params["embed_tokens.weight"][tokens].astype(dtype))  # (B, T, D)
+    """tokens (B, T) int, each < V (JAX clamps silently: check_tokens) -> logits (B, T, V) in
+    dtype, or the last layer's output (B, T, D) with head=False. remat: "none", "block" or "mlp";
+    scan_layers=False unrolls; constrain pins each layer's output (shard.py); segments (B, T):
+    document ids; positions (T,): RoPE's, default 0..T-1; attend_fn replaces model.attention's."""
+    x = constrain(embed(params["embed_tokens.weight"], tokens, dtype))  # (B, T, D)
     positions = jnp.arange(tokens.shape[1]) if positions is None else positions
-    # One scan step is one repeat of layer_pattern (OLMo 3: SSSF), so each of its layers has its
-    # window as a Python int and attention builds only the blocks that window sees; a scan over
-    # single layers would carry the window as data and compute every block. L is split (L/P, P).
+    # A scan step is one repeat of layer_pattern (L split (L/P, P)), so each window is a Python int:
+    # a window scanned as data would make attention compute every block (docs/backends.md)
     P = len(m.layer_pattern)
     window, inv_freq, rope_scale = layer_arrays(m)
     ropes = [rope_cos_sin(positions, inv_freq[i], rope_scale[i]) for i in range(P)]
@@ -436,9 +415,8 @@ def unembed(params, x, m):
 
 
 def label_logps(logits, labels, temperature=1.0):
-    """(log p(label), logsumexp) per position (B, T), fp32: what every loss is written on; log p is
-    0 where labels == IGNORE_INDEX. GRPO divides by its sampling temperature, so that p is the
-    policy its rollouts came from (open-instruct, TRL)."""
+    """logits (B, T, V), labels (B, T) -> (log p(label), logsumexp), each (B, T) fp32; log p is 0
+    where labels == IGNORE_INDEX. GRPO's temperature: p is the policy its rollouts came from."""
     logits = logits.astype(jnp.float32) / temperature
     lse, valid = jax.nn.logsumexp(logits, axis=-1), labels != IGNORE_INDEX
     target = jnp.take_along_axis(logits, jnp.where(valid, labels, 0)[..., None], axis=-1)[..., 0]
@@ -447,27 +425,25 @@ def label_logps(logits, labels, temperature=1.0):
 
 # exercise: z_loss
 def cross_entropy_of(logp, lse, labels, n, z_loss=0.0, xp=jnp):
-    """Cross-entropy plus z_loss · logsumexp² from each position's log p(label) and logsumexp
-    (label_logps), both summed over the targets (labels != IGNORE_INDEX) and divided by n: the
-    batch's own target count (cross_entropy) or the global batch's (the train step, make_loss).
-    OLMo 2/3 use z_loss 1e-5: it keeps the softmax's normaliser near 1. Returns (loss, ce, z); xp:
-    jnp or torch."""
+    """(loss, ce, z) from label_logps' logp and lse (B, T): ce = -sum(logp) / n and
+    z = sum(lse²) / n over the targets (labels != IGNORE_INDEX), loss = ce + z_loss * z; n: the
+    batch's target count or the global batch's (make_loss); xp: jnp or torch.
+    z keeps the softmax's normaliser near 1."""
     ce = -logp.sum() / n
     z = xp.where(labels != IGNORE_INDEX, lse * lse, 0.0).sum() / n
     return ce + z_loss * z, ce, z
 
 
 def cross_entropy(logits, labels, z_loss=0.0):
-    """Mean cross-entropy over labels != IGNORE_INDEX, in fp32, plus z_loss · mean(logsumexp²).
-    Returns (loss, ce, z). Labels are already shifted (shift_labels)."""
+    """cross_entropy_of over this batch's targets: (loss, ce, z). Labels already shifted."""
     n = jnp.maximum((labels != IGNORE_INDEX).sum(), 1)
     return cross_entropy_of(*label_logps(logits, labels), labels, n, z_loss)
 
 
 def token_logps(params, x, labels, m, chunks=1, temperature=1.0):
-    """label_logps (B, T) from the last layer's output x (B, T, D), the head run in `chunks` passes,
-    each recomputed in the backward pass: the (B, T, V) logits never exist whole. Chunk j holds
-    positions t = j (mod n), which keeps context parallelism's split on the T/n axis."""
+    """label_logps (B, T) from the last layer's output x (B, T, D), the head in `chunks` passes
+    recomputed in the backward, so the (B, T, V) logits never exist whole. Chunk j holds positions
+    t = j (mod n), which keeps context parallelism's split on the T/n axis."""
     def one(x, labels):
         return label_logps(unembed(params, x, m), labels, temperature)
     (B, T, D), n = x.shape, min(chunks, x.shape[1])
@@ -483,37 +459,33 @@ def token_logps(params, x, labels, m, chunks=1, temperature=1.0):
 
 # exercise: dpo
 def dpo_loss(scores, ref, beta, xp=jnp):
-    """DPO on pairs side by side: scores and ref (2P,) are the policy's and the frozen reference's
-    log-probs of rows chosen_0, rejected_0, chosen_1, ... (summed over the answer's tokens;
-    per-token means for dpo_norm). -> (losses, margins), each (P,):
-    margin = β·((π_c − ref_c) − (π_r − ref_r)), the chosen answer's implicit reward minus the
-    rejected one's; loss = −log σ(margin) (open-instruct's dpo_loss, TRL's "sigmoid"). xp: jnp or
-    torch (both have logaddexp), so the two backends share this maths."""
+    """scores, ref (2P,): the policy's and the reference's log-probs of rows chosen_0, rejected_0,
+    chosen_1, ... -> (losses, margins), each (P,): margin = β·((π_c - ref_c) - (π_r - ref_r)),
+    loss = -log σ(margin) (open-instruct's dpo_loss, TRL's "sigmoid"). xp: jnp or torch."""
     ratio = scores - ref  # (2P,) log π/π_ref of each row
     margin = beta * (ratio[0::2] - ratio[1::2])  # (P,)
     return xp.logaddexp(xp.zeros_like(margin), -margin), margin
 
 
 def grpo_loss(logps, old_logps, advantages, clip=0.2, xp=jnp):
-    """GRPO's clipped policy-gradient loss per token (B, T): −min(ρ·A, clip(ρ, 1 − ε, 1 + ε)·A),
-    ρ = π/π_old, A (B, 1) the row's group-normalised advantage (open-instruct grpo_fast). One update
-    per batch (ours) makes π_old π: ρ = 1, no clipping; REINFORCE, the group mean as baseline."""
+    """Per-token GRPO loss (B, T): -min(ρ·A, clip(ρ, 1 - ε, 1 + ε)·A), ρ = π/π_old,
+    A (B, 1) each row's group-normalised advantage (open-instruct grpo_fast; the clip:
+    docs/design.md)."""
     ratio = xp.exp(logps - old_logps)
     return -xp.minimum(ratio * advantages, xp.clip(ratio, 1 - clip, 1 + clip) * advantages)
 
 
 def dpo_of(scores, ref, n, tc, xp):
-    """dpo_loss from rows' summed answer log-probs (policy, reference) and answer lengths n;
-    dpo_norm (Olmo 2/3) divides both sides by n."""
+    """dpo_loss of summed answer log-probs (2P,); dpo_norm (Olmo 2/3) divides both by lengths n."""
     if tc.loss == "dpo_norm":
         scores, ref = scores / n, ref / n
     return dpo_loss(scores, ref, tc.dpo_beta, xp)
 
 
 def make_loss(cfg, xp):
-    """train.loss: (logp, lse, labels, batch, total) -> (this micro-batch's share of the step's
-    loss, metrics' shares) from token_logps' arrays; total_of(labels): what the global batch counts.
-    One definition for both backends (GRPO samples with JAX; its step runs in either)."""
+    """(loss, total_of) for cfg.train.loss: loss(logp, lse, labels, batch, total) -> (this
+    micro-batch's share of the step's loss, metrics' shares); total_of(labels): what the global
+    batch counts. One definition for both backends."""
     tc, ignore = cfg.train, IGNORE_INDEX
     stop_gradient = jax.lax.stop_gradient if xp is jnp else torch.Tensor.detach
 
@@ -545,9 +517,9 @@ def loss_fn(params, tokens, labels, m, dtype=jnp.float32, z_loss=0.0, remat="non
 
 
 def shift_labels(tokens, pad=None, mask=None):
-    """Next-token labels: tokens[..., 1:] then IGNORE_INDEX (OLMo-core get_labels); PAD targets are
-    ignored too (PAD only fills packed instances). mask (B, T) bool, OLMo-core's label_mask: token t
-    is a target only where mask[t] (chat: the assistant's tokens). numpy in, numpy out."""
+    """tokens (B, T) -> next-token labels (B, T) (OLMo-core get_labels), IGNORE_INDEX at the end,
+    at PAD targets and (mask (B, T) bool, OLMo-core's label_mask) where mask is False. numpy in,
+    numpy out."""
     xp = np if isinstance(tokens, np.ndarray) else jnp
     labels = xp.concatenate([tokens[..., 1:], xp.full_like(tokens[..., :1], IGNORE_INDEX)], axis=-1)
     if pad is not None:
@@ -573,11 +545,9 @@ def check_tokens(tokens, m, source="tokens"):
 
 
 # --- generation: the same layers over a KV cache --------------------------------------------------
-# Each layer keeps the keys and values it has seen (RoPE applied) in a ring of C slots, position p
-# in slot p % C: C = the longest sequence asked for on full layers, the window on sliding ones (only
-# the keys they can still see). forward_step takes T tokens at pos..pos+T-1: the prompt (pos = 0),
-# then one a call. Its layers are a Python loop, not a scan: sliding and full layers' caches differ
-# in size.
+# Each layer keeps its keys and values (RoPE applied) in a ring of C slots, position p in slot
+# p % C: C = S on full layers, the window on sliding ones. Layers run in a Python loop, not a scan:
+# sliding and full layers' caches differ in size.
 
 def new_cache(m, B, S, dtype=jnp.float32):
     """Empty caches for B sequences of up to S positions: per layer k and v (B, C, K, H)."""
@@ -587,13 +557,14 @@ def new_cache(m, B, S, dtype=jnp.float32):
 
 # exercise: kv_cache
 def cached_attention(p, x, cos, sin, cache, pos, window, m):
-    """x (B, T, D) at positions pos..pos+T-1 attends to the cache and to itself; returns (y, new
-    cache)."""
+    """x (B, T, D) at positions pos..pos+T-1 attends to the cache and to itself -> (y (B, T, D),
+    the new cache)."""
     (B, T, _), C = x.shape, cache["k"].shape[1]
     q, k, v = project_qkv(p, x, cos, sin, m)  # (B, T, N, H), (B, T, K, H) x2
     held = (pos - 1) - ((pos - 1 - jnp.arange(C)) % C)  # the position in each slot (< 0: empty)
     key_pos = jnp.concatenate([held, pos + jnp.arange(T)])  # (C + T,)
-    mask = attention_mask(pos + jnp.arange(T), key_pos, window) & (key_pos >= 0)  # (T, C + T)
+    q_pos = pos + jnp.arange(T)
+    mask = attention_mask(q_pos[:, None], key_pos[None, :], window) & (key_pos >= 0)  # (T, C + T)
     keys = jnp.concatenate([cache["k"], k.astype(cache["k"].dtype)], axis=1)  # (B, C + T, K, H)
     values = jnp.concatenate([cache["v"], v.astype(cache["v"].dtype)], axis=1)
     keys, values = keys.astype(q.dtype), values.astype(q.dtype)
@@ -608,8 +579,8 @@ def cached_attention(p, x, cos, sin, cache, pos, window, m):
 
 
 def forward_step(params, tokens, pos, cache, m, dtype=jnp.float32):
-    """tokens (B, T) at positions pos..pos+T-1 -> (logits (B, T, V), new cache). Over a whole
-    sequence from pos = 0 it gives forward's logits."""
+    """tokens (B, T) at positions pos..pos+T-1 -> (logits (B, T, V), new cache): the prompt
+    (pos = 0), then a token a call; over a whole sequence, forward's logits."""
     x = embed(params["embed_tokens.weight"], tokens, dtype)  # (B, T, D)
     window, inv_freq, rope_scale = layer_arrays(m)
     positions = pos + jnp.arange(tokens.shape[1])
@@ -651,10 +622,9 @@ def splash_kernel(Tq, S, N, window, offset, interpret):
 
 
 def splash_attend(q, k, v, window, scale, segments=None, offset=0):
-    """attend_in_blocks on TPUs (the same arguments); elsewhere the same kernel interpreted (slow,
-    exact: what the tests compare). Chosen where the step is lowered (platform_dependent): a CPU
-    host compiling for a TPU gets the real kernel. A traced offset (context parallelism) picks its
-    shard's kernel."""
+    """attend_in_blocks (the same arguments) by Pallas splash attention: the kernel on TPUs, the
+    same interpreted elsewhere (exact, slow: what the tests compare), picked where the step is
+    lowered (docs/design.md)."""
     Tq, S = q.shape[1], k.shape[1]
     # Padded to the kernel's 128 lanes: causality hides the padded keys, and the padded rows are cut
     Tqp, Sp = -(-Tq // 128) * 128, -(-S // 128) * 128
@@ -683,9 +653,8 @@ def splash_attend(q, k, v, window, scale, segments=None, offset=0):
 
 
 def cudnn_attend(q, k, v, window, scale):
-    """attend_in_blocks on NVIDIA GPUs: cuDNN's flash kernel skips the masked blocks itself.
-    bf16/fp16 only, no document ids or offset (JAX's call has none): pick_attention sends those to
-    xla."""
+    """attend_in_blocks on NVIDIA GPUs by cuDNN's flash kernel, which skips masked blocks itself;
+    bf16/fp16, no segments or offset (cudnn_refusal)."""
     window = (window - 1, 0) if window else None
     return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
                                         implementation="cudnn", local_window_size=window)
@@ -696,16 +665,16 @@ ATTEND = {"xla": attend_in_blocks, "splash": splash_attend, "cudnn": cudnn_atten
 
 
 def accelerator(device=None):
-    """(platform, CUDA compute capability (major, minor) or None) of `device`, default JAX's first:
-    what `auto` attention is chosen for (lowering tests stub it)."""
+    """(platform, CUDA compute capability (major, minor) or None) of `device` (default JAX's
+    first): what `auto` attention is chosen for."""
     d = device or jax.devices()[0]
     capability = getattr(d, "compute_capability", None)
     return d.platform, tuple(int(x) for x in capability.split(".")) if capability else None
 
 
 def cudnn_refusal(m, dtype, documents, context, platform, capability):
-    """Why JAX's cuDNN flash attention cannot run this case ("" if it can), checked before tracing:
-    jax 0.10.2's _src/cudnn/fused_attention_stablehlo.py check_layout, check_is_flash_attention."""
+    """Why JAX's cuDNN flash attention cannot run this case, "" if it can (jax 0.10.2's checks in
+    _src/cudnn/fused_attention_stablehlo.py), before tracing."""
     if platform != "gpu" or capability is None:
         return f"cuDNN needs an NVIDIA GPU, and JAX runs on {platform}"
     if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
@@ -728,10 +697,9 @@ def cudnn_refusal(m, dtype, documents, context, platform, capability):
 
 
 def pick_attention(m, dtype, documents=False, device=None, context=1):
-    """model.attention -> "xla", "splash" or "cudnn" for compute `dtype` on `device` (default JAX's
-    first), with or without document ids, over `context` devices a sequence. auto takes the device's
-    kernel where it can run; a named one that cannot is refused, with the reason, before
-    compiling."""
+    """model.attention -> "xla", "splash" or "cudnn" for compute dtype on device (default JAX's
+    first), with or without document ids, `context` devices a sequence. auto: the device's kernel
+    where it can run; a named one that cannot is refused, with the reason, before compiling."""
     if m.attention in ("sdpa", "flex"):
         raise ValueError(f"model.attention={m.attention!r} is a torch implementation: JAX takes "
                          "auto, xla, splash, cudnn")
@@ -815,8 +783,8 @@ class Attention(nn.Module):
         return rope_torch(q, cos, sin), rope_torch(k, cos, sin), v
 
     def forward(self, x, cos, sin, mask, cache=None, pos=0):
-        """mask from attention_masks_torch: None (full causal), a bool tensor, or a flex BlockMask.
-        cache (generation): this layer's keys and values (B, K, S, H), filled at pos..pos+T-1."""
+        """x (B, T, D) -> (B, T, D); mask: attention_masks_torch's. cache (generation): this layer's
+        keys and values (B, K, S, H), filled at pos..pos+T-1."""
         m, (B, T, _) = self.m, x.shape
         q, k, v = self.project(x, cos, sin)
         if cache is not None:  # the keys before pos come from earlier calls
@@ -832,10 +800,9 @@ class Attention(nn.Module):
 
 
 def attention_masks_torch(m, windows, T, segments, device, pos=0):
-    """{window: mask} for the layers' distinct windows: None where SDPA's causal path serves (full
-    layer, no documents); else a bool (B|1, 1, T, pos + T) mask or, with flex (model.attention;
-    auto on GPUs), a BlockMask that skips the blocks it hides. pos > 0 (a KV cache): a bool mask, as
-    SDPA's is_causal would align the square top-left."""
+    """{window: mask} for the layers' distinct windows: None where SDPA's causal path serves, a
+    flex BlockMask (auto on GPUs), or a bool (B|1, 1, T, pos + T) mask, as always for pos > 0
+    (SDPA's is_causal aligns the square top-left)."""
     if m.attention not in ("auto", "sdpa", "flex"):
         raise ValueError(f"model.attention={m.attention!r} is a JAX implementation: "
                          "torch takes auto, sdpa, flex")
@@ -850,37 +817,31 @@ def attention_masks_torch(m, windows, T, segments, device, pos=0):
         else:
             i = torch.arange(pos, pos + T, device=device)[:, None]  # query positions
             j = torch.arange(pos + T, device=device)[None, :]  # key positions
-            mask = visible_torch(i, j, w)[None, None]  # (1, 1, T, pos + T)
+            mask = attention_mask(i, j, w)[None, None]  # (1, 1, T, pos + T)
             if segments is not None:  # and the same document: (B, 1, T, T)
                 mask = mask & (segments[:, None, :, None] == segments[:, None, None, :])
             out[w] = mask
     return out
 
 
-# exercise: sliding_window
-def visible_torch(i, j, w):
-    """The JAX attention_mask: key j is visible to query i (causal; the last w keys if w > 0)."""
-    return (j <= i) & ((w == 0) | (i - j < w))
-
-
 @lru_cache(maxsize=16)
 def window_block_mask(T, w, device):
-    """The BlockMask of a window without documents: the same every step, so made once (slow to
-    build), and the same object each time, which a compiled block's guards like too."""
+    """Window w's BlockMask, no documents: made once (slow to build), and the same object each
+    step, as a compiled block's guards want."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def visible(b, h, i, j):
-        return visible_torch(i, j, w)
+        return attention_mask(i, j, w)
     return create_block_mask(visible, None, None, T, T, device=device)
 
 
 def document_block_mask(segments, w, device):
-    """The BlockMask of a window within documents (B, T), new each batch. Compiled (GPUs only: slow
-    to compile on CPUs), create_block_mask never holds the whole (B, T, T) mask."""
+    """Window w's BlockMask within documents (B, T), new each batch; compiled on GPUs (slow to
+    compile on CPUs), it never holds the whole (B, T, T) mask."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def visible(b, h, i, j):  # and the same document
-        return visible_torch(i, j, w) & (segments[b, i] == segments[b, j])
+        return attention_mask(i, j, w) & (segments[b, i] == segments[b, j])
     build = compiled(create_block_mask) if device.type == "cuda" else create_block_mask
     B, T = segments.shape
     return build(visible, B, None, T, T, device=device)
@@ -892,14 +853,13 @@ def compiled(fn):
     return torch.compile(fn)
 
 
-# Eager flex_attention warns once that it is unfused: known, and the test path. Filtered here: a
-# catch_warnings block inside flex_attention breaks a compiled block's graph.
+# Eager flex (the test path) warns it is unfused; filtered here: catch_warnings breaks graphs
 warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
 
 
 def flex_attention(q, k, v, block_mask, scale):
-    """torch's flex_attention: compiled on GPUs (a fused kernel), eager elsewhere (it builds the
-    scores). In a compiled block dynamo traces flex itself into the block's graph."""
+    """torch's flex_attention: compiled on GPUs (fused), eager elsewhere (it builds the scores);
+    inside a compiled block, dynamo traces it into the block's graph."""
     from torch.nn.attention.flex_attention import flex_attention as flex
     run = compiled(flex) if q.is_cuda and not torch.compiler.is_compiling() else flex
     return run(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
@@ -926,7 +886,7 @@ class Block(nn.Module):
 
     # exercise: rmsnorm
     def forward(self, x, cos, sin, mask, remat_mlp=False, cache=None, pos=0):
-        """The JAX `block`."""
+        """block: x (B, T, D) -> (B, T, D)."""
         ffn = partial(checkpoint, self.mlp, use_reentrant=False) if remat_mlp else self.mlp
         if self.m.family == "olmo1":
             x = x + self.self_attn(layer_norm_torch(x, self.m.norm_eps), cos, sin, mask, cache, pos)
@@ -958,9 +918,8 @@ class OLMo(nn.Module):
         self.rope_scale.copy_(torch.from_numpy(rope_scale))
 
     def forward(self, tokens, dtype=torch.float32, remat="none", segments=None, cache=None, pos=0):
-        """tokens (B, T) long -> logits (B, T, V) in `dtype`; remat, segments as in the JAX
-        forward. With a cache (new_cache) the tokens sit at pos..pos+T-1 and see the keys earlier
-        calls left."""
+        """tokens (B, T) long -> logits (B, T, V) in dtype; remat, segments as in JAX's forward.
+        With a cache (new_cache) the tokens sit at pos..pos+T-1."""
         T = tokens.shape[1]
         x = self.embed_tokens(tokens).to(dtype)  # (B, T, D)
         positions = torch.arange(pos, pos + T, device=tokens.device)
@@ -974,8 +933,8 @@ class OLMo(nn.Module):
         return self.unembed(x, dtype)
 
     def new_cache(self, B, S, dtype):
-        """Empty keys and values, per layer (B, K, S, H). Unlike JAX's ring (new_cache), sliding
-        layers keep all S positions: the mask applies the window."""
+        """Empty keys and values per layer (B, K, S, H): all S positions on sliding layers too
+        (unlike JAX's ring); the mask applies the window."""
         shape, device = (B, self.m.n_kv_heads, S, self.m.head_dim), self.embed_tokens.weight.device
         new = partial(torch.zeros, shape, dtype=dtype, device=device)
         return [{n: new() for n in "kv"} for _ in self.layers]
@@ -1002,8 +961,8 @@ def cross_entropy_torch(logits, labels, z_loss=0.0):
 
 
 def torch_model(m, params=None):
-    """An OLMo module over `params` (stacked, any array type and dtype), or init_params' draws
-    (seed 0). Built on the meta device, then given the arrays' own memory: no second copy."""
+    """An OLMo module over `params` (stacked, any array type and dtype; default: init_params' seed
+    0), built on the meta device, then given the arrays' own memory: no second copy."""
     params = init_params(m, jax.random.PRNGKey(0)) if params is None else params
     with torch.device("meta"):
         net = OLMo(m)
@@ -1037,34 +996,7 @@ def print_table(m):
     print(f"total_params={count_params(m)}")
 
 
-def attention_bench():
-    """Forward + backward time of sliding against full layers on this device's default attention:
-    what a window saves. D 256, 4 heads of 64, 2 layers, W 512, B 1."""
-    import time
-    print(f"{'T':>6} {'impl':>6} {'full ms':>9} {'sliding ms':>11} {'ratio':>6} {'ideal':>6}")
-    for T in (2048, 8192):
-        times = {}
-        for kind in "FS":
-            window = 512 if kind == "S" else 0
-            m = ModelConfig(d_model=256, n_layers=2, n_heads=4, mlp_hidden=512, vocab_size=512,
-                            max_seq_len=T, layer_pattern=kind, sliding_window=window,
-                            eos_token_id=0, pad_token_id=1)
-            params, toks = init_params(m, jax.random.PRNGKey(0)), jnp.zeros((1, T), jnp.int32)
-            step = jax.jit(jax.grad(partial(loss_fn, m=m)))
-            jax.block_until_ready(step(params, toks, toks))  # compile
-            t0 = time.perf_counter()
-            for _ in range(3):
-                jax.block_until_ready(step(params, toks, toks))
-            times[kind] = (time.perf_counter() - t0) / 3 * 1e3
-        ideal = 512 / (T / 2)  # keys per query: W against T/2 on average under the causal mask
-        impl, ratio = pick_attention(m, jnp.float32), times["S"] / times["F"]
-        print(f"{T:>6} {impl:>6} {times['F']:>9.0f} {times['S']:>11.0f} {ratio:>6.2f} "
-              f"{ideal:>6.3f}")
-
-
 def main(argv):
-    if "--attention-bench" in argv:
-        return attention_bench()
     cfg = load_config(argv)
     print(describe(cfg), end="\n\n")
     print_table(cfg.model)

@@ -234,7 +234,7 @@ def tcmalloc(config):
 
 
 def attention():
-    return shown("python model.py --attention-bench")
+    return shown("python tests/bench.py attention")
 
 
 def databench():

@@ -346,7 +346,7 @@ def test_project_qkv_is_transformers_attention(family, monkeypatch):
             compare(f"{name}'s {n} ({family})", np.asarray(g), w, axes[n], 1e-5, alts[n], hint)
 
 
-# --- 4. sliding_window: attention_mask (torch: visible_torch) ------------------------------------
+# --- 4. sliding_window: attention_mask (one function for jnp and torch) ---------------------------
 
 MASK_CASES = [
     (0, range(12), range(12), "a full layer, 12 positions"),
@@ -395,7 +395,7 @@ def mask_message(name, got, want, window, q_pos, k_pos, what):
 
 
 def test_attention_mask_is_transformers_sliding_window():
-    """attention_mask and visible_torch against transformers' causal and sliding-window mask
+    """attention_mask, on jnp and on torch, against transformers' causal and sliding-window mask
     functions (masking_utils), on positions: a whole sequence, a block, a ring of cached keys."""
     pytest.importorskip("transformers")
     from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
@@ -404,10 +404,11 @@ def test_attention_mask_is_transformers_sliding_window():
         fn = sliding_window_causal_mask_function(window) if window else causal_mask_function
         i, j = torch.from_numpy(q_pos)[:, None], torch.from_numpy(k_pos)[None, :]
         want = fn(0, 0, i, j).numpy()
-        runs = [("model.attention_mask", lambda: np.asarray(
-                    model.attention_mask(jnp.asarray(q_pos), jnp.asarray(k_pos), window))),
-                ("model.visible_torch", lambda: model.visible_torch(i, j, window).numpy())]
-        for name, run in runs:  # the JAX function first, then its twin
+        runs = [("model.attention_mask on jnp", lambda: np.asarray(model.attention_mask(
+                    jnp.asarray(q_pos)[:, None], jnp.asarray(k_pos)[None, :], window))),
+                ("model.attention_mask on torch",
+                 lambda: model.attention_mask(i, j, window).numpy())]
+        for name, run in runs:  # both backends call the one function
             message = mask_message(name, run(), want, window, q_pos, k_pos, what)
             if message:
                 fail(message)

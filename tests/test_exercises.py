@@ -18,7 +18,7 @@ SCRIPT = [sys.executable, str(ROOT / "tests" / "exercises.py")]
 # Each exercise's PyTorch twins, which its marker removes with the JAX functions.
 TWINS = {"rmsnorm": ["RMSNorm.forward", "Block.forward"],
          "rope": ["rope_cos_sin_torch", "rope_torch"],
-         "qk_norm": ["Attention.project"], "sliding_window": ["visible_torch"]}
+         "qk_norm": ["Attention.project"]}
 
 
 def test_every_exercise_has_a_marker_and_existing_tests():

@@ -88,7 +88,7 @@ def test_hf_to_ours(name, tmp_path):
         flex = model.torch_model(dataclasses.replace(m, attention="flex"), params)
         flex = flex(torch.from_numpy(toks)).numpy()
     compare(f"model.torch_model's logits with flex attention ({name})", flex, ref, LOGITS, 1e-5,
-            hint="flex attention's masks come from model.visible_torch (exercise sliding_window).")
+            hint="flex attention's masks come from model.attention_mask (exercise sliding_window).")
     # And the loss: HF shifts labels inside; we pass them shifted.
     with torch.no_grad():
         hf_loss = net(torch.from_numpy(toks), labels=torch.from_numpy(toks)).loss.item()
