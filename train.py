@@ -739,17 +739,18 @@ def in_loop_tasks(cfg, tok, backend):
     tasks = evaluate.prepare_tasks(names, ec.tasks_data, tok, ec.tasks_norm, ec.tasks_limit)
     tasks["scorer"] = evaluate.Scorer(cfg.model, None, "jax", cfg.train.compute_dtype)  # no params
     docs = ", ".join(f"{n} ({len(t['items'])} docs)" for n, t in tasks["tasks"].items())
-    print(f"in-loop tasks: {docs}, {ec.tasks_norm} prompts and normalisation")
+    print(f"in-loop tasks: {docs}; {ec.tasks_norm}: {evaluate.STYLES[ec.tasks_norm]}")
     return tasks
 
 
 def task_eval(backend, tasks):
-    """{<task>_acc}: the JAX forward (on CPU for torch runs) on host params, compiled once."""
+    """The tasks' metrics by logged name (eval.STYLES): the JAX forward (on CPU for torch runs) on
+    host params, compiled once."""
     if tasks is None:
         return {}
     tasks["scorer"].params = backend.host_params()
     scores = evaluate.score_tasks(tasks["scorer"], tasks)
-    return {f"{name}_acc": r["acc"] for name, r in scores.items()}
+    return {k: v for r in scores.values() for k, v in r["logged"].items()}
 
 
 def log(record, metrics_path, write):
@@ -767,7 +768,9 @@ def log(record, metrics_path, write):
             parts.append(f"masked {r['masked']:.1%}")
         parts += [f"{k.replace('_', ' ')} {r[k]:.3f}" for k in POSTTRAIN_METRICS if k in r]
         write(" | ".join(parts))
-    if accs := [f"{k[:-4]} {100 * v:.1f}%" for k, v in r.items() if k.endswith("_acc")]:
+    accs = [f"{k.removeprefix('eval/downstream/').removesuffix('_acc')} {100 * v:.1f}%"
+            for k, v in r.items() if k.endswith(("_acc", "accuracy)"))]  # "accuracy v2": the same
+    if accs:
         write(f"step {r['step']:>6} | " + " | ".join(accs))
     if metrics_path is not None:
         with open(metrics_path, "a") as f:

@@ -244,11 +244,11 @@ class EvalConfig:
     tasks: str = ""               # eval.TASKS run with the held-out eval, e.g. "arc_easy,piqa"
     tasks_data: str = "../shared/evaldata"  # a folder laid out like it (eval.py tasks --data)
     tasks_limit: int = 100        # the first N documents of each task; 0 = all
-    tasks_norm: str = "olmes"     # olmes | catwalk: prompts, per-task normalising (eval.py --norm)
+    tasks_norm: str = "olmes"     # olmes | catwalk | olmo_core: task definitions (eval.py --norm)
 
     def __post_init__(self):
         _checks(self, nonneg="every batches sample_tokens temperature tasks_limit",
-                tasks_norm=["olmes", "catwalk"])
+                tasks_norm=["olmes", "catwalk", "olmo_core"])
 
 
 @dataclass

@@ -14,7 +14,7 @@ fails leaves its block alone too, and the script exits non-zero at the end.
     seconds  devices (shard.DEVICES), gpu (runs/device_check.md, from `make device-check` on a GPU
              machine)
     minutes  bench, bench100m (~5), bench_tcmalloc and bench100m_tcmalloc (where tcmalloc is installed), attention,
-             databench, eval_tasks, eval_bpb, generate, plan (~10), plan_stage3,
+             databench, eval_tasks, eval_tasks_olmo_core, eval_bpb, generate, plan (~10), plan_stage3,
              plan_tpu (libtpu only),
              longctx (after `make longctx`), posttrain (after `make posttrain`)
     longest  curves, curves_own_lr: five 300-step training runs from scratch under runs/tables/, and the PNGs
@@ -241,9 +241,9 @@ def databench():
     return shown("python tests/bench.py data")
 
 
-def eval_tasks():
+def eval_tasks(norm=""):
     needs(SHARED / "evaldata")
-    return shown(f"python eval.py tasks {demo_checkpoint()} --data ../shared/evaldata")
+    return shown(f"python eval.py tasks {demo_checkpoint()} --data ../shared/evaldata{norm}")
 
 
 def eval_bpb():
@@ -522,7 +522,8 @@ def curves_own_lr():
 TABLES = {"configs": configs, "paramtable": paramtable, "corpus": corpus, "demo": demo, "parity": parity,
           "check": check, "bench": bench, "bench100m": bench100m, "bench_tcmalloc": lambda: tcmalloc("tiny"),
           "bench100m_tcmalloc": lambda: tcmalloc("bench-100m"), "attention": attention, "databench": databench,
-          "eval_tasks": eval_tasks, "eval_bpb": eval_bpb, "generate": generate,
+          "eval_tasks": eval_tasks, "eval_tasks_olmo_core": lambda: eval_tasks(" --norm olmo_core"),
+          "eval_bpb": eval_bpb, "generate": generate,
           "generate_1b": lambda: generate_bench("olmo2-1b"), "generate_7b": lambda: generate_bench("olmo3-7b"),
           "plan": plan, "plan_tpu": plan_tpu,
           "plan_stage3": plan_stage3, "devices": devices, "gpu": gpu, "xla_cost": xla_cost,

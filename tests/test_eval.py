@@ -3,6 +3,7 @@ against transformers, Paloma's windows against lm-eval's, the bpb and tasks comm
 import dataclasses
 import gzip
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -35,14 +36,16 @@ def one_torch_thread():
 @needs_shared
 def test_requests_equal_the_olmes_dumps():
     """Every request of every dump (conditional and "Answer:" ones, labels too) from our own reading of the
-    task files; HellaSwag's docs come from its 5-shot dump, rendered with OLMES's 5 fixed shots."""
+    task files: HellaSwag's whole validation split (10,042 rows, matched by row order: `ind`
+    repeats) against its 0-shot dump; its 5-shot dump's own docs, rendered with OLMES's 5 shots."""
     dumps = sorted((SHARED / "olmes_requests").glob("*.requests.jsonl.gz"))
     assert len(dumps) == 8
-    for f in dumps:
+    for f in dumps + [SHARED / "hellaswag_full/hellaswag_rc_0shot.requests.jsonl.gz"]:
         task, shots = f.name.split(".")[0].rsplit("_rc_", 1)
         shots = int(shots.removesuffix("shot"))
-        docs = ([ev.read_hellaswag(r, at) for at, r in ev.read_task_file(f)] if task == "hellaswag"
+        docs = ([ev.read_hellaswag(r, at) for at, r in ev.read_task_file(f)] if shots
                 else ev.load_task(task, SHARED)[0])
+        assert task != "hellaswag" or len(docs) == (1000 if shots else 10042)
         items = [ev.render(task, d, "olmes", shots) for d in docs]
         seen, bad = set(), []
         with gzip.open(f, "rt") as lines:
@@ -57,10 +60,10 @@ def test_requests_equal_the_olmes_dumps():
         assert not bad, bad[:5]
         # and the other way: each of our conditional requests is in the dump, and our "Answer:" ones where it has them
         has_uncond = any(u for u, _, _ in seen)
-        ours = {(u, d, k) for d, it in enumerate(items) for u in (0, 1)[:1 + (it.uncond and has_uncond)]
+        ours = {(u, d, k) for d, it in enumerate(items) for u in (0, 1)[:1 + (it.dcs != () and has_uncond)]
                 for k in range(len(it.continuations))}
         assert ours == seen, task
-        if task == "hellaswag":  # the 0-shot rendering of the same docs: the query itself
+        if shots:  # the 0-shot rendering of the same docs: the query itself
             item = ev.render(task, docs[0], "olmes")
             assert item.contexts[0] == docs[0]["query"] and item.continuations[0] == " " + docs[0]["choices"][0]
 
@@ -173,8 +176,14 @@ def test_ties_go_to_the_first_option_and_pmi_is_a_difference(tmp_path):
     assert r["majority"] == 1.0 and r["chance"] == 0.25
     # PMI = LL(cont|ctx) - LL(cont|"Answer:"): the gold is least likely but most raised by the context.
     # OLMo's in-loop ratio LL_ctx / LL_uncond would pick option 0 here (-2/-1 = 2 is its largest).
-    r = ev.score_tasks(FixedScorer([-2.0, -3.0, -3.0, -4.0, -1.0, -2.0, -2.0, -9.0], [1] * 8), prep)["sciq"]
-    assert r["accs"]["pmi"] == 1.0 and r["accs"]["raw"] == 0.0
+    lls = FixedScorer([-2.0, -3.0, -3.0, -4.0, -1.0, -2.0, -2.0, -9.0], [1] * 8)
+    r = ev.score_tasks(lls, prep)["sciq"]
+    assert r["accs"]["pmi"] == 1.0 and r["accs"]["raw"] == 0.0 and r["logged"] == {"sciq_acc": 0.0}
+    # ... and so it does under olmo_core (ai2-olmo-eval's pmi_dc), where SciQ's metric is plain acc
+    r = ev.score_tasks(lls, ev.prepare_tasks(["sciq"], tmp_path, tok, "olmo_core"))["sciq"]
+    assert r["accs"] == dict(acc=0.0, len_norm=0.0, pmi_dc=0.0) and r["norm"] == "acc"
+    name = "eval/downstream/sciq (accuracy{})"
+    assert r["logged"][name.format("")] == r["logged"][name.format(" v2")] == 0
 
 
 # --- scoring against transformers ---
@@ -332,7 +341,9 @@ def test_commands(ckpt, setup, tmp_path, capsys):
         ev.main(["tasks", str(d), "--tasks", "piqa", "--data", str(tasks), "--tokenizer", str(bpe)])
 
 
-def test_in_loop_tasks(setup, tmp_path):
+@pytest.mark.parametrize("norm, key", [("olmes", "winogrande_acc"),
+                                       ("olmo_core", "eval/downstream/winogrande (accuracy)")])
+def test_in_loop_tasks(setup, tmp_path, capsys, norm, key):
     root, toml = setup
     tasks = tmp_path / "tasks" / "hf_validation"
     tasks.mkdir(parents=True)
@@ -340,7 +351,223 @@ def test_in_loop_tasks(setup, tmp_path):
         sentence=f"The cat chased the dog so _ ran {i}.", option1="cat", option2="dog", answer="2")) + "\n" for i in range(3)))
     run = tmp_path / "run"
     train.main([str(toml), f"--train.run_dir={run}", "--train.steps=2", "--eval.every=1", "--eval.batches=1",
-                "--eval.tasks=winogrande", f"--eval.tasks_data={tasks.parent}", "--eval.tasks_limit=2"])
+                "--eval.tasks=winogrande", f"--eval.tasks_data={tasks.parent}",
+                "--eval.tasks_limit=2", f"--eval.tasks_norm={norm}"])
     first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
-    assert first["step"] == 1 and first["winogrande_acc"] in (0.0, 0.5, 1.0)
-    assert "winogrande_acc" in json.loads((run / "final.json").read_text())
+    assert first["step"] == 1 and first[key] in (0.0, 0.5, 1.0)
+    assert key in json.loads((run / "final.json").read_text())
+    logged = [k for k in first if "winogrande" in k]
+    assert len(logged) == (10 if norm == "olmo_core" else 1)  # OLMo-core logs 10 per acc task
+    out = capsys.readouterr().out
+    assert f"{norm}: {ev.STYLES[norm]}" in out
+    assert f"step      1 | {key.removeprefix('eval/downstream/').removesuffix('_acc')} " in out
+
+
+# --- OLMo-core's in-loop definitions: ai2-olmo-eval 0.9.0's ORIG tasks and ICLMetric ---
+# Transcribed from its src/olmo_eval/tasks.py and metrics.py and OLMo-core's
+# evaluator_callback.py, apart from eval.py's table-driven version of them.
+
+def ile_clean(t):  # ai2-olmo-eval's HellaSwag.preprocess (lm-eval's)
+    return re.sub("\\[.*?\\]", "", t.strip().replace(" [title]", ". ")).replace("  ", " ")
+
+
+def ile_task(task, d):
+    """An HF row under ai2-olmo-eval's task class: ([(context, continuation, dc)], gold)."""
+    if task in ("arc_easy", "arc_challenge"):
+        key = {"1": "A", "2": "B", "3": "C", "4": "D", "5": "E"}.get(d["answerKey"], d["answerKey"])
+        ctx = "Question: " + d["question"] + "\nAnswer:"
+        return [(ctx, " " + t, "Answer:") for t in d["choices"]["text"]], "ABCDE".index(key)
+    if task == "openbookqa":
+        dc = d["question_stem"].strip().split(" ")[-1]
+        return ([(d["question_stem"], " " + t, dc) for t in d["choices"]["text"]],
+                "ABCD".index(d["answerKey"].strip()))
+    if task == "boolq":
+        ctx = d["passage"] + "\nQuestion: " + d["question"] + "?\nAnswer:"
+        return [(ctx, " yes", "Answer:"), (ctx, " no", "Answer:")], 0 if d["answer"] else 1
+    if task == "piqa":
+        ctx = "Question: " + d["goal"] + "\nAnswer:"
+        return [(ctx, " " + d["sol1"], "Answer:"), (ctx, " " + d["sol2"], "Answer:")], d["label"]
+    if task == "sciq":
+        ctx = d["support"].strip() + "\nQuestion: " + d["question"] + "\nAnswer:"
+        keys = ("distractor1", "distractor2", "distractor3", "correct_answer")
+        return [(ctx, " " + d[k], "Answer:") for k in keys], 3
+    if task == "hellaswag":
+        ctx = ile_clean(d["activity_label"] + ": " + d["ctx_a"] + " " + d["ctx_b"].capitalize())
+        dc = ile_clean(d["ctx_b"].capitalize()) or ile_clean(d["ctx_a"]).split(" ")[-1]
+        return [(ctx, " " + ile_clean(e), dc) for e in d["endings"]], int(d["label"])
+    i = d["sentence"].index("_")  # winogrande: a context per option, one continuation
+    cont = " " + d["sentence"][i + 1:].strip()
+    options = (d["option1"], d["option2"])
+    return [(d["sentence"][:i] + o, cont, o) for o in options], int(d["answer"]) - 1
+
+
+def hf_rows(task):
+    f = (SHARED / "hellaswag_full/hellaswag.validation.jsonl.gz" if task == "hellaswag"
+         else SHARED / f"hf_validation/{task}.validation.jsonl")
+    with (gzip.open(f, "rt") if f.suffix == ".gz" else open(f)) as lines:
+        return [json.loads(x) for x in lines]
+
+
+def olmo_core_options(item):
+    dcs = item.dcs or ["Answer:"] * len(item.contexts)
+    return list(zip(item.contexts, item.continuations, dcs))
+
+
+# The first validation row of each, as ai2-olmo-eval renders it (written out from its code):
+# (contexts, continuations, gold, dcs).
+FIRST_ROWS = {
+    "arc_easy": (["Question: Which technology was developed most recently?\nAnswer:"] * 4,
+                 [" cellular telephone", " television", " refrigerator", " airplane"], 0,
+                 ["Answer:"] * 4),
+    "openbookqa": (["Frilled sharks and angler fish live far beneath the surface of the ocean, "
+                    "which is why they are known as"] * 4,
+                   [" Deep sea animals", " fish", " Long Sea Fish", " Far Sea Animals"], 0,
+                   ["as"] * 4),
+    "piqa": (["Question: How do I ready a guinea pig cage for it's new occupants?\nAnswer:"] * 2,
+             [" Provide the guinea pig with a cage full of a few inches of bedding made of ripped "
+              + w + ", you will also need to supply it with a water bottle and a food dish."
+              for w in ("paper strips", "jeans material")], 0, ["Answer:"] * 2),
+    "sciq": (["\nQuestion: Who proposed the theory of evolution by natural selection?"
+              "\nAnswer:"] * 4,
+             [" Linnaeus", " shaw", " Scopes", " darwin"], 3, ["Answer:"] * 4),
+    "hellaswag": (["Roof shingle removal: A man is sitting on a roof. He"] * 4,
+                  [" is using wrap to wrap a pair of skis.", " is ripping level tiles off.",
+                   " is holding a rubik's cube.", " starts pulling up roofing on a roof."], 3,
+                  ["He"] * 4),
+    "winogrande": (["Sarah was a much better surgeon than Maria so Sarah",
+                    "Sarah was a much better surgeon than Maria so Maria"],
+                   [" always got the easier cases."] * 2, 1, ["Sarah", "Maria"]),
+}
+# Docs whose (contexts, continuations) differ from OLMES's rc_0shot dumps: OBQA's bare stem,
+# BoolQ's passage without its title, PIQA's "Question:", SciQ's kept "\n", HellaSwag's cleaner.
+VS_OLMES = dict(arc_easy=(0, 0), arc_challenge=(0, 0), openbookqa=(500, 0), boolq=(3270, 0),
+                piqa=(1838, 0), sciq=(113, 0), hellaswag=(777, 2898), winogrande=(0, 0))
+
+
+def dump_requests(path):
+    """An OLMES dump's conditional requests: {doc_id: [(context, continuation, label)] by idx}."""
+    want = {}
+    with gzip.open(path, "rt") as lines:
+        for r in map(json.loads, lines):
+            req = (r["request"]["context"], r["request"]["continuation"], r["label"])
+            if r["doc_id"] < 1_000_000:
+                want.setdefault(r["doc_id"], {})[r["idx"]] = req
+    return {d: [reqs[k] for k in range(len(reqs))] for d, reqs in want.items()}
+
+
+@needs_shared
+def test_olmo_core_tasks_render_as_ai2_olmo_eval():
+    """Every validation doc of the 8 tasks (BoolQ read from the original file, with titles) renders
+    as ai2-olmo-eval's task classes render the HF rows; the first rows as written out; the docs
+    that differ from OLMES's dumps counted, and the gold never."""
+    for task in ev.TASKS:
+        items = [ev.render(task, d, "olmo_core") for d in ev.load_task(task, SHARED)[0]]
+        want = [ile_task(task, r) for r in hf_rows(task)]
+        assert [(olmo_core_options(it), it.gold) for it in items] == want, task
+        if task in FIRST_ROWS:
+            dcs = [dc for *_, dc in olmo_core_options(items[0])]
+            assert tuple(items[0]._replace(dcs=dcs)) == FIRST_ROWS[task]
+        folder = "hellaswag_full" if task == "hellaswag" else "olmes_requests"
+        dump = dump_requests(SHARED / folder / f"{task}_rc_0shot.requests.jsonl.gz")
+        diff = [0, 0]
+        for d, it in enumerate(items):
+            ctxs, conts, golds = zip(*dump[d])
+            diff[0] += list(ctxs) != it.contexts
+            diff[1] += list(conts) != it.continuations
+            assert set(golds) == {it.gold}, (task, d)
+        assert tuple(diff) == VS_OLMES[task], task
+    boolq = ev.render("boolq", ev.load_task("boolq", SHARED)[0][0], "olmo_core")
+    assert boolq.contexts[0].startswith("All biomass goes through at least some of these steps")
+    end = ".\nQuestion: does ethanol take more energy make that produces?\nAnswer:"
+    assert boolq.contexts[0].endswith(end) and boolq.continuations == [" yes", " no"]
+    assert boolq.gold == 1
+    with pytest.raises(ValueError, match="olmo_core needs HellaSwag's rows"):
+        ev.render("hellaswag", dict(query="q", choices=["a"], gold=0), "olmo_core")
+
+
+LOG_2_OF_E = 1.44269504089
+METRIC_TYPE = dict(arc_easy="acc", arc_challenge="len_norm", openbookqa="len_norm", boolq="acc",
+                   piqa="len_norm", sciq="acc", hellaswag="len_norm", winogrande="acc")
+LABEL = {**{k: k for k in METRIC_TYPE}, "openbookqa": "openbook_qa"}  # OLMo-core's task labels
+OC_LABEL = {  # OLMo-core's DownstreamEvaluator.metric_type_to_label
+    "acc_v1": "accuracy", "len_norm_v1": "length-normalized accuracy",
+    "pmi_dc_v1": "PMI-DC accuracy", "ce_loss_v1": "CE loss", "bpb_v1": "BPB",
+    "soft_v1": "soft loss", "soft_log_v1": "log soft loss",
+    "acc_v2": "accuracy v2", "len_norm_v2": "length-normalized accuracy v2",
+    "pmi_dc_v2": "PMI-DC accuracy v2", "ce_loss_v2": "CE loss v2", "bpb_v2": "BPB v2",
+    "soft_v2": "soft loss v2", "soft_log_v2": "log soft loss v2"}
+
+
+def ile_loglikelihood(net, ctx, cont, model_ctx_len, ctx_len=None):
+    """ICLMultiChoiceTaskDataset's query (ctx + cont[:-1], left-truncated) and ICLMetric.update's
+    sum of log-softmax at the continuation: one transformers forward."""
+    query = (ctx + cont[:-1])[-model_ctx_len:]
+    ctx_len = ctx_len or len(query) - len(cont) + 1
+    with torch.no_grad():
+        logp = torch.log_softmax(net(torch.tensor([query])).logits[0].double(), -1)
+    at = logp[ctx_len - 1:ctx_len + len(cont) - 1]
+    return at.gather(1, torch.tensor(cont)[:, None]).sum().item()
+
+
+def ile_compute(docs, metric):
+    """ICLMetric(metric).compute() of [(LL per option, LL after its dc per option, continuations,
+    gold)]; "1": the continuation measured without its leading space (the v1 keys)."""
+    keep = {}
+    for ll, ll_dc, conts, gold in docs:
+        per = []  # per option: s, s1, ce, ce1, bpb, bpb1
+        for x, x_dc, c in zip(ll, ll_dc, conts):
+            if metric == "pmi_dc":
+                v = x / x_dc
+                per.append((v, v, -v, -v, -v, -v))
+                continue
+            n, n1, b, b1 = len(c), len(c) - 1, len(c.encode()), len(c[1:].encode())
+            s, s1 = (x, x) if metric == "acc" else (x / n, x / n1)
+            per.append((s, s1, -x / n, -x / n1, -x / b * LOG_2_OF_E, -x / b1 * LOG_2_OF_E))
+        s, s1, ce, ce1, bpb, bpb1 = (torch.tensor(v, dtype=torch.float64) for v in zip(*per))
+        doc = dict(correct=float(torch.argmax(s).item() == gold), ce=ce[gold], ce1=ce1[gold],
+                   bpb=bpb[gold], bpb1=bpb1[gold], soft=torch.softmax(s, 0)[gold],
+                   soft1=torch.softmax(s1, 0)[gold], log=torch.log_softmax(s, 0)[gold],
+                   log1=torch.log_softmax(s1, 0)[gold])
+        for k, v in doc.items():
+            keep.setdefault(k, []).append(float(v))
+    mean = {k: sum(v) / len(v) for k, v in keep.items()}
+    return {f"{metric}_v1": mean["correct"], f"{metric}_v2": mean["correct"],
+            "ce_loss_v1": mean["ce1"], "ce_loss_v2": mean["ce"], "bpb_v1": mean["bpb1"],
+            "bpb_v2": mean["bpb"], "soft_v1": mean["soft1"], "soft_v2": mean["soft"],
+            "soft_log_v1": mean["log1"], "soft_log_v2": mean["log"]}
+
+
+@needs_shared
+def test_olmo_core_metrics_equal_their_definitions(ckpt):
+    """The first 3 docs of each task on a random model: eval.py's logged metrics (OLMo-core's
+    names) and its three accuracies equal ai2-olmo-eval's ICLMetric, computed here from ile_task's
+    strings and one transformers forward per query. No BOS: OLMo-core's dolma2 has none, nor has
+    this tokenizer."""
+    d, net, bpe = ckpt
+    m, params = convert.load_hf(d)
+    L = 2048  # ai2-olmo-eval's default model_ctx_len; RoPE has no limit of its own
+    tok = ev.checkpoint_tokenizer(d, m, str(bpe))
+    prep = ev.prepare_tasks(list(ev.TASKS), SHARED, tok, "olmo_core", limit=3)
+    assert max(len(c) + len(x) for c, x in prep["ids"]) <= L  # none cut (WinoGrande's ctx_len)
+    scorer = ev.Scorer(dataclasses.replace(m, max_seq_len=L), params, "torch", batch_tokens=4096)
+    got = ev.score_tasks(scorer, prep)  # (torch: no compiling; the JAX scorer is checked above)
+    enc = tok.enc.encode_ordinary
+    for task in ev.TASKS:
+        docs = []
+        for row in hf_rows(task)[:3]:
+            options, gold = ile_task(task, row)
+            ll = [ile_loglikelihood(net, enc(c), enc(x), L) for c, x, _ in options]
+            ll_dc = [ile_loglikelihood(net, enc(dc), enc(x), L, len(enc(dc)))
+                     for _, x, dc in options]
+            docs.append((ll, ll_dc, [x for _, x, _ in options], gold))
+        want = ile_compute(docs, METRIC_TYPE[task])
+        names = {f"eval/downstream/{LABEL[task]} ({OC_LABEL[k]})": v for k, v in want.items()}
+        assert got[task]["logged"] == pytest.approx(names, rel=1e-4, abs=1e-6)
+        for metric in ev.OC_TYPES:  # the table's three accuracies
+            assert got[task]["accs"][metric] == ile_compute(docs, metric)[f"{metric}_v2"], task
+        ours = [ev.olmo_core_doc(*doc, "pmi_dc") for doc in docs]  # pmi_dc's ratio in full
+        ours = {k: np.mean([o[k] for o in ours]) for k in ours[0]}
+        assert ours == pytest.approx(ile_compute(docs, "pmi_dc"), rel=1e-4, abs=1e-6)
+        if METRIC_TYPE[task] == "len_norm":  # v1 and v2 told apart
+            assert want["soft_v1"] != pytest.approx(want["soft_v2"], rel=1e-6)
+        assert want["ce_loss_v1"] != pytest.approx(want["ce_loss_v2"], rel=1e-6)
