@@ -13,8 +13,10 @@ trainer), olmo_core; see docs/conversion.md. A rename and a split of fused tenso
 OUT.tmp, renamed OUT at the end; nothing is unpickled freely.
 """
 
+import base64
 import dataclasses
 import functools
+import io
 import json
 import math
 import mmap
@@ -538,6 +540,32 @@ class _MetadataUnpickler(pickle.Unpickler):
                                      "refusing to load it")
 
 
+class _PlainUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):  # plain data (tuples, str, bool) names no global
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which we never load")
+
+
+def trainer_store(store, path):
+    """The old trainer's model.safetensors (its olmo/safetensors_util.py) -> name -> tensor. Each
+    stored name is the urlsafe base64 of a pickle of (keys: tuple of str, value_is_pickled),
+    read by an unpickler that loads no global; a pickled value (not a tensor) is skipped unread."""
+    out = {}
+    for name, t in store.items():
+        try:
+            raw = base64.b64decode(name, altchars=b"-_", validate=True)
+            keys, pickled = _PlainUnpickler(io.BytesIO(raw)).load()
+            if not (isinstance(keys, tuple) and keys and isinstance(pickled, bool)
+                    and all(isinstance(k, str) for k in keys)):
+                raise ValueError(f"it holds {keys!r}, {pickled!r}")
+        except Exception as e:  # bad base64, a broken or hostile pickle, another shape of data
+            raise ValueError(f"{path}: tensor name {name[:80]!r} is not the old trainer's "
+                             "(urlsafe base64 of a pickled (tuple of str, bool)): "
+                             f"{type(e).__name__}: {e}") from None
+        if not pickled:
+            out[".".join(keys)] = t
+    return out
+
+
 def dcp_store(d):
     """The model.* tensors of a DCP checkpoint, each read alone on use (no process group)."""
     import torch
@@ -572,8 +600,9 @@ def dcp_store(d):
             if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
 
 
-def _weights(d, names):
-    """Their name -> tensor, from the first of `names` in d: a weight file, shard index or DCP."""
+def _weights(d, names, trainer=False):
+    """Their name -> tensor, from the first of `names` in d: a weight file, shard index or DCP.
+    trainer: safetensors names are the old trainer's encoding (trainer_store)."""
     for name in names:
         p = d / name
         if name.endswith(".index.json") and p.is_file():
@@ -581,11 +610,14 @@ def _weights(d, names):
             for f in files:
                 if not (d / f).is_file():
                     raise FileNotFoundError(f"{p} names shard {f}, which is missing")
-            return {k: v for f in files for k, v in _weights(d, [f]).items()}
+            return {k: v for f in files for k, v in _weights(d, [f], trainer).items()}
         if name == "model_and_optim" and (p / ".metadata").is_file():
             return dcp_store(p)
+        if p.is_file() and name.endswith(".safetensors"):
+            store = read_safetensors(p)[0]
+            return trainer_store(store, p) if trainer else store
         if p.is_file():
-            return read_safetensors(p)[0] if name.endswith(".safetensors") else torch_store(p)
+            return torch_store(p)
     raise FileNotFoundError(f"{d}: no weights: looked for {', '.join(names)}")
 
 
@@ -711,7 +743,7 @@ def open_source(path, config=None):
     read, files, column = FORMATS[kind]
     m = read(c, str(cfg))
     given = [Path(path).name] if Path(path).is_file() else []
-    store = _weights(d, given + files)
+    store = _weights(d, given + files, trainer=kind == "olmo")
     tensors = {k: Lazy.of(t) for k, t in _bind(store, column, m, str(path), cfg.name).items()}
     # OLMo-core names its tokenizer; elsewhere OLMo 2/3's EOS 100257 and rows for its ids say dolma2
     ident = str(((c.get("dataset") or {}).get("tokenizer") or {}).get("identifier", ""))

@@ -187,6 +187,60 @@ def test_old_trainer_checkpoints(name, kind, tmp_path):
     assert rel(hf_logits(net, toks), ours(params, m, toks)) < 1e-5
 
 
+class Evil:  # a pickle that would run a command if anything loaded it
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.path}",)
+
+
+def trainer_key(keys, pickled=False):
+    """ai2-olmo's safetensors_util.encode_key(STKey(keys, pickled)), from its definition."""
+    import base64
+    return base64.urlsafe_b64encode(pickle.dumps((keys, pickled))).decode("ascii")
+
+
+def write_trainer_safetensors(path, sd, extra=None):
+    """The state dict as ai2-olmo's state_dict_to_safetensors_file writes it: flatten_dict, each name
+    encode_key'd, a non-tensor value stored as a uint8 tensor of its pickle (value_is_pickled)."""
+    from safetensors.torch import save_file
+    out = {trainer_key((k,)): v for k, v in sd.items()}
+    for k, v in (extra or {}).items():
+        out[trainer_key((k,), True)] = torch.frombuffer(bytearray(pickle.dumps(v)), dtype=torch.uint8)
+    save_file(out, path)
+
+
+@pytest.mark.parametrize("beside", [False, True])
+def test_old_trainer_safetensors(beside, tmp_path):
+    """The old trainer's model.safetensors (names encoded, plus a pickled non-tensor value that would run a
+    command if loaded) converts to the same logits as its model.pt, alone or beside it."""
+    m = variant("olmo2", head_dim=0)
+    params = random_params(m, seed=11, std=0.15)
+    write_olmo_trainer(tmp_path / "pt", m, params)
+    cfg, sd = olmo_trainer_files(m, params)
+    (tmp_path / "st").mkdir()
+    (tmp_path / "st/config.yaml").write_text((tmp_path / "pt/config.yaml").read_text())
+    write_trainer_safetensors(tmp_path / "st/model.safetensors", sd, {"note": Evil(tmp_path / "pwned")})
+    if beside:
+        torch.save({k: torch.zeros_like(v) for k, v in sd.items()}, tmp_path / "st/model.pt")  # not read
+    toks = tokens(m, T=40)
+    logits = {}
+    for src in ("pt", "st"):
+        convert.convert(tmp_path / src, tmp_path / f"{src}.hf")
+        logits[src] = ours(*reversed(loaded(tmp_path / f"{src}.hf")), toks)
+    assert np.array_equal(logits["st"], logits["pt"]) and rel(logits["pt"], ours(params, m, toks)) < 1e-6
+    assert not (tmp_path / "pwned").exists()
+    # A name that is not the encoding is refused, naming the file and the name; a hostile one runs nothing.
+    from safetensors.torch import save_file
+    for bad in ("transformer.wte.weight", trainer_key(Evil(tmp_path / "pwned")),
+                trainer_key(("transformer.wte.weight",), "no")):
+        save_file({**{trainer_key((k,)): v for k, v in sd.items()}, bad: torch.zeros(1)}, tmp_path / "st/model.safetensors")
+        with pytest.raises(ValueError, match=f"st/model.safetensors: tensor name '{bad[:20]}.*is not the old trainer's"):
+            convert.open_source(tmp_path / "st")
+    assert not (tmp_path / "pwned").exists()
+
+
 @pytest.mark.parametrize("layout", ["model.pt", "dcp"])
 def test_olmo_core_checkpoints(layout, tmp_path):
     m = variant("olmo3", head_dim=0)  # OLMo-core's head_dim is d_model / n_heads
