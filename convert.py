@@ -870,17 +870,23 @@ def write_checkpoint(out, m, tensors, dtype=None, files=None, shard_bytes=None):
 
 def convert(src, out, to_hf=False, dtype=None, tokenizer=None, config=None, shard_gb=5.0):
     """SRC (any format) -> OUT. to_hf: laid out as the official releases: shards + index past
-    shard_gb, generation_config.json, tokenizer files, OLMo 3's V trimmed to the tokenizer's."""
+    shard_gb, generation_config.json, tokenizer files (`tokenizer`, else SRC's own, else dolma2
+    if SRC's ids are), OLMo 3's V trimmed to the tokenizer's."""
     s = open_source(src, config)
     m, tensors, spec = s.m, dict(s.tensors), tokenizer or s.tokenizer
-    files = {}
+    files, tok = {}, None
     if to_hf:
         ids = dict(eos_token_id=m.eos_token_id, pad_token_id=m.pad_token_id)
         files["generation_config.json"] = _json(dict(_from_model_config=True, **ids))
-    if to_hf and spec:
+    if to_hf and not tokenizer:  # the checkpoint's own tokenizer files first
+        try:
+            tok = read_hf_tokenizer(s.path if s.path.is_dir() else s.path.parent)
+        except ValueError as e:
+            print(f"note: {e}", file=sys.stderr)
+    if to_hf and (tok or spec):
         import data
-        tok = data.load_tokenizer(spec)
-        V = tok.vocab_size
+        tok = tok or data.load_tokenizer(spec)
+        V, spec = tok.vocab_size, tok.name
         if V > m.vocab_size:
             raise ValueError(f"tokenizer {spec} has {V} ids, the model only {m.vocab_size} rows")
         if m.family == "olmo3" and V < m.vocab_size:  # as Olmo 3's releases; OLMo 2's keep them
@@ -905,6 +911,17 @@ _KEPT = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
          *range(ord("®"), ord("ÿ") + 1)]
 BYTE_CHARS = {**{b: chr(b) for b in _KEPT},
               **{b: chr(256 + i) for i, b in enumerate(b for b in range(256) if b not in _KEPT)}}
+
+
+# tokenizer.json's model: byte-level BPE, nothing else (its vocab and merges aside)
+BPE = dict(type="BPE", dropout=None, unk_token=None, continuing_subword_prefix="",
+           end_of_word_suffix="", fuse_unk=False, byte_fallback=False)
+
+
+def _pre_tokenizer(pattern):  # tiktoken's split on `pattern`, then bytes as BPE characters
+    split = dict(type="Split", pattern={"Regex": pattern}, behavior="Removed", invert=True)
+    pre = dict(type="ByteLevel", add_prefix_space=False, trim_offsets=True, use_regex=False)
+    return dict(type="Sequence", pretokenizers=[split, pre])
 
 
 def hf_tokenizer_files(tok, max_len):
@@ -934,16 +951,13 @@ def hf_tokenizer_files(tok, max_len):
     added = [dict(id=i, content=s, single_word=False, lstrip=False, rstrip=False, normalized=False,
                   special=not s.startswith(("<|extra_id_", "|||")))  # dolma2: 2 kinds non-special
              for s, i in sorted(enc._special_tokens.items(), key=lambda kv: kv[1])]
-    split = dict(type="Split", pattern={"Regex": enc._pat_str}, behavior="Removed", invert=True)
-    pre = dict(type="ByteLevel", add_prefix_space=False, trim_offsets=True, use_regex=False)
     # ignore_merges: tiktoken's shortcut, a whole token stays one
-    bpe = dict(type="BPE", dropout=None, unk_token=None, continuing_subword_prefix="",
-               end_of_word_suffix="", fuse_unk=False, byte_fallback=False, ignore_merges=True,
-               vocab={text(t): r for t, r in ranks.items()}, merges=merges)
+    bpe = dict(**BPE, ignore_merges=True, vocab={text(t): r for t, r in ranks.items()},
+               merges=merges)
     to_text = dict(type="ByteLevel", add_prefix_space=True, trim_offsets=True, use_regex=True)
     tj = dict(version="1.0", truncation=None, padding=None, added_tokens=added, normalizer=None,
-              pre_tokenizer=dict(type="Sequence", pretokenizers=[split, pre]),
-              post_processor=None, decoder=to_text, model=bpe)
+              pre_tokenizer=_pre_tokenizer(enc._pat_str), post_processor=None, decoder=to_text,
+              model=bpe)
     eos, pad = enc.decode([tok.eos_id]), enc.decode([tok.pad_id])
     decoder = {str(a["id"]): {k: v for k, v in a.items() if k != "id"} for a in added}
     specials = dict(bos_token=eos, eos_token=eos, pad_token=pad, unk_token=eos)
@@ -954,6 +968,48 @@ def hf_tokenizer_files(tok, max_len):
     return {"tokenizer.json": json.dumps(tj, ensure_ascii=False) + "\n",
             "tokenizer_config.json": _json(cfg, ensure_ascii=False),
             "special_tokens_map.json": _json(specials)}
+
+
+def read_hf_tokenizer(d):
+    """d's tokenizer.json and tokenizer_config.json -> data.Tokenizer (rank = id), or None if d has
+    no tokenizer.json. Reads the layout hf_tokenizer_files writes, and allenai's dolma2 one; any
+    other, or a damaged file, is a ValueError naming the file."""
+    import tiktoken
+    import data
+    path, cfg_path = Path(d) / "tokenizer.json", Path(d) / "tokenizer_config.json"
+    if not path.is_file():
+        return None
+    tj, cfg = read_json(path), read_json(cfg_path) if cfg_path.is_file() else {}
+    try:
+        bpe, added = tj["model"], {a["content"]: a["id"] for a in tj["added_tokens"]}
+        pattern = tj["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"]
+        if ({k: bpe.get(k) for k in BPE} != BPE or tj["normalizer"] is not None
+                or tj["pre_tokenizer"] != _pre_tokenizer(pattern)):
+            raise ValueError("not byte-level BPE split as tiktoken splits")
+        byte_of, special = {c: b for b, c in BYTE_CHARS.items()}, set(added.values())
+        ranks = {bytes(byte_of[c] for c in text): i for text, i in bpe["vocab"].items()
+                 if i not in special}  # (allenai's vocab lists its added tokens too)
+        if sorted(ranks.values()) != list(range(len(ranks))):
+            raise ValueError("its vocabulary's ids are not 0..n-1 without gaps")
+        last = -1  # tiktoken merges by rank: each merge must make a token of a higher rank
+        for merge in bpe["merges"]:
+            a, b = merge.split(" ") if isinstance(merge, str) else merge
+            if bpe["vocab"].get(a + b, -1) <= last:
+                raise ValueError(f"merge {merge!r} is out of rank order, or makes no token")
+            last = bpe["vocab"][a + b]
+        if len(bpe["merges"]) != sum(len(t) > 1 for t in ranks):
+            raise ValueError("a token of several bytes has no merge")
+        eos, pad = (x["content"] if isinstance(x, dict) else x for x in
+                    (cfg.get("eos_token", "<|endoftext|>"), cfg.get("pad_token", "<|pad|>")))
+        enc = tiktoken.Encoding(Path(d).name, pat_str=pattern, mergeable_ranks=ranks,
+                                special_tokens=added)
+        ids = (added[eos], added.get(pad, added[eos]))
+    except (KeyError, TypeError, IndexError, AttributeError, ValueError) as e:
+        why = str(e) if type(e) is ValueError else f"{type(e).__name__}: {e}"
+        raise ValueError(f"{path}: not a tokenizer.json we read (byte-level BPE over tiktoken "
+                         f"ranks, as convert.py writes): {why}") from None
+    return data.Tokenizer(enc, str(path), *ids, max(added.values(), default=len(ranks) - 1) + 1,
+                          data.sha256(path))
 
 
 # --- soups: the average of checkpoints ------------------------------------------------------------
@@ -1094,7 +1150,8 @@ def convert_command(arg, parse):
     arg("--dtype", choices=DTYPE_NAMES,
         help="cast every tensor (default: keep each tensor's dtype)")
     arg("--tokenizer",
-        help="with --to-hf: dolma2 or a ranks file (default: dolma2 if the checkpoint uses it)")
+        help="with --to-hf: dolma2 or a ranks file (default: the checkpoint's tokenizer.json, "
+        "else dolma2 if the checkpoint uses it)")
     arg("--shard-size", type=in_range(float, 0, open_lo=True), default=5.0,
         help="with --to-hf: GiB per safetensors shard")
     a = parse()
