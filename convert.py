@@ -13,8 +13,10 @@ trainer), olmo_core; see docs/conversion.md. A rename and a split of fused tenso
 OUT.tmp, renamed OUT at the end; nothing is unpickled freely.
 """
 
+import base64
 import dataclasses
 import functools
+import io
 import json
 import math
 import mmap
@@ -356,16 +358,31 @@ def _refuse(c, rules):
     """Each (key, the value we implement (a tuple: any of them), why) in rules holds in c, or a
     ConfigError names the key and its value. Flags compare as booleans (null = false)."""
     for key, want, why in rules:
-        wants = want if isinstance(want, tuple) else (want,)
-        got = c.get(key, wants[0])
+        got, wants = c.get(key), want if isinstance(want, tuple) else (want,)
         if (bool(got) if isinstance(want, bool) else got) not in wants:
             raise ConfigError(f"{key}={got!r} is not supported ({why})")
 
 
-# The old trainer's flags: (key, the value we implement, why), for both families then per family
-OLMO_FLAGS = [(key, want, "not an OLMo 1 / 2 architecture") for key, want in (
-    ("rope", True), ("alibi", False), ("include_bias", False), ("bias_for_layer_norm", False),
-    ("scale_logits", False), ("activation_type", "swiglu"), ("block_type", "sequential"))]
+# The old trainer's ModelConfig defaults (ai2-olmo 0.6.0 olmo/config.py): what an absent key means
+OLMO_DEFAULTS = dict(
+    n_kv_heads=None, clip_qkv=None, mlp_ratio=4, mlp_hidden_size=None, activation_type="swiglu",
+    block_type="sequential", block_group_size=1, alibi=False, rope=False, rope_theta=10000,
+    multi_query_attention=None, attention_layer_norm=False, embedding_layer_norm=False,
+    layer_norm_type="default", layer_norm_with_affine=True, layer_norm_eps=1e-5,
+    attention_layer_norm_with_affine=True, max_sequence_length=1024, include_bias=True,
+    bias_for_layer_norm=None, scale_logits=False, vocab_size=50257, embedding_size=50304,
+    weight_tying=True, eos_token_id=50256, pad_token_id=50256, init_fn="normal", init_std=0.02,
+    norm_after=False)
+# Its flags that change the forward: (key, the value we implement, why), for both families then
+# per family (docs/conversion.md lists every field)
+OLMO_FLAGS = [
+    ("rope", True, "OLMo 1 / 2 use RoPE"), ("alibi", False, "OLMo 1 / 2 use RoPE"),
+    ("include_bias", False, "OLMo 1 / 2 have no biases"),
+    ("scale_logits", False, "no logit scale in OLMo 1 / 2 or HF Olmo"),
+    ("activation_type", "swiglu", "OLMo 1 / 2 use SwiGLU"),
+    ("block_type", "sequential", "OLMo 1 / 2's block, fused att_proj and ff_proj"),
+    ("block_group_size", 1, "grouped blocks' tensor names are not read"),
+    ("embedding_layer_norm", False, "no norm after the embedding in OLMo 1 / 2 or HF Olmo")]
 OLMO_FAMILY_FLAGS = {
     "olmo1": [("attention_layer_norm", False, "OLMo 1 has no QK-norm"),
               ("layer_norm_with_affine", False, "OLMo 1's LayerNorm has no weight"),
@@ -373,29 +390,84 @@ OLMO_FAMILY_FLAGS = {
                "OLMo 1 uses LayerNorm ('default')")],
     "olmo2": [("attention_layer_norm", True, "OLMo 2 has QK-norm"),
               ("layer_norm_type", "rms", "OLMo 2 uses RMSNorm"),
-              ("layer_norm_with_affine", True, "OLMo 2's RMSNorms have weights")]}
+              ("layer_norm_with_affine", True, "OLMo 2's RMSNorms have weights"),
+              ("attention_layer_norm_with_affine", True, "OLMo 2's QK-norms have weights"),
+              ("bias_for_layer_norm", False, "OLMo 2's RMSNorms have no bias")]}
 
 
 @_names_file
 def config_from_olmo(c):
     """The old trainer's model config (config.yaml's `model:`, or hf_olmo's config.json)."""
-    family = "olmo2" if c.get("norm_after") else "olmo1"  # OLMo 2: norm_after, QK-norm, RMSNorm
+    c = {**OLMO_DEFAULTS, **c}
+    family = "olmo2" if c["norm_after"] else "olmo1"  # OLMo 2: norm_after, QK-norm, RMSNorm
     _refuse(c, OLMO_FLAGS + OLMO_FAMILY_FLAGS[family])
     D, N = c["d_model"], c["n_heads"]
     return ModelConfig(
         family=family, d_model=D, n_layers=c["n_layers"], n_heads=N,
-        n_kv_heads=c.get("n_kv_heads") or (1 if c.get("multi_query_attention") else N),
-        head_dim=D // N,
+        n_kv_heads=c["n_kv_heads"] or (1 if c["multi_query_attention"] else N), head_dim=D // N,
         # the trainer's hidden size counts both SwiGLU halves of ff_proj
-        mlp_hidden=(c.get("mlp_hidden_size") or D * c.get("mlp_ratio", 4)) // 2,
-        vocab_size=c.get("embedding_size") or c["vocab_size"],
-        tie_embeddings=bool(c.get("weight_tying", True)),
-        norm_eps=float(c.get("layer_norm_eps") or 1e-5),
-        rope_theta=float(c.get("rope_theta", 10000)),
-        max_seq_len=c.get("max_sequence_length", 2048), clip_qkv=float(c.get("clip_qkv") or 0.0),
-        init="mitchell" if c.get("init_fn") == "mitchell" else "normal",
-        init_std=float(c.get("init_std", 0.02)),
-        eos_token_id=c.get("eos_token_id", 50256), pad_token_id=c.get("pad_token_id", 50256))
+        mlp_hidden=(c["mlp_hidden_size"] or D * c["mlp_ratio"]) // 2,
+        vocab_size=c["embedding_size"] or c["vocab_size"], tie_embeddings=bool(c["weight_tying"]),
+        norm_eps=float(c["layer_norm_eps"]), rope_theta=float(c["rope_theta"]),
+        max_seq_len=c["max_sequence_length"], clip_qkv=float(c["clip_qkv"] or 0.0),
+        init="mitchell" if c["init_fn"] == "mitchell" else "normal", init_std=float(c["init_std"]),
+        eos_token_id=c["eos_token_id"], pad_token_id=c["pad_token_id"])
+
+
+def _flat(d, prefix):
+    """Nested dicts -> {dotted path: value}, each dict and each leaf; a None is left out (unset:
+    OLMo-core writes its configs so, and a module then takes its own default)."""
+    out = {}
+    for k, v in d.items():
+        if v is not None:
+            out[prefix + k] = v
+            out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {})
+    return out
+
+
+# OLMo-core (its TransformerConfig and the module configs in it): the modules' defaults for unset
+# keys, and the fields that change the forward, as the old trainer's (docs/conversion.md)
+_B, _A = "model.block.", "model.block.sequence_mixer."
+_NORMS = ("model.block.layer_norm", _A + "qk_norm", "model.lm_head.layer_norm")
+OLMO_CORE_DEFAULTS = {
+    "model.name": "default", _B + "name": "default", _B + "feed_forward.name": "default",
+    _B + "feed_forward.activation": "silu", _A + "type": "attention", _A + "name": "default",
+    _A + "rope.name": "default", _A + "rope.theta": 500000, _A + "rope.partial_rotary_factor": 1,
+    "model.lm_head.name": "default",
+    **{f"{k}.bias": True for k in (_B + "feed_forward", _A[:-1], "model.lm_head", *_NORMS)},
+    **{f"{n}.{k}": v for n in _NORMS for k, v in (("name", "default"), ("eps", 1e-5),
+                                                   ("elementwise_affine", True))}}
+RMS = ("rms", "fused_rms", "cute_rms", "qwen_rms", "nemotron_rms")  # kernels / rounding aside
+OLMO_CORE_FLAGS = [
+    ("model.name", "default", "OLMo 2/3's transformer"),
+    ("model.embedding_norm", None, "no norm after the embedding in OLMo 2/3 or HF Olmo"),
+    ("model.embed_scale", (None, 1), "no embedding scale in OLMo 2/3 or HF Olmo"),
+    ("model.block_pattern", None, "one kind of block"),
+    (_B + "name", "reordered_norm", "OLMo 2/3's block"),
+    (_B + "feed_forward_moe", None, "no mixture of experts"),
+    (_B + "attention_residual_alpha", (None, 1), "OLMo 2/3 add the residual unscaled"),
+    (_B + "feed_forward_residual_alpha", (None, 1), "OLMo 2/3 add the residual unscaled"),
+    (_B + "feed_forward.name", "default", "OLMo 2/3's MLP"),
+    (_B + "feed_forward.activation", "silu", "OLMo 2/3 use SwiGLU"),
+    (_A + "type", "attention", "OLMo 2/3 use attention"),
+    (_A + "name", "default", "OLMo 2/3's attention, w_q, w_k, w_v apart"),
+    (_A + "gate", None, "no gated attention in OLMo 2/3"),
+    (_A + "clip_qkv", None, "only OLMo 1 clamps q, k, v; HF Olmo2/3 do not"),
+    (_A + "use_head_qk_norm", False, "OLMo 2/3's QK-norm spans all heads"),
+    (_A + "qk_norm_per_head_gains", False, "OLMo 2/3's QK-norm spans all heads"),
+    (_A + "scalable_softmax", False, "no softmax scale in OLMo 2/3"),
+    (_A + "attention_sinks", False, "no attention sinks in OLMo 2/3"),
+    (_A + "rope.name", "default", "OLMo rotates the two halves of a head, not interleaved pairs"),
+    (_A + "rope.no_global_rope", False, "OLMo 2/3 rotate on every layer"),
+    (_A + "rope.partial_rotary_factor", 1, "OLMo 2/3 rotate the whole head"),
+    ("model.lm_head.name", "default", "OLMo 2/3's head"),
+    *[(f"{k}.bias", False, "OLMo 2/3 have no biases; unset means true in OLMo-core")
+      for k in (_B + "feed_forward", _A[:-1], "model.lm_head", *_NORMS)],
+    *[(f"{n}.{k}", want, why) for n in _NORMS for k, want, why in (
+        ("name", RMS, "OLMo 2/3 use RMSNorm"),
+        ("elementwise_affine", True, "OLMo 2/3's RMSNorms have weights"))]]
+YARN_KEYS = {"_CLASS_", "factor", "beta_fast", "beta_slow", "old_context_len",
+             "attention_rescale_factor"}  # (the last: a legacy key OLMo-core ignores on load)
 
 
 @_names_file
@@ -406,23 +478,32 @@ def config_from_olmo_core(cfg):
 
     t = cfg["model"]  # detect() saw model.block
     L, base = t["n_layers"], t["block"]
-    if base.get("name") != "reordered_norm" or t.get("name", "default") != "default":
-        bad(f"block {base.get('name')!r} / model {t.get('name')!r}: only OLMo 2/3's "
-            "reordered_norm transformer is supported")
 
     def attn(block):
         mixer = block.get("sequence_mixer") or block.get("attention")
-        return mixer or bad("a block without attention")
+        return mixer or bad("model.block has no sequence_mixer or attention (named blocks and "
+                            "model.block_pattern are not supported)")
 
     def without_scaling(block):  # the block with its RoPE scaling removed, to compare the rest
         a = {**attn(block), "rope": {**(attn(block).get("rope") or {}), "scaling": None}}
         return {k: v for k, v in {**block, "sequence_mixer": a}.items() if k != "attention"}
 
+    f = {**OLMO_CORE_DEFAULTS, **_flat({**t, "block": {**base, "sequence_mixer": attn(base)}},
+                                       "model.")}
+    for key in (_A + "rope", _A + "qk_norm", "model.lm_head.layer_norm"):
+        if key not in f:
+            bad(f"{key}=None is not supported (OLMo 2/3 have one)")
+    _refuse(f, OLMO_CORE_FLAGS)
+    for key in (_A + "qk_norm.eps", "model.lm_head.layer_norm.eps"):
+        if f[key] != f[_B + "layer_norm.eps"]:
+            bad(f"{key}={f[key]} is not supported (it differs from model.block.layer_norm.eps="
+                f"{f[_B + 'layer_norm.eps']}: OLMo 2/3 have one eps)")
     overrides = {int(k): v for k, v in (t.get("block_overrides") or {}).items()}
     for i, block in overrides.items():
         if without_scaling(block) != without_scaling(base):
-            bad(f"block_overrides[{i}] changes more than RoPE scaling: not supported")
-    a, ff, ln = attn(base), base.get("feed_forward") or {}, base.get("layer_norm") or {}
+            bad(f"model.block_overrides.{i}={block} is not supported (it changes more than "
+                "model.block's RoPE scaling)")
+    a = attn(base)
     # OLMo-core's SlidingWindowAttentionConfig._get_window_size, per layer; -1 = full attention
     sw = a.get("sliding_window") or {"pattern": [-1]}
     pattern, first = sw["pattern"], sw.get("force_full_attention_on_first_layer", True)
@@ -434,28 +515,16 @@ def config_from_olmo_core(cfg):
         else:  # the pattern starts after a forced first layer
             ws.append(pattern[(i - 1 if first else i) % len(pattern)])
     kinds, windows = "".join("F" if w == -1 else "S" for w in ws), set(ws) - {-1}
-    rope, qk = a.get("rope") or bad("attention without RoPE"), a.get("qk_norm")
-    if (a.get("name", "default") != "default" or a.get("bias") or a.get("clip_qkv")
-            or a.get("use_head_qk_norm")):
-        bad("attention with bias / clip_qkv / per-head QK-norm is not OLMo 2/3")
-    if (not qk or qk.get("bias") or ln.get("bias")
-            or {qk.get("name", "default"), ln.get("name", "default")} != {"rms"}):
-        bad("OLMo 2/3 use RMSNorm without bias for the block norms and QK-norm")
-    if qk.get("eps", 1e-5) != ln.get("eps", 1e-5):
-        bad(f"QK-norm eps {qk.get('eps')} differs from the block norms' {ln.get('eps')}")
-    if ff.get("activation", "silu") != "silu" or ff.get("bias") or base.get("feed_forward_moe"):
-        bad("the feed-forward must be a SwiGLU MLP without bias")
     if len(windows) > 1:
-        bad(f"sliding layers with different windows {sorted(windows)}")
+        bad(f"{_A}sliding_window.pattern={pattern} is not supported (one window size)")
     ropes = [attn(overrides.get(i, base)).get("rope") or {} for i in range(L)]
     yarns = [r.get("scaling") or None for r in ropes]
     y = next((y for y in yarns if y), None)
     if y and any(s != (y if k == "F" else None) for s, k in zip(yarns, kinds)):
-        bad("RoPE scaling must be the same on every full-attention layer and absent on sliding "
-            "ones")
-    if y and ("YaRN" not in y.get("_CLASS_", "YaRN")
-              or set(y) - {"_CLASS_", "factor", "beta_fast", "beta_slow", "old_context_len"}):
-        bad(f"RoPE scaling {y}: only YaRN is supported")
+        bad(f"{_A}rope.scaling={y} is not supported on sliding layers (OLMo 3 scales the same "
+            "on every full layer, none on sliding ones)")
+    if y and ("YaRN" not in y.get("_CLASS_", "YaRN") or set(y) - YARN_KEYS):
+        bad(f"{_A}rope.scaling={y} is not supported (only YaRN, as OLMo 3)")
     yarn = {}
     if y:
         yarn = dict(
@@ -469,9 +538,10 @@ def config_from_olmo_core(cfg):
     return ModelConfig(
         family="olmo3" if "S" in kinds or yarn else "olmo2", d_model=D, n_layers=L, n_heads=N,
         n_kv_heads=a.get("n_kv_heads") or N, head_dim=a.get("head_dim") or D // N,
-        mlp_hidden=ff["hidden_size"], vocab_size=t["vocab_size"], tie_embeddings=False,
-        norm_eps=float(ln.get("eps", 1e-5)), rope_theta=float(rope.get("theta", 500000)),
-        max_seq_len=seq or 8192, init_std=float(t.get("init_std", 0.02)),
+        mlp_hidden=base["feed_forward"]["hidden_size"], vocab_size=t["vocab_size"],
+        tie_embeddings=bool(t.get("tie_word_embeddings")), norm_eps=float(f[_B + "layer_norm.eps"]),
+        rope_theta=float(f[_A + "rope.theta"]), max_seq_len=seq or 8192,
+        init_std=float(t.get("init_std", 0.02)),
         eos_token_id=tok.get("eos_token_id", 100257), pad_token_id=tok.get("pad_token_id", 100277),
         **_layer_pattern(kinds, max(windows, default=0)), **yarn)
 
@@ -538,6 +608,32 @@ class _MetadataUnpickler(pickle.Unpickler):
                                      "refusing to load it")
 
 
+class _PlainUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):  # plain data (tuples, str, bool) names no global
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which we never load")
+
+
+def trainer_store(store, path):
+    """The old trainer's model.safetensors (its olmo/safetensors_util.py) -> name -> tensor. Each
+    stored name is the urlsafe base64 of a pickle of (keys: tuple of str, value_is_pickled),
+    read by an unpickler that loads no global; a pickled value (not a tensor) is skipped unread."""
+    out = {}
+    for name, t in store.items():
+        try:
+            raw = base64.b64decode(name, altchars=b"-_", validate=True)
+            keys, pickled = _PlainUnpickler(io.BytesIO(raw)).load()
+            if not (isinstance(keys, tuple) and keys and isinstance(pickled, bool)
+                    and all(isinstance(k, str) for k in keys)):
+                raise ValueError(f"it holds {keys!r}, {pickled!r}")
+        except Exception as e:  # bad base64, a broken or hostile pickle, another shape of data
+            raise ValueError(f"{path}: tensor name {name[:80]!r} is not the old trainer's "
+                             "(urlsafe base64 of a pickled (tuple of str, bool)): "
+                             f"{type(e).__name__}: {e}") from None
+        if not pickled:
+            out[".".join(keys)] = t
+    return out
+
+
 def dcp_store(d):
     """The model.* tensors of a DCP checkpoint, each read alone on use (no process group)."""
     import torch
@@ -572,8 +668,9 @@ def dcp_store(d):
             if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
 
 
-def _weights(d, names):
-    """Their name -> tensor, from the first of `names` in d: a weight file, shard index or DCP."""
+def _weights(d, names, trainer=False):
+    """Their name -> tensor, from the first of `names` in d: a weight file, shard index or DCP.
+    trainer: safetensors names are the old trainer's encoding (trainer_store)."""
     for name in names:
         p = d / name
         if name.endswith(".index.json") and p.is_file():
@@ -581,11 +678,14 @@ def _weights(d, names):
             for f in files:
                 if not (d / f).is_file():
                     raise FileNotFoundError(f"{p} names shard {f}, which is missing")
-            return {k: v for f in files for k, v in _weights(d, [f]).items()}
+            return {k: v for f in files for k, v in _weights(d, [f], trainer).items()}
         if name == "model_and_optim" and (p / ".metadata").is_file():
             return dcp_store(p)
+        if p.is_file() and name.endswith(".safetensors"):
+            store = read_safetensors(p)[0]
+            return trainer_store(store, p) if trainer else store
         if p.is_file():
-            return read_safetensors(p)[0] if name.endswith(".safetensors") else torch_store(p)
+            return torch_store(p)
     raise FileNotFoundError(f"{d}: no weights: looked for {', '.join(names)}")
 
 
@@ -638,8 +738,8 @@ def _bind(store, column, m, where, what):
 
     # old converters wrote rotary_emb.inv_freq; we recompute it from the config
     store = {unprefixed(k): v for k, v in store.items() if not k.endswith("rotary_emb.inv_freq")}
-    if m.tie_embeddings:
-        store.pop("lm_head.weight", None)  # some tied files carry a copy of the head
+    if m.tie_embeddings:  # some tied files carry a copy of the head (OLMo-core's, HF's)
+        store.pop(f"{TOP_NAMES[-1][column]}.weight", None)
     want = expected_tensors(m)
     if column:  # ours -> theirs, from the name tables
         prefix = LAYER_PREFIX[column]
@@ -711,7 +811,7 @@ def open_source(path, config=None):
     read, files, column = FORMATS[kind]
     m = read(c, str(cfg))
     given = [Path(path).name] if Path(path).is_file() else []
-    store = _weights(d, given + files)
+    store = _weights(d, given + files, trainer=kind == "olmo")
     tensors = {k: Lazy.of(t) for k, t in _bind(store, column, m, str(path), cfg.name).items()}
     # OLMo-core names its tokenizer; elsewhere OLMo 2/3's EOS 100257 and rows for its ids say dolma2
     ident = str(((c.get("dataset") or {}).get("tokenizer") or {}).get("identifier", ""))
@@ -770,17 +870,23 @@ def write_checkpoint(out, m, tensors, dtype=None, files=None, shard_bytes=None):
 
 def convert(src, out, to_hf=False, dtype=None, tokenizer=None, config=None, shard_gb=5.0):
     """SRC (any format) -> OUT. to_hf: laid out as the official releases: shards + index past
-    shard_gb, generation_config.json, tokenizer files, OLMo 3's V trimmed to the tokenizer's."""
+    shard_gb, generation_config.json, tokenizer files (`tokenizer`, else SRC's own, else dolma2
+    if SRC's ids are), OLMo 3's V trimmed to the tokenizer's."""
     s = open_source(src, config)
     m, tensors, spec = s.m, dict(s.tensors), tokenizer or s.tokenizer
-    files = {}
+    files, tok = {}, None
     if to_hf:
         ids = dict(eos_token_id=m.eos_token_id, pad_token_id=m.pad_token_id)
         files["generation_config.json"] = _json(dict(_from_model_config=True, **ids))
-    if to_hf and spec:
+    if to_hf and not tokenizer:  # the checkpoint's own tokenizer files first
+        try:
+            tok = read_hf_tokenizer(s.path if s.path.is_dir() else s.path.parent)
+        except ValueError as e:
+            print(f"note: {e}", file=sys.stderr)
+    if to_hf and (tok or spec):
         import data
-        tok = data.load_tokenizer(spec)
-        V = tok.vocab_size
+        tok = tok or data.load_tokenizer(spec)
+        V, spec = tok.vocab_size, tok.name
         if V > m.vocab_size:
             raise ValueError(f"tokenizer {spec} has {V} ids, the model only {m.vocab_size} rows")
         if m.family == "olmo3" and V < m.vocab_size:  # as Olmo 3's releases; OLMo 2's keep them
@@ -805,6 +911,17 @@ _KEPT = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
          *range(ord("®"), ord("ÿ") + 1)]
 BYTE_CHARS = {**{b: chr(b) for b in _KEPT},
               **{b: chr(256 + i) for i, b in enumerate(b for b in range(256) if b not in _KEPT)}}
+
+
+# tokenizer.json's model: byte-level BPE, nothing else (its vocab and merges aside)
+BPE = dict(type="BPE", dropout=None, unk_token=None, continuing_subword_prefix="",
+           end_of_word_suffix="", fuse_unk=False, byte_fallback=False)
+
+
+def _pre_tokenizer(pattern):  # tiktoken's split on `pattern`, then bytes as BPE characters
+    split = dict(type="Split", pattern={"Regex": pattern}, behavior="Removed", invert=True)
+    pre = dict(type="ByteLevel", add_prefix_space=False, trim_offsets=True, use_regex=False)
+    return dict(type="Sequence", pretokenizers=[split, pre])
 
 
 def hf_tokenizer_files(tok, max_len):
@@ -834,16 +951,13 @@ def hf_tokenizer_files(tok, max_len):
     added = [dict(id=i, content=s, single_word=False, lstrip=False, rstrip=False, normalized=False,
                   special=not s.startswith(("<|extra_id_", "|||")))  # dolma2: 2 kinds non-special
              for s, i in sorted(enc._special_tokens.items(), key=lambda kv: kv[1])]
-    split = dict(type="Split", pattern={"Regex": enc._pat_str}, behavior="Removed", invert=True)
-    pre = dict(type="ByteLevel", add_prefix_space=False, trim_offsets=True, use_regex=False)
     # ignore_merges: tiktoken's shortcut, a whole token stays one
-    bpe = dict(type="BPE", dropout=None, unk_token=None, continuing_subword_prefix="",
-               end_of_word_suffix="", fuse_unk=False, byte_fallback=False, ignore_merges=True,
-               vocab={text(t): r for t, r in ranks.items()}, merges=merges)
+    bpe = dict(**BPE, ignore_merges=True, vocab={text(t): r for t, r in ranks.items()},
+               merges=merges)
     to_text = dict(type="ByteLevel", add_prefix_space=True, trim_offsets=True, use_regex=True)
     tj = dict(version="1.0", truncation=None, padding=None, added_tokens=added, normalizer=None,
-              pre_tokenizer=dict(type="Sequence", pretokenizers=[split, pre]),
-              post_processor=None, decoder=to_text, model=bpe)
+              pre_tokenizer=_pre_tokenizer(enc._pat_str), post_processor=None, decoder=to_text,
+              model=bpe)
     eos, pad = enc.decode([tok.eos_id]), enc.decode([tok.pad_id])
     decoder = {str(a["id"]): {k: v for k, v in a.items() if k != "id"} for a in added}
     specials = dict(bos_token=eos, eos_token=eos, pad_token=pad, unk_token=eos)
@@ -854,6 +968,48 @@ def hf_tokenizer_files(tok, max_len):
     return {"tokenizer.json": json.dumps(tj, ensure_ascii=False) + "\n",
             "tokenizer_config.json": _json(cfg, ensure_ascii=False),
             "special_tokens_map.json": _json(specials)}
+
+
+def read_hf_tokenizer(d):
+    """d's tokenizer.json and tokenizer_config.json -> data.Tokenizer (rank = id), or None if d has
+    no tokenizer.json. Reads the layout hf_tokenizer_files writes, and allenai's dolma2 one; any
+    other, or a damaged file, is a ValueError naming the file."""
+    import tiktoken
+    import data
+    path, cfg_path = Path(d) / "tokenizer.json", Path(d) / "tokenizer_config.json"
+    if not path.is_file():
+        return None
+    tj, cfg = read_json(path), read_json(cfg_path) if cfg_path.is_file() else {}
+    try:
+        bpe, added = tj["model"], {a["content"]: a["id"] for a in tj["added_tokens"]}
+        pattern = tj["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"]
+        if ({k: bpe.get(k) for k in BPE} != BPE or tj["normalizer"] is not None
+                or tj["pre_tokenizer"] != _pre_tokenizer(pattern)):
+            raise ValueError("not byte-level BPE split as tiktoken splits")
+        byte_of, special = {c: b for b, c in BYTE_CHARS.items()}, set(added.values())
+        ranks = {bytes(byte_of[c] for c in text): i for text, i in bpe["vocab"].items()
+                 if i not in special}  # (allenai's vocab lists its added tokens too)
+        if sorted(ranks.values()) != list(range(len(ranks))):
+            raise ValueError("its vocabulary's ids are not 0..n-1 without gaps")
+        last = -1  # tiktoken merges by rank: each merge must make a token of a higher rank
+        for merge in bpe["merges"]:
+            a, b = merge.split(" ") if isinstance(merge, str) else merge
+            if bpe["vocab"].get(a + b, -1) <= last:
+                raise ValueError(f"merge {merge!r} is out of rank order, or makes no token")
+            last = bpe["vocab"][a + b]
+        if len(bpe["merges"]) != sum(len(t) > 1 for t in ranks):
+            raise ValueError("a token of several bytes has no merge")
+        eos, pad = (x["content"] if isinstance(x, dict) else x for x in
+                    (cfg.get("eos_token", "<|endoftext|>"), cfg.get("pad_token", "<|pad|>")))
+        enc = tiktoken.Encoding(Path(d).name, pat_str=pattern, mergeable_ranks=ranks,
+                                special_tokens=added)
+        ids = (added[eos], added.get(pad, added[eos]))
+    except (KeyError, TypeError, IndexError, AttributeError, ValueError) as e:
+        why = str(e) if type(e) is ValueError else f"{type(e).__name__}: {e}"
+        raise ValueError(f"{path}: not a tokenizer.json we read (byte-level BPE over tiktoken "
+                         f"ranks, as convert.py writes): {why}") from None
+    return data.Tokenizer(enc, str(path), *ids, max(added.values(), default=len(ranks) - 1) + 1,
+                          data.sha256(path))
 
 
 # --- soups: the average of checkpoints ------------------------------------------------------------
@@ -994,7 +1150,8 @@ def convert_command(arg, parse):
     arg("--dtype", choices=DTYPE_NAMES,
         help="cast every tensor (default: keep each tensor's dtype)")
     arg("--tokenizer",
-        help="with --to-hf: dolma2 or a ranks file (default: dolma2 if the checkpoint uses it)")
+        help="with --to-hf: dolma2 or a ranks file (default: the checkpoint's tokenizer.json, "
+        "else dolma2 if the checkpoint uses it)")
     arg("--shard-size", type=in_range(float, 0, open_lo=True), default=5.0,
         help="with --to-hf: GiB per safetensors shard")
     a = parse()

@@ -12,9 +12,9 @@
     python eval.py arith --out data/arith                   # the post-training task
     python eval.py plot runs/a runs/b                       # loss curves -> runs/a/loss.png
 
-CKPT: our checkpoint directory (HF layout); its tokenizer: --tokenizer SPEC, else its run's
-dataset's, else dolma2 if the ids are dolma2's. logits: float32 (B, T, V) in both backends. More in
-docs/evaluation.md and docs/posttrain.md.
+CKPT: our checkpoint directory (HF layout); its tokenizer: --tokenizer SPEC, else its own
+tokenizer.json, else its run's dataset's, else dolma2 if the ids are dolma2's. logits: float32
+(B, T, V) in both backends. More in docs/evaluation.md and docs/posttrain.md.
 """
 
 import argparse
@@ -108,21 +108,29 @@ def load_checkpoint(ckpt, dtype=None):
 
 def checkpoint_tokenizer(ckpt, m, spec=None):
     """CKPT's tokenizer (module docstring); it must fit the model's ids and EOS (empty contexts)."""
-    meta, dataset = Path(ckpt) / "nanolmo.json", None
+    meta, dataset, tok, unread = Path(ckpt) / "nanolmo.json", None, None, None
+    if not spec:
+        try:  # its own tokenizer files first: they travel with it
+            tok = convert.read_hf_tokenizer(ckpt)
+        except ValueError as e:
+            unread = str(e)
     if meta.is_file():
         dataset = read_json(meta, "restore it from a copy of the run")["config"]["data"]["path"]
     added = data.DOLMA2_ADDED
     dolma2 = m.eos_token_id == added["<|endoftext|>"] and m.vocab_size > added["<|pad|>"]
-    if not spec and dataset and (Path(dataset) / "prepare.json").is_file():
+    if tok is None and not spec and dataset and (Path(dataset) / "prepare.json").is_file():
         tok = data.dataset_tokenizer(dataset)
-    elif spec or dolma2:
+    elif tok is None and (spec or dolma2):
         tok = data.load_tokenizer(spec or "dolma2")
-    else:
+    elif tok is None:
         why = (f"{meta} names data.path={dataset!r}, which is not a prepared folder from here"
                if dataset else f"{ckpt} has no nanolmo.json")
         raise FileNotFoundError(
-            f"no tokenizer for {ckpt}: {why}, and its ids are not dolma2's (eos_token_id="
-            f"{m.eos_token_id}, vocab_size={m.vocab_size}); pass --tokenizer SPEC")
+            f"no tokenizer for {ckpt}: {unread or 'it has no tokenizer.json'}; {why}, and its ids "
+            f"are not dolma2's (eos_token_id={m.eos_token_id}, vocab_size={m.vocab_size}); pass "
+            "--tokenizer SPEC")
+    if unread:
+        print(f"note: {unread}; using {tok.name}", file=sys.stderr)
     if tok.vocab_size > m.vocab_size or tok.eos_id != m.eos_token_id:
         raise ValueError(
             f"tokenizer {tok.name} ({tok.vocab_size} ids, EOS {tok.eos_id}) does not fit {ckpt} "

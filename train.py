@@ -129,9 +129,10 @@ def checkpoint_entries(m):
     return model_e, opt_e
 
 
-def save_checkpoint(run_dir, step, backend, cfg, loader_state, log_window):
+def save_checkpoint(run_dir, step, backend, cfg, loader_state, log_window, extra=None):
     """step_N.tmp/ -> fsync -> step_N/ -> `latest` -> drop those past `keep`: a crash leaves the
-    last whole. log_window: the losses since the last log line (a resumed run's next line)."""
+    last whole. log_window: the losses since the last log line (a resumed run's next line).
+    extra: name -> text, more files (the tokenizer's)."""
     run_dir, lead, barrier = Path(run_dir), backend.lead, backend.barrier
     final, tmp = run_dir / f"step_{step}", run_dir / f"step_{step}.tmp"
     try:
@@ -155,9 +156,10 @@ def save_checkpoint(run_dir, step, backend, cfg, loader_state, log_window):
             history = {k: np.asarray(v).tolist() for k, v in backend.history.items()}
             meta = dict(step=step, config=to_dict(cfg), data=loader_state, log_window=log_window,
                         history=history)
-            for f, obj, indent in (("config.json", convert.config_to_hf(cfg.model), 2),
-                                   ("nanolmo.json", meta, 1)):
-                (tmp / f).write_text(json.dumps(obj, indent=indent) + "\n")
+            texts = {"config.json": json.dumps(convert.config_to_hf(cfg.model), indent=2) + "\n",
+                     "nanolmo.json": json.dumps(meta, indent=1) + "\n", **(extra or {})}
+            for f, text in texts.items():
+                (tmp / f).write_text(text)
                 convert.fsync(tmp / f)
     except BaseException as e:  # a full disk, or Ctrl-C: no half-written step_N.tmp stays behind
         if lead:
@@ -822,6 +824,11 @@ def main(argv):
     # --- data
     instances, heldout, tok = open_data(cfg)
     token_bytes = evaluate.token_bytes(tok) if tok else None
+    # each checkpoint carries its tokenizer, for eval.py and transformers' AutoTokenizer
+    tok_files = convert.hf_tokenizer_files(tok, m.max_seq_len) if tok and lead else {}
+    if not tok:
+        print(f"note: {dc.path} names no tokenizer (not a prepared folder): checkpoints carry "
+              "none; pass eval.py --tokenizer SPEC")
     tokens_per_step, flops = dc.global_batch * dc.seq_len, model.flops_per_token(m, dc.seq_len)
 
     # --- params: resume this run, or start a stage from another checkpoint, or initialise
@@ -903,7 +910,8 @@ def main(argv):
         if record and lead:
             log(record, metrics_path, bar.write)
         if saving:  # every process writes its pieces
-            last_saved = save_checkpoint(run_dir, step, backend, cfg, loader.state(), window)
+            last_saved = save_checkpoint(run_dir, step, backend, cfg, loader.state(), window,
+                                         tok_files)
         if stopping:
             bar.close()
             print(f"{stopping}: saved {last_saved}; rerun the same command to continue")

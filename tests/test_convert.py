@@ -187,6 +187,60 @@ def test_old_trainer_checkpoints(name, kind, tmp_path):
     assert rel(hf_logits(net, toks), ours(params, m, toks)) < 1e-5
 
 
+class Evil:  # a pickle that would run a command if anything loaded it
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.path}",)
+
+
+def trainer_key(keys, pickled=False):
+    """ai2-olmo's safetensors_util.encode_key(STKey(keys, pickled)), from its definition."""
+    import base64
+    return base64.urlsafe_b64encode(pickle.dumps((keys, pickled))).decode("ascii")
+
+
+def write_trainer_safetensors(path, sd, extra=None):
+    """The state dict as ai2-olmo's state_dict_to_safetensors_file writes it: flatten_dict, each name
+    encode_key'd, a non-tensor value stored as a uint8 tensor of its pickle (value_is_pickled)."""
+    from safetensors.torch import save_file
+    out = {trainer_key((k,)): v for k, v in sd.items()}
+    for k, v in (extra or {}).items():
+        out[trainer_key((k,), True)] = torch.frombuffer(bytearray(pickle.dumps(v)), dtype=torch.uint8)
+    save_file(out, path)
+
+
+@pytest.mark.parametrize("beside", [False, True])
+def test_old_trainer_safetensors(beside, tmp_path):
+    """The old trainer's model.safetensors (names encoded, plus a pickled non-tensor value that would run a
+    command if loaded) converts to the same logits as its model.pt, alone or beside it."""
+    m = variant("olmo2", head_dim=0)
+    params = random_params(m, seed=11, std=0.15)
+    write_olmo_trainer(tmp_path / "pt", m, params)
+    cfg, sd = olmo_trainer_files(m, params)
+    (tmp_path / "st").mkdir()
+    (tmp_path / "st/config.yaml").write_text((tmp_path / "pt/config.yaml").read_text())
+    write_trainer_safetensors(tmp_path / "st/model.safetensors", sd, {"note": Evil(tmp_path / "pwned")})
+    if beside:
+        torch.save({k: torch.zeros_like(v) for k, v in sd.items()}, tmp_path / "st/model.pt")  # not read
+    toks = tokens(m, T=40)
+    logits = {}
+    for src in ("pt", "st"):
+        convert.convert(tmp_path / src, tmp_path / f"{src}.hf")
+        logits[src] = ours(*reversed(loaded(tmp_path / f"{src}.hf")), toks)
+    assert np.array_equal(logits["st"], logits["pt"]) and rel(logits["pt"], ours(params, m, toks)) < 1e-6
+    assert not (tmp_path / "pwned").exists()
+    # A name that is not the encoding is refused, naming the file and the name; a hostile one runs nothing.
+    from safetensors.torch import save_file
+    for bad in ("transformer.wte.weight", trainer_key(Evil(tmp_path / "pwned")),
+                trainer_key(("transformer.wte.weight",), "no")):
+        save_file({**{trainer_key((k,)): v for k, v in sd.items()}, bad: torch.zeros(1)}, tmp_path / "st/model.safetensors")
+        with pytest.raises(ValueError, match=f"st/model.safetensors: tensor name '{bad[:20]}.*is not the old trainer's"):
+            convert.open_source(tmp_path / "st")
+    assert not (tmp_path / "pwned").exists()
+
+
 @pytest.mark.parametrize("layout", ["model.pt", "dcp"])
 def test_olmo_core_checkpoints(layout, tmp_path):
     m = variant("olmo3", head_dim=0)  # OLMo-core's head_dim is d_model / n_heads
@@ -224,6 +278,177 @@ def test_real_olmo_core_checkpoints(form, olmo_core_files, tmp_path):
     m, params = loaded(tmp_path / "ours")
     toks = np.load(d / "tokens.npy")
     assert rel(ours(params, m, toks), np.load(d / "logits.npy")) < 1e-5
+
+
+# --- every config field that changes the forward: implemented, or refused in one line naming it -----
+
+# The model sections of AllenAI's own configs, verbatim (allenai/OLMo configs/official-0724/OLMo-1B.yaml,
+# configs/official-1124/OLMo2-13B-stage1.yaml), and the HF config.json of each release (reference/olmo-facts.md)
+OLMO1_1B_YAML = dict(
+    d_model=2048, n_heads=16, n_layers=16, mlp_ratio=8, weight_tying=True, alibi=False, rope=True, flash_attention=False,
+    attention_dropout=0.0, attention_layer_norm=False, multi_query_attention=False, include_bias=False,
+    block_type="sequential", layer_norm_type="default", layer_norm_with_affine=False, bias_for_layer_norm=False,
+    attention_layer_norm_with_affine=False, activation_type="swiglu", residual_dropout=0.0, embedding_dropout=0.0,
+    max_sequence_length=2048, vocab_size=50280, embedding_size=50304, eos_token_id=50279, pad_token_id=1,
+    init_device="meta", init_fn="mitchell")
+OLMO2_13B_YAML = dict(
+    d_model=5120, n_heads=40, n_layers=40, mlp_hidden_size=27648, weight_tying=False, alibi=False, rope=True,
+    rope_theta=500000, flash_attention=True, attention_dropout=0.0, include_bias=False, block_type="sequential",
+    layer_norm_type="rms", layer_norm_with_affine=True, layer_norm_eps=1e-6, bias_for_layer_norm=False,
+    attention_layer_norm=True, attention_layer_norm_with_affine=True, norm_after=True, activation_type="swiglu",
+    residual_dropout=0.0, embedding_dropout=0.0, max_sequence_length=4096, vocab_size=100278, embedding_size=100352,
+    eos_token_id=100257, pad_token_id=100277, init_device="meta", init_fn="normal", init_std=0.02, init_cutoff_factor=3)
+HF_CONFIGS = {  # allenai/OLMo-1B-hf, allenai/OLMo-2-1124-13B
+    "olmo1": dict(model_type="olmo", hidden_size=2048, intermediate_size=8192, num_attention_heads=16,
+                  num_hidden_layers=16, num_key_value_heads=16, vocab_size=50304, tie_word_embeddings=True,
+                  rope_theta=10000.0, max_position_embeddings=2048, clip_qkv=None, eos_token_id=50279, pad_token_id=1),
+    "olmo2": dict(model_type="olmo2", hidden_size=5120, intermediate_size=13824, num_attention_heads=40,
+                  num_hidden_layers=40, num_key_value_heads=40, vocab_size=100352, tie_word_embeddings=False,
+                  rope_theta=500000, max_position_embeddings=4096, rms_norm_eps=1e-6, eos_token_id=100257,
+                  pad_token_id=100277)}
+REAL_YAML = {"olmo1": OLMO1_1B_YAML, "olmo2": OLMO2_13B_YAML}
+ABSENT = object()
+# A value each refused field takes in some real config (ai2-olmo's and OLMo-core's enums and examples)
+OTHER_VALUES = {
+    "activation_type": ["gelu", "relu"], "block_type": ["llama"], "block_group_size": [2],
+    "layer_norm_type": ["rms", "default"], "model.name": ["normalized"],
+    "model.embedding_norm": [{"name": "rms", "elementwise_affine": False}], "model.embed_scale": [45.25],
+    "model.block_pattern": [["attn", "mamba"]], "model.block.name": ["default"],
+    "model.block.feed_forward_moe": [{"num_experts": 8, "hidden_size": 32}],
+    "model.block.attention_residual_alpha": [0.5], "model.block.feed_forward_residual_alpha": [0.5],
+    "model.block.feed_forward.name": ["normalized"], "model.block.feed_forward.activation": ["gelu_tanh"],
+    "model.block.sequence_mixer.type": ["gated_delta_net"], "model.block.sequence_mixer.name": ["fused_v2"],
+    "model.block.sequence_mixer.gate": [{"granularity": "headwise"}], "model.block.sequence_mixer.clip_qkv": [8.0],
+    "model.block.sequence_mixer.rope.name": ["complex"], "model.block.sequence_mixer.rope.partial_rotary_factor": [0.5],
+    "model.lm_head.name": ["normalized"], "name": ["default", "l2_norm"]}
+
+
+def refused_value(key, want):
+    """A value the rule (key, want) refuses: a flag flipped, an unset bias (true in OLMo-core), else a real other."""
+    wants = want if isinstance(want, tuple) else (want,)
+    if key.endswith(".bias"):
+        return ABSENT, True
+    if isinstance(want, bool):
+        return not want, not want
+    bad = next(v for v in OTHER_VALUES.get(key, OTHER_VALUES.get(key.rsplit(".", 1)[-1])) if v not in wants)
+    return bad, bad
+
+
+def with_value(cfg, key, value):
+    """A copy of cfg with the dotted key set to value (or removed: ABSENT)."""
+    cfg = copy.deepcopy(cfg)
+    *path, last = key.split(".")
+    d = cfg
+    for k in path:
+        d = d.setdefault(k, {})
+    d.pop(last, None) if value is ABSENT else d.__setitem__(last, value)
+    return cfg
+
+
+@pytest.mark.parametrize("family", ["olmo1", "olmo2"])
+def test_real_old_trainer_configs_read_as_their_hf_releases(family):
+    """AllenAI's own config.yaml (keys absent there take ai2-olmo's defaults) gives the model of its HF release."""
+    m, hf = convert.config_from_olmo(REAL_YAML[family]), convert.config_from_hf(HF_CONFIGS[family])
+    assert m.family == family and m.differences(hf) == []
+
+
+@pytest.mark.parametrize("family,key,want", [(f, *rule[:2]) for f in ("olmo1", "olmo2")
+                                             for rule in convert.OLMO_FLAGS + convert.OLMO_FAMILY_FLAGS[f]])
+def test_old_trainer_flags_refused_in_one_line(family, key, want):
+    bad, shown = refused_value(key, want)
+    with pytest.raises(ConfigError) as e:
+        convert.config_from_olmo({**REAL_YAML[family], key: bad}, "config.yaml")
+    assert str(e.value).startswith(f"config.yaml: {key}={shown!r} is not supported (") and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("key,shown", [("include_bias", True), ("rope", False), ("layer_norm_with_affine", True)])
+def test_old_trainer_absent_keys_take_ai2_olmo_defaults(key, shown):
+    c = {k: v for k, v in OLMO1_1B_YAML.items() if k != key}
+    with pytest.raises(ConfigError, match=f"^config.yaml: {key}={shown!r} is not supported"):
+        convert.config_from_olmo(c, "config.yaml")
+
+
+def test_embedding_layer_norm_is_refused_not_dropped(tmp_path):
+    """OLMo 1's embedding LayerNorm has no weight: its checkpoint holds the same tensors, and used to convert
+    without the norm (logits 0.7-15 off). Now one line names the field, and nothing is written."""
+    import yaml
+    m = variant("olmo1")
+    write_olmo_trainer(tmp_path / "src", m, random_params(m))
+    cfg = yaml.safe_load((tmp_path / "src/config.yaml").read_text())
+    cfg["model"]["embedding_layer_norm"] = True
+    (tmp_path / "src/config.yaml").write_text(yaml.safe_dump(cfg))
+    with pytest.raises(ConfigError, match=r"src/config.yaml: embedding_layer_norm=True is not supported \(no norm after"):
+        convert.convert(tmp_path / "src", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("key,want", [rule[:2] for rule in convert.OLMO_CORE_FLAGS])
+def test_olmo_core_flags_refused_in_one_line(key, want, olmo_core_files):
+    """Each OLMo-core field that changes the forward, set otherwise in the config OLMo-core 3.0.0 itself wrote."""
+    cfg = json.loads((olmo_core_files / "step2/config.json").read_text())
+    assert convert.config_from_olmo_core(cfg).family == "olmo3"
+    bad, shown = refused_value(key, want)
+    with pytest.raises(ConfigError) as e:
+        convert.config_from_olmo_core(with_value(cfg, key, bad), "config.json")
+    assert str(e.value).startswith(f"config.json: {key}={shown!r} is not supported (") and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("key,value,says", [
+    ("model.block.sequence_mixer.qk_norm", ABSENT, "model.block.sequence_mixer.qk_norm=None is not supported"),
+    ("model.block.sequence_mixer.rope", ABSENT, "model.block.sequence_mixer.rope=None is not supported"),
+    ("model.lm_head.layer_norm", ABSENT, "model.lm_head.layer_norm=None is not supported"),
+    ("model.lm_head.layer_norm.eps", 1e-5, "model.lm_head.layer_norm.eps=1e-05 is not supported"),
+    ("model.block.sequence_mixer.qk_norm.eps", 1e-5, "qk_norm.eps=1e-05 is not supported"),
+    ("model.block.sequence_mixer.rope.scaling", {"_CLASS_": "olmo_core.nn.rope.YaRNRoPEScalingConfig"},
+     r"rope.scaling=\{.*\} is not supported on sliding layers"),
+    ("model.block.sequence_mixer.sliding_window.pattern", [4, 8, -1], r"sliding_window.pattern=\[4, 8, -1\] is not")])
+def test_olmo_core_missing_parts_refused(key, value, says, olmo_core_files):
+    cfg = json.loads((olmo_core_files / "step2/config.json").read_text())
+    with pytest.raises(ConfigError, match=says):
+        convert.config_from_olmo_core(with_value(cfg, key, value))
+
+
+def test_olmo_core_implemented_variants(olmo_core_files):
+    """RMSNorm by any kernel's name, and YaRN's legacy attention_rescale_factor (OLMo-core ignores it), read as
+    the same model."""
+    cfg = json.loads((olmo_core_files / "step2/config.json").read_text())
+    m = convert.config_from_olmo_core(cfg)
+    for name in convert.RMS:
+        c = cfg
+        for norm in ("block.layer_norm", "block.sequence_mixer.qk_norm", "lm_head.layer_norm"):
+            c = with_value(c, f"model.{norm}.name", name)
+        assert convert.config_from_olmo_core(c) == m, name
+    m3 = variant("olmo3", head_dim=0)
+    c = olmo_core_config(m3)
+    for block in c["model"]["block_overrides"].values():
+        block["attention"]["rope"]["scaling"]["attention_rescale_factor"] = 1.0
+    assert convert.config_from_olmo_core(c) == m3
+
+
+@pytest.mark.parametrize("keys", ["embeddings only", "both"])
+def test_tied_olmo_core_checkpoint(keys, tmp_path):
+    """tie_word_embeddings: the head is the embedding (OLMo-core's state dict may hold it under both names). The
+    converted model's logits, in transformers, equal those of the untied copy whose head is the embedding."""
+    m = variant("olmo3", head_dim=0, tie_embeddings=True)
+    params = random_params(m, seed=12, std=0.15)
+    untied = {**params, "lm_head.weight": params["embed_tokens.weight"]}
+    mu = dataclasses.replace(m, tie_embeddings=False)
+    write_olmo_core(tmp_path / "untied", mu, untied, "model.pt")
+    (tmp_path / "tied").mkdir()
+    cfg = olmo_core_config(m)
+    cfg["model"]["tie_word_embeddings"] = True
+    (tmp_path / "tied/config.json").write_text(json.dumps(cfg))
+    sd = olmo_core_state(mu, untied)
+    if keys == "embeddings only":
+        del sd["lm_head.w_out.weight"]
+    torch.save(sd, tmp_path / "tied/model.pt")
+    assert convert.open_source(tmp_path / "tied").m == m
+    toks, logits = tokens(m, T=40), {}
+    for name in ("tied", "untied"):
+        convert.convert(tmp_path / name, tmp_path / f"{name}.hf")
+        logits[name] = hf_logits(tf.AutoModelForCausalLM.from_pretrained(tmp_path / f"{name}.hf").eval(), toks)
+    assert np.array_equal(logits["tied"], logits["untied"])
+    assert json.loads((tmp_path / "tied.hf/config.json").read_text())["tie_word_embeddings"] is True
 
 
 # --- release directories: trimmed vocabulary, shards, tokenizer files --------------------------------

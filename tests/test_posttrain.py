@@ -62,6 +62,9 @@ def test_sft_dpo_grpo_chain(setup, arith, tmp_path):
                     "--train.grpo_max_new=4"))
     rows = [r for r in metrics(grpo) if "loss" in r]
     assert len(rows) == 3 and all(0 <= r["reward"] <= 1 for r in rows)
+    # GRPO's prompts name no tokenizer: it is the starting checkpoint's, and its checkpoints carry it on
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        assert (grpo / "step_3" / name).read_bytes() == (sft / "step_3" / name).read_bytes(), name
 
 
 def test_reference_file_of_another_checkpoint_is_refused(setup, arith, tmp_path):
