@@ -1,9 +1,9 @@
 """The benchmarks: each prints a table of speed or memory, side by side, measured in one run.
 
-    python tests/bench.py train configs/tiny.toml [--key=value ...]  # tokens/s: JAX, torch, transformers
-    python tests/bench.py attention                    # sliding vs full layers: what a window saves
-    python tests/bench.py data                         # the data pipeline's throughput
-    python tests/bench.py generate olmo2-1b|olmo3-7b   # a released shape: nanolmo vs transformers
+    python tests/bench.py train configs/tiny.toml [--key=value ...]  # JAX, torch, transformers
+    python tests/bench.py attention                  # sliding vs full layers: what a window saves
+    python tests/bench.py data                       # the data pipeline's throughput
+    python tests/bench.py generate olmo2-1b|olmo3-7b # a released shape: nanolmo vs transformers
 
 They live here, not in the files a learner reads; `python tests/tables.py` runs them to regenerate
 the tables in docs/ (each table shows its command).
