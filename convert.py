@@ -1,16 +1,14 @@
-"""Checkpoints in and out. Every OLMo checkpoint format converts to ours (an HF model directory:
-config.json + model.safetensors) and back out as a release-style HF directory; `check` measures how
-close two models are.
+"""Checkpoints in and out: every OLMo checkpoint format to ours (an HF model directory:
+config.json + model.safetensors) and out as a release-style HF directory; `check` compares two.
 
-    python convert.py SRC OUT [--dtype bfloat16] [--config FILE]   # any OLMo checkpoint -> ours
+    python convert.py SRC OUT [--dtype bfloat16] [--config FILE]  # any OLMo checkpoint -> ours
     python convert.py SRC OUT --to-hf [--tokenizer dolma2] [--shard-size 5]  # -> release-style HF
     python convert.py check jax:OUT hf:SRC --tokens TOKENS [--seq-len T] [--rows N] [--dtype D]
-    python convert.py soup RUN_A/step_N RUN_B/step_N RUN_C/step_N --out SOUP
-    python convert.py info SRC                                     # what convert reads from SRC
+    python convert.py soup CKPT CKPT ... --out SOUP  # their average
+    python convert.py info SRC  # what it reads in SRC
 
-SRC formats (`info` says which it saw): hf (ours), hf_olmo (allenai/OLMo-* repos), olmo (the old
-trainer), olmo_core; see docs/conversion.md. A rename and a split of fused tensors, streamed into
-OUT.tmp, renamed OUT at the end; nothing is unpickled freely.
+SRC formats: hf (ours), hf_olmo (allenai/OLMo-* repos), olmo (the old trainer), olmo_core
+(docs/conversion.md). Written to OUT.tmp, renamed OUT at the end; nothing is unpickled freely.
 """
 
 import base64
@@ -38,7 +36,7 @@ import model
 from configs import ConfigError, ModelConfig, in_range, read_json, run_cli
 from model import param_table, stack_layers, unstack_layers
 
-# --- safetensors, read and written with numpy ---------------------------------------------------
+# --- safetensors, in numpy ---
 
 DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
@@ -46,24 +44,23 @@ DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dt
 NAMES = {np.dtype(v): k for k, v in DTYPES.items()}
 
 
-def _json(obj, **kw):  # a JSON file's text, indented as HF's are
+def _json(obj, **kw):  # a JSON file's text, as HF indents it
     return json.dumps(obj, indent=2, **kw) + "\n"
 
 
 def read_safetensors(path, writable=False):
-    """name -> array over a memmap of `path` (read-only unless `writable`), and __metadata__."""
-    path = Path(path)
-    size = path.stat().st_size
+    """(name -> array over a memmap of `path`, writable or not; __metadata__)."""
+    path, size = Path(path), os.path.getsize(path)
     with open(path, "r+b" if writable else "rb") as f:
         n = int.from_bytes(f.read(8), "little")
         if n > size - 8:  # also every file of fewer than 8 bytes
-            raise ValueError(f"{path}: header claims {n} bytes but the file has {size}: "
-                             "truncated, or too short to be a safetensors file")
+            raise ValueError(f"{path}: header claims {n} bytes of {size}: truncated, or too short "
+                             "to be a safetensors file")
         try:
             header = json.loads(f.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"{path}: the safetensors header is not valid JSON ({e})") from None
-        # a plain ndarray over the map (its .base): read lazily; release() hands its pages back
+            raise ValueError(f"{path}: its header is not JSON ({e})") from None
+        # an ndarray over the map (its .base), read lazily
         access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
         mapped = mmap.mmap(f.fileno(), 0, access=access)
     metadata, data_size = header.pop("__metadata__", None) or {}, size - 8 - n
@@ -71,42 +68,38 @@ def read_safetensors(path, writable=False):
     out = {}
     for name, info in header.items():
         if info.get("dtype") not in DTYPES:
-            raise ValueError(f"{path}: tensor {name} has dtype {info.get('dtype')!r}, "
-                             f"not one of {sorted(DTYPES)}")
+            raise ValueError(f"{path}: tensor {name} has dtype {info.get('dtype')!r}, not one of "
+                             f"{sorted(DTYPES)}")
         dtype = np.dtype(DTYPES[info["dtype"]])
         start, end = info["data_offsets"]
         want = math.prod(info["shape"]) * dtype.itemsize
         if end - start != want or not 0 <= start <= end <= data_size:
             raise ValueError(f"{path}: tensor {name} {info['dtype']}{info['shape']} needs bytes "
-                             f"[{start}, {start + want}) of {data_size}: "
-                             "the file is truncated or corrupt")
+                             f"[{start}, {start + want}) of {data_size}: the file is truncated or "
+                             "corrupt")
         out[name] = data[start:end].view(dtype).reshape(info["shape"])
     return out, metadata
 
 
-def release(view):
-    """Hand a read view's pages back: a mapped page, once read, counts in RSS until unmapped."""
-    mapped = view.base
-    while isinstance(mapped, (np.ndarray, memoryview)):  # view -> the whole map's array -> the map
-        mapped = mapped.obj if isinstance(mapped, memoryview) else mapped.base
-    if not isinstance(mapped, mmap.mmap) or not hasattr(mapped, "madvise"):  # (none on macOS)
-        return
-    start = view.ctypes.data - np.frombuffer(mapped, np.uint8, 1).ctypes.data
-    first = start - start % mmap.PAGESIZE
-    mapped.madvise(mmap.MADV_DONTNEED, first, start + view.nbytes - first)
-
-
 def copy_out(dst, src, block=64 << 20):
-    """dst[...] = src (cast if need be), `block` bytes of rows at a time, each released once
-    copied: a tensor never counts twice."""
+    """dst[...] = src, `block` bytes at a time, each block's pages then handed back (once read, a
+    mapped page counts in RSS until unmapped)."""
+    mapped = src.base
+    while isinstance(mapped, (np.ndarray, memoryview)):  # view -> the map's array -> the map
+        mapped = mapped.obj if isinstance(mapped, memoryview) else mapped.base
     rows = max(1, block // max(src[:1].nbytes, 1))
     for i in range(0, len(src), rows):
-        dst[i:i + rows] = src[i:i + rows]
-        release(src[i:i + rows])
+        view = src[i:i + rows]
+        dst[i:i + rows] = view
+        if isinstance(mapped, mmap.mmap) and hasattr(mapped, "madvise"):  # (none on macOS)
+            start = view.ctypes.data - np.frombuffer(mapped, np.uint8, 1).ctypes.data
+            first = start - start % mmap.PAGESIZE
+            mapped.madvise(mmap.MADV_DONTNEED, first, start + view.nbytes - first)
 
 
 def allocate_safetensors(path, entries, metadata=None):
-    """The header for {name: (shape, dtype)} and a file of full size, for writers to fill."""
+    """A safetensors file of {name: (shape, dtype)} to fill, its disk claimed now (a map filling a
+    sparse file dies of SIGBUS, silently, on a full disk)."""
     header, offset = {}, 0
     for name, (shape, dtype) in entries.items():
         nbytes = math.prod(shape) * np.dtype(dtype).itemsize
@@ -119,22 +112,16 @@ def allocate_safetensors(path, entries, metadata=None):
     blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
     with open(path, "wb") as f:
         f.write(len(blob).to_bytes(8, "little") + blob)
-        reserve(f, 8 + len(blob) + offset)
-
-
-def reserve(f, size):
-    """Grow open file f to `size` bytes, its disk blocks claimed now: a map filling a sparse file
-    dies of SIGBUS, silently, when the disk is full."""
-    try:
-        if hasattr(os, "posix_fallocate"):
-            os.posix_fallocate(f.fileno(), 0, size)
-        else:  # macOS: write the zeros
-            f.seek(0, os.SEEK_END)
-            while f.tell() < size:
-                f.write(bytes(min(size - f.tell(), 1 << 26)))
-    except OSError as e:
-        raise OSError(e.errno, f"{f.name}: cannot reserve {size:,} bytes ({os.strerror(e.errno)}); "
-                      "free space on its disk and rerun") from None
+        size = f.tell() + offset
+        try:
+            if hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(f.fileno(), 0, size)
+            else:  # macOS: write the zeros
+                while f.tell() < size:
+                    f.write(bytes(min(size - f.tell(), 1 << 26)))
+        except OSError as e:
+            why = f"{size:,} bytes ({os.strerror(e.errno)})"
+            raise OSError(e.errno, f"{path}: cannot reserve {why}; free space there") from None
 
 
 def fsync(path):
@@ -147,14 +134,14 @@ def fsync(path):
 
 
 def replace(tmp, path):
-    """os.replace made durable: tmp's bytes on disk before the rename, the directory after it."""
+    """os.replace, durable: tmp's bytes on disk before the rename, the directory after it."""
     fsync(tmp)
     os.replace(tmp, path)
     fsync(Path(path).parent)
 
 
 def write_safetensors(path, tensors, metadata=None, progress=lambda nbytes: None):
-    """{name: array or Lazy} -> a safetensors file, atomically, one tensor in memory at a time."""
+    """{name: array or Lazy} -> a safetensors file, atomically, one tensor at a time."""
     path, tensors = Path(path), {k: Lazy.of(t) for k, t in tensors.items()}
     tmp = path.with_name(path.name + ".tmp")
     allocate_safetensors(tmp, {k: (t.shape, t.dtype) for k, t in tensors.items()}, metadata)
@@ -166,7 +153,7 @@ def write_safetensors(path, tensors, metadata=None, progress=lambda nbytes: None
     replace(tmp, path)
 
 
-# --- HF config.json <-> ModelConfig --------------------------------------------------------------
+# --- HF config.json <-> ModelConfig ---
 
 HF_CLASS = {"olmo1": ("olmo", "OlmoForCausalLM"), "olmo2": ("olmo2", "Olmo2ForCausalLM"),
             "olmo3": ("olmo3", "Olmo3ForCausalLM")}
@@ -174,7 +161,7 @@ FAMILY_OF = {model_type: family for family, (model_type, _) in HF_CLASS.items()}
 
 
 def _names_file(read):
-    """A config reader (config, source file) whose errors (a missing key too) name the file."""
+    """A config reader (config, its file) whose errors, a missing key too, name the file."""
     @functools.wraps(read)
     def wrapped(c, source="config.json"):
         try:
@@ -187,37 +174,42 @@ def _names_file(read):
 
 
 def _layer_pattern(kinds, window):
-    """Per layer "S" (sliding) or "F" (full attention) -> ModelConfig's pattern and window."""
+    """Per layer "S" (sliding) or "F" (full) -> ModelConfig's pattern and window."""
     if "S" not in kinds:
         return dict(layer_pattern="F", sliding_window=0)
     n = next(n for n in range(1, len(kinds) + 1) if kinds[:n] * (len(kinds) // n) == kinds)
     return dict(layer_pattern=kinds[:n], sliding_window=window or 0)
 
 
+def _refuse(c, rules, who):
+    """Each rule (key, the value(s) we implement[, why]) holds in c, or a ConfigError names the
+    key, its value and ours. Flags compare as bools (null = false)."""
+    for key, want, *why in rules:
+        got, wants = c.get(key), want if isinstance(want, tuple) else (want,)
+        if (bool(got) if isinstance(want, bool) else got) not in wants:
+            ours = ", ".join([" or ".join(map(repr, wants)), *why])
+            raise ConfigError(f"{key}={got!r} is not supported ({who}: {ours})")
+
+
 @_names_file
 def config_from_hf(hf):
-    model_type = hf.get("model_type")
-    if model_type not in FAMILY_OF:
-        raise ConfigError(f"model_type {model_type!r} is not an OLMo ({sorted(FAMILY_OF)})")
-    if hf.get("attention_bias") or hf.get("hidden_act", "silu") != "silu":
-        raise ConfigError("attention_bias / hidden_act other than false / silu are not OLMo")
-    family, N, L = FAMILY_OF[model_type], hf["num_attention_heads"], hf["num_hidden_layers"]
+    rules = [("model_type", tuple(FAMILY_OF)), ("attention_bias", False), ("hidden_act", "silu")]
+    _refuse({"hidden_act": "silu", **hf}, rules, "OLMo")
+    family, N, L = FAMILY_OF[hf["model_type"]], hf["num_attention_heads"], hf["num_hidden_layers"]
     olmo3 = family == "olmo3"
-    # HF's default without layer_types: every 4th layer full (OLMo-core also forces the last one:
-    # trust the file's list). Only Olmo3 has sliding layers.
+    # only Olmo3 slides; without layer_types, HF's default: every 4th full (OLMo-core: the last too)
     types = hf.get("layer_types") or [
         "sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(L)]
     kinds = "".join("S" if t == "sliding_attention" and olmo3 else "F" for t in types)
     eos, pad = hf.get("eos_token_id"), hf.get("pad_token_id")
     eos = (eos[0] if isinstance(eos, list) else eos) or 0
-    # RoPE: transformers 5's rope_parameters (flat, or per layer type) or 4's rope_theta/_scaling
+    # transformers 5's rope_parameters (flat, or per layer type) or 4's rope_theta/_scaling
     params = hf.get("rope_parameters")
     if params is None:
         theta = hf.get("rope_theta", 500000.0 if olmo3 else 10000.0)
         if olmo3 and theta != 500000.0:
-            raise ConfigError(f"a top-level rope_theta={theta} in an Olmo3 config: transformers 4 "
-                              "and 5 read it differently (5 keeps 500000 on sliding layers); "
-                              "write rope_parameters per layer type")
+            raise ConfigError(f"rope_theta={theta} atop an Olmo3 config: transformers 4 and 5 "
+                              "read it differently; write rope_parameters per layer type")
         full = {"rope_theta": theta, **(hf.get("rope_scaling") or {})}
         sliding = {"rope_theta": theta}
     elif "full_attention" in params or "sliding_attention" in params:
@@ -229,19 +221,16 @@ def config_from_hf(hf):
     kind = full.get("rope_type", full.get("type", "default"))
     scaled = {sliding.get("rope_type"), sliding.get("type")} - {None, "default"}
     if sliding.get("rope_theta", theta) != theta or scaled:
-        raise ConfigError(f"RoPE {sliding} on sliding-window layers is not plain RoPE at the full "
-                          f"layers' rope_theta {theta}: not supported (OLMo 3 scales full layers "
-                          "only)")
+        raise ConfigError(f"RoPE {sliding} on sliding layers is not supported (OLMo 3: plain, at "
+                          f"rope_theta {theta})")
     if kind != "default" and (kind != "yarn" or full.get("mscale") or full.get("mscale_all_dim")):
         raise ConfigError(f"RoPE scaling {full} is not supported (only plain YaRN, as OLMo 3)")
-    yarn = {}
-    if kind != "default":
-        yarn = dict(
-            yarn_factor=float(full["factor"]),
-            yarn_original_max_seq_len=int(full["original_max_position_embeddings"]),
-            yarn_beta_fast=float(full.get("beta_fast") or 32.0),
-            yarn_beta_slow=float(full.get("beta_slow") or 1.0),
-            yarn_attention_factor=float(full.get("attention_factor") or 0.0))
+    yarn = {} if kind == "default" else dict(
+        yarn_factor=float(full["factor"]),
+        yarn_original_max_seq_len=int(full["original_max_position_embeddings"]),
+        yarn_beta_fast=float(full.get("beta_fast") or 32.0),
+        yarn_beta_slow=float(full.get("beta_slow") or 1.0),
+        yarn_attention_factor=float(full.get("attention_factor") or 0.0))
     return ModelConfig(
         family=family, d_model=hf["hidden_size"], n_layers=L, n_heads=N,
         n_kv_heads=hf.get("num_key_value_heads") or N,
@@ -249,8 +238,7 @@ def config_from_hf(hf):
         vocab_size=hf["vocab_size"], tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         norm_eps=1e-5 if family == "olmo1" else float(hf.get("rms_norm_eps", 1e-5)),
         rope_theta=float(theta), max_seq_len=hf.get("max_position_embeddings", 2048),
-        clip_qkv=float(hf.get("clip_qkv") or 0.0),
-        init_std=float(hf.get("initializer_range", 0.02)),
+        clip_qkv=float(hf.get("clip_qkv") or 0), init_std=float(hf.get("initializer_range", 0.02)),
         eos_token_id=eos, pad_token_id=eos if pad is None else pad,
         **_layer_pattern(kinds, hf.get("sliding_window")), **yarn)
 
@@ -268,66 +256,62 @@ def config_to_hf(m: ModelConfig):
         eos_token_id=m.eos_token_id, pad_token_id=m.pad_token_id, use_cache=True, dtype="float32",
         **norm, rope_parameters=plain)
     if m.family == "olmo3":
-        full = plain
-        if m.yarn_factor:
-            full = dict(plain, rope_type="yarn", factor=m.yarn_factor,
-                        original_max_position_embeddings=m.yarn_original_max_seq_len,
-                        beta_fast=m.yarn_beta_fast, beta_slow=m.yarn_beta_slow,
-                        attention_factor=m.yarn_attention_factor)
-        # per layer type, so no reader guesses which layers a top-level rope_theta is for
+        full = dict(plain, rope_type="yarn", factor=m.yarn_factor,
+                    original_max_position_embeddings=m.yarn_original_max_seq_len,
+                    beta_fast=m.yarn_beta_fast, beta_slow=m.yarn_beta_slow,
+                    attention_factor=m.yarn_attention_factor) if m.yarn_factor else plain
+        # per layer type: no reader guesses which layers a top-level rope_theta is for
         types = ["sliding_attention" if k == "S" else "full_attention" for k in m.layer_types()]
         hf.update(sliding_window=m.sliding_window or None, layer_types=types,
                   rope_parameters={"full_attention": full, "sliding_attention": plain})
     return hf
 
 
-# --- HF model directories ------------------------------------------------------------------------
+# --- HF model directories ---
 
 HF_SAFETENSORS = ["model.safetensors.index.json", "model.safetensors"]
 
 
 def hf_name(name):
-    """Our unstacked name -> HF's: "model." before all but the head (HF keeps it beside `model`)."""
+    """Our unstacked name -> HF's: "model." before all but the head."""
     return name if name == "lm_head.weight" else "model." + name
 
 
 def expected_tensors(m):
-    """Our unstacked names -> shapes, in the order the files hold them."""
-    # broadcast zeros: shapes without memory
+    """Our unstacked names -> shapes, in file order (broadcast zeros: no memory)."""
     zeros = {k: np.broadcast_to(np.float32(0), p.shape) for k, p in param_table(m).items()}
     return {name: a.shape for name, a in unstack_layers(zeros).items()}
 
 
 def open_hf(d):
-    """An HF OLMo directory -> (ModelConfig, our unstacked names -> unread memory maps), checked."""
-    d = Path(d)
-    cfg = d / "config.json"
+    """An HF OLMo directory -> (ModelConfig, our unstacked names -> unread maps), checked."""
+    cfg = Path(d) / "config.json"
     if not cfg.is_file():
-        raise FileNotFoundError(f"{cfg} not found: expected a Hugging Face model directory")
-    m = config_from_hf(read_json(cfg), str(cfg))
+        raise FileNotFoundError(f"{cfg} not found: pass a Hugging Face model directory")
+    m, d = config_from_hf(read_json(cfg), str(cfg)), cfg.parent
     pickles = [p.name for p in [*d.glob("*.bin"), *d.glob("*.pt")]]
     if pickles and not any((d / n).is_file() for n in HF_SAFETENSORS):
-        raise FileNotFoundError(f"{d}: no model.safetensors or its index ({', '.join(pickles)} are "
-                                f"pickles, which we never load here: `python convert.py {d} OUT` "
-                                "reads them with torch.load(weights_only=True) into safetensors)")
+        raise FileNotFoundError(f"{d}: no model.safetensors ({', '.join(pickles)} are pickles, "
+                                f"which we never load here: `python convert.py {d} OUT` converts)")
     return m, _bind(_weights(d, HF_SAFETENSORS), 0, m, str(d), "config.json")
 
 
 def load_hf(d, dtype=None):
-    """An HF OLMo directory -> (ModelConfig, name -> numpy stacked on L), in the stored dtype (or
-    `dtype`). Copied once from the map, pages released: the model is in memory once."""
+    """An HF OLMo directory -> (ModelConfig, name -> numpy stacked on L, in its dtype or `dtype`),
+    in memory once."""
     m, state = open_hf(d)
-    total = sum(v.nbytes for v in state.values())
-    params = {}
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"load {d}", disable=total < 2**30)
-    with bar:
+    total, params = sum(v.nbytes for v in state.values()), {}
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"load {d}",
+              disable=total < 2**30) as bar:
         for name in param_table(m):
             stacked = name.startswith("layers.")
-            if stacked:
-                parts = [state[model.layer_name(name, i)] for i in range(m.n_layers)]
-            else:
-                parts = [state[name]]
-            out = aligned((len(parts), *parts[0].shape), dtype or parts[0].dtype)
+            parts = ([state[model.layer_name(name, i)] for i in range(m.n_layers)] if stacked
+                     else [state[name]])
+            # on a 64-byte boundary: JAX's CPU client takes it without a copy
+            dt = np.dtype(dtype or parts[0].dtype)
+            raw = np.empty(len(parts) * parts[0].size * dt.itemsize + 64, np.uint8)
+            start = -raw.ctypes.data % 64
+            out = raw[start:start + raw.size - 64].view(dt).reshape(len(parts), *parts[0].shape)
             for part, src in zip(out, parts):
                 copy_out(part, src)
                 bar.update(src.nbytes)
@@ -335,16 +319,8 @@ def load_hf(d, dtype=None):
     return m, params
 
 
-def aligned(shape, dtype, align=64):
-    """An empty array on a 64-byte boundary, which JAX's CPU client takes without a copy."""
-    n = math.prod(shape) * np.dtype(dtype).itemsize
-    raw = np.empty(n + align, np.uint8)
-    start = -raw.ctypes.data % align
-    return raw[start:start + n].view(dtype).reshape(shape)
-
-
 def save_hf(d, m, params, dtype=np.float32):
-    """Write config.json + model.safetensors that transformers' AutoModelForCausalLM loads."""
+    """config.json + model.safetensors, as transformers loads them."""
     d = Path(d)
     d.mkdir(parents=True, exist_ok=True)
     tensors = {hf_name(k): np.asarray(v).astype(dtype) for k, v in unstack_layers(params).items()}
@@ -352,18 +328,9 @@ def save_hf(d, m, params, dtype=np.float32):
     (d / "config.json").write_text(_json(config_to_hf(m)))
 
 
-# --- the old OLMo trainer's and OLMo-core's configs -> ModelConfig -------------------------------
+# --- the old trainer's and OLMo-core's configs -> ModelConfig ---
 
-def _refuse(c, rules):
-    """Each (key, the value we implement (a tuple: any of them), why) in rules holds in c, or a
-    ConfigError names the key and its value. Flags compare as booleans (null = false)."""
-    for key, want, why in rules:
-        got, wants = c.get(key), want if isinstance(want, tuple) else (want,)
-        if (bool(got) if isinstance(want, bool) else got) not in wants:
-            raise ConfigError(f"{key}={got!r} is not supported ({why})")
-
-
-# The old trainer's ModelConfig defaults (ai2-olmo 0.6.0 olmo/config.py): what an absent key means
+# The old trainer's ModelConfig defaults (ai2-olmo 0.6.0): what an absent key means
 OLMO_DEFAULTS = dict(
     n_kv_heads=None, clip_qkv=None, mlp_ratio=4, mlp_hidden_size=None, activation_type="swiglu",
     block_type="sequential", block_group_size=1, alibi=False, rope=False, rope_theta=10000,
@@ -373,39 +340,31 @@ OLMO_DEFAULTS = dict(
     bias_for_layer_norm=None, scale_logits=False, vocab_size=50257, embedding_size=50304,
     weight_tying=True, eos_token_id=50256, pad_token_id=50256, init_fn="normal", init_std=0.02,
     norm_after=False)
-# Its flags that change the forward: (key, the value we implement, why), for both families then
-# per family (docs/conversion.md lists every field)
+# Its fields that change the forward (_refuse's rules): both families', then each's
 OLMO_FLAGS = [
-    ("rope", True, "OLMo 1 / 2 use RoPE"), ("alibi", False, "OLMo 1 / 2 use RoPE"),
-    ("include_bias", False, "OLMo 1 / 2 have no biases"),
-    ("scale_logits", False, "no logit scale in OLMo 1 / 2 or HF Olmo"),
-    ("activation_type", "swiglu", "OLMo 1 / 2 use SwiGLU"),
-    ("block_type", "sequential", "OLMo 1 / 2's block, fused att_proj and ff_proj"),
-    ("block_group_size", 1, "grouped blocks' tensor names are not read"),
-    ("embedding_layer_norm", False, "no norm after the embedding in OLMo 1 / 2 or HF Olmo")]
+    ("rope", True), ("alibi", False), ("include_bias", False), ("scale_logits", False),
+    ("activation_type", "swiglu"), ("block_type", "sequential"),
+    ("block_group_size", 1, "grouped blocks' names are not read"),
+    ("embedding_layer_norm", False)]
 OLMO_FAMILY_FLAGS = {
-    "olmo1": [("attention_layer_norm", False, "OLMo 1 has no QK-norm"),
-              ("layer_norm_with_affine", False, "OLMo 1's LayerNorm has no weight"),
-              ("layer_norm_type", ("default", "low_precision"),
-               "OLMo 1 uses LayerNorm ('default')")],
-    "olmo2": [("attention_layer_norm", True, "OLMo 2 has QK-norm"),
-              ("layer_norm_type", "rms", "OLMo 2 uses RMSNorm"),
-              ("layer_norm_with_affine", True, "OLMo 2's RMSNorms have weights"),
-              ("attention_layer_norm_with_affine", True, "OLMo 2's QK-norms have weights"),
-              ("bias_for_layer_norm", False, "OLMo 2's RMSNorms have no bias")]}
+    "olmo1": [("attention_layer_norm", False), ("layer_norm_with_affine", False),
+              ("layer_norm_type", ("default", "low_precision"))],
+    "olmo2": [("attention_layer_norm", True), ("layer_norm_type", "rms"),
+              ("layer_norm_with_affine", True), ("attention_layer_norm_with_affine", True),
+              ("bias_for_layer_norm", False)]}
 
 
 @_names_file
 def config_from_olmo(c):
-    """The old trainer's model config (config.yaml's `model:`, or hf_olmo's config.json)."""
+    """The old trainer's config.yaml `model:`, or hf_olmo's config.json."""
     c = {**OLMO_DEFAULTS, **c}
     family = "olmo2" if c["norm_after"] else "olmo1"  # OLMo 2: norm_after, QK-norm, RMSNorm
-    _refuse(c, OLMO_FLAGS + OLMO_FAMILY_FLAGS[family])
+    _refuse(c, OLMO_FLAGS + OLMO_FAMILY_FLAGS[family], family.replace("olmo", "OLMo "))
     D, N = c["d_model"], c["n_heads"]
     return ModelConfig(
         family=family, d_model=D, n_layers=c["n_layers"], n_heads=N,
         n_kv_heads=c["n_kv_heads"] or (1 if c["multi_query_attention"] else N), head_dim=D // N,
-        # the trainer's hidden size counts both SwiGLU halves of ff_proj
+        # the trainer's size counts both SwiGLU halves of ff_proj
         mlp_hidden=(c["mlp_hidden_size"] or D * c["mlp_ratio"]) // 2,
         vocab_size=c["embedding_size"] or c["vocab_size"], tie_embeddings=bool(c["weight_tying"]),
         norm_eps=float(c["layer_norm_eps"]), rope_theta=float(c["rope_theta"]),
@@ -415,8 +374,7 @@ def config_from_olmo(c):
 
 
 def _flat(d, prefix):
-    """Nested dicts -> {dotted path: value}, each dict and each leaf; a None is left out (unset:
-    OLMo-core writes its configs so, and a module then takes its own default)."""
+    """Nested dicts -> {dotted path: value}, dicts and leaves; None (unset) left out."""
     out = {}
     for k, v in d.items():
         if v is not None:
@@ -425,140 +383,112 @@ def _flat(d, prefix):
     return out
 
 
-# OLMo-core (its TransformerConfig and the module configs in it): the modules' defaults for unset
-# keys, and the fields that change the forward, as the old trainer's (docs/conversion.md)
+# OLMo-core's TransformerConfig and modules' configs, by dotted path: defaults for unset keys,
+# then the fields that change the forward (docs/conversion.md says what each does)
 _B, _A = "model.block.", "model.block.sequence_mixer."
-_NORMS = ("model.block.layer_norm", _A + "qk_norm", "model.lm_head.layer_norm")
+_NORMS = (_B + "layer_norm", _A + "qk_norm", "model.lm_head.layer_norm")
+_BIASED = (_B + "feed_forward", _A[:-1], "model.lm_head", *_NORMS)
+_NAMED = ("model", _B[:-1], _B + "feed_forward", _A[:-1], _A + "rope", "model.lm_head", *_NORMS)
 OLMO_CORE_DEFAULTS = {
-    "model.name": "default", _B + "name": "default", _B + "feed_forward.name": "default",
-    _B + "feed_forward.activation": "silu", _A + "type": "attention", _A + "name": "default",
-    _A + "rope.name": "default", _A + "rope.theta": 500000, _A + "rope.partial_rotary_factor": 1,
-    "model.lm_head.name": "default",
-    **{f"{k}.bias": True for k in (_B + "feed_forward", _A[:-1], "model.lm_head", *_NORMS)},
-    **{f"{n}.{k}": v for n in _NORMS for k, v in (("name", "default"), ("eps", 1e-5),
-                                                   ("elementwise_affine", True))}}
+    **{k + ".name": "default" for k in _NAMED}, **{k + ".bias": True for k in _BIASED},
+    **{k + ".eps": 1e-5 for k in _NORMS}, **{k + ".elementwise_affine": True for k in _NORMS},
+    _B + "feed_forward.activation": "silu", _A + "type": "attention", _A + "rope.theta": 500000,
+    _A + "rope.partial_rotary_factor": 1}
 RMS = ("rms", "fused_rms", "cute_rms", "qwen_rms", "nemotron_rms")  # kernels / rounding aside
 OLMO_CORE_FLAGS = [
-    ("model.name", "default", "OLMo 2/3's transformer"),
-    ("model.embedding_norm", None, "no norm after the embedding in OLMo 2/3 or HF Olmo"),
-    ("model.embed_scale", (None, 1), "no embedding scale in OLMo 2/3 or HF Olmo"),
-    ("model.block_pattern", None, "one kind of block"),
-    (_B + "name", "reordered_norm", "OLMo 2/3's block"),
-    (_B + "feed_forward_moe", None, "no mixture of experts"),
-    (_B + "attention_residual_alpha", (None, 1), "OLMo 2/3 add the residual unscaled"),
-    (_B + "feed_forward_residual_alpha", (None, 1), "OLMo 2/3 add the residual unscaled"),
-    (_B + "feed_forward.name", "default", "OLMo 2/3's MLP"),
-    (_B + "feed_forward.activation", "silu", "OLMo 2/3 use SwiGLU"),
-    (_A + "type", "attention", "OLMo 2/3 use attention"),
-    (_A + "name", "default", "OLMo 2/3's attention, w_q, w_k, w_v apart"),
-    (_A + "gate", None, "no gated attention in OLMo 2/3"),
-    (_A + "clip_qkv", None, "only OLMo 1 clamps q, k, v; HF Olmo2/3 do not"),
-    (_A + "use_head_qk_norm", False, "OLMo 2/3's QK-norm spans all heads"),
-    (_A + "qk_norm_per_head_gains", False, "OLMo 2/3's QK-norm spans all heads"),
-    (_A + "scalable_softmax", False, "no softmax scale in OLMo 2/3"),
-    (_A + "attention_sinks", False, "no attention sinks in OLMo 2/3"),
-    (_A + "rope.name", "default", "OLMo rotates the two halves of a head, not interleaved pairs"),
-    (_A + "rope.no_global_rope", False, "OLMo 2/3 rotate on every layer"),
-    (_A + "rope.partial_rotary_factor", 1, "OLMo 2/3 rotate the whole head"),
-    ("model.lm_head.name", "default", "OLMo 2/3's head"),
-    *[(f"{k}.bias", False, "OLMo 2/3 have no biases; unset means true in OLMo-core")
-      for k in (_B + "feed_forward", _A[:-1], "model.lm_head", *_NORMS)],
-    *[(f"{n}.{k}", want, why) for n in _NORMS for k, want, why in (
-        ("name", RMS, "OLMo 2/3 use RMSNorm"),
-        ("elementwise_affine", True, "OLMo 2/3's RMSNorms have weights"))]]
+    ("model.name", "default"), ("model.embedding_norm", None), ("model.embed_scale", (None, 1)),
+    ("model.block_pattern", None), (_B + "name", "reordered_norm"), (_B + "feed_forward_moe", None),
+    (_B + "attention_residual_alpha", (None, 1)), (_B + "feed_forward_residual_alpha", (None, 1)),
+    (_B + "feed_forward.name", "default"), (_B + "feed_forward.activation", "silu"),
+    (_A + "type", "attention"), (_A + "name", "default"), (_A + "gate", None),
+    (_A + "clip_qkv", None, "only OLMo 1 clamps q, k, v"), (_A + "use_head_qk_norm", False),
+    (_A + "qk_norm_per_head_gains", False), (_A + "scalable_softmax", False),
+    (_A + "attention_sinks", False), (_A + "rope.name", "default", "not interleaved pairs"),
+    (_A + "rope.no_global_rope", False), (_A + "rope.partial_rotary_factor", 1),
+    ("model.lm_head.name", "default"), *[(k + ".bias", False, "unset is true") for k in _BIASED],
+    *[(f"{k}.{field}", want) for k in _NORMS for field, want in (
+        ("name", RMS), ("elementwise_affine", True))]]
 YARN_KEYS = {"_CLASS_", "factor", "beta_fast", "beta_slow", "old_context_len",
-             "attention_rescale_factor"}  # (the last: a legacy key OLMo-core ignores on load)
+             "attention_rescale_factor"}  # the last: legacy, OLMo-core ignores it
 
 
 @_names_file
 def config_from_olmo_core(cfg):
-    """An OLMo-core experiment config (config.json: model, dataset.tokenizer, ...)."""
+    """An OLMo-core experiment's config.json (model, dataset.tokenizer, ...)."""
     def bad(why):
         raise ConfigError(why)
 
-    t = cfg["model"]  # detect() saw model.block
-    L, base = t["n_layers"], t["block"]
-
     def attn(block):
         mixer = block.get("sequence_mixer") or block.get("attention")
-        return mixer or bad("model.block has no sequence_mixer or attention (named blocks and "
-                            "model.block_pattern are not supported)")
+        return mixer or bad("model.block has no sequence_mixer or attention (OLMo 2/3 have one)")
 
-    def without_scaling(block):  # the block with its RoPE scaling removed, to compare the rest
+    def without_scaling(block):  # all but its RoPE scaling
         a = {**attn(block), "rope": {**(attn(block).get("rope") or {}), "scaling": None}}
         return {k: v for k, v in {**block, "sequence_mixer": a}.items() if k != "attention"}
 
-    f = {**OLMO_CORE_DEFAULTS, **_flat({**t, "block": {**base, "sequence_mixer": attn(base)}},
-                                       "model.")}
-    for key in (_A + "rope", _A + "qk_norm", "model.lm_head.layer_norm"):
+    t = cfg["model"]  # open_source saw model.block
+    L, base, a = t["n_layers"], t["block"], attn(t["block"])
+    f = {**OLMO_CORE_DEFAULTS, **_flat({**t, "block": {**base, "sequence_mixer": a}}, "model.")}
+    for key in (_A + "rope", *_NORMS[1:]):
         if key not in f:
             bad(f"{key}=None is not supported (OLMo 2/3 have one)")
-    _refuse(f, OLMO_CORE_FLAGS)
-    for key in (_A + "qk_norm.eps", "model.lm_head.layer_norm.eps"):
-        if f[key] != f[_B + "layer_norm.eps"]:
-            bad(f"{key}={f[key]} is not supported (it differs from model.block.layer_norm.eps="
-                f"{f[_B + 'layer_norm.eps']}: OLMo 2/3 have one eps)")
+    _refuse(f, OLMO_CORE_FLAGS, "OLMo 2/3")
+    eps = f[_B + "layer_norm.eps"]
+    _refuse(f, [(k + ".eps", eps, "one eps for all norms") for k in _NORMS[1:]], "OLMo 2/3")
     overrides = {int(k): v for k, v in (t.get("block_overrides") or {}).items()}
     for i, block in overrides.items():
         if without_scaling(block) != without_scaling(base):
-            bad(f"model.block_overrides.{i}={block} is not supported (it changes more than "
-                "model.block's RoPE scaling)")
-    a = attn(base)
-    # OLMo-core's SlidingWindowAttentionConfig._get_window_size, per layer; -1 = full attention
+            bad(f"model.block_overrides.{i}={block} is not supported (it changes more than RoPE "
+                "scaling)")
+    # OLMo-core's SlidingWindowAttentionConfig._get_window_size per layer (-1: full); the pattern
+    # starts after a forced first layer
     sw = a.get("sliding_window") or {"pattern": [-1]}
     pattern, first = sw["pattern"], sw.get("force_full_attention_on_first_layer", True)
     last = sw.get("force_full_attention_on_last_layer", True)
-    ws = []
-    for i in range(L):
-        if (first and i == 0) or (last and i == L - 1):
-            ws.append(-1)
-        else:  # the pattern starts after a forced first layer
-            ws.append(pattern[(i - 1 if first else i) % len(pattern)])
+    ws = [-1 if (first and i == 0) or (last and i == L - 1)
+          else pattern[(i - 1 if first else i) % len(pattern)] for i in range(L)]
     kinds, windows = "".join("F" if w == -1 else "S" for w in ws), set(ws) - {-1}
     if len(windows) > 1:
         bad(f"{_A}sliding_window.pattern={pattern} is not supported (one window size)")
-    ropes = [attn(overrides.get(i, base)).get("rope") or {} for i in range(L)]
-    yarns = [r.get("scaling") or None for r in ropes]
+    yarns = [(attn(overrides.get(i, base)).get("rope") or {}).get("scaling") or None
+             for i in range(L)]
     y = next((y for y in yarns if y), None)
     if y and any(s != (y if k == "F" else None) for s, k in zip(yarns, kinds)):
-        bad(f"{_A}rope.scaling={y} is not supported on sliding layers (OLMo 3 scales the same "
-            "on every full layer, none on sliding ones)")
+        bad(f"{_A}rope.scaling={y} is not supported on sliding layers (OLMo 3: the same on each "
+            "full layer)")
     if y and ("YaRN" not in y.get("_CLASS_", "YaRN") or set(y) - YARN_KEYS):
         bad(f"{_A}rope.scaling={y} is not supported (only YaRN, as OLMo 3)")
-    yarn = {}
-    if y:
-        yarn = dict(
-            yarn_factor=float(y.get("factor", 8.0)), yarn_beta_fast=float(y.get("beta_fast", 32)),
-            yarn_beta_slow=float(y.get("beta_slow", 1)),
-            yarn_original_max_seq_len=int(y.get("old_context_len", 8192)))
-    dataset, train = cfg.get("dataset") or {}, cfg.get("train_module") or {}
-    tok = dataset.get("tokenizer") or {}
-    seq = dataset.get("sequence_length") or train.get("max_sequence_length")
+    yarn = dict(
+        yarn_factor=float(y.get("factor", 8.0)), yarn_beta_fast=float(y.get("beta_fast", 32)),
+        yarn_beta_slow=float(y.get("beta_slow", 1)),
+        yarn_original_max_seq_len=int(y.get("old_context_len", 8192))) if y else {}
+    ds = cfg.get("dataset") or {}
+    tok = ds.get("tokenizer") or {}
+    seq = ds.get("sequence_length") or (cfg.get("train_module") or {}).get("max_sequence_length")
     D, N = t["d_model"], a["n_heads"]
     return ModelConfig(
         family="olmo3" if "S" in kinds or yarn else "olmo2", d_model=D, n_layers=L, n_heads=N,
         n_kv_heads=a.get("n_kv_heads") or N, head_dim=a.get("head_dim") or D // N,
         mlp_hidden=base["feed_forward"]["hidden_size"], vocab_size=t["vocab_size"],
-        tie_embeddings=bool(t.get("tie_word_embeddings")), norm_eps=float(f[_B + "layer_norm.eps"]),
+        tie_embeddings=bool(t.get("tie_word_embeddings")), norm_eps=float(eps),
         rope_theta=float(f[_A + "rope.theta"]), max_seq_len=seq or 8192,
         init_std=float(t.get("init_std", 0.02)),
         eos_token_id=tok.get("eos_token_id", 100257), pad_token_id=tok.get("pad_token_id", 100277),
         **_layer_pattern(kinds, max(windows, default=0)), **yarn)
 
 
-# --- tensor stores: their name -> an array (memory-mapped) or a Lazy -----------------------------
+# --- tensor stores: name -> array (a map) or Lazy ---
 
 class Lazy(NamedTuple):
-    """A tensor not read yet: shape and dtype are known, `load()` reads it (numpy, native dtype)."""
+    """A tensor not read yet: `load()` reads it (numpy, native dtype)."""
     shape: tuple
     dtype: np.dtype
     load: Callable
 
     @staticmethod
-    def of(a):  # an array (a memory map is read only on load) or a Lazy -> a Lazy
-        if isinstance(a, Lazy):
-            return a
-        return Lazy(tuple(a.shape), np.dtype(a.dtype), lambda: np.asarray(a))
+    def of(a):  # an array (a map is read on load) or a Lazy
+        return a if isinstance(a, Lazy) else Lazy(tuple(a.shape), np.dtype(a.dtype),
+                                                  lambda: np.asarray(a))
 
 
 def _from_torch(t):
@@ -572,7 +502,7 @@ def _from_torch(t):
 def torch_store(path):
     """A .bin / .pt state dict, through torch.load(weights_only=True)."""
     import torch
-    # mmap keeps tensors on disk until used; it needs a zip file (torch >= 1.6), older read whole
+    # mmap: tensors stay on disk until used (zip files only: torch >= 1.6)
     try:
         sd = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     except (RuntimeError, pickle.UnpicklingError, EOFError) as e:
@@ -583,29 +513,16 @@ def torch_store(path):
     return {k: _from_torch(v) for k, v in sd.items() if isinstance(v, torch.Tensor)}
 
 
-# A torch.distributed.checkpoint's .metadata is a plain pickle. This unpickler resolves only the
-# classes such metadata is made of, so a hostile file fails here instead of running code.
-_DCP_GLOBALS = {("torch.distributed.checkpoint.metadata", n) for n in (
-    "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-    "TensorProperties", "StorageMeta", "MetadataIndex", "_MEM_FORMAT_ENCODING")} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
-    ("collections", "OrderedDict")}
-# OLMo-core's DCP writer records each tensor's place in its own copy of torch's _StorageInfo (the
-# same three fields): read as torch's, the file opens without OLMo-core installed.
+# A DCP .metadata is a pickle: dcp_store resolves only these, so a hostile one runs no code
+_DCP_GLOBALS = {(module, name) for module, names in {
+    "torch.distributed.checkpoint.metadata": "Metadata TensorStorageMetadata BytesStorageMetadata "
+    "ChunkStorageMetadata TensorProperties StorageMeta MetadataIndex _MEM_FORMAT_ENCODING",
+    "torch.distributed.checkpoint.filesystem": "_StorageInfo", "torch": "Size",
+    "torch.serialization": "_get_layout", "pathlib": "PosixPath WindowsPath",
+    "collections": "OrderedDict"}.items() for name in names.split()}
+# OLMo-core pickles its own copy of torch's _StorageInfo (the same fields): read as torch's
 _DCP_RENAMES = {("olmo_core.distributed.checkpoint.filesystem", "_StorageInfo"):
                 ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module, name):
-        import torch
-        module, name = _DCP_RENAMES.get((module, name), (module, name))
-        is_dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        if (module, name) in _DCP_GLOBALS or is_dtype:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of checkpoint metadata; "
-                                     "refusing to load it")
 
 
 class _PlainUnpickler(pickle.Unpickler):
@@ -614,9 +531,8 @@ class _PlainUnpickler(pickle.Unpickler):
 
 
 def trainer_store(store, path):
-    """The old trainer's model.safetensors (its olmo/safetensors_util.py) -> name -> tensor. Each
-    stored name is the urlsafe base64 of a pickle of (keys: tuple of str, value_is_pickled),
-    read by an unpickler that loads no global; a pickled value (not a tensor) is skipped unread."""
+    """The old trainer's model.safetensors: each name is the urlsafe base64 of a pickle of (keys,
+    value_is_pickled), read loading no global; pickled values skipped."""
     out = {}
     for name, t in store.items():
         try:
@@ -625,52 +541,54 @@ def trainer_store(store, path):
             if not (isinstance(keys, tuple) and keys and isinstance(pickled, bool)
                     and all(isinstance(k, str) for k in keys)):
                 raise ValueError(f"it holds {keys!r}, {pickled!r}")
-        except Exception as e:  # bad base64, a broken or hostile pickle, another shape of data
-            raise ValueError(f"{path}: tensor name {name[:80]!r} is not the old trainer's "
-                             "(urlsafe base64 of a pickled (tuple of str, bool)): "
-                             f"{type(e).__name__}: {e}") from None
+        except Exception as e:  # bad base64, a broken or hostile pickle, other data
+            raise ValueError(f"{path}: tensor name {name[:80]!r} is not the old trainer's (a "
+                             f"pickled (keys, bool) in base64): {type(e).__name__}: {e}") from None
         if not pickled:
             out[".".join(keys)] = t
     return out
 
 
 def dcp_store(d):
-    """The model.* tensors of a DCP checkpoint, each read alone on use (no process group)."""
+    """A DCP checkpoint's model.* tensors, each read on use (no process group)."""
     import torch
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
-    d = Path(d)
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module, name):
+            module, name = _DCP_RENAMES.get((module, name), (module, name))
+            is_dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+            if (module, name) in _DCP_GLOBALS or is_dtype:
+                return super().find_class(module, name)
+            raise pickle.UnpicklingError(f"{module}.{name} is not part of checkpoint metadata")
+
     try:
         with open(d / ".metadata", "rb") as f:
-            md = _MetadataUnpickler(f).load()
+            md = Unpickler(f).load()
     except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
-        raise ValueError(f"{f.name}: not torch.distributed.checkpoint metadata ({e})") from None
+        raise ValueError(f"{f.name}: not DCP metadata ({e})") from None
 
     class Reader(dcp.FileSystemReader):
-        def read_metadata(self, *args, **kwargs):  # the checked copy above, not a pickle.load
-            md.storage_meta = getattr(md, "storage_meta", None) or StorageMeta()
+        def read_metadata(self, *args, **kwargs):  # the checked copy, not a pickle.load
+            md.storage_meta = getattr(md, "storage_meta", None) or dcp.metadata.StorageMeta()
             md.storage_meta.load_id = self.load_id
             return md
 
     def load(key, meta, reader=Reader(d)):
         t = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "torch.distributed is disabled ...": one process, yes
+            warnings.simplefilter("ignore")  # "torch.distributed is disabled": yes, one process
             dcp.load({key: t}, storage_reader=reader, no_dist=True)
         return _from_torch(t)
 
-    def lazy(key, meta):
-        dtype = _from_torch(torch.empty(0, dtype=meta.properties.dtype)).dtype
-        return Lazy(tuple(meta.size), dtype, functools.partial(load, key, meta))
-
-    return {key.removeprefix("model."): lazy(key, meta)
-            for key, meta in md.state_dict_metadata.items()
-            if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
+    return {key.removeprefix("model."): Lazy(
+        tuple(meta.size), _from_torch(torch.empty(0, dtype=meta.properties.dtype)).dtype,
+        functools.partial(load, key, meta)) for key, meta in md.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(meta, dcp.metadata.TensorStorageMetadata)}
 
 
 def _weights(d, names, trainer=False):
-    """Their name -> tensor, from the first of `names` in d: a weight file, shard index or DCP.
-    trainer: safetensors names are the old trainer's encoding (trainer_store)."""
+    """Their name -> tensor, from the first of `names` in d: a weight file, shard index or DCP."""
     for name in names:
         p = d / name
         if name.endswith(".index.json") and p.is_file():
@@ -689,40 +607,34 @@ def _weights(d, names, trainer=False):
     raise FileNotFoundError(f"{d}: no weights: looked for {', '.join(names)}")
 
 
-# --- sources: any checkpoint -> (ModelConfig, our name -> Lazy) ----------------------------------
+# --- sources: any checkpoint -> Source ---
 
 class Source(NamedTuple):
-    kind: str        # hf | hf_olmo | olmo | olmo_core
+    kind: str  # a FORMATS key
     path: Path
     m: ModelConfig
-    tensors: dict    # our unstacked names -> Lazy, in HF file order
-    tokenizer: str = None  # "dolma2" when the checkpoint says so
+    tensors: dict  # our unstacked names -> Lazy, in file order
+    tokenizer: str  # "dolma2" if the checkpoint says so
 
 
-# Per layer: ours (HF's), the old trainer's, OLMo-core's (olmo_core/nn/hf/convert.py's pairs). The
-# trainer's att_proj rows are [q; k; v] and ff_proj's [up; gate] (its SwiGLU is
-# `x, gate = ff_proj(x).chunk(2); silu(gate) * x`): a fused tensor's parts in this table's order.
+# Per layer: ours (HF's), the old trainer's, OLMo-core's. A fused tensor's parts in this order:
+# att_proj = [q; k; v], ff_proj = [up; gate] (`x, gate = ff_proj(x).chunk(2); silu(gate) * x`)
 LAYER_NAMES = [
-    ("self_attn.q_proj", "att_proj", "attention.w_q"),
-    ("self_attn.k_proj", "att_proj", "attention.w_k"),
-    ("self_attn.v_proj", "att_proj", "attention.w_v"),
+    *[(f"self_attn.{x}_proj", "att_proj", f"attention.w_{x}") for x in "qkv"],
     ("self_attn.o_proj", "attn_out", "attention.w_out"),
-    ("mlp.up_proj", "ff_proj", "feed_forward.w3"),
-    ("mlp.gate_proj", "ff_proj", "feed_forward.w1"),
+    ("mlp.up_proj", "ff_proj", "feed_forward.w3"), ("mlp.gate_proj", "ff_proj", "feed_forward.w1"),
     ("mlp.down_proj", "ff_out", "feed_forward.w2"),
-    ("self_attn.q_norm", "q_norm", "attention.q_norm"),
-    ("self_attn.k_norm", "k_norm", "attention.k_norm"),
+    *[(f"self_attn.{x}_norm", f"{x}_norm", f"attention.{x}_norm") for x in "qk"],
     ("post_attention_layernorm", "attn_norm", "attention_norm"),
     ("post_feedforward_layernorm", "ff_norm", "feed_forward_norm")]
-# The tensors outside the layers, and each column's layer prefix
+# Outside the layers; each column's layer prefix
 TOP_NAMES = [("embed_tokens", "transformer.wte", "embeddings"),
              ("norm", "transformer.ln_f", "lm_head.norm"),
              ("lm_head", "transformer.ff_out", "lm_head.w_out")]
 LAYER_PREFIX = ["layers.{}.", "transformer.blocks.{}.", "blocks.{}."]
-OLMO_CORE_NAMES = {f"{ours}.weight": f"{core}.weight" for ours, _, core in LAYER_NAMES}
 
 HF_WEIGHTS = HF_SAFETENSORS + ["pytorch_model.bin.index.json", "pytorch_model.bin"]
-# kind -> (config reader, weight files in the order looked for, its names' column in the tables)
+# kind -> (config reader, weight files by preference, its name tables' column)
 FORMATS = {
     "hf": (config_from_hf, HF_WEIGHTS, 0),
     "hf_olmo": (config_from_olmo, HF_WEIGHTS, 1),
@@ -731,27 +643,22 @@ FORMATS = {
 
 
 def _bind(store, column, m, where, what):
-    """Our name -> its tensor in `store` (or a Lazy of its rows in a fused one), names from the
-    tables' `column`, checked: every stored tensor used, in the shape the config implies."""
-    def unprefixed(k):  # HF's "model.layers.0...", unsharding's "model.transformer.wte.weight"
-        return k[k.find("transformer."):] if "transformer." in k else k.removeprefix("model.")
-
-    # old converters wrote rotary_emb.inv_freq; we recompute it from the config
-    store = {unprefixed(k): v for k, v in store.items() if not k.endswith("rotary_emb.inv_freq")}
-    if m.tie_embeddings:  # some tied files carry a copy of the head (OLMo-core's, HF's)
+    """Our name -> its tensor in `store` (or a Lazy of its rows in a fused one), named as in the
+    tables' `column`; every stored tensor used, in the shape the config implies."""
+    # HF's "model.layers.0...", unsharding's "model.transformer.wte.weight"; old converters'
+    # rotary_emb.inv_freq we recompute
+    store = {k[k.find("transformer."):] if "transformer." in k else k.removeprefix("model."): v
+             for k, v in store.items() if not k.endswith("rotary_emb.inv_freq")}
+    if m.tie_embeddings:  # some tied files hold a copy of the head (OLMo-core's, HF's)
         store.pop(f"{TOP_NAMES[-1][column]}.weight", None)
-    want = expected_tensors(m)
-    if column:  # ours -> theirs, from the name tables
-        prefix = LAYER_PREFIX[column]
-        plan = {f"layers.{i}.{row[0]}.weight": f"{prefix.format(i)}{row[column]}.weight"
-                for i in range(m.n_layers) for row in LAYER_NAMES}
-        plan.update({f"{row[0]}.weight": f"{row[column]}.weight" for row in TOP_NAMES})
-    else:  # HF's names are ours
-        plan = {k: k for k in want}
+    want, prefix = expected_tensors(m), LAYER_PREFIX[column]
+    plan = {f"layers.{i}.{row[0]}.weight": f"{prefix.format(i)}{row[column]}.weight"
+            for i in range(m.n_layers) for row in LAYER_NAMES}  # ours -> theirs
+    plan.update({f"{row[0]}.weight": f"{row[column]}.weight" for row in TOP_NAMES})
     rows, shapes = {}, {}
     for ours, theirs in plan.items():
         if ours in want:
-            start = shapes[theirs][0] if theirs in shapes else 0
+            start = shapes.get(theirs, [0])[0]
             rows[ours] = slice(start, start + want[ours][0])
             shapes[theirs] = (rows[ours].stop, *want[ours][1:])
     missing, unexpected = sorted(set(shapes) - set(store)), sorted(set(store) - set(shapes))
@@ -759,91 +666,72 @@ def _bind(store, column, m, where, what):
         raise ValueError(f"{where}: tensors do not match {what}: missing {missing[:6]}, "
                          f"unexpected {unexpected[:6]}")
     for theirs, shape in shapes.items():
-        got = tuple(store[theirs].shape)
-        if got != shape:
+        if (got := tuple(store[theirs].shape)) != shape:
             raise ValueError(f"{where}: tensor {theirs} has shape {got}, {what} implies {shape}")
     out = {ours: store[plan[ours]] for ours in want}
     for ours, r in rows.items():
         if r != slice(0, shapes[plan[ours]][0]):  # a part of a fused tensor
-            fused = Lazy.of(out[ours])
-            out[ours] = Lazy(want[ours], fused.dtype, lambda t=fused, r=r: t.load()[r])
+            t = Lazy.of(out[ours])
+            out[ours] = Lazy(want[ours], t.dtype, lambda t=t, r=r: t.load()[r])
     return out
 
 
-def detect(path, config=None):
-    """(kind, weights directory, config file, its contents) from `path` (a directory or a file)."""
+def open_source(path, config=None):
+    """Any supported checkpoint, a directory or a file -> Source, checked (_bind)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such checkpoint")
     d = path.parent if path.is_file() else path
-    d = d.parent if d.name == "model_and_optim" else d  # given an OLMo-core step's DCP folder
-    if config:
-        cfg = Path(config)
-    else:
-        cfg = next((d / n for n in ("config.json", "config.yaml") if (d / n).is_file()), None)
+    d = d.parent if d.name == "model_and_optim" else d  # an OLMo-core step's DCP folder
+    names = ("config.json", "config.yaml")
+    cfg = Path(config) if config else next((d / n for n in names if (d / n).is_file()), None)
     if cfg is None:
         seen = sorted(p.name for p in d.iterdir())[:8]
-        raise ValueError(f"{path}: not a checkpoint format I know: no config.json (HF, hf_olmo, "
-                         f"OLMo-core) or config.yaml (old OLMo trainer); found {seen} "
-                         "(pass --config FILE if it lives elsewhere)")
-    if cfg.suffix in (".yaml", ".yml"):  # yaml.safe_load: plain data only, no Python objects
+        raise ValueError(f"{path}: not a checkpoint format I know: found {seen}, no config.json "
+                         "or config.yaml (pass --config FILE)")
+    if cfg.suffix in (".yaml", ".yml"):  # safe_load: plain data, no Python objects
         try:
-            return "olmo", d, cfg, yaml.safe_load(cfg.read_text())["model"]
+            kind, c = "olmo", yaml.safe_load(cfg.read_text())["model"]
         except (yaml.YAMLError, KeyError, TypeError) as e:
-            raise ConfigError(f"{cfg}: not the old trainer's config.yaml (not YAML, or no model: "
-                              f"{e!r})") from None
-    c = read_json(cfg)
-    if isinstance(c.get("model"), dict) and "block" in c["model"]:
-        kind = "olmo_core"
-    elif "d_model" in c:
-        kind = "hf_olmo"
-    elif c.get("model_type") in FAMILY_OF:
-        kind = "hf"
+            raise ConfigError(f"{cfg}: not a config.yaml with a `model:` ({e!r})") from None
     else:
-        raise ValueError(f"{cfg}: not a config I know: model_type {c.get('model_type')!r}, "
-                         "no d_model, no model.block")
-    return kind, d, cfg, c
-
-
-def open_source(path, config=None):
-    """Any supported checkpoint -> Source, checked: every tensor there, used, of the right shape."""
-    kind, d, cfg, c = detect(path, config)
+        c = read_json(cfg)
+        core = isinstance(c.get("model"), dict) and "block" in c["model"]
+        kind = "olmo_core" if core else "hf_olmo" if "d_model" in c else "hf"
+        if kind == "hf" and c.get("model_type") not in FAMILY_OF:
+            raise ValueError(f"{cfg}: not a config I know (model_type {c.get('model_type')!r}, no "
+                             "d_model or model.block)")
     read, files, column = FORMATS[kind]
     m = read(c, str(cfg))
-    given = [Path(path).name] if Path(path).is_file() else []
-    store = _weights(d, given + files, trainer=kind == "olmo")
+    store = _weights(d, ([path.name] if path.is_file() else []) + files, trainer=kind == "olmo")
     tensors = {k: Lazy.of(t) for k, t in _bind(store, column, m, str(path), cfg.name).items()}
-    # OLMo-core names its tokenizer; elsewhere OLMo 2/3's EOS 100257 and rows for its ids say dolma2
+    # OLMo-core names its tokenizer; elsewhere dolma2's EOS 100257 and rows for its ids say so
     ident = str(((c.get("dataset") or {}).get("tokenizer") or {}).get("identifier", ""))
     named = "dolma2" in ident or "dolma3" in ident
     dolma2 = named or (m.eos_token_id == 100257 and m.vocab_size >= 100278)
-    return Source(kind, Path(path), m, tensors, "dolma2" if dolma2 else None)
+    return Source(kind, path, m, tensors, "dolma2" if dolma2 else None)
 
 
-# --- writing: our checkpoint directory, or a release-style HF one --------------------------------
+# --- writing: ours, or a release-style HF directory ---
 
 def write_checkpoint(out, m, tensors, dtype=None, files=None, shard_bytes=None):
-    """Tensors (our name -> Lazy) -> OUT via OUT.tmp: config.json, model.safetensors or shards +
-    index, and `files` (name -> text)."""
+    """Tensors (our name -> Lazy) -> OUT via OUT.tmp, with config.json and `files` (name: text)."""
     out = Path(out)
     if out.exists():
-        raise FileExistsError(f"{out} exists; convert never overwrites "
-                              "(delete it or pick another OUT)")
+        raise FileExistsError(f"{out} exists; convert never overwrites (delete it or pick another)")
     tensors = {hf_name(k): Lazy(t.shape, np.dtype(dtype or t.dtype), t.load)
                for k, t in tensors.items()}
     sizes = {k: math.prod(t.shape) * t.dtype.itemsize for k, t in tensors.items()}
     total, groups = sum(sizes.values()), [[]]
-    for k in tensors:  # greedy, in file order, as transformers' save_pretrained cuts its shards
-        filled = sum(sizes[j] for j in groups[-1])
-        if shard_bytes and groups[-1] and filled + sizes[k] > shard_bytes:
+    for k, size in sizes.items():  # greedy, in file order, as transformers' save_pretrained
+        if shard_bytes and groups[-1] and sum(map(sizes.get, groups[-1])) + size > shard_bytes:
             groups.append([])
         groups[-1].append(k)
     n = len(groups)
-    shards = {f"model-{i:05d}-of-{n:05d}.safetensors": keys for i, keys in enumerate(groups, 1)}
-    if n == 1:
-        shards = {"model.safetensors": groups[0]}
-    kinds = {t.dtype for t in tensors.values()}
-    hf = {**config_to_hf(m), "dtype": next(iter(kinds)).name if len(kinds) == 1 else "float32"}
+    shards = {f"model-{i:05d}-of-{n:05d}.safetensors" if n > 1 else "model.safetensors": keys
+              for i, keys in enumerate(groups, 1)}
+    kinds = {t.dtype.name for t in tensors.values()}
+    hf = {**config_to_hf(m), "dtype": kinds.pop() if len(kinds) == 1 else "float32"}
     files = {"config.json": _json(hf), **(files or {})}
     if n > 1:
         weight_map = {k: f for f, keys in shards.items() for k in keys}
@@ -869,51 +757,48 @@ def write_checkpoint(out, m, tensors, dtype=None, files=None, shard_bytes=None):
 
 
 def convert(src, out, to_hf=False, dtype=None, tokenizer=None, config=None, shard_gb=5.0):
-    """SRC (any format) -> OUT. to_hf: laid out as the official releases: shards + index past
-    shard_gb, generation_config.json, tokenizer files (`tokenizer`, else SRC's own, else dolma2
-    if SRC's ids are), OLMo 3's V trimmed to the tokenizer's."""
+    """SRC -> OUT; to_hf: as the releases (shards past shard_gb, generation config, tokenizer
+    files: `tokenizer`, else SRC's, else dolma2 if SRC's ids are; Olmo 3's V cut to it)."""
     s = open_source(src, config)
-    m, tensors, spec = s.m, dict(s.tensors), tokenizer or s.tokenizer
-    files, tok = {}, None
-    if to_hf:
-        ids = dict(eos_token_id=m.eos_token_id, pad_token_id=m.pad_token_id)
-        files["generation_config.json"] = _json(dict(_from_model_config=True, **ids))
-    if to_hf and not tokenizer:  # the checkpoint's own tokenizer files first
-        try:
-            tok = read_hf_tokenizer(s.path if s.path.is_dir() else s.path.parent)
-        except ValueError as e:
-            print(f"note: {e}", file=sys.stderr)
-    if to_hf and (tok or spec):
+    m, tensors, spec, tok = s.m, dict(s.tensors), tokenizer or s.tokenizer, None
+    if not to_hf:
+        write_checkpoint(out, m, tensors, dtype)
+        return s, m
+    ids = dict(eos_token_id=m.eos_token_id, pad_token_id=m.pad_token_id)
+    files = {"generation_config.json": _json(dict(_from_model_config=True, **ids))}
+    try:  # the checkpoint's own files first
+        tok = None if tokenizer else read_hf_tokenizer(s.path if s.path.is_dir() else s.path.parent)
+    except ValueError as e:
+        print(f"note: {e}", file=sys.stderr)
+    if tok or spec:
         import data
         tok = tok or data.load_tokenizer(spec)
         V, spec = tok.vocab_size, tok.name
         if V > m.vocab_size:
             raise ValueError(f"tokenizer {spec} has {V} ids, the model only {m.vocab_size} rows")
-        if m.family == "olmo3" and V < m.vocab_size:  # as Olmo 3's releases; OLMo 2's keep them
-            for k in ("embed_tokens.weight", "lm_head.weight"):
-                if k in tensors:
-                    t = tensors[k]
-                    tensors[k] = Lazy((V, *t.shape[1:]), t.dtype, lambda t=t: t.load()[:V])
+        if m.family == "olmo3" and V < m.vocab_size:  # as Olmo 3's releases (not OLMo 2's)
+            for k in {"embed_tokens.weight", "lm_head.weight"} & set(tensors):
+                t = tensors[k]
+                tensors[k] = Lazy((V, *t.shape[1:]), t.dtype, lambda t=t: t.load()[:V])
             m = dataclasses.replace(m, vocab_size=V)
         files.update(hf_tokenizer_files(tok, m.max_seq_len))
         print(f"tokenizer files: {spec} ({V} ids)", file=sys.stderr)
-    elif to_hf:
-        why = f"pass --tokenizer SPEC; model vocab {m.vocab_size}"
-        print(f"note: no tokenizer files written ({why})", file=sys.stderr)
-    write_checkpoint(out, m, tensors, dtype, files, shard_gb * 2**30 if to_hf else None)
+    else:
+        print(f"note: no tokenizer files written (pass --tokenizer SPEC; model vocab "
+              f"{m.vocab_size})", file=sys.stderr)
+    write_checkpoint(out, m, tensors, dtype, files, shard_gb * 2**30)
     return s, m
 
 
-# --- tokenizers: tiktoken ranks -> HF tokenizer.json ----------------------------------------------
+# --- tokenizers: tiktoken ranks <-> HF tokenizer.json ---
 
-# GPT-2's byte -> printable character map, which byte-level BPE vocabularies are written in.
-_KEPT = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-         *range(ord("®"), ord("ÿ") + 1)]
+# GPT-2's byte -> character map, of byte-level BPE vocabularies: "!".."~", "¡".."¬", "®".."ÿ" as
+# themselves, the other bytes as chr(256 + i)
+_KEPT = [*range(33, 127), *range(161, 173), *range(174, 256)]
 BYTE_CHARS = {**{b: chr(b) for b in _KEPT},
               **{b: chr(256 + i) for i, b in enumerate(b for b in range(256) if b not in _KEPT)}}
 
-
-# tokenizer.json's model: byte-level BPE, nothing else (its vocab and merges aside)
+# tokenizer.json's model, its vocab and merges aside
 BPE = dict(type="BPE", dropout=None, unk_token=None, continuing_subword_prefix="",
            end_of_word_suffix="", fuse_unk=False, byte_fallback=False)
 
@@ -925,29 +810,26 @@ def _pre_tokenizer(pattern):  # tiktoken's split on `pattern`, then bytes as BPE
 
 
 def hf_tokenizer_files(tok, max_len):
-    """tokenizer.json (laid out as OLMo's allenai_dolma2.json), tokenizer_config.json and
-    special_tokens_map.json: AutoTokenizer then tokenizes as data.py's Tokenizer (no BOS, added
-    tokens matched in text)."""
-    enc = tok.enc
-    ranks = enc._mergeable_ranks
+    """HF tokenizer files (tokenizer.json as allenai_dolma2.json) that tokenize as data.py."""
+    enc, ranks = tok.enc, tok.enc._mergeable_ranks
 
-    def text(b):  # bytes -> their byte-level BPE characters
+    def text(b):  # bytes -> BPE characters
         return "".join(BYTE_CHARS[x] for x in b)
 
-    merges = []  # in rank order, which gives them HF tiktoken's priority
+    merges = []  # in rank order: tiktoken's priority
     for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
         parts = [bytes([b]) for b in token]
-        while len(parts) > 1:  # its merge: tiktoken's BPE on its bytes, with the lower ranks only
-            pair_ranks = [ranks.get(a + b, math.inf) for a, b in zip(parts, parts[1:])]
-            i = pair_ranks.index(min(pair_ranks))
-            if pair_ranks[i] >= rank:
+        while len(parts) > 1:  # its merge: tiktoken's BPE on its bytes, lower ranks only
+            pairs = [ranks.get(a + b, math.inf) for a, b in zip(parts, parts[1:])]
+            i = pairs.index(min(pairs))
+            if pairs[i] >= rank:
                 break
             parts[i:i + 2] = [parts[i] + parts[i + 1]]
         if len(parts) > 2:
-            raise ValueError(f"rank {rank} ({token!r}) is not the merge of two lower-ranked "
-                             "tokens: not a BPE vocabulary")
+            raise ValueError(f"rank {rank} ({token!r}) is not the merge of two lower ranks: not a "
+                             "BPE vocabulary")
         if len(parts) == 2:
-            merges.append(f"{text(parts[0])} {text(parts[1])}")
+            merges.append(" ".join(map(text, parts)))
     added = [dict(id=i, content=s, single_word=False, lstrip=False, rstrip=False, normalized=False,
                   special=not s.startswith(("<|extra_id_", "|||")))  # dolma2: 2 kinds non-special
              for s, i in sorted(enc._special_tokens.items(), key=lambda kv: kv[1])]
@@ -961,7 +843,7 @@ def hf_tokenizer_files(tok, max_len):
     eos, pad = enc.decode([tok.eos_id]), enc.decode([tok.pad_id])
     decoder = {str(a["id"]): {k: v for k, v in a.items() if k != "id"} for a in added}
     specials = dict(bos_token=eos, eos_token=eos, pad_token=pad, unk_token=eos)
-    # The plain fast class: transformers 5's GPT2Tokenizer would rebuild GPT-2's pre-tokenizer.
+    # not GPT2Tokenizer: transformers 5 would rebuild GPT-2's pre-tokenizer
     cfg = dict(add_bos_token=False, add_eos_token=False, added_tokens_decoder=decoder, **specials,
                clean_up_tokenization_spaces=False, model_max_length=max_len,
                tokenizer_class="PreTrainedTokenizerFast")
@@ -971,9 +853,8 @@ def hf_tokenizer_files(tok, max_len):
 
 
 def read_hf_tokenizer(d):
-    """d's tokenizer.json and tokenizer_config.json -> data.Tokenizer (rank = id), or None if d has
-    no tokenizer.json. Reads the layout hf_tokenizer_files writes, and allenai's dolma2 one; any
-    other, or a damaged file, is a ValueError naming the file."""
+    """d's tokenizer.json (ours, or allenai's dolma2) -> data.Tokenizer (rank = id), or None;
+    another layout, or a damaged file, is a ValueError naming it."""
     import tiktoken
     import data
     path, cfg_path = Path(d) / "tokenizer.json", Path(d) / "tokenizer_config.json"
@@ -988,10 +869,10 @@ def read_hf_tokenizer(d):
             raise ValueError("not byte-level BPE split as tiktoken splits")
         byte_of, special = {c: b for b, c in BYTE_CHARS.items()}, set(added.values())
         ranks = {bytes(byte_of[c] for c in text): i for text, i in bpe["vocab"].items()
-                 if i not in special}  # (allenai's vocab lists its added tokens too)
+                 if i not in special}  # (allenai's lists added tokens too)
         if sorted(ranks.values()) != list(range(len(ranks))):
             raise ValueError("its vocabulary's ids are not 0..n-1 without gaps")
-        last = -1  # tiktoken merges by rank: each merge must make a token of a higher rank
+        last = -1  # tiktoken merges by rank: each must make a higher-ranked token
         for merge in bpe["merges"]:
             a, b = merge.split(" ") if isinstance(merge, str) else merge
             if bpe["vocab"].get(a + b, -1) <= last:
@@ -1006,19 +887,18 @@ def read_hf_tokenizer(d):
         ids = (added[eos], added.get(pad, added[eos]))
     except (KeyError, TypeError, IndexError, AttributeError, ValueError) as e:
         why = str(e) if type(e) is ValueError else f"{type(e).__name__}: {e}"
-        raise ValueError(f"{path}: not a tokenizer.json we read (byte-level BPE over tiktoken "
-                         f"ranks, as convert.py writes): {why}") from None
+        raise ValueError(f"{path}: not a tokenizer.json we read (byte-level BPE, tiktoken's "
+                         f"ranks): {why}") from None
     return data.Tokenizer(enc, str(path), *ids, max(added.values(), default=len(ranks) - 1) + 1,
                           data.sha256(path))
 
 
-# --- soups: the average of checkpoints ------------------------------------------------------------
+# --- soups ---
 
 def soup(srcs, out):
-    """The fp32 average of checkpoints of one model (any formats), as OLMo 2's release recipe."""
-    sources = [open_source(s) for s in srcs]
-    first = sources[0]
-    for s in sources[1:]:
+    """The fp32 average of checkpoints of one model (any formats), as OLMo 2's recipe."""
+    first, *rest = sources = [open_source(s) for s in srcs]
+    for s in rest:
         if diff := first.m.differences(s.m):
             raise ConfigError(f"{s.path} is a different model from {first.path} "
                               f"({'; '.join(diff)})")
@@ -1032,24 +912,23 @@ def soup(srcs, out):
     return write_checkpoint(out, first.m, tensors)
 
 
-# --- check: two models on the same tokens -------------------------------------------------------
+# --- check: two models on the same tokens ---
 
 def load_tokens(path, seq_len=None, rows=0):
-    """(B, T) int64 from a .npy (allow_pickle=False) or a token file, 1-D cut into rows."""
+    """(B, T) int64 from a .npy (no pickles) or a token file, 1-D cut into rows."""
     import data
     with open(path, "rb") as f:
         is_npy = f.read(6) == b"\x93NUMPY"
     try:
         a = np.load(path, allow_pickle=False) if is_npy else data.open_token_file(path).array()
-    except ValueError as e:  # an object array (its elements are pickles, never loaded), or damage
-        raise ValueError(f"{path}: not a readable array of token ids ({e}); expected an integer "
-                         ".npy (int32, int64, uint16, uint32) or a token file") from None
+    except ValueError as e:  # an object array (pickles: never loaded), or damage
+        raise ValueError(f"{path}: not a readable array of token ids ({e}); pass an integer .npy "
+                         "(int32, int64, uint16, uint32) or a token file") from None
     if a.ndim not in (1, 2) or not np.issubdtype(a.dtype, np.integer):
-        raise ValueError(f"{path}: {a.dtype} values of shape {a.shape}; expected integer token "
-                         "ids, (T,) or (B, T)")
+        raise ValueError(f"{path}: {a.dtype} values of shape {a.shape}; pass integer ids, (T,) "
+                         "or (B, T)")
     T = seq_len or a.shape[-1] or 1
-    out = a[:len(a) // T * T].reshape(-1, T) if a.ndim == 1 else a[:, :T]
-    out = out[:rows or None]
+    out = (a[:len(a) // T * T].reshape(-1, T) if a.ndim == 1 else a[:, :T])[:rows or None]
     if not out.size or out.shape[1] < T:
         raise ValueError(f"{path}: token ids of shape {a.shape} hold no full row of {T} "
                          f"(--seq-len {seq_len})")
@@ -1057,8 +936,7 @@ def load_tokens(path, seq_len=None, rows=0):
 
 
 def open_runner(spec, dtype="float32"):
-    """'jax:DIR' / 'torch:DIR' (ours) or 'hf:DIR' -> (run: tokens (1, T) -> float32 logits (T, V),
-    V, label, m)."""
+    """'jax:DIR' / 'torch:DIR' (ours) or 'hf:DIR' -> (run: (1, T) -> fp32 (T, V), V, label, m)."""
     kind, sep, path = spec.partition(":")
     if not sep or kind not in ("jax", "torch", "hf"):
         kind, path = "jax", spec
@@ -1066,8 +944,8 @@ def open_runner(spec, dtype="float32"):
     dt = getattr(torch, dtype)
     if kind == "hf":
         import transformers
-        auto = transformers.AutoModelForCausalLM
-        net = auto.from_pretrained(path, dtype=dt, local_files_only=True).eval()
+        net = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=dt, local_files_only=True).eval()
         m, fwd, V = None, (lambda t: net(t).logits), net.config.vocab_size
         label = f"hf:{path} (transformers {transformers.__version__}, {type(net).__name__})"
     else:
@@ -1078,11 +956,8 @@ def open_runner(spec, dtype="float32"):
             import jax
             import jax.numpy as jnp
             params = {k: jnp.asarray(v) for k, v in params.items()}
-
-            def logits(p, t):  # (1, T) -> (T, V) float32
-                return model.forward(p, t, m, jnp.dtype(dtype))[0].astype(jnp.float32)
-
-            jit = jax.jit(logits)
+            cdt = jnp.dtype(dtype)
+            jit = jax.jit(lambda p, t: model.forward(p, t, m, cdt)[0].astype(np.float32))
             return (lambda tokens: np.asarray(jit(params, jnp.asarray(tokens)))), V, label, m
         net = model.torch_model(m, params).eval()
         del params
@@ -1095,8 +970,8 @@ def open_runner(spec, dtype="float32"):
 
 
 def compare_logits(a, b, rows=256):
-    """Per position KL(A||B) (nats), top-1 agreement, and the max |logit difference|, in float64
-    over the first min(V_A, V_B) ids (beyond are padding rows one side lacks)."""
+    """Per position KL(A||B) (nats), top-1 agreement, max |logit difference|, in float64, over
+    min(V_A, V_B) ids (the rest: padding one side lacks)."""
     V = min(a.shape[-1], b.shape[-1])
     kl, agree, diff = [], [], 0.0
     for i in range(0, len(a), rows):
@@ -1110,50 +985,43 @@ def compare_logits(a, b, rows=256):
 
 
 def check(a, b, tokens, dtype="float32"):
-    """Run models A and B on tokens (B, T), row by row; print and return the conversion report."""
+    """Models A and B on tokens (B, T), row by row: print how close they are."""
     run_a, Va, label_a, m = open_runner(a, dtype)
     run_b, Vb, label_b, _ = open_runner(b, dtype)
     if m is not None:
         model.check_tokens(tokens, m)
-    if tokens.max() >= min(Va, Vb):
-        raise ValueError(f"token id {tokens.max()} is out of range for vocab {min(Va, Vb)}")
+    if tokens.max() >= (V := min(Va, Vb)):
+        raise ValueError(f"token id {tokens.max()} is out of range for vocab {V}")
     rows = tqdm(tokens, desc="check", disable=len(tokens) < 2)
     kls, agrees, diffs = zip(*[compare_logits(run_a(row[None]), run_b(row[None])) for row in rows])
-    kl, agree, diff = np.concatenate(kls), np.concatenate(agrees), max(diffs)
-    r = dict(kl_mean=float(kl.mean()), kl_max=float(kl.max()), top1=float(agree.mean()),
-             max_abs_diff=diff, positions=int(kl.size), vocab=min(Va, Vb))
-    B, T = tokens.shape
+    kl, agree = np.concatenate(kls), np.concatenate(agrees)
     sizes = f" (A has {Va}, B {Vb})" if Va != Vb else ""
-    print(f"A = {label_a}\nB = {label_b}\n{B} x {T} tokens, {dtype} compute, "
-          f"compared over {r['vocab']} ids{sizes}")
-    print(f"KL(A||B) per token: mean {r['kl_mean']:.3e}  max {r['kl_max']:.3e}   top-1 agreement "
-          f"{100 * r['top1']:.2f}% ({int(agree.sum())}/{agree.size})   "
-          f"max |logit A - logit B| {diff:.4g}")
-    return r
+    print(f"A = {label_a}\nB = {label_b}\n{len(tokens)} x {tokens.shape[1]} tokens, {dtype} "
+          f"compute, compared over {V} ids{sizes}")
+    print(f"KL(A||B) per token: mean {kl.mean():.3e}  max {kl.max():.3e}   top-1 agreement "
+          f"{100 * agree.mean():.2f}% ({agree.sum()}/{agree.size})   "
+          f"max |logit A - logit B| {max(diffs):.4g}")
 
 
-# --- command line: one function per command, each declaring its arguments, then running ---------
+# --- command line: one function per command ---
 
 DTYPE_NAMES = ["float32", "bfloat16"]
 
 
-def _source_args(arg):  # convert's and info's SRC, and its config when not beside its weights
+def _source_args(arg):  # convert's and info's
     arg("src")
-    arg("--config", help="the source's config.json / config.yaml, when not next to its weights")
+    arg("--config", help="SRC's config.json / config.yaml, if not beside its weights")
 
 
 def convert_command(arg, parse):
     _source_args(arg)
     arg("out")
-    arg("--to-hf", action="store_true",
-        help="a release-style HF directory (shards, tokenizer, generation config)")
-    arg("--dtype", choices=DTYPE_NAMES,
-        help="cast every tensor (default: keep each tensor's dtype)")
-    arg("--tokenizer",
-        help="with --to-hf: dolma2 or a ranks file (default: the checkpoint's tokenizer.json, "
-        "else dolma2 if the checkpoint uses it)")
+    arg("--to-hf", action="store_true", help="release-style: shards, tokenizer, generation config")
+    arg("--dtype", choices=DTYPE_NAMES, help="cast every tensor (default: keep their dtypes)")
+    arg("--tokenizer", help="with --to-hf: dolma2 or a ranks file (default: SRC's tokenizer.json, "
+        "else dolma2 if SRC's ids are)")
     arg("--shard-size", type=in_range(float, 0, open_lo=True), default=5.0,
-        help="with --to-hf: GiB per safetensors shard")
+        help="with --to-hf: GiB per shard")
     a = parse()
     s, m = convert(a.src, a.out, a.to_hf, a.dtype, a.tokenizer, a.config, a.shard_size)
     n = sum(math.prod(t.shape) for t in s.tensors.values())
@@ -1161,15 +1029,12 @@ def convert_command(arg, parse):
 
 
 def check_command(arg, parse):
-    arg("a", help="jax:DIR or torch:DIR (ours, any SRC format; a bare DIR is jax:DIR) "
-        "or hf:DIR (transformers)")
+    arg("a", help="jax:DIR or torch:DIR (ours, any SRC format; bare DIR: jax) or hf:DIR")
     arg("b")
-    arg("--tokens", required=True,
-        help=".npy of ids, (B, T) or (N,); or a token file (ours, OLMo-core's uint32)")
-    arg("--seq-len", type=in_range(int, 1),
-        help="T: cut 1-D ids into rows of T (or truncate rows to T)")
+    arg("--tokens", required=True, help=".npy of ids, (B, T) or (N,), or a token file")
+    arg("--seq-len", type=in_range(int, 1), help="T: 1-D ids cut into rows of T, rows cut to T")
     arg("--rows", type=in_range(int, 0), default=0, help="only the first N rows (0 = all)")
-    arg("--dtype", choices=DTYPE_NAMES, default="float32", help="compute dtype of both models")
+    arg("--dtype", choices=DTYPE_NAMES, default="float32", help="both models' compute dtype")
     a = parse()
     check(a.a, a.b, load_tokens(a.tokens, a.seq_len, a.rows), a.dtype)
 

@@ -119,6 +119,9 @@ def olmo_core_config(m):
     return {"run_name": "fixture", "model": t, "dataset": {"sequence_length": m.max_seq_len, "tokenizer": tok}}
 
 
+OLMO_CORE_NAMES = {f"{ours}.weight": f"{core}.weight" for ours, _, core in convert.LAYER_NAMES}
+
+
 def olmo_core_state(m, params):
     s = model.unstack_layers(params)
     sd = {"embeddings.weight": s["embed_tokens.weight"], "lm_head.norm.weight": s["norm.weight"],
@@ -126,7 +129,7 @@ def olmo_core_state(m, params):
     for k, v in s.items():
         if k.startswith("layers."):
             _, i, rest = k.split(".", 2)
-            sd[f"blocks.{i}.{convert.OLMO_CORE_NAMES[rest]}"] = v
+            sd[f"blocks.{i}.{OLMO_CORE_NAMES[rest]}"] = v
     return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in sd.items()}
 
 
@@ -377,7 +380,7 @@ def test_embedding_layer_norm_is_refused_not_dropped(tmp_path):
     cfg = yaml.safe_load((tmp_path / "src/config.yaml").read_text())
     cfg["model"]["embedding_layer_norm"] = True
     (tmp_path / "src/config.yaml").write_text(yaml.safe_dump(cfg))
-    with pytest.raises(ConfigError, match=r"src/config.yaml: embedding_layer_norm=True is not supported \(no norm after"):
+    with pytest.raises(ConfigError, match=r"src/config.yaml: embedding_layer_norm=True is not supported \(OLMo 1: False\)"):
         convert.convert(tmp_path / "src", tmp_path / "out")
     assert not (tmp_path / "out").exists()
 

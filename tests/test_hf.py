@@ -199,7 +199,7 @@ def test_bad_checkpoints(tmp_path):
     with pytest.raises(ConfigError, match="config.json: model.n_kv_heads=3: n_heads=4 must be a multiple"):
         convert.load_hf(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**hf, "model_type": "llama"}))
-    with pytest.raises(ConfigError, match="model_type 'llama' is not an OLMo"):
+    with pytest.raises(ConfigError, match="model_type='llama' is not supported"):
         convert.load_hf(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(hf))
     st.unlink()
