@@ -1,19 +1,15 @@
 """Train an OLMo in JAX or PyTorch: config -> devices -> data -> params -> train step -> loop.
 
-    python train.py configs/tiny.toml                        # the main job's run (JAX)
-    python train.py configs/tiny.toml --train.steps=50 --train.run_dir=runs/x  # rerun: resumes
-    python train.py configs/tiny.toml --train.backend=torch  # the same run, model.py's nn.Module
-    torchrun --nproc_per_node=8 train.py configs/olmo2-1b.toml --train.backend=torch --mesh.fsdp=8
-    python train.py configs/tiny.toml --eval.tasks=arc_easy,piqa  # + in-loop tasks (eval.py)
-    python train.py plan configs/olmo3-32b.toml              # fits on its target?
+    python train.py configs/tiny.toml  # the main job's run (JAX); rerun it: it resumes
+    python train.py configs/tiny.toml --train.backend=torch  # model.py's nn.Module; torchrun: FSDP2
     python train.py configs/tiny.toml configs/tiny-sft.toml  # post-training: -sft, -dpo, -grpo
+    python train.py plan configs/olmo3-32b.toml  # fits on its target?
 
-JaxBackend and TorchBackend have the same methods (init, load, step, eval, score, pieces,
-host_params) around one loader, schedule and checkpoint format, so the loop has no `if backend`;
-post-training is the same loop on other data and train.loss. Run directories: docs/training.md.
+Both backends have the same methods: the loop has no `if backend`. Run dirs: docs/training.md.
 """
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -39,10 +35,10 @@ from configs import (ConfigError, build, describe, load_config, read_json, run_c
                      to_dict)
 
 SKIP_WINDOW, SKIP_MIN, SKIP_SIGMA = 128, 64, 6.0  # OLMo-core SkipStepAdamW defaults
-POSTTRAIN_METRICS = ("margin", "accuracy", "reward", "eval_accuracy")  # DPO's and GRPO's
+POSTTRAIN_METRICS = ("margin", "accuracy", "reward", "eval_accuracy")
 
 
-# --- learning rate and AdamW (pure functions) ---------------------------------------------------
+# --- learning rate and AdamW (pure functions) ---
 
 # exercise: lr_schedule
 def lr_at(step, tc, tokens_per_step, total_steps):
@@ -89,8 +85,7 @@ def new_optimizer(params):
 
 
 def new_history():
-    def window():
-        return jnp.zeros(SKIP_WINDOW, jnp.float32)
+    window = functools.partial(jnp.zeros, SKIP_WINDOW, jnp.float32)
     return dict(loss=window(), grad_norm=window(), n=jnp.zeros((), jnp.int32))
 
 
@@ -116,12 +111,11 @@ def push_history(history, loss, grad_norm):
                 n=h["n"] + 1)
 
 
-# --- checkpoints (both backends) -----------------------------------------------------------------
-# HF layout whatever the backend or mesh: each process writes and reads only its pieces, so a
-# checkpoint resumes on another mesh or backend and no host holds a whole array.
+# --- checkpoints (both backends) ---
+# HF layout on any backend or mesh (a run resumes on another); no host holds a whole array.
 
 def checkpoint_entries(m):
-    """{name: (shape, dtype)} of model.safetensors and optimizer.safetensors, both fp32."""
+    """{name: (shape, dtype)} of model.safetensors and optimizer.safetensors."""
     shapes = convert.expected_tensors(m)  # unstacked names, as stored
     model_e = {convert.hf_name(n): (s, np.float32) for n, s in shapes.items()}
     opt_e = {p + n: (s, np.float32) for p in ("exp_avg.", "exp_avg_sq.") for n, s in shapes.items()}
@@ -129,35 +123,33 @@ def checkpoint_entries(m):
     return model_e, opt_e
 
 
-def save_checkpoint(run_dir, step, backend, cfg, loader_state, log_window, extra=None):
+def save_checkpoint(step, backend, cfg, loader_state, log_window, extra):
     """step_N.tmp/ -> fsync -> step_N/ -> `latest` -> drop those past `keep`: a crash leaves the
-    last whole. log_window: the losses since the last log line (a resumed run's next line).
-    extra: name -> text, more files (the tokenizer's)."""
-    run_dir, lead, barrier = Path(run_dir), backend.lead, backend.barrier
+    last whole. extra: {file: text}."""
+    run_dir, lead, barrier = Path(cfg.train.run_dir), backend.lead, backend.barrier
     final, tmp = run_dir / f"step_{step}", run_dir / f"step_{step}.tmp"
     try:
         if lead:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         barrier()
-        files = (("model.safetensors", "model.", "pt"),
-                 ("optimizer.safetensors", "optimizer", "nanolmo"))
-        for (fname, kind, fmt), entries in zip(files, checkpoint_entries(cfg.model)):
-            if lead:  # sizes the file (claims its disk); all write their pieces into a memory map
-                convert.allocate_safetensors(tmp / fname, entries, {"format": fmt})
+        formats = dict(model="pt", optimizer="nanolmo")
+        for (kind, fmt), entries in zip(formats.items(), checkpoint_entries(cfg.model)):
+            path = tmp / f"{kind}.safetensors"
+            if lead:  # claims the disk; all write their pieces into a memory map
+                convert.allocate_safetensors(path, entries, {"format": fmt})
             barrier()
-            views, _ = convert.read_safetensors(tmp / fname, writable=True)
+            views, _ = convert.read_safetensors(path, writable=True)
             for name, idx, value in backend.pieces(kind):
                 views[name][idx] = value
             del views
-            convert.fsync(tmp / fname)  # the mapped pages, on disk
+            convert.fsync(path)  # the mapped pages, on disk
             barrier()
         if lead:
-            history = {k: np.asarray(v).tolist() for k, v in backend.history.items()}
             meta = dict(step=step, config=to_dict(cfg), data=loader_state, log_window=log_window,
-                        history=history)
+                        history={k: np.asarray(v).tolist() for k, v in backend.history.items()})
             texts = {"config.json": json.dumps(convert.config_to_hf(cfg.model), indent=2) + "\n",
-                     "nanolmo.json": json.dumps(meta, indent=1) + "\n", **(extra or {})}
+                     "nanolmo.json": json.dumps(meta, indent=1) + "\n", **extra}
             for f, text in texts.items():
                 (tmp / f).write_text(text)
                 convert.fsync(tmp / f)
@@ -165,8 +157,8 @@ def save_checkpoint(run_dir, step, backend, cfg, loader_state, log_window, extra
         if lead:
             shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError):
-            raise OSError(e.errno, f"checkpoint {final.name} not written ({e}); {tmp} removed, and "
-                          f"{run_dir / 'latest'} still names the last whole checkpoint") from None
+            raise OSError(e.errno, f"checkpoint {final.name} not written ({e}); {tmp} removed, "
+                          f"{run_dir / 'latest'} unchanged") from None
         raise
     if lead:
         if final.exists():  # left by a run that crashed before updating `latest`: redo it
@@ -182,75 +174,62 @@ def save_checkpoint(run_dir, step, backend, cfg, loader_state, log_window, extra
 
 
 def discard(path):
-    """Delete a checkpoint, renamed first (atomic): a kill mid-delete leaves a .trash folder
-    (cleared at the next start), never a half-deleted step_N that counts against `keep`."""
+    """Renamed, then deleted: a kill mid-delete leaves step_N.trash, not a half step_N."""
     trash = path.with_name(path.name + ".trash")
     os.replace(path, trash)
     shutil.rmtree(trash)
-
-
-def clear_leftovers(run_dir):
-    """What killed runs leave: step_N.tmp (a save cut short), step_N.trash (a delete cut short)."""
-    for p in [*run_dir.glob("step_*.tmp"), *run_dir.glob("step_*.trash"),
-              *run_dir.glob("*.jsonl.tmp")]:
-        shutil.rmtree(p) if p.is_dir() else p.unlink()
-        print(f"removed {p}, left by a run that was killed")
 
 
 def latest_checkpoint(run_dir):
     pointer = Path(run_dir) / "latest"
     path = pointer.parent / pointer.read_text().strip() if pointer.is_file() else None
     if path and not (path / "nanolmo.json").is_file():
-        raise FileNotFoundError(f"{pointer} names {path.name}, which is not a complete checkpoint "
-                                "(no nanolmo.json)")
+        raise FileNotFoundError(f"{pointer} names {path.name}, which has no nanolmo.json: point "
+                                "it at a whole checkpoint")
     return path
 
 
-# A new stage may stretch the context (Olmo 3 stage 3: 8192 -> 65536, YaRN): no parameter changes.
+# What a new stage may change: the context (YaRN, docs/longctx.md), no parameter.
 STAGE_MAY_CHANGE = ("max_seq_len", "rope_theta", "yarn_factor", "yarn_original_max_seq_len",
                     "yarn_beta_fast", "yarn_beta_slow", "yarn_attention_factor")
 
 
 def open_checkpoint(path, m, with_optimizer=True, new_stage=False):
-    """(model, optimizer or None, meta) memory maps by stored name, of any HF OLMo dir of model `m`
-    (a new stage's may differ in STAGE_MAY_CHANGE)."""
+    """(model, optimizer or None, meta) memory maps of an HF OLMo dir of model `m`."""
     path = Path(path)
     saved_m, state = convert.open_hf(path)
-    fix = f"delete {path} (and fix {path.parent / 'latest'}) to go on from the checkpoint before it"
+    fix = f"delete {path} (and fix {path.parent / 'latest'}) to resume the one before"
     meta = read_json(path / "nanolmo.json", fix) if (path / "nanolmo.json").is_file() else {}
     theirs = build({"model": meta["config"]["model"]}).model if meta else saved_m
     if diff := theirs.differences(m, STAGE_MAY_CHANGE if new_stage else ()):
         raise ConfigError(f"{path} holds a different model (there vs here: {'; '.join(diff)})")
-    opt = None
-    if with_optimizer and (path / "optimizer.safetensors").is_file():
-        opt, _ = convert.read_safetensors(path / "optimizer.safetensors")
+    opt, file = None, path / "optimizer.safetensors"
+    if with_optimizer and file.is_file():
+        opt, _ = convert.read_safetensors(file)
         if missing := [f for f in checkpoint_entries(m)[1] if f not in opt]:
-            raise ValueError(f"{path / 'optimizer.safetensors'}: no tensor {missing[0]}")
+            raise ValueError(f"{file}: no tensor {missing[0]}")
     return state, opt, meta
 
 
-# --- the JAX backend: one jitted step over a device mesh -----------------------------------------
+# --- the JAX backend: one jitted step over a mesh ---
 
-def documents(cfg, tokens):
-    """Document ids (model.segment_ids) if data.doc_mask keeps packed documents apart, else None."""
+def documents(cfg, tokens):  # model.segment_ids if data.doc_mask, else None
     return model.segment_ids(tokens, cfg.model.eos_token_id) if cfg.data.doc_mask else None
 
 
 def token_stats(cfg, mesh, params, batch, remat="none"):
-    """(log p(label), logsumexp, labels), each (B, T), of rows {tokens, mask?} over the mesh: the
-    forward of step, eval and score, the head in train.loss_chunks passes (docs/training.md)."""
+    """(log p(label), logsumexp, labels), each (B, T): the forward of step, eval and score."""
     m, tokens = cfg.model, batch["tokens"]
     dtype, docs = jnp.dtype(cfg.train.compute_dtype), documents(cfg, tokens)
-    attend_fn = shard.attention(mesh, m, dtype, docs is not None)
     x = model.forward(params, tokens, m, dtype, remat, shard.residual_constraint(mesh), docs,
-                      attend_fn=attend_fn, head=False, scan_layers=cfg.train.scan_layers)
+                      attend_fn=shard.attention(mesh, m, dtype, docs is not None), head=False,
+                      scan_layers=cfg.train.scan_layers)
     labels = model.shift_labels(tokens, m.pad_token_id, batch.get("mask"))
     stats = model.token_logps(params, x, labels, m, cfg.train.loss_chunks, temperature(cfg.train))
     return (*stats, labels)
 
 
-def temperature(tc):
-    """The loss's logit divisor: GRPO's sampling temperature (its rollouts' policy), else 1."""
+def temperature(tc):  # the loss's logit divisor: GRPO's sampling temperature, else 1
     return tc.grpo_temperature if tc.loss == "grpo" else 1.0
 
 
@@ -278,16 +257,12 @@ def make_train_step(cfg, mesh):
             scale = jnp.minimum(1.0, tc.clip / (grad_norm + 1e-6))
             grads = jax.tree.map(lambda g: g * scale, grads)
         new_params, new_opt = adamw(params, grads, opt, lr, tc, decay)
-
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         if tc.skip_step:
             ok &= ~is_outlier(history, loss, grad_norm)
-
-        def keep(new, old):
-            return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+        kept = jax.tree.map(lambda a, b: jnp.where(ok, a, b), (new_params, new_opt), (params, opt))
         metrics = dict(loss=loss, grad_norm=grad_norm, skipped=~ok, **aux)
-        history = push_history(history, loss, grad_norm)
-        return keep(new_params, params), keep(new_opt, opt), history, metrics
+        return *kept, push_history(history, loss, grad_norm), metrics
 
     p, o, h = shard.state_shardings(mesh, model.param_table(m))  # (the batch: JaxBackend.step's)
     return jax.jit(step, in_shardings=(p, o, h, None, None),
@@ -295,29 +270,27 @@ def make_train_step(cfg, mesh):
                    compiler_options=shard.compiler_options(mesh, tc.compute_dtype))
 
 
-def peak_flops(kind):
-    """Peak FLOP/s of a device as JAX or torch names it (shard.DEVICES); None: MFU n/a."""
+def peak_flops(kind):  # of a device_kind (shard.DEVICES); None: MFU n/a
     return getattr(shard.device_named(kind), "peak", None)
 
 
 class JaxBackend:
-    """Global jax.Arrays over the mesh; a jitted step (micro-batches inside); any process count."""
+    """Global jax.Arrays over the mesh, one jitted step; any process count."""
 
     def __init__(self, cfg):
         shard.start_distributed()
-        m, dc = cfg.model, cfg.data
+        m, dc, tc = cfg.model, cfg.data, cfg.train
         self.cfg, self.lead, self.processes = cfg, jax.process_index() == 0, jax.process_count()
         self.mesh = mesh = shard.make_mesh(cfg.mesh)
         self.n_devices, self.world = mesh.devices.size, shard.dp_size(mesh)
         self.ranks = shard.local_ranks(mesh)
-        _, self.micro, self.accum = shard.check_batch(dc.global_batch, cfg.train.micro_batch,
-                                                      self.world, shard.mesh_where(mesh))
+        _, self.micro, self.accum = shard.check_batch(
+            dc.global_batch, tc.micro_batch, self.world, shard.mesh_where(mesh))
         shard.check_mesh(mesh.shape, m, dc.seq_len)
         table = model.param_table(m)
-        # every split checked, before compiling
         self.param_sh, self.opt_sh, hist_sh = shard.state_shardings(mesh, table)
-        # the step's attention: a kernel that cannot run the case is refused now, not later
-        attention = shard.attention_impl(mesh, m, cfg.train.compute_dtype, dc.doc_mask)
+        # every split, and the attention kernel, checked now, not after compiling
+        attention = shard.attention_impl(mesh, m, tc.compute_dtype, dc.doc_mask)
         self.layout = shard.jax_layout(mesh, table)
         self.layout.append(f"{shard.describe(mesh)}; attention {attention}")
         if warning := shard.unseen_accelerator(jax.default_backend()):
@@ -326,11 +299,11 @@ class JaxBackend:
         self.history = jax.device_put(new_history(), hist_sh)
         self.train_step = make_train_step(cfg, mesh)
 
-        def nats(params, batch):  # summed next-token nats, and the targets they cover (bpb)
+        def nats(params, batch):  # summed nats, and the targets they cover
             logp, _, labels = token_stats(cfg, mesh, params, batch)
             return -logp.sum(), (labels != model.IGNORE_INDEX).sum()
         self.eval_step = jax.jit(nats)
-        self.score_step = jax.jit(lambda p, b: token_stats(cfg, mesh, p, b)[0].sum(-1))  # DPO's
+        self.score_step = jax.jit(lambda p, b: token_stats(cfg, mesh, p, b)[0].sum(-1))
         self.new_optimizer = jax.jit(new_optimizer, out_shardings=self.opt_sh)
 
     barrier, allgather = staticmethod(shard.jax_barrier), staticmethod(shard.jax_allgather)
@@ -344,8 +317,7 @@ class JaxBackend:
 
     def load(self, state, views):
         table = model.param_table(self.cfg.model)
-        def read(views, prefix):
-            return shard.jax_read(views, prefix, table, self.param_sh)
+        read = functools.partial(shard.jax_read, table=table, shardings=self.param_sh)
         self.params = read(state, "")
         if views is None:
             self.opt = self.new_optimizer(self.params)
@@ -354,7 +326,7 @@ class JaxBackend:
             self.opt = dict(m=read(views, "exp_avg."), v=read(views, "exp_avg_sq."), count=count)
 
     def step(self, batch, lr):
-        """batch: {tokens (B_local, T), ...}: this process's ranks' rows, rank-major (Loader)."""
+        """batch: {tokens (B_local, T), ...}: this process's ranks' rows, rank-major."""
         def lay_out(x):  # (B_local, ...) -> (A, B, ...): micro-batch a of all ranks, B: data x fsdp
             per = x.reshape(len(self.ranks), self.accum, -1, *x.shape[1:]).swapaxes(0, 1)
             return jax.make_array_from_process_local_data(
@@ -362,50 +334,48 @@ class JaxBackend:
         batch = {k: lay_out(v) for k, v in batch.items()}
         state = self.params, self.opt, self.history
         self.params, self.opt, self.history, out = self.train_step(*state, batch, jnp.float32(lr))
-        return out  # on the device, still being computed: the loop reads it when it must
+        return out  # still computing: the loop reads it when it must
 
     def _put(self, batch):
-        def put(v):
-            sharding = shard.instance_sharding(self.mesh, v.ndim)
-            return jax.make_array_from_process_local_data(sharding, v)
-        return {k: put(v) for k, v in batch.items()}
+        return {k: jax.make_array_from_process_local_data(
+            shard.instance_sharding(self.mesh, v.ndim), v) for k, v in batch.items()}
 
     def eval(self, batch):
-        """Summed nats and token count over every process's rows {tokens (B_local, T), mask}."""
+        """Summed nats and target count of all processes' rows {tokens (B_local, T), mask?}."""
         s, n = self.eval_step(self.params, self._put(batch))
         return float(s), int(n)
 
     def score(self, batch):
-        """Each row's summed log-prob of its targets (B,), numpy (one process: DPO's reference)."""
+        """Each row's summed log-prob of its targets (B,), numpy."""
         return np.asarray(self.score_step(self.params, self._put(batch)))
 
     def pieces(self, kind):
         o = self.opt
         opt = [("exp_avg.", o["m"]), ("exp_avg_sq.", o["v"]), ("", {"step": o["count"]})]
-        return shard.jax_pieces([("model.", self.params)] if kind == "model." else opt)
+        return shard.jax_pieces([("model.", self.params)] if kind == "model" else opt)
 
     def host_params(self):
         return jax.device_get(self.params)
 
 
-# --- the PyTorch backend: model.py's nn.Module, torch.optim.AdamW, FSDP2 under torchrun ----------
+# --- the PyTorch backend: model.py's nn.Module, FSDP2 under torchrun ---
 
-def stacked_name(n):  # param_table's name of a layer's tensor: "layers.3.X" -> "layers.X"
+def stacked_name(n):  # "layers.3.X" -> "layers.X", param_table's name
     return re.sub(r"^layers\.\d+\.", "layers.", n)
 
 
 class TorchBackend:
-    """A process per device; fp32 master weights, cast by model.py to the compute dtype in use."""
+    """A process per device; fp32 master weights, cast by model.py to the compute dtype."""
 
     def __init__(self, cfg):
         m, tc = cfg.model, cfg.train
-        # JAX only draws the initial weights here (a JAX run's draws): keep it off the GPUs.
+        # JAX only draws the initial weights: keep it off the GPUs
         jax.config.update("jax_platforms", "cpu")
         rank, self.processes, self.device = shard.torch_start()
         self.cfg, self.lead, self.ranks = cfg, rank == 0, [rank]
-        self.n_devices = self.world = self.processes  # a device, a data-parallel rank per process
-        _, self.micro, self.accum = shard.check_batch(cfg.data.global_batch, tc.micro_batch,
-                                                      self.world, f"{self.world} torch process(es)")
+        self.n_devices = self.world = self.processes  # a device, a data rank per process
+        _, self.micro, self.accum = shard.check_batch(
+            cfg.data.global_batch, tc.micro_batch, self.world, f"{self.world} torch process(es)")
         with torch.device("meta"):  # no memory until sharded: each rank allocates its piece
             net = model.OLMo(m)
         table = model.param_table(m)
@@ -420,13 +390,12 @@ class TorchBackend:
         if tc.compile:
             for block in net.layers:
                 block.compile()  # in place: parameter names stay the HF ones (no _orig_mod.)
-        self.named = dict(net.named_parameters())  # HF names: "layers.3.mlp.up_proj.weight"
-        decay = {n: table[stacked_name(n)].decay for n in self.named}
-        named = self.named.items()
-        groups = [dict(params=[p for n, p in named if decay[n]], weight_decay=tc.weight_decay),
-                  dict(params=[p for n, p in named if not decay[n]], weight_decay=0.0)]
+        self.named = dict(net.named_parameters())  # "layers.3.mlp.up_proj.weight"
+        groups = [dict(params=[], weight_decay=tc.weight_decay), dict(params=[], weight_decay=0.0)]
+        for n, p in self.named.items():
+            groups[not table[stacked_name(n)].decay]["params"].append(p)  # decayed: groups[0]
         self.optim = torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps)
-        self.history = new_history()  # on the host, read by is_outlier
+        self.history = new_history()  # on the host
         self.loss, self.total_of = model.make_loss(cfg, torch)
         kind = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         self.peak = peak_flops(kind)
@@ -438,7 +407,7 @@ class TorchBackend:
         return shard.torch_allgather(values, self.device)
 
     def _fill(self, tensors, source):
-        """Copy into each tensor this rank's piece, from source(unstacked name, index) -> numpy."""
+        """Copy into each tensor its piece here: source(unstacked name, index)."""
         with torch.no_grad():
             for n, t in tensors.items():
                 local, idx, _ = shard.torch_local(t)
@@ -447,38 +416,30 @@ class TorchBackend:
 
     def init(self, seed):
         """JAX's init_params, drawn on the host a tensor at a time: a JAX run's weights."""
-        m, key, cache = self.cfg.model, jax.random.PRNGKey(seed), {}
+        m, key = self.cfg.model, jax.random.PRNGKey(seed)
 
         def draw(n, idx):
-            stacked = stacked_name(n)
-            if stacked not in cache:
-                cache.clear()  # one tensor in memory at a time
-                cache[stacked] = np.asarray(model.init_params(m, key, [stacked])[stacked])
-            whole = cache[stacked]
-            if n.startswith("layers."):
-                whole = whole[int(n.split(".")[1])]  # (L, ...) -> this layer's
-            return whole[idx]
-
+            w = np.asarray(model.init_params(m, key, [stacked_name(n)])[stacked_name(n)])
+            return (w[int(n.split(".")[1])] if n.startswith("layers.") else w)[idx]  # (L, ...)
         self._fill(self.named, draw)
 
     def load(self, state, views):
         self._fill(self.named, lambda n, idx: state[n][idx])
         if views is None:
             return
-        # AdamW's state, set before its first step so that it keeps ours
+        # AdamW's state, set before its first step: it keeps ours
         for key in ("exp_avg", "exp_avg_sq"):
-            moments = {n: torch.zeros_like(p) for n, p in self.named.items()}  # sharded as p is
+            moments = {n: torch.zeros_like(p) for n, p in self.named.items()}  # sharded as p
             self._fill(moments, lambda n, idx: views[f"{key}.{n}"][idx])
             for n, p in self.named.items():
                 step = torch.tensor(float(views["step"]))  # one per tensor: AdamW adds 1 in place
                 self.optim.state[p].update({key: moments[n], "step": step})
 
     def step(self, batch, lr):
-        """batch: {tokens (B_rank, T), ...}: this rank's rows, in micro-batches; sums as in JAX."""
+        """batch: {tokens (B_rank, T), ...}: this rank's rows; sums as in JAX."""
         tc = self.cfg.train
-        x, y, docs, rows = self._inputs(batch)  # (B_rank, T) each; rows: the per-row values (ref)
-        total = torch.as_tensor(self.total_of(y), device=self.device)
-        total = shard.torch_sum(total).clamp(min=1)  # the global batch's
+        x, y, docs, rows = self._inputs(batch)  # rows: ref, advantage
+        total = shard.torch_sum(torch.as_tensor(self.total_of(y), device=self.device)).clamp(min=1)
         per, sums = len(x) // self.accum, {}  # rows per micro-batch (DPO: a pair's two together)
         for a in range(self.accum):
             at = slice(a * per, (a + 1) * per)
@@ -493,14 +454,14 @@ class TorchBackend:
             for k, v in dict(loss=share, **aux).items():
                 sums[k] = sums.get(k, 0.0) + v.detach().double()
         sums = dict(zip(sums, shard.torch_sum(torch.stack(list(sums.values()))).tolist()))
-        norm = torch.nn.utils.get_total_norm([p.grad for p in self.named.values()])
-        norm = shard.torch_full(norm)
+        grads = [p.grad for p in self.named.values()]
+        norm = shard.torch_full(torch.nn.utils.get_total_norm(grads))
         loss, grad_norm = sums["loss"], float(norm)
         ok = math.isfinite(loss) and math.isfinite(grad_norm)
         if ok and tc.skip_step:
             ok = not bool(is_outlier(self.history, loss, grad_norm))
         if ok:
-            if tc.clip:  # scale by min(1, clip / (norm + 1e-6)), as the JAX step
+            if tc.clip:  # min(1, clip / (norm + 1e-6)), as in JAX
                 torch.nn.utils.clip_grads_with_norm_(self.named.values(), tc.clip, norm)
             for group in self.optim.param_groups:
                 group["lr"] = lr
@@ -510,7 +471,7 @@ class TorchBackend:
         return dict(sums, grad_norm=grad_norm, skipped=not ok)
 
     def _inputs(self, batch):
-        """[tokens, next-token labels, document ids or None] (int64, on the device) + the rest."""
+        """[tokens, labels, document ids or None] (int64, on the device) + the rest."""
         def on(a):
             return torch.from_numpy(a).to(self.device)
         tokens = batch["tokens"]
@@ -519,7 +480,7 @@ class TorchBackend:
         rows = {k: on(v) for k, v in batch.items() if k not in ("tokens", "mask")}
         return [None if a is None else on(a.astype(np.int64)) for a in ids] + [rows]
 
-    def _forward(self, batch):  # (logits, labels) for eval and score
+    def _forward(self, batch):  # (logits, labels)
         x, y, docs, _ = self._inputs(batch)
         return self.net(x, self.dtype, segments=docs), y
 
@@ -536,15 +497,15 @@ class TorchBackend:
         return s, int(n)
 
     def pieces(self, kind):
-        zero = torch.zeros_like  # (AdamW has no state before its first step: zeros, then)
+        zero = torch.zeros_like  # (no AdamW state before its first step)
         for n, p in self.named.items():
             st = self.optim.state.get(p) or dict(exp_avg=zero(p), exp_avg_sq=zero(p), step=0)
             moments = {f"{k}.{n}": st[k] for k in ("exp_avg", "exp_avg_sq")}
-            for fname, t in ({convert.hf_name(n): p} if kind == "model." else moments).items():
+            for fname, t in ({convert.hf_name(n): p} if kind == "model" else moments).items():
                 local, idx, writes = shard.torch_local(t)
                 if writes:
                     yield fname, idx, local.detach().cpu().numpy()
-        if kind != "model." and self.lead:
+        if kind != "model" and self.lead:
             yield "step", (), np.int32(int(st["step"]))
 
     def host_params(self):
@@ -553,10 +514,10 @@ class TorchBackend:
         return model.stack_layers(full, self.cfg.model)
 
 
-# --- post-training: DPO's reference log-probs, GRPO's rollouts -----------------------------------
+# --- post-training: DPO's reference, GRPO's rollouts ---
 
 def pair_scores(backend, pairs, rows):
-    """(N, 2) summed log-probs of each pair's answers, and their target counts; `rows` a forward."""
+    """(N, 2) summed log-probs of each pair's answers, and their target counts."""
     sums, counts = np.zeros((pairs.n, 2)), np.zeros((pairs.n, 2))
     for start in tqdm(range(0, pairs.n, rows), desc="log-probs of pairs", leave=False):
         ids = np.arange(start, start + rows) % pairs.n  # the last wraps round (same values twice)
@@ -567,19 +528,14 @@ def pair_scores(backend, pairs, rows):
 
 
 def reference_logps(backend, cfg, splits):
-    """Set each split's `ref` (a None split is left out): DPO's reference log-probs of its pairs
-    under train.init_from, one pass before the first step, cached in DATA/reference_logps.npz."""
+    """Set each split's `ref`: DPO's reference log-probs, cached in DATA/reference_logps.npz."""
     dc, tc = cfg.data, cfg.train
-    splits = {k: pairs for k, pairs in splits.items() if pairs is not None}
-    if not tc.init_from:
-        raise ConfigError(f"train.loss={tc.loss!r} needs train.init_from: the SFT model, policy "
-                          "and reference both")
+    splits = {k: p for k, p in splits.items() if p is not None}
     sha = [data.sha256(f) for f in sorted(Path(tc.init_from).glob("model*.safetensors"))]
     path = Path(dc.path) / "reference_logps.npz"
     if not path.is_file():
         if backend.processes > 1:
-            raise ConfigError("the reference pass runs in one process: start the DPO run once on "
-                              "one host, then resume")
+            raise ConfigError(f"{path} is made in one process: start on one host, then resume")
         refs = {k: pair_scores(backend, pairs, dc.global_batch)[0].astype(np.float32)
                 for k, pairs in splits.items()}
         tmp = path.with_suffix(".tmp.npz")
@@ -589,22 +545,19 @@ def reference_logps(backend, cfg, splits):
         print(f"reference log-probs of {tc.init_from} for {n} pairs: {path}")
     with np.load(path, allow_pickle=False) as f:  # strings as unicode arrays, never pickles
         have = {k: f[k].tolist() for k in f.files}
-    checks = [("its weights (sha256)", have.get("sha256") != sha),
-              ("seq_len", have.get("seq_len") != dc.seq_len),
-              ("the pairs", any(len(have.get(k, ())) != p.n for k, p in splits.items()))]
-    if why := [what for what, differs in checks if differs]:
-        raise ValueError(
-            f"{path}: reference log-probs of {have.get('checkpoint')} at seq_len "
-            f"{have.get('seq_len')}, not of train.init_from={tc.init_from} at data.seq_len="
-            f"{dc.seq_len} ({', '.join(why)} differ): delete {path} to recompute them")
+    checks = {"its weights (sha256)": have.get("sha256") != sha,
+              "seq_len": have.get("seq_len") != dc.seq_len,
+              "the pairs": any(len(have.get(k, ())) != p.n for k, p in splits.items())}
+    if why := [what for what, differs in checks.items() if differs]:
+        raise ValueError(f"{path}: reference log-probs of {have.get('checkpoint')} at seq_len "
+                         f"{have.get('seq_len')} ({', '.join(why)} differ): delete it to recompute")
     for k, pairs in splits.items():
         pairs.ref = np.asarray(have[k], np.float32)
 
 
 def rollouts(backend, cfg, batch, step, tok):
-    """GRPO's rows of this step: train.grpo_group rewarded completions of each prompt by the policy,
-    the mask on the completion, advantages normalised in the group (docs/training.md). A seed per
-    step: a resumed run samples what the first would have."""
+    """GRPO's rows: train.grpo_group rewarded completions of each prompt (docs/training.md), a
+    seed per step (a resumed run samples what the first would have)."""
     tc, T, G = cfg.train, cfg.data.seq_len, cfg.train.grpo_group
     tokens = np.full((len(batch["prompts"]) * G, T), cfg.model.pad_token_id, np.int32)
     mask, reward = np.zeros_like(tokens, bool), np.zeros(len(tokens), np.float32)
@@ -619,31 +572,29 @@ def rollouts(backend, cfg, batch, step, tok):
             reward[r] = evaluate.reward(tok, done, answer)
     groups = reward.reshape(-1, G)
     advantage = (groups - groups.mean(1, keepdims=True)) / (groups.std(1, keepdims=True) + 1e-8)
-    advantage = advantage.ravel().astype(np.float32)
-    return dict(tokens=tokens, mask=mask, advantage=advantage, reward=reward)
+    return dict(tokens=tokens, mask=mask, advantage=advantage.ravel().astype(np.float32),
+                reward=reward)
 
 
-# --- main: one run, in the sections below -------------------------------------------------------
+# --- main: one run ---
 
 def open_data(cfg):
-    """(train instances, held-out instances or None, tokenizer or None). The data says what it is:
-    text or chat (a prepared folder; chat has label masks), pairs (a prepared folder) or prompts
-    (.jsonl); train.loss must fit it."""
+    """(train, held-out or None, tokenizer or None) of text, chat or pairs (prepared folders) or
+    prompts (.jsonl), as train.loss fits."""
     dc, m, tc = cfg.data, cfg.model, cfg.train
     info = data.load_dataset_info(dc.path) if Path(dc.path).is_dir() else None
     kind = "prompts" if dc.path.endswith(".jsonl") else (info or {}).get("kind", "text")
-    fits = dict(ce=("text", "chat"), dpo=("pairs",), dpo_norm=("pairs",),
-                grpo=("prompts",))[tc.loss]
+    fits = dict(ce="text chat", grpo="prompts").get(tc.loss, "pairs").split()
     if kind not in fits:
         raise ConfigError(f"train.loss={tc.loss!r} does not train on {kind} (data.path="
-                          f"{dc.path!r}); it takes " + " or ".join(fits) + " (docs/posttrain.md)")
+                          f"{dc.path!r}): it takes {' or '.join(fits)}")
     if dc.instance_filter and tc.loss != "ce":  # OLMo-core filters pretraining instances only
-        raise ConfigError(f"data.instance_filter=true: masks instances of a cross-entropy run, "
-                          f"not train.loss={tc.loss!r}")
-    if kind == "prompts":  # the tokenizer and template the policy was fine-tuned with
-        if tc.backend != "jax" or not tc.init_from:
-            raise ConfigError("train.loss='grpo' samples with the JAX KV cache from a fine-tuned "
-                              "model: it needs train.backend='jax' and train.init_from")
+        raise ConfigError(f"data.instance_filter=true is for train.loss='ce', not {tc.loss!r}")
+    if tc.loss != "ce" and not tc.init_from:
+        raise ConfigError(f"train.loss={tc.loss!r} needs train.init_from: the fine-tuned model")
+    if kind == "prompts":  # the fine-tuned policy's tokenizer and template
+        if tc.backend != "jax":
+            raise ConfigError("train.loss='grpo' samples with JAX: set train.backend='jax'")
         if dc.global_batch % tc.grpo_group:
             raise ConfigError(f"data.global_batch={dc.global_batch} counts completions: a multiple "
                               f"of train.grpo_group={tc.grpo_group}")
@@ -653,16 +604,14 @@ def open_data(cfg):
             raise ConfigError(f"data.seq_len={dc.seq_len} cannot hold {dc.path}'s longest prompt "
                               f"({P} tokens) and train.grpo_max_new={tc.grpo_max_new} more")
         return prompts, None, tok
-    packed = None
-    if dc.packing == "packed":
-        packed = dict(eos=m.eos_token_id, pad=m.pad_token_id, group_size=dc.source_group_size,
-                      permutation_seed=dc.source_permutation_seed, long_docs=dc.long_docs)
+    packed = dict(eos=m.eos_token_id, pad=m.pad_token_id, group_size=dc.source_group_size,
+                  permutation_seed=dc.source_permutation_seed,
+                  long_docs=dc.long_docs) if dc.packing == "packed" else None
     instances = data.open_instances(dc.path, dc.seq_len, dc.seed, packed)
-    if info is None:  # a mix or bare token file: no tokenizer, no held-out split
+    if info is None:  # a mix or bare token file: no tokenizer or held-out split
         return instances, None, None
     if (V := info["vocab_size"]) > m.vocab_size:
-        raise ConfigError(f"{dc.path} was tokenized with {V} ids but model.vocab_size="
-                          f"{m.vocab_size}")
+        raise ConfigError(f"{dc.path} was tokenized with {V} ids; model.vocab_size={m.vocab_size}")
     held = data.dataset_files(dc.path, "heldout")
     enough = held and sum(f.tokens for f in held) >= dc.seq_len  # one instance at least
     heldout = data.open_instances(dc.path, dc.seq_len, split="heldout") if enough else None
@@ -670,9 +619,8 @@ def open_data(cfg):
 
 
 def restore(backend, cfg):
-    """Resume (latest), start a stage (train.init_from) or initialise -> (checkpoint or None, step,
-    loader step, the losses since the last log line)."""
-    dc, tc = cfg.data, cfg.train
+    """Resume, start a stage or initialise -> (checkpoint, step, loader step, log window)."""
+    tc = cfg.train
     ckpt = latest_checkpoint(tc.run_dir)
     if ckpt:
         state, views, meta = open_checkpoint(ckpt, cfg.model)
@@ -680,9 +628,9 @@ def restore(backend, cfg):
             raise ValueError(f"{ckpt}: no optimizer.safetensors, cannot resume")
         was = {k: meta["config"]["data"].get(k, "fsl")  # (before data.packing: fsl)
                for k in ("path", "seq_len", "global_batch", "seed", "packing")}
-        if was != {k: getattr(dc, k) for k in was}:
-            raise ConfigError(f"{ckpt} was trained with data {was}; resuming needs the same data "
-                              "settings (to change them, start a new stage: train.init_from)")
+        if was != {k: getattr(cfg.data, k) for k in was}:
+            raise ConfigError(f"{ckpt} was trained with data {was}: keep them, or start a new "
+                              "stage (train.init_from)")
         backend.load(state, views)
         saved = {k: jnp.asarray(v, backend.history[k].dtype) for k, v in meta["history"].items()}
         backend.history = jax.device_put(saved, jax.tree.map(lambda a: a.sharding, backend.history))
@@ -691,7 +639,7 @@ def restore(backend, cfg):
         return ckpt, meta["step"], meta["data"]["step"], meta.get("log_window", [])
     if tc.init_from:
         start = open_checkpoint(tc.init_from, cfg.model, tc.load_optimizer, new_stage=True)
-        backend.load(*start[:2])  # params, AdamW's moments or None
+        backend.load(*start[:2])
         moments = " and AdamW moments" if tc.load_optimizer else ""
         print(f"new stage from {tc.init_from}: its params{moments}, step 0")
     else:
@@ -700,14 +648,13 @@ def restore(backend, cfg):
 
 
 def held_out_eval(backend, heldout, cfg, token_bytes, batches):
-    """Loss (nats/token) and bits per byte of the held-out split's first `batches` batches (0: all);
-    DPO: loss, accuracy (chosen preferred) and mean margin on every held-out pair."""
+    """Loss (nats/token) and bits per byte of the first `batches` held-out batches (0: all); DPO:
+    loss, accuracy, mean margin."""
     if heldout is None:
         return {}
     if cfg.train.loss.startswith("dpo"):
-        sums, counts = pair_scores(backend, heldout, cfg.data.global_batch)
-        ref = heldout.ref.ravel()
-        losses, margins = model.dpo_of(sums.ravel(), ref, counts.ravel(), cfg.train, np)
+        sums, counts = (a.ravel() for a in pair_scores(backend, heldout, cfg.data.global_batch))
+        losses, margins = model.dpo_of(sums, heldout.ref.ravel(), counts, cfg.train, np)
         return dict(eval_loss=float(losses.mean()), eval_accuracy=float((margins > 0).mean()),
                     eval_margin=float(margins.mean()))
     B = cfg.data.global_batch
@@ -717,7 +664,7 @@ def held_out_eval(backend, heldout, cfg, token_bytes, batches):
         batch = data.read_rows(heldout, b * B + np.arange(B))
         s, n = backend.eval({k: v[rows] for k, v in batch.items()})
         nats, count = nats + s, count + n
-        if token_bytes is not None:  # chat data: the assistant's tokens only, as in the loss
+        if token_bytes is not None:  # chat: the assistant's tokens only, as in the loss
             keep = batch["mask"][:, 1:] if "mask" in batch else True
             n_bytes += int(token_bytes[batch["tokens"][:, 1:]][keep].sum())
     bpb = evaluate.bits_per_byte(nats, n_bytes) if n_bytes else None
@@ -725,51 +672,41 @@ def held_out_eval(backend, heldout, cfg, token_bytes, batches):
 
 
 def in_loop_tasks(cfg, tok, backend):
-    """eval.py's tasks, tokenized once, for in-loop evals; None without eval.tasks (or in several
-    processes)."""
+    """task_eval() -> eval.py's tasks' metrics by logged name (tokenized and compiled once); {}
+    without eval.tasks or in several processes."""
     ec = cfg.eval
     if not ec.tasks:
-        return None
+        return dict
     if tok is None:
-        raise ConfigError(f"eval.tasks needs a tokenizer, and data.path={cfg.data.path!r} is not a "
-                          "folder from `data.py prepare`")
+        raise ConfigError(f"eval.tasks needs a tokenizer: data.path={cfg.data.path!r} is not a "
+                          "prepared folder")
     if backend.processes > 1:
-        print("eval.tasks: skipped (in-loop tasks run in single-process runs; "
-              "use `eval.py tasks` on a checkpoint)")
-        return None
+        print("eval.tasks: skipped with several processes (use `eval.py tasks` on a checkpoint)")
+        return dict
     names = ec.tasks.replace(",", " ").split()
     tasks = evaluate.prepare_tasks(names, ec.tasks_data, tok, ec.tasks_norm, ec.tasks_limit)
-    tasks["scorer"] = evaluate.Scorer(cfg.model, None, "jax", cfg.train.compute_dtype)  # no params
+    scorer = evaluate.Scorer(cfg.model, None, "jax", cfg.train.compute_dtype)  # params: per eval
     docs = ", ".join(f"{n} ({len(t['items'])} docs)" for n, t in tasks["tasks"].items())
     print(f"in-loop tasks: {docs}; {ec.tasks_norm}: {evaluate.STYLES[ec.tasks_norm]}")
-    return tasks
+
+    def task_eval():
+        scorer.params = backend.host_params()
+        scores = evaluate.score_tasks(scorer, tasks)
+        return {k: v for r in scores.values() for k, v in r["logged"].items()}
+    return task_eval
 
 
-def task_eval(backend, tasks):
-    """The tasks' metrics by logged name (eval.STYLES): the JAX forward (on CPU for torch runs) on
-    host params, compiled once."""
-    if tasks is None:
-        return {}
-    tasks["scorer"].params = backend.host_params()
-    scores = evaluate.score_tasks(tasks["scorer"], tasks)
-    return {k: v for r in scores.values() for k, v in r["logged"].items()}
-
-
-def log(record, metrics_path, write):
+def log(r, metrics_path, write):
     """One metrics.jsonl line, and its aligned line on the screen."""
-    r = record
     if "loss" in r:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
         parts = [f"step {r['step']:>6}", f"loss {r['loss']:.4f}", f"lr {r['lr']:.2e}",
-                 f"grad norm {r['grad_norm']:.3f}", f"{r['tokens_per_s']:,.0f} tok/s", f"MFU {mfu}"]
-        if r["skipped"]:
-            parts.append("SKIPPED")
-        if r.get("eval_bpb"):
-            parts.append(f"held-out bpb {r['eval_bpb']:.3f}")
-        if "masked" in r:
-            parts.append(f"masked {r['masked']:.1%}")
-        parts += [f"{k.replace('_', ' ')} {r[k]:.3f}" for k in POSTTRAIN_METRICS if k in r]
-        write(" | ".join(parts))
+                 f"grad norm {r['grad_norm']:.3f}", f"{r['tokens_per_s']:,.0f} tok/s", f"MFU {mfu}",
+                 "SKIPPED" if r["skipped"] else "",
+                 f"held-out bpb {r['eval_bpb']:.3f}" if r.get("eval_bpb") else "",
+                 f"masked {r['masked']:.1%}" if "masked" in r else "",
+                 *(f"{k.replace('_', ' ')} {r[k]:.3f}" for k in POSTTRAIN_METRICS if k in r)]
+        write(" | ".join(p for p in parts if p))
     accs = [f"{k.removeprefix('eval/downstream/').removesuffix('_acc')} {100 * v:.1f}%"
             for k, v in r.items() if k.endswith(("_acc", "accuracy)"))]  # "accuracy v2": the same
     if accs:
@@ -779,9 +716,14 @@ def log(record, metrics_path, write):
             f.write(json.dumps(r) + "\n")
 
 
-def trim_metrics(path, start):
-    """Keep the lines of steps <= start (a crashed run logged past its checkpoint); rewritten only
-    when lines must go, through a temporary file and a rename: a kill mid-rewrite loses nothing."""
+def tidy(run_dir, start):
+    """Clear what killed runs leave: saves (.tmp) and deletes (.trash) cut short, metrics.jsonl
+    lines past `start` (via a temporary file and a rename: a kill loses nothing)."""
+    for pattern in ("step_*.tmp", "step_*.trash", "*.jsonl.tmp"):
+        for p in run_dir.glob(pattern):
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+            print(f"removed {p}, left by a run that was killed")
+    path = run_dir / "metrics.jsonl"
     rows, torn = evaluate.read_metrics(path)
     kept = [r for r in rows if r["step"] <= start]
     if torn or len(kept) < len(rows):
@@ -791,68 +733,62 @@ def trim_metrics(path, start):
 
 
 def read_pending(pending, window, tc, last_saved):
-    """The last pending step's metrics, read off the device (the host waits here only), each loss
-    into `window`; a non-finite loss stops the run unless train.skip_step."""
+    """The last pending step's metrics off the device (the host waits here only), each loss into
+    `window`; a non-finite one stops the run unless train.skip_step."""
     for s, out in pending:
         out = {k: np.asarray(v).item() for k, v in jax.device_get(out).items()}
         window.append(out["loss"])
         if not math.isfinite(out["loss"]) and not tc.skip_step:
             raise FloatingPointError(
-                f"loss is {out['loss']} at step {s}; last good checkpoint: {last_saved or 'none'} "
-                "(the update was not applied; lower train.lr or set train.skip_step=true)")
+                f"loss is {out['loss']} at step {s} (not applied); last good checkpoint: "
+                f"{last_saved or 'none'}: lower train.lr or set train.skip_step=true")
     return out
 
 
 def main(argv):
-    # --- config and devices
+    # --- config and devices ---
     cfg = load_config(argv)
     m, dc, tc, ec = cfg.model, cfg.data, cfg.train, cfg.eval
-    if dc.seq_len > m.max_seq_len:  # RoPE would go on, past what the model (and HF config) declares
+    if dc.seq_len > m.max_seq_len:  # RoPE past what the model (and HF config) declares
         raise ConfigError(f"data.seq_len={dc.seq_len} is longer than model.max_seq_len="
-                          f"{m.max_seq_len} (HF max_position_embeddings): raise model.max_seq_len "
-                          "or shorten data.seq_len")
+                          f"{m.max_seq_len}: raise model.max_seq_len or shorten data.seq_len")
     run_dir = Path(tc.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     backend = (TorchBackend if tc.backend == "torch" else JaxBackend)(cfg)
-    lead = backend.lead  # the one process that prints and writes files other than checkpoints
+    lead = backend.lead  # prints, and writes all but checkpoints
     shard.check_hosts_agree(backend, run_dir, dc.path)  # several hosts: one folder, same data
     if not lead:
         sys.stdout = open(os.devnull, "w")
-    else:
-        clear_leftovers(run_dir)
 
-    # --- data
+    # --- data ---
     instances, heldout, tok = open_data(cfg)
     token_bytes = evaluate.token_bytes(tok) if tok else None
-    # each checkpoint carries its tokenizer, for eval.py and transformers' AutoTokenizer
+    # each checkpoint carries it, for eval.py and AutoTokenizer
     tok_files = convert.hf_tokenizer_files(tok, m.max_seq_len) if tok and lead else {}
     if not tok:
         print(f"note: {dc.path} names no tokenizer (not a prepared folder): checkpoints carry "
               "none; pass eval.py --tokenizer SPEC")
     tokens_per_step, flops = dc.global_batch * dc.seq_len, model.flops_per_token(m, dc.seq_len)
 
-    # --- params: resume this run, or start a stage from another checkpoint, or initialise
+    # --- params: resume, start a stage, or initialise ---
     last_saved, start, loader_pos, window = restore(backend, cfg)
-    if tc.loss.startswith("dpo"):  # the start is the reference: its log-probs, before any step
+    if tc.loss.startswith("dpo"):  # the start is the reference
         reference_logps(backend, cfg, dict(train=instances, heldout=heldout))
-    # GRPO: global_batch counts completions, G a prompt
-    per_item = tc.grpo_group if tc.loss == "grpo" else 1
-    check = dict(max_period=dc.repetition_max_period, min_period=dc.repetition_min_period,
-                 max_count=dc.repetition_max_count) if dc.instance_filter else None
+    per_item = tc.grpo_group if tc.loss == "grpo" else 1  # GRPO: global_batch counts completions
+    check = {k: getattr(dc, f"repetition_{k}") for k in ("max_period", "min_period", "max_count")}
     loader = data.Loader(instances, dc.global_batch // per_item, dc.seed, world=backend.world,
                          ranks=backend.ranks, start_step=loader_pos, vocab_size=m.vocab_size,
-                         instance_filter=check)
-    if tc.epochs:  # resolved from the data before anything reads them (saved so in config.json)
+                         instance_filter=check if dc.instance_filter else None)
+    if tc.epochs:  # resolved before anything reads them (saved so in config.json)
         tc.steps = tc.epochs * loader.batches_per_epoch
     if tc.warmup_fraction:
         unit = tokens_per_step if tc.units == "tokens" else 1
         tc.warmup = round(tc.warmup_fraction * tc.steps * unit)
 
-    metrics_path = run_dir / "metrics.jsonl" if lead else None
+    metrics_path = run_dir / "metrics.jsonl"
     if lead:
         save_json(cfg, run_dir / "config.json")
-        trim_metrics(metrics_path, start)
-    # what this run is: the config, params, the batch arithmetic, the layout, the data
+        tidy(run_dir, start)
     print(describe(cfg))
     print(f"params {model.count_params(m):,} (by tensor: python model.py CONFIG)")
     print(f"tokens/step {tokens_per_step:,} = global_batch {dc.global_batch} x seq_len "
@@ -864,25 +800,24 @@ def main(argv):
     split = f"held-out {heldout.n:,} instances" if heldout else "no held-out split"
     print(f"data: {instances.n:,} instances of {dc.seq_len}, {loader.batches_per_epoch:,} steps "
           f"per epoch; {split}")
-    tasks = in_loop_tasks(cfg, tok, backend)
+    task_eval = in_loop_tasks(cfg, tok, backend)
 
-    # --- stop cleanly on SIGTERM / Ctrl-C: finish the step, save, exit
+    # --- stop cleanly on SIGTERM / Ctrl-C: finish the step, save ---
     stop = {"signal": None}
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: stop.update(signal=signal.Signals(signum).name))
 
-    # --- the loop: step -> log? -> eval? -> save? -> stop?
+    # --- the loop: step -> log? -> eval? -> save? -> stop? ---
     bar = tqdm(range(start + 1, tc.steps + 1), initial=start, total=tc.steps, desc="train",
                dynamic_ncols=True, disable=not lead)
     t_last, pending, masked = time.perf_counter(), [], []  # pending: (step, metrics on device)
     for step, (_, batch) in zip(bar, loader):
-        if "masked" in batch:  # data.instance_filter: the share of this process's rows it masked
+        if "masked" in batch:  # data.instance_filter: the share of rows it masked
             masked.append(batch.pop("masked") / len(batch["tokens"]))
-        if tc.loss == "grpo":  # the loader's prompts -> their completions
+        if tc.loss == "grpo":  # prompts -> completions
             batch = rollouts(backend, cfg, batch, step, tok)
         lr = lr_at(step, tc, tokens_per_step, tc.steps)
-        out = backend.step(batch, lr)  # JAX returns at once: it runs meanwhile
-        pending.append((step, out))
+        pending.append((step, backend.step(batch, lr)))  # JAX returns at once: it runs meanwhile
         logging = step % tc.log_every == 0 or step == tc.steps
         evaluating = ec.every and step % ec.every == 0 and step != tc.steps
         stopping = stop["signal"]  # read once: a later signal takes this path after the next step
@@ -905,23 +840,22 @@ def main(argv):
             t_last, window, masked = time.perf_counter(), [], []
         if evaluating:
             held = held_out_eval(backend, heldout, cfg, token_bytes, ec.batches)
-            record = {"step": step, **record, **held, **task_eval(backend, tasks)}
+            record = {"step": step, **record, **held, **task_eval()}
             t_last = time.perf_counter()  # tokens/s measures training only
         if record and lead:
             log(record, metrics_path, bar.write)
         if saving:  # every process writes its pieces
-            last_saved = save_checkpoint(run_dir, step, backend, cfg, loader.state(), window,
-                                         tok_files)
+            last_saved = save_checkpoint(step, backend, cfg, loader.state(), window, tok_files)
         if stopping:
             bar.close()
             print(f"{stopping}: saved {last_saved}; rerun the same command to continue")
             return
     bar.close()
-    # Saved: from here a signal stops the final eval, plot and sample at once (exit 130 or 143).
+    # Saved: a signal now stops the run at once (exit 130 or 143).
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
-    # --- the end: held-out bits per byte against a unigram model, tasks, the plot, a sample
+    # --- the end: held-out eval, tasks, plot, sample ---
     final = held_out_eval(backend, heldout, cfg, token_bytes, 0)
     if lead and "eval_bpb" in final:
         line = f"held-out loss {final['eval_loss']:.4f} nats/token"
@@ -931,54 +865,45 @@ def main(argv):
             line += (f", {final['eval_bpb']:.4f} bits/byte (a unigram model of the training "
                      f"tokens: {unigram:.4f})")
         print(line)
-    if "eval_accuracy" in final and lead:
+    if "eval_accuracy" in final:
         print(f"held-out pairs: DPO loss {final['eval_loss']:.4f}, chosen preferred "
               f"{100 * final['eval_accuracy']:.1f}%, mean margin {final['eval_margin']:.3f}")
-    final.update(task_eval(backend, tasks))
+    final = dict(step=tc.steps, **final, **task_eval())
     if lead:
-        log(dict(step=tc.steps, **final), None, print)  # (no "loss": the accuracies' line only)
-        if final:
-            final_json = json.dumps(dict(step=tc.steps, **final), indent=1)
-            (run_dir / "final.json").write_text(final_json + "\n")
+        log(final, None, print)  # (no "loss": the accuracies only)
+        if len(final) > 1:
+            (run_dir / "final.json").write_text(json.dumps(final, indent=1) + "\n")
         evaluate.plot([run_dir], run_dir / "loss.png")
-    print(f"checkpoint {last_saved}; metrics {run_dir / 'metrics.jsonl'}; "
-          f"plot {run_dir / 'loss.png'}")
+    print(f"checkpoint {last_saved}; metrics {metrics_path}; plot {run_dir / 'loss.png'}")
     if ec.prompt and tok is not None and backend.processes == 1:  # (the sampler: all weights here)
         ids = tok.enc.encode(ec.prompt, allowed_special="all")
-        new, _ = evaluate.generate(backend.host_params(), m, ids, ec.sample_tokens,
-                                   temperature=ec.temperature, eos=m.eos_token_id,
-                                   seed=tc.init_seed, tokenizer_size=tok.vocab_size)
+        new, _ = evaluate.generate(
+            backend.host_params(), m, ids, ec.sample_tokens, temperature=ec.temperature,
+            eos=m.eos_token_id, seed=tc.init_seed, tokenizer_size=tok.vocab_size)
         print(f"sample: {ec.prompt}{tok.decode(new)!r}")
 
 
 def plan(argv):
-    """The train step compiled for the config's target (mesh.device x mesh.devices, its mesh; the
-    flags and --section.key=value change them): its memory per device, read off the compiler,
-    against what JAX can use there (shard.plan)."""
+    """Compile the train step for the config's target (mesh.device x mesh.devices, or the flags):
+    its memory per device against what JAX can use there."""
     ap = argparse.ArgumentParser(prog="train.py plan", description=plan.__doc__)
     ap.add_argument("configs", nargs="+")
     ap.add_argument("--mesh", default="", help="data=D,fsdp=F,context=C,tensor=T: these axes")
-    ap.add_argument("--device", choices=sorted(shard.DEVICES),
-                    help="the target's; default mesh.device")
-    ap.add_argument("--devices", type=int, help="how many of them; default mesh.devices")
-    ap.add_argument("--batch", type=int,
-                    help="instances per step (global); default data.global_batch")
-    ap.add_argument("--seq", type=int, help="tokens per instance; default data.seq_len")
-    ap.add_argument("--topology", help="with libtpu: compile for this TPU topology, e.g. v5p:8x8x4")
+    sets = dict(device="mesh.device", devices="mesh.devices", batch="data.global_batch",
+                seq="data.seq_len")
+    ap.add_argument("--device", choices=sorted(shard.DEVICES), help="sets mesh.device")
+    for flag in ("devices", "batch", "seq"):
+        ap.add_argument(f"--{flag}", type=int, help=f"sets {sets[flag]}")
+    ap.add_argument("--topology", help="with libtpu: compile for this TPU topology (v5p:8x8x4)")
     args, extra = ap.parse_known_args(argv)  # extra: --section.key=value config overrides
     flags = [f"--mesh.{axis}" for axis in args.mesh.split(",") if axis]
-    given = {"mesh.device": args.device, "mesh.devices": args.devices,
-             "data.global_batch": args.batch, "data.seq_len": args.seq}
-    flags += [f"--{key}={value}" for key, value in given.items() if value]
+    flags += [f"--{key}={getattr(args, a)}" for a, key in sets.items() if getattr(args, a)]
     cfg = load_config(args.configs + extra + flags)
     shard.plan(cfg, args.configs, args.topology, make_train_step, new_history)
 
 
 def cli(args):
-    if args[:1] == ["plan"]:
-        plan(args[1:])
-    else:
-        main(args)
+    plan(args[1:]) if args[:1] == ["plan"] else main(args)
 
 
 if __name__ == "__main__":
