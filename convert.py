@@ -792,8 +792,7 @@ def convert(src, out, to_hf=False, dtype=None, tokenizer=None, config=None, shar
 
 # --- tokenizers: tiktoken ranks <-> HF tokenizer.json ---
 
-# GPT-2's byte -> character map, of byte-level BPE vocabularies: "!".."~", "¡".."¬", "®".."ÿ" as
-# themselves, the other bytes as chr(256 + i)
+# GPT-2's byte -> character map: printable bytes as themselves, the others as chr(256 + i)
 _KEPT = [*range(33, 127), *range(161, 173), *range(174, 256)]
 BYTE_CHARS = {**{b: chr(b) for b in _KEPT},
               **{b: chr(256 + i) for i, b in enumerate(b for b in range(256) if b not in _KEPT)}}

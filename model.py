@@ -1,23 +1,17 @@
-"""The OLMo architecture (OLMo 1, 2 and 3), written twice in the same order with the same names:
-JAX first (pure functions over a flat params dict), then PyTorch (nn.Module). The parameter table,
-init and the parameter/FLOP counts come first and serve both, as do the losses (xp: jnp or torch).
-The JAX part reads in forward-pass order; the device attention kernels follow the model they serve.
+"""The OLMo architecture (OLMo 1, 2 and 3) twice, in the same order and names: JAX (pure functions
+over a flat params dict), then PyTorch (nn.Module). The parameter table, init, counts and losses
+(xp: jnp or torch) serve both; JAX's attention kernels follow its model.
 
     python model.py configs/olmo2-7b.toml    # parameter table, FLOPs/token, total_params=...
 
-Notation (shape comments and einsum strings): B batch, T sequence, S key positions, D d_model,
-F MLP hidden (per SwiGLU branch), V vocab (embedding rows), L layers, N query heads, K kv heads,
-H head dim.
-
-The three families in one picture (HF names):
+Shapes: docs/design.md#notation. The three families (HF names):
     OLMo 1:   x = x + o_proj(attn(LN(x)))
               x = x + down(silu(gate(LN(x))) * up(LN(x)))
     OLMo 2/3: x = x + post_attention_layernorm(o_proj(attn(x)))
               x = x + post_feedforward_layernorm(mlp(x))
-LN is LayerNorm with no weight or bias; OLMo 2/3 use RMSNorm with a weight, and QK-norm over the
-full projected width (before the split into heads). OLMo 3 adds sliding-window layers (3 sliding :
-1 full) and YaRN on the full layers. Params are always fp32; `dtype` is the compute dtype; norms,
-RoPE, softmax and the loss run in fp32. Measurements and history: docs/design.md.
+LN: LayerNorm with no weight or bias; OLMo 2/3: RMSNorm with a weight, QK-norm over the projected
+width. OLMo 3 adds sliding-window layers (3 sliding : 1 full) and YaRN on full layers. Params are
+fp32, `dtype` the compute dtype; norms, RoPE, softmax and the loss run in fp32. Why: docs/design.md.
 """
 
 import math
@@ -30,36 +24,35 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
+from jax.experimental.pallas.ops.tpu.splash_attention import (
+    splash_attention_kernel as splash, splash_attention_mask as splash_mask)
 import torch.nn as nn
 import torch.nn.functional as F_  # F is the MLP width in our notation
 from torch.utils.checkpoint import checkpoint
 
 from configs import ModelConfig, describe, load_config, run_cli
 
-IGNORE_INDEX = -100  # labels equal to this add nothing to the loss (as in HF and OLMo-core)
-Q_BLOCK = 256  # `attend_in_blocks` takes longer query sequences in blocks of this many
+IGNORE_INDEX = -100  # labels that add nothing to the loss
+Q_BLOCK = 256  # attend_in_blocks' query blocks
 
 
-# --- the parameter table (both backends) ----------------------------------------------------------
+# --- the parameter table and per-layer arrays (both backends) ---
 
 @dataclass(frozen=True)
 class Param:
     shape: tuple
-    axes: tuple         # logical axis names per dim; shard.py maps them to mesh axes
-    std: object = None  # truncated-normal std: a float, or one per layer (a tuple); None = ones
-    decay: bool = True  # AdamW weight decay applies (all families: all but the embedding)
+    axes: tuple         # logical axis per dim (shard.RULES: mesh axes)
+    std: object = None  # truncated-normal std, or a tuple (per layer); None = ones
+    decay: bool = True  # AdamW weight decay
 
 
 def param_table(m: ModelConfig):
-    """name -> Param, in HF order: per-layer params stacked on a leading L axis and named without
-    the layer index; linear weights (out, in), as in HF files."""
+    """name -> Param in HF order and names (per-layer ones stacked on a leading L, no layer index);
+    linear weights (out, in)."""
     D, L, N, K, H = m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.head_dim
     F, V = m.mlp_hidden, m.vocab_size
     if m.init == "mitchell":
-        # OLMo 1 (OLMo initialization.py, init_fn: mitchell): 1/sqrt(fan_in), and the two matrices
-        # that write into the residual stream also divided by sqrt(2·(layer+1)).
+        # 1/sqrt(fan_in), the residual stream's writers also / sqrt(2·(layer+1))
         s_in, s_f = 1 / math.sqrt(D), 1 / math.sqrt(F)
         depth = [math.sqrt(2 * (i + 1)) for i in range(L)]
         std = dict(embed=s_in, qkv=s_in, out=tuple(s_in / d for d in depth), up=s_in,
@@ -78,7 +71,7 @@ def param_table(m: ModelConfig):
     t["layers.mlp.gate_proj.weight"] = Param((L, F, D), ("layers", "mlp", "embed"), std["up"])
     t["layers.mlp.up_proj.weight"] = Param((L, F, D), ("layers", "mlp", "embed"), std["up"])
     t["layers.mlp.down_proj.weight"] = Param((L, D, F), ("layers", "embed", "mlp"), std["down"])
-    if m.family != "olmo1":  # OLMo 1's LayerNorms have no parameters at all
+    if m.family != "olmo1":  # OLMo 1's LayerNorms have no parameters
         t["layers.post_attention_layernorm.weight"] = Param((L, D), ("layers", "embed"))
         t["layers.post_feedforward_layernorm.weight"] = Param((L, D), ("layers", "embed"))
         t["norm.weight"] = Param((D,), ("embed",))
@@ -92,7 +85,7 @@ def count_params(m):
 
 
 def flops_per_token(m, T=None):
-    """Training FLOPs per token at length T, as OLMo-core counts them (docs/design.md)."""
+    """Training FLOPs per token at length T (OLMo-core's count)."""
     T = T or m.max_seq_len
     # all but the embedding lookup (a tied head still does its V·D matmul)
     matmul = count_params(m) - (0 if m.tie_embeddings else m.vocab_size * m.d_model)
@@ -101,14 +94,14 @@ def flops_per_token(m, T=None):
 
 
 def init_params(m, key, names=None):
-    """fp32, truncated normal at ±3σ, norms at 1. `names`: just those, the same values."""
+    """fp32, truncated normal at ±3σ, norms 1; `names`: just those (same values)."""
     params = {}
     for k, (name, p) in zip(jax.random.split(key, len(param_table(m))), param_table(m).items()):
         if names is not None and name not in names:
             continue
         if p.std is None:
             params[name] = jnp.ones(p.shape, jnp.float32)
-        else:  # a per-layer std (a tuple) broadcasts along the leading L axis; a float everywhere
+        else:  # a per-layer std broadcasts along L
             std = jnp.asarray(p.std, jnp.float32).reshape((-1,) + (1,) * (len(p.shape) - 1))
             params[name] = jax.random.truncated_normal(k, -3.0, 3.0, p.shape, jnp.float32) * std
     return params
@@ -119,7 +112,7 @@ def layer_name(name, i):  # "layers.mlp.up_proj.weight", 3 -> "layers.3.mlp.up_p
 
 
 def stack_layers(state, m):
-    """Per-layer state dict (numpy or torch) -> stacked params (leading L), numpy."""
+    """Per-layer state dict (numpy or torch) -> stacked numpy params."""
     def stacked(name):
         return np.stack([np.asarray(state[layer_name(name, i)]) for i in range(m.n_layers)])
     return {name: stacked(name) if name.startswith("layers.") else np.asarray(state[name])
@@ -136,77 +129,70 @@ def unstack_layers(params):
     return out
 
 
-# --- per-layer arrays (not parameters): window and RoPE frequencies, both backends ----------------
-
 def layer_arrays(m):
     """window (L,) int32, 0 = full; inv_freq (L, H/2) fp32; rope_scale (L,) fp32: what sliding
-    and full layers differ by. Callers read them per layer, each window as a Python int."""
+    and full layers differ by, read per layer (each window a Python int)."""
     H = m.head_dim
-    # theta^(2i/H) with torch's fp32 pow, as HF and OLMo-core: numpy's differs in the last bit for
-    # some i, which moves the angle at position 65536 by ~1e-2 rad
+    # theta^(2i/H) by torch's fp32 pow, as HF (numpy's is off: 1e-2 rad at 65536)
     pos_freqs = m.rope_theta ** (torch.arange(0, H, 2, dtype=torch.float32, device="cpu") / H)
     plain = (1.0 / pos_freqs).numpy()
     full, full_scale = plain, 1.0
     if m.yarn_factor:
         full, full_scale = yarn_inv_freq(m, pos_freqs), m.yarn_attention_factor
-    kinds = m.layer_types()
-    window = np.array([m.sliding_window if k == "S" else 0 for k in kinds], np.int32)
-    inv_freq = np.stack([plain if k == "S" else full for k in kinds]).astype(np.float32)
-    rope_scale = np.array([1.0 if k == "S" else full_scale for k in kinds], np.float32)
-    return window, inv_freq, rope_scale
+    kind = {"S": (m.sliding_window, plain, 1.0), "F": (0, full, full_scale)}
+    window, inv_freq, rope_scale = zip(*(kind[k] for k in m.layer_types()))
+    return (np.array(window, np.int32), np.stack(inv_freq).astype(np.float32),
+            np.array(rope_scale, np.float32))
 
 
 def yarn_inv_freq(m, pos_freqs):
-    """YaRN's inv_freq (H/2,) (HF _compute_yarn_parameters): bit-identical to HF's (its fp32 ops in
-    its order); what it does: docs/design.md."""
+    """YaRN's inv_freq (H/2,): HF's _compute_yarn_parameters, bit for bit."""
     H, theta, ctx = m.head_dim, m.rope_theta, m.yarn_original_max_seq_len
 
-    def dim_for(rotations):  # the dimension index whose wavelength fits `rotations` times into ctx
+    def dim_for(rotations):  # the dimension turning `rotations` times over ctx
         return H * math.log(ctx / (rotations * 2 * math.pi)) / (2 * math.log(theta))
     low = max(math.floor(dim_for(m.yarn_beta_fast)), 0)
     high = min(math.ceil(dim_for(m.yarn_beta_slow)), H - 1)
     if low == high:
-        high += 0.001  # HF's guard against dividing by zero
+        high += 0.001  # HF's guard against 0 / 0
     dims = torch.arange(H // 2, dtype=torch.float32, device="cpu")
     ramp = ((dims - low) / (high - low)).clamp(0, 1)
-    keep = 1 - ramp  # 1 = extrapolate (frequency unchanged), 0 = interpolate (divided by factor)
+    keep = 1 - ramp  # 1: frequency unchanged, 0: divided by factor
     inv = (1.0 / (m.yarn_factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
     return inv.numpy()
 
 
-# === JAX ==========================================================================================
+# === JAX ===
 
-# --- matmuls and the embedding --------------------------------------------------------------------
+# --- matmuls, the embedding, norms and RoPE ---
 
 def matmul_precision(dtype):
-    """Full-precision matmuls for fp32 compute (JAX's default rounds them on GPUs and TPUs: the
-    parity tests' 1e-5 fails), the default for bf16."""
+    """Exact fp32 matmuls (JAX's default rounds them on GPUs, TPUs); bf16: the default."""
     return jax.default_matmul_precision("highest" if jnp.dtype(dtype) == jnp.float32 else None)
 
 
 def linear(x, w):
-    """x (..., in) @ w (out, in).T -> (..., out) in x's dtype: w cast at use, fp32 sums."""
-    if w.dtype == jnp.uint16:  # a bf16 matrix held as its bits, for decode on a CPU
+    """x (..., in) @ w (out, in).T -> (..., out) in x's dtype (w cast at use, fp32 sums)."""
+    if w.dtype == jnp.uint16:  # bf16 held as its bits (CPU decode)
         return bits_linear(x, w)
     with matmul_precision(x.dtype):
         y = jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
     return y.astype(x.dtype)
 
 
-# CPU decode (eval.cpu_bits) holds bf16 matrices as bits (uint16): XLA's CPU backend would copy each
-# whole to fp32 every token; widened a block of rows at a time, each is read once (docs/design.md).
+# CPU decode holds bf16 matrices as bits: XLA's CPU backend would widen each whole every token
 
 def widen(bits):
-    """bf16 bits (uint16) -> the same numbers in fp32: a bf16 is the top half of an fp32."""
+    """bf16 bits (uint16) -> the same numbers in fp32 (its top half)."""
     return jax.lax.bitcast_convert_type(bits.astype(jnp.uint32) << 16, jnp.float32)
 
 
-def bits_linear(x, w, rows=512):
-    """linear for w (out, in) held as bf16 bits: the same products (exact in fp32), fp32 sums."""
-    rows = math.gcd(w.shape[0], rows)  # a block size that divides `out`
+def bits_linear(x, w):
+    """linear for w (out, in) held as bf16 bits: the same products, fp32 sums."""
+    rows = math.gcd(w.shape[0], 512)  # a block of rows dividing `out`
     x32 = x.astype(jnp.float32)
 
-    def block(i, y):  # rows i*rows.. of w, widened, then the matmul with them
+    def block(i, y):  # rows i*rows.. of w, widened
         wi = widen(jax.lax.dynamic_slice_in_dim(w, i * rows, rows, 0))  # (rows, in)
         yi = jnp.einsum("...i,oi->...o", x32, wi, precision="highest")  # (..., rows)
         return jax.lax.dynamic_update_slice_in_dim(y, yi, i * rows, y.ndim - 1)
@@ -216,23 +202,21 @@ def bits_linear(x, w, rows=512):
 
 
 def embed(w, tokens, dtype):
-    """tokens (B, T) -> their embedding rows (B, T, D) in dtype (bf16 bits: only those widened)."""
+    """tokens (B, T) -> embedding rows (B, T, D) in dtype (bf16 bits: only these widened)."""
     x = w[tokens]
     return (widen(x) if x.dtype == jnp.uint16 else x).astype(dtype)
 
 
-# --- norms and RoPE -------------------------------------------------------------------------------
-
 # exercise: rmsnorm
 def rms_norm(x, w, eps):
-    # HF Olmo2RMSNorm: normalise and multiply by the weight in fp32, then cast (Llama casts first)
+    # HF Olmo2RMSNorm: weight times the normalised x in fp32, then cast (Llama casts first)
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return (w.astype(jnp.float32) * y).astype(x.dtype)
 
 
 def layer_norm(x, eps):
-    # OLMo 1: LayerNorm with no weight and no bias, in fp32.
+    # OLMo 1: LayerNorm with no weight or bias, in fp32
     x32 = x.astype(jnp.float32)
     mean = jnp.mean(x32, axis=-1, keepdims=True)
     var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
@@ -256,10 +240,10 @@ def rope(x, cos, sin):
     return (x32 * cos[:, None] + rotated * sin[:, None]).astype(x.dtype)
 
 
-# --- attention: the masks, then softmax attention in query blocks (XLA, any device) ---------------
+# --- attention: the masks, then softmax attention in query blocks (XLA, any device) ---
 
 def pad_t(x, n, **how):
-    """x with n more positions at the end of axis 1 (T); how: jnp.pad's mode, values."""
+    """x with n more positions at the end of axis 1 (T); how: jnp.pad's."""
     return jnp.pad(x, [(0, 0), (0, n)] + [(0, 0)] * (x.ndim - 2), **how)
 
 
@@ -272,8 +256,8 @@ def attention_mask(i, j, window):
 
 
 def segment_ids(tokens, eos):
-    """tokens (B, T) -> (B, T) int32 document ids: each EOS ends (and is in) a document, as
-    OLMo-core's doc_lens. numpy in, numpy out; jit-safe."""
+    """tokens (B, T) -> (B, T) int32 document ids, each EOS ending (in) one (OLMo-core's
+    doc_lens); numpy for numpy."""
     xp = np if isinstance(tokens, np.ndarray) else jnp
     ends = (tokens == eos).astype(np.int32)
     return xp.cumsum(ends, axis=-1, dtype=np.int32) - ends
@@ -299,14 +283,14 @@ def attend_in_blocks(q, k, v, window, scale, segments=None, offset=0):
     context-parallel shard). Past Q_BLOCK queries go in blocks under lax.map, each recomputed in the
     backward and reading only the keys it can see: no (N, Tq, S) scores kept (docs/backends.md)."""
     Tq, S = q.shape[1], k.shape[1]
-    t_slice = partial(jax.lax.dynamic_slice_in_dim, axis=1)  # (x, start, size) along T
-    if Tq <= Q_BLOCK and isinstance(offset, int):  # one block: only the keys it can see
+    t_slice = partial(jax.lax.dynamic_slice_in_dim, axis=1)  # (x, start, size) on T
+    if Tq <= Q_BLOCK and isinstance(offset, int):  # one block, of the keys it can see
         lo = max(0, offset - window + 1) if window else 0
         end = offset + Tq
         seg = None if segments is None else (segments[:, offset:end], segments[:, lo:end])
         return attend(q, k[:, lo:end], v[:, lo:end], seg, scale, offset, lo, window)
     step = min(Tq, Q_BLOCK, window // 2 or Q_BLOCK)
-    n = -(-Tq // step) * step  # queries padded to whole blocks; the extra rows are cut at the end
+    n = -(-Tq // step) * step  # queries padded to whole blocks (cut at the end)
     q = pad_t(q, n - Tq)
     qseg = None if segments is None else pad_t(t_slice(segments, offset, Tq), n - Tq, mode="edge")
     size = min(S, step + window - 1) if window else S
@@ -322,7 +306,7 @@ def attend_in_blocks(q, k, v, window, scale, segments=None, offset=0):
     return jnp.moveaxis(out, 0, 1).reshape(q.shape)[:, :Tq]
 
 
-# --- the layer: QKV projection, attention sublayer, MLP, block ------------------------------------
+# --- the layer: QKV projection, attention sublayer, MLP, block ---
 
 # exercise: qk_norm
 def project_qkv(p, x, cos, sin, m):
@@ -331,7 +315,7 @@ def project_qkv(p, x, cos, sin, m):
     q = linear(x, p["self_attn.q_proj.weight"])  # (B, T, N*H)
     k = linear(x, p["self_attn.k_proj.weight"])  # (B, T, K*H)
     v = linear(x, p["self_attn.v_proj.weight"])  # (B, T, K*H)
-    if m.clip_qkv:  # OLMo 1.7 (0424/0724): clamp right after the projections, before RoPE
+    if m.clip_qkv:  # OLMo 1.7: clamp right after the projections, before RoPE
         q, k, v = (jnp.clip(t, -m.clip_qkv, m.clip_qkv) for t in (q, k, v))
     if "self_attn.q_norm.weight" in p:  # OLMo 2/3 QK-norm: over the whole width, before the split
         q = rms_norm(q, p["self_attn.q_norm.weight"], m.norm_eps)
@@ -343,10 +327,10 @@ def project_qkv(p, x, cos, sin, m):
 
 
 def attention(p, x, cos, sin, window, m, segments=None, attend_fn=None):
-    """The attention sublayer over the sequence itself: x (B, T, D) -> (B, T, D)."""
+    """Attention over the sequence itself: x (B, T, D) -> (B, T, D)."""
     B, T, _ = x.shape
     q, k, v = project_qkv(p, x, cos, sin, m)
-    if attend_fn is None:  # no mesh (shard.attention): the implementation for JAX's own device
+    if attend_fn is None:  # (no mesh)
         attend_fn = ATTEND[pick_attention(m, q.dtype, segments is not None)]
     documents = () if segments is None else (segments,)
     y = attend_fn(q, k, v, window, m.head_dim ** -0.5, *documents)  # (B, T, N, H)
@@ -366,23 +350,21 @@ def block(p, x, attn, m, ffn=mlp):
     if m.family == "olmo1":  # pre-norm
         x = x + attn(layer_norm(x, m.norm_eps))
         return x + ffn(p, layer_norm(x, m.norm_eps))
-    # OLMo 2/3 "reordered norm": none on the way in; RMSNorm on each sublayer's output, then the add
+    # OLMo 2/3: RMSNorm on each sublayer's output, before the add (none on its input)
     x = x + rms_norm(attn(x), p["post_attention_layernorm.weight"], m.norm_eps)
     return x + rms_norm(ffn(p, x), p["post_feedforward_layernorm.weight"], m.norm_eps)
 
 
-# --- forward, head and losses ---------------------------------------------------------------------
+# --- forward, head and losses ---
 
 def forward(params, tokens, m, dtype=jnp.float32, remat="none", constrain=lambda x: x,
             segments=None, positions=None, attend_fn=None, head=True, scan_layers=True):
-    """tokens (B, T) int, each < V (JAX clamps silently: check_tokens) -> logits (B, T, V) in
-    dtype, or the last layer's output (B, T, D) with head=False. remat: "none", "block" or "mlp";
-    scan_layers=False unrolls; constrain pins each layer's output (shard.py); segments (B, T):
-    document ids; positions (T,): RoPE's, default 0..T-1; attend_fn replaces model.attention's."""
+    """tokens (B, T) int, each < V (else clamped: check_tokens) -> logits (B, T, V) in dtype, or
+    the last layer's output (B, T, D) if not head. constrain pins each layer's output; segments
+    (B, T): document ids; positions (T,): RoPE's; attend_fn: shard.attention's."""
     x = constrain(embed(params["embed_tokens.weight"], tokens, dtype))  # (B, T, D)
     positions = jnp.arange(tokens.shape[1]) if positions is None else positions
-    # A scan step is one repeat of layer_pattern (L split (L/P, P)), so each window is a Python int:
-    # a window scanned as data would make attention compute every block (docs/backends.md)
+    # A scan step is one layer_pattern, so windows are Python ints (as data: every block computed)
     P = len(m.layer_pattern)
     window, inv_freq, rope_scale = layer_arrays(m)
     ropes = [rope_cos_sin(positions, inv_freq[i], rope_scale[i]) for i in range(P)]
@@ -395,28 +377,26 @@ def forward(params, tokens, m, dtype=jnp.float32, remat="none", constrain=lambda
         return block(p, x, lambda h: attention(p, h, cos, sin, w, m, segments, attend_fn), m, ffn)
     layer = jax.checkpoint(layer, static_argnums=(5,)) if remat == "block" else layer
 
-    def step(x, group):  # the compiled body is P layers: compile time grows with P, not with L
+    def step(x, group):  # compile time grows with P, not L
         for i in range(P):
             p = {name: w[i] for name, w in group.items()}
             x = constrain(layer(p, x, *ropes[i], segments, int(window[i])))
         return x, None
 
-    x, _ = jax.lax.scan(step, x, groups, unroll=not scan_layers)  # unrolled: the same maths
+    x, _ = jax.lax.scan(step, x, groups, unroll=not scan_layers)
     return unembed(params, x, m) if head else x
 
 
 def unembed(params, x, m):
     """The final norm and the head: x (B, T, D) -> (B, T, V)."""
-    if m.family == "olmo1":
-        x = layer_norm(x, m.norm_eps)
-    else:
-        x = rms_norm(x, params["norm.weight"], m.norm_eps)
+    olmo1 = m.family == "olmo1"
+    x = layer_norm(x, m.norm_eps) if olmo1 else rms_norm(x, params["norm.weight"], m.norm_eps)
     return linear(x, params["embed_tokens.weight" if m.tie_embeddings else "lm_head.weight"])
 
 
 def label_logps(logits, labels, temperature=1.0):
-    """logits (B, T, V), labels (B, T) -> (log p(label), logsumexp), each (B, T) fp32; log p is 0
-    where labels == IGNORE_INDEX. GRPO's temperature: p is the policy its rollouts came from."""
+    """logits (B, T, V), labels (B, T) -> (log p(label), logsumexp), (B, T) fp32 each; log p 0 at
+    IGNORE_INDEX; temperature: GRPO's."""
     logits = logits.astype(jnp.float32) / temperature
     lse, valid = jax.nn.logsumexp(logits, axis=-1), labels != IGNORE_INDEX
     target = jnp.take_along_axis(logits, jnp.where(valid, labels, 0)[..., None], axis=-1)[..., 0]
@@ -434,27 +414,26 @@ def cross_entropy_of(logp, lse, labels, n, z_loss=0.0, xp=jnp):
     return ce + z_loss * z, ce, z
 
 
-def cross_entropy(logits, labels, z_loss=0.0):
-    """cross_entropy_of over this batch's targets: (loss, ce, z). Labels already shifted."""
-    n = jnp.maximum((labels != IGNORE_INDEX).sum(), 1)
-    return cross_entropy_of(*label_logps(logits, labels), labels, n, z_loss)
+def cross_entropy(logits, labels, z_loss=0.0, logps=label_logps, xp=jnp):
+    """cross_entropy_of over this batch's (shifted) targets: (loss, ce, z)."""
+    n = (labels != IGNORE_INDEX).sum().clip(min=1)
+    return cross_entropy_of(*logps(logits, labels), labels, n, z_loss, xp)
 
 
 def token_logps(params, x, labels, m, chunks=1, temperature=1.0):
-    """label_logps (B, T) from the last layer's output x (B, T, D), the head in `chunks` passes
-    recomputed in the backward, so the (B, T, V) logits never exist whole. Chunk j holds positions
-    t = j (mod n), which keeps context parallelism's split on the T/n axis."""
+    """label_logps (B, T) of the last layer's output x (B, T, D), the head in `chunks` passes
+    recomputed in the backward (no whole (B, T, V) logits); chunk j: positions j (mod n)."""
     def one(x, labels):
         return label_logps(unembed(params, x, m), labels, temperature)
     (B, T, D), n = x.shape, min(chunks, x.shape[1])
     if n == 1:
         return one(x, labels)
-    pad = -T % n  # positions added to make T a multiple of n: no targets, cut below
+    pad = -T % n  # (no targets; cut below)
     x = pad_t(x, pad).reshape(B, -1, n, D)  # (B, T/n, n, D)
     labels = pad_t(labels, pad, constant_values=IGNORE_INDEX).reshape(B, -1, n)  # (B, T/n, n)
-    parts = (jnp.moveaxis(x, 2, 0), jnp.moveaxis(labels, 2, 0))  # chunk first: (n, B, T/n, ...)
+    parts = (jnp.moveaxis(x, 2, 0), jnp.moveaxis(labels, 2, 0))  # (n, B, T/n, ...)
     out = jax.lax.map(jax.checkpoint(lambda a: one(*a)), parts)
-    return tuple(jnp.moveaxis(a, 0, 2).reshape(B, -1)[:, :T] for a in out)  # (n, B, T/n) -> (B, T)
+    return tuple(jnp.moveaxis(a, 0, 2).reshape(B, -1)[:, :T] for a in out)  # (B, T) each
 
 
 # exercise: dpo
@@ -469,37 +448,35 @@ def dpo_loss(scores, ref, beta, xp=jnp):
 
 def grpo_loss(logps, old_logps, advantages, clip=0.2, xp=jnp):
     """Per-token GRPO loss (B, T): -min(ρ·A, clip(ρ, 1 - ε, 1 + ε)·A), ρ = π/π_old,
-    A (B, 1) each row's group-normalised advantage (open-instruct grpo_fast; the clip:
-    docs/design.md)."""
+    A (B, 1) each row's group-normalised advantage (open-instruct grpo_fast)."""
     ratio = xp.exp(logps - old_logps)
     return -xp.minimum(ratio * advantages, xp.clip(ratio, 1 - clip, 1 + clip) * advantages)
 
 
 def dpo_of(scores, ref, n, tc, xp):
-    """dpo_loss of summed answer log-probs (2P,); dpo_norm (Olmo 2/3) divides both by lengths n."""
+    """dpo_loss of summed answer log-probs (2P,); dpo_norm divides them by lengths n."""
     if tc.loss == "dpo_norm":
         scores, ref = scores / n, ref / n
     return dpo_loss(scores, ref, tc.dpo_beta, xp)
 
 
 def make_loss(cfg, xp):
-    """(loss, total_of) for cfg.train.loss: loss(logp, lse, labels, batch, total) -> (this
-    micro-batch's share of the step's loss, metrics' shares); total_of(labels): what the global
-    batch counts. One definition for both backends."""
+    """(loss, total_of) for cfg.train.loss: loss(logp, lse, labels, batch, total) -> this
+    micro-batch's shares of the loss and metrics; total_of(labels): the global count."""
     tc, ignore = cfg.train, IGNORE_INDEX
     stop_gradient = jax.lax.stop_gradient if xp is jnp else torch.Tensor.detach
 
-    def ce(logp, lse, labels, batch, total):  # OLMo-core: over the global batch's targets
+    def ce(logp, lse, labels, batch, total):  # total: the global batch's targets
         loss, ce, _ = cross_entropy_of(logp, lse, labels, total, tc.z_loss, xp)
         return loss, dict(ce=ce)
 
-    def dpo(logp, lse, labels, batch, total):  # total: pairs in the global batch
+    def dpo(logp, lse, labels, batch, total):  # total: the global batch's pairs
         lengths = (labels != ignore).sum(-1)  # (2P,)
         losses, margins = dpo_of(logp.sum(-1), batch["ref"], lengths, tc, xp)
         accuracy = (margins > 0).sum() / total
         return losses.sum() / total, dict(margin=margins.sum() / total, accuracy=accuracy)
 
-    def grpo(lp, lse, labels, batch, total):  # total: completion tokens in the global batch
+    def grpo(lp, lse, labels, batch, total):  # total: its completion tokens
         per = grpo_loss(lp, stop_gradient(lp), batch["advantage"][:, None], xp=xp)
         reward = batch["reward"].sum() / cfg.data.global_batch
         return xp.where(labels != ignore, per, 0.0).sum() / total, dict(reward=reward)
@@ -517,9 +494,8 @@ def loss_fn(params, tokens, labels, m, dtype=jnp.float32, z_loss=0.0, remat="non
 
 
 def shift_labels(tokens, pad=None, mask=None):
-    """tokens (B, T) -> next-token labels (B, T) (OLMo-core get_labels), IGNORE_INDEX at the end,
-    at PAD targets and (mask (B, T) bool, OLMo-core's label_mask) where mask is False. numpy in,
-    numpy out."""
+    """tokens (B, T) -> next-token labels (B, T) (OLMo-core get_labels): IGNORE_INDEX at the end,
+    at PAD and where mask (B, T) is False (label_mask); numpy for numpy."""
     xp = np if isinstance(tokens, np.ndarray) else jnp
     labels = xp.concatenate([tokens[..., 1:], xp.full_like(tokens[..., :1], IGNORE_INDEX)], axis=-1)
     if pad is not None:
@@ -533,24 +509,23 @@ def shift_labels(tokens, pad=None, mask=None):
 def check_tokens(tokens, m, source="tokens"):
     tokens = np.asarray(tokens)
     if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
-        raise ValueError(f"{source}: expected integer token ids of shape (B, T), "
-                         f"got {tokens.dtype} {tokens.shape}")
+        raise ValueError(f"{source}: expected integer token ids of shape (B, T), got "
+                         f"{tokens.dtype} {tokens.shape}")
     if tokens.size and (tokens.min() < 0 or tokens.max() >= m.vocab_size):
         bad = tokens.max() if tokens.max() >= m.vocab_size else tokens.min()
         raise ValueError(f"{source}: token id {bad} is out of range for vocab_size={m.vocab_size}")
     if tokens.shape[1] > m.max_seq_len:
-        print(f"warning: {source} has {tokens.shape[1]} positions, more than "
-              f"max_seq_len={m.max_seq_len}", file=sys.stderr)
+        print(f"warning: {source} has {tokens.shape[1]} positions > max_seq_len={m.max_seq_len}",
+              file=sys.stderr)
     return tokens
 
 
-# --- generation: the same layers over a KV cache --------------------------------------------------
-# Each layer keeps its keys and values (RoPE applied) in a ring of C slots, position p in slot
-# p % C: C = S on full layers, the window on sliding ones. Layers run in a Python loop, not a scan:
-# sliding and full layers' caches differ in size.
+# --- generation: the same layers over a KV cache ---
+# A layer's keys and values (RoPE applied) sit in a ring of C slots (S, or the window), position p
+# in slot p % C: sizes differ, so no scan.
 
 def new_cache(m, B, S, dtype=jnp.float32):
-    """Empty caches for B sequences of up to S positions: per layer k and v (B, C, K, H)."""
+    """Empty caches for B sequences of up to S positions: per layer k, v (B, C, K, H)."""
     sizes = [min(int(w), S) if w else S for w in layer_arrays(m)[0]]
     return [{n: jnp.zeros((B, C, m.n_kv_heads, m.head_dim), dtype) for n in "kv"} for C in sizes]
 
@@ -571,7 +546,7 @@ def cached_attention(p, x, cos, sin, cache, pos, window, m):
     with matmul_precision(q.dtype):
         y = jax.nn.dot_product_attention(q, keys, values, mask=mask[None, None],
                                          scale=m.head_dim ** -0.5)  # (B, T, N, H)
-    first = max(0, T - C)  # only the last C new keys fit; each lands in its own slot
+    first = max(0, T - C)  # only the last C new keys fit
     slots = (pos + jnp.arange(first, T)) % C
     cache = dict(k=cache["k"].at[:, slots].set(k[:, first:].astype(cache["k"].dtype)),
                  v=cache["v"].at[:, slots].set(v[:, first:].astype(cache["v"].dtype)))
@@ -579,8 +554,8 @@ def cached_attention(p, x, cos, sin, cache, pos, window, m):
 
 
 def forward_step(params, tokens, pos, cache, m, dtype=jnp.float32):
-    """tokens (B, T) at positions pos..pos+T-1 -> (logits (B, T, V), new cache): the prompt
-    (pos = 0), then a token a call; over a whole sequence, forward's logits."""
+    """tokens (B, T) at positions pos.. -> (logits (B, T, V), new cache): the prompt (pos = 0), then
+    a token a call."""
     x = embed(params["embed_tokens.weight"], tokens, dtype)  # (B, T, D)
     window, inv_freq, rope_scale = layer_arrays(m)
     positions = pos + jnp.arange(tokens.shape[1])
@@ -590,7 +565,7 @@ def forward_step(params, tokens, pos, cache, m, dtype=jnp.float32):
              if name.startswith("layers.")}
         cos, sin = rope_cos_sin(positions, inv_freq[i], rope_scale[i])
 
-        def attn(h):  # block calls it once; the layer's updated cache goes to `new`
+        def attn(h):  # block calls it once
             y, c = cached_attention(p, h, cos, sin, cache[i], pos, int(window[i]), m)
             new.append(c)
             return y
@@ -599,22 +574,19 @@ def forward_step(params, tokens, pos, cache, m, dtype=jnp.float32):
     return unembed(params, x, m), new
 
 
-# --- device attention kernels: what model.attention picks for JAX ---------------------------------
+# --- device attention kernels: what model.attention picks for JAX ---
 
 @lru_cache(maxsize=None)
 def splash_kernel(Tq, S, N, window, offset, interpret):
-    """Pallas splash attention for one sequence: q (N, Tq, H) at positions offset.., k and v
-    (K, S, H) at 0..; GQA inside. Blocks (multiples of 128) divide Tq and S."""
-    shape = (Tq, S)
-    if window:  # key j is kept for query i when i + offset - left <= j <= i + offset + right
-        mask = splash_mask.LocalMask(shape, (window - 1, 0), offset=offset)
+    """Splash attention: q (N, Tq, H) at positions offset.., k, v (K, S, H) at 0..; 128 | Tq, S."""
+    if window:  # keys i + offset - (window - 1) .. i + offset
+        mask = splash_mask.LocalMask((Tq, S), (window - 1, 0), offset=offset)
     else:
-        mask = splash_mask.CausalMask(shape, offset=offset)
+        mask = splash_mask.CausalMask((Tq, S), offset=offset)
     b = next(b for b in (512, 256, 128) if Tq % b == 0 and S % b == 0)
-    sizes = splash.BlockSizes(block_q=b, block_kv=b, block_q_dkv=b, block_kv_dkv=b, block_q_dq=b,
-                              block_kv_dq=b)
-    # Concrete masks even when first built inside a trace (a scan's body): a cached kernel holding
-    # that trace's tracers breaks every later call
+    names = ("block_q", "block_kv", "block_q_dkv", "block_kv_dkv", "block_q_dq", "block_kv_dq")
+    sizes = splash.BlockSizes(**dict.fromkeys(names, b))
+    # Concrete even inside a trace: a cached kernel holding tracers breaks later calls
     with jax.ensure_compile_time_eval():
         heads = splash_mask.MultiHeadMask([mask] * N)
         return splash.make_splash_mha(heads, block_sizes=sizes, head_shards=1, q_seq_shards=1,
@@ -622,23 +594,22 @@ def splash_kernel(Tq, S, N, window, offset, interpret):
 
 
 def splash_attend(q, k, v, window, scale, segments=None, offset=0):
-    """attend_in_blocks (the same arguments) by Pallas splash attention: the kernel on TPUs, the
-    same interpreted elsewhere (exact, slow: what the tests compare), picked where the step is
-    lowered (docs/design.md)."""
+    """attend_in_blocks by Pallas splash attention: the kernel on TPUs, else interpreted (exact,
+    slow), chosen as the step is lowered."""
     Tq, S = q.shape[1], k.shape[1]
-    # Padded to the kernel's 128 lanes: causality hides the padded keys, and the padded rows are cut
+    # Padded to 128 lanes: causality hides the padded keys; padded rows are cut
     Tqp, Sp = -(-Tq // 128) * 128, -(-S // 128) * 128
     q = q * jnp.asarray(scale, q.dtype)  # (the kernel has no scale argument)
     q, k, v = pad_t(q, Tqp - Tq), pad_t(k, Sp - S), pad_t(v, Sp - S)
     seg = []
-    if segments is not None:  # (B, S) document ids of the keys; q's are those at its own positions
+    if segments is not None:  # (B, S) the keys'; q's: at its positions
         q_seg = jax.lax.dynamic_slice_in_dim(segments, offset, Tq, axis=1)
         seg = [pad_t(s.astype(jnp.int32), n - s.shape[1], mode="edge")
                for s, n in ((q_seg, Tqp), (segments, Sp))]
     heads_first = partial(jnp.swapaxes, axis1=1, axis2=2)  # (B, T, N, H) <-> (B, N, T, H)
     traced = not isinstance(offset, int)
-    offsets = range(0, S, Tq) if traced else [offset]  # (a traced offset is one of these)
-    # Built out here: inside a branch, the arrays of a cached kernel's masks would be its tracers
+    offsets = range(0, S, Tq) if traced else [offset]  # (a traced one: one of these)
+    # Built here, not in a branch: a cached kernel's masks would hold its tracers
     kernels = [[splash_kernel(Tqp, Sp, q.shape[2], window, o, interpret) for o in offsets]
                for interpret in (False, True)]
 
@@ -653,71 +624,65 @@ def splash_attend(q, k, v, window, scale, segments=None, offset=0):
 
 
 def cudnn_attend(q, k, v, window, scale):
-    """attend_in_blocks on NVIDIA GPUs by cuDNN's flash kernel, which skips masked blocks itself;
-    bf16/fp16, no segments or offset (cudnn_refusal)."""
+    """attend_in_blocks by cuDNN's flash kernel (NVIDIA GPUs; no segments or offset)."""
     window = (window - 1, 0) if window else None
     return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
                                         implementation="cudnn", local_window_size=window)
 
 
-# model.attention's choice -> the JAX function that computes it
+# pick_attention's choice -> the JAX function
 ATTEND = {"xla": attend_in_blocks, "splash": splash_attend, "cudnn": cudnn_attend}
 
 
 def accelerator(device=None):
-    """(platform, CUDA compute capability (major, minor) or None) of `device` (default JAX's
-    first): what `auto` attention is chosen for."""
+    """(platform, CUDA capability (major, minor) or None) of `device` (or JAX's first)."""
     d = device or jax.devices()[0]
     capability = getattr(d, "compute_capability", None)
     return d.platform, tuple(int(x) for x in capability.split(".")) if capability else None
 
 
 def cudnn_refusal(m, dtype, documents, context, platform, capability):
-    """Why JAX's cuDNN flash attention cannot run this case, "" if it can (jax 0.10.2's checks in
-    _src/cudnn/fused_attention_stablehlo.py), before tracing."""
+    """Why JAX's cuDNN attention cannot run this case (jax 0.10.2's checks), or ""."""
     if platform != "gpu" or capability is None:
         return f"cuDNN needs an NVIDIA GPU, and JAX runs on {platform}"
     if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
         return (f"cuDNN takes bfloat16 or float16, not {jnp.dtype(dtype)}: set "
-                "train.compute_dtype=bfloat16 (eval.py: --dtype bfloat16)")
+                "train.compute_dtype=bfloat16")
     cc = ".".join(map(str, capability))
+    most = 256 if capability >= (9, 0) else 128  # (Hopper on: wider heads)
     if capability < (8, 0):
-        return f"cuDNN's flash attention needs compute capability 8.0 (Ampere) or later, not {cc}"
-    most = 256 if capability >= (9, 0) else 128  # Hopper and later take wider heads
+        return f"cuDNN flash attention needs compute capability >= 8.0, not {cc}"
     if m.head_dim > most or m.head_dim % 8:
         return (f"cuDNN takes head_dim <= {most}, a multiple of 8, on compute capability {cc}; "
                 f"not {m.head_dim}")
-    if documents:
-        return ("JAX's cuDNN call takes no document ids: packed documents (data.doc_mask) need xla "
-                "or splash")
-    if context > 1:
-        return ("JAX's cuDNN call takes no query offset: context parallelism (mesh.context > 1) "
-                "needs xla or splash")
+    if documents or context > 1:
+        why = "document ids (data.doc_mask)" if documents else "query offset (mesh.context > 1)"
+        return f"JAX's cuDNN call takes no {why}: use xla or splash"
     return ""
 
 
 def pick_attention(m, dtype, documents=False, device=None, context=1):
-    """model.attention -> "xla", "splash" or "cudnn" for compute dtype on device (default JAX's
-    first), with or without document ids, `context` devices a sequence. auto: the device's kernel
-    where it can run; a named one that cannot is refused, with the reason, before compiling."""
+    """model.attention -> "xla", "splash" or "cudnn" for this dtype, device (default JAX's first),
+    documents, context split. auto: the device's kernel where it runs, else xla; a named one that
+    cannot run: refused."""
     if m.attention in ("sdpa", "flex"):
         raise ValueError(f"model.attention={m.attention!r} is a torch implementation: JAX takes "
                          "auto, xla, splash, cudnn")
     platform, capability = accelerator(device)
-    refusal = partial(cudnn_refusal, m, dtype, documents, context, platform, capability)
+    why = cudnn_refusal(m, dtype, documents, context, platform, capability)
     if m.attention == "auto":
         kernel = {"tpu": "splash", "gpu": "cudnn"}.get(platform, "xla")
-        return "xla" if kernel == "cudnn" and refusal() else kernel
-    if m.attention == "cudnn" and (why := refusal()):
+        return "xla" if kernel == "cudnn" and why else kernel
+    if m.attention == "cudnn" and why:
         raise ValueError(f"model.attention='cudnn' cannot run here: {why}")
-    return m.attention  # (splash off a TPU runs interpreted: exact and slow, as the tests use it)
+    return m.attention  # (splash off a TPU runs interpreted)
 
 
-# === PyTorch =====================================================================================
-# Same maths, same names, same order. state_dict() keys are the HF names without "model.".
+# === PyTorch ===
+# Same maths, names and order; state_dict() keys: HF's without "model."
 
 class Linear(nn.Linear):
-    """No bias; fp32 weight cast to the input's dtype at use (the JAX `linear`)."""
+    """No bias; the fp32 weight cast to x's dtype at use (JAX's `linear`)."""
 
     def __init__(self, d_in, d_out):
         super().__init__(d_in, d_out, bias=False)
@@ -783,26 +748,25 @@ class Attention(nn.Module):
         return rope_torch(q, cos, sin), rope_torch(k, cos, sin), v
 
     def forward(self, x, cos, sin, mask, cache=None, pos=0):
-        """x (B, T, D) -> (B, T, D); mask: attention_masks_torch's. cache (generation): this layer's
-        keys and values (B, K, S, H), filled at pos..pos+T-1."""
+        """x (B, T, D) -> (B, T, D); mask: attention_masks_torch's; cache: this layer's keys and
+        values (B, K, S, H), filled at pos..pos+T-1."""
         m, (B, T, _) = self.m, x.shape
         q, k, v = self.project(x, cos, sin)
-        if cache is not None:  # the keys before pos come from earlier calls
+        if cache is not None:
             cache["k"][:, :, pos:pos + T], cache["v"][:, :, pos:pos + T] = k, v
             k, v = cache["k"][:, :, :pos + T], cache["v"][:, :, :pos + T]  # (B, K, pos + T, H)
         scale = m.head_dim ** -0.5
-        if isinstance(mask, torch.Tensor) or mask is None:  # is_causal: SDPA's flash kernel on GPUs
+        if isinstance(mask, torch.Tensor) or mask is None:  # is_causal: SDPA's flash kernel
             y = F_.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                                scale=scale, enable_gqa=True)  # (B, N, T, H)
+                                                scale=scale, enable_gqa=True)
         else:
-            y = flex_attention(q, k, v, mask, scale)  # (B, N, T, H)
+            y = flex_attention(q, k, v, mask, scale)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, m.n_heads * m.head_dim))  # (B, T, D)
 
 
 def attention_masks_torch(m, windows, T, segments, device, pos=0):
-    """{window: mask} for the layers' distinct windows: None where SDPA's causal path serves, a
-    flex BlockMask (auto on GPUs), or a bool (B|1, 1, T, pos + T) mask, as always for pos > 0
-    (SDPA's is_causal aligns the square top-left)."""
+    """{window: mask}: None (SDPA's causal path), a flex BlockMask (auto on GPUs), or a bool
+    (B|1, 1, T, pos + T) mask, always if pos > 0 (SDPA's is_causal aligns top-left)."""
     if m.attention not in ("auto", "sdpa", "flex"):
         raise ValueError(f"model.attention={m.attention!r} is a JAX implementation: "
                          "torch takes auto, sdpa, flex")
@@ -815,10 +779,10 @@ def attention_masks_torch(m, windows, T, segments, device, pos=0):
             out[w] = (window_block_mask(T, w, device) if segments is None
                       else document_block_mask(segments, w, device))
         else:
-            i = torch.arange(pos, pos + T, device=device)[:, None]  # query positions
-            j = torch.arange(pos + T, device=device)[None, :]  # key positions
+            i = torch.arange(pos, pos + T, device=device)[:, None]  # queries
+            j = torch.arange(pos + T, device=device)[None, :]  # keys
             mask = attention_mask(i, j, w)[None, None]  # (1, 1, T, pos + T)
-            if segments is not None:  # and the same document: (B, 1, T, T)
+            if segments is not None:  # (B, 1, T, T): and the same document
                 mask = mask & (segments[:, None, :, None] == segments[:, None, None, :])
             out[w] = mask
     return out
@@ -826,8 +790,7 @@ def attention_masks_torch(m, windows, T, segments, device, pos=0):
 
 @lru_cache(maxsize=16)
 def window_block_mask(T, w, device):
-    """Window w's BlockMask, no documents: made once (slow to build), and the same object each
-    step, as a compiled block's guards want."""
+    """Window w's BlockMask, made once: the same object each step (compiled guards want it)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def visible(b, h, i, j):
@@ -836,8 +799,7 @@ def window_block_mask(T, w, device):
 
 
 def document_block_mask(segments, w, device):
-    """Window w's BlockMask within documents (B, T), new each batch; compiled on GPUs (slow to
-    compile on CPUs), it never holds the whole (B, T, T) mask."""
+    """Window w's BlockMask within documents (B, T); compiled on GPUs only."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def visible(b, h, i, j):  # and the same document
@@ -849,17 +811,16 @@ def document_block_mask(segments, w, device):
 
 @lru_cache(maxsize=None)
 def compiled(fn):
-    """torch.compile(fn), made once: a new wrapper each call would start from an empty cache."""
+    """torch.compile(fn), made once (a new wrapper would start from an empty cache)."""
     return torch.compile(fn)
 
 
-# Eager flex (the test path) warns it is unfused; filtered here: catch_warnings breaks graphs
+# Eager flex (the tests') warns it is unfused: filtered here (catch_warnings breaks graphs)
 warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
 
 
 def flex_attention(q, k, v, block_mask, scale):
-    """torch's flex_attention: compiled on GPUs (fused), eager elsewhere (it builds the scores);
-    inside a compiled block, dynamo traces it into the block's graph."""
+    """torch's flex_attention: compiled on GPUs (fused), eager elsewhere."""
     from torch.nn.attention.flex_attention import flex_attention as flex
     run = compiled(flex) if q.is_cuda and not torch.compiler.is_compiling() else flex
     return run(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
@@ -895,6 +856,9 @@ class Block(nn.Module):
         return x + self.post_feedforward_layernorm(ffn(x))
 
 
+ROPE_BUFFERS = ("inv_freq", "rope_scale")  # (L, H/2), (L,) of layer_arrays
+
+
 class OLMo(nn.Module):
     def __init__(self, m):
         super().__init__()
@@ -905,21 +869,19 @@ class OLMo(nn.Module):
             self.norm = RMSNorm(m.d_model, m.norm_eps)
         if not m.tie_embeddings:
             self.lm_head = Linear(m.d_model, m.vocab_size)
-        window, inv_freq, rope_scale = layer_arrays(m)
+        window, *rope = layer_arrays(m)
         self.windows = [int(w) for w in window]
-        # RoPE buffers from numpy: real CPU tensors even where the module is built on meta
-        self.register_buffer("inv_freq", torch.from_numpy(inv_freq), persistent=False)  # (L, H/2)
-        self.register_buffer("rope_scale", torch.from_numpy(rope_scale), persistent=False)  # (L,)
+        for name, value in zip(ROPE_BUFFERS, rope):  # from numpy: CPU tensors even on meta
+            self.register_buffer(name, torch.from_numpy(value), persistent=False)
 
     def reset_buffers(self):
-        """Refill the RoPE buffers once a meta-device model has real storage (to_empty)."""
-        _, inv_freq, rope_scale = layer_arrays(self.m)
-        self.inv_freq.copy_(torch.from_numpy(inv_freq))
-        self.rope_scale.copy_(torch.from_numpy(rope_scale))
+        """Refill the RoPE buffers once a meta model has storage (to_empty)."""
+        for name, value in zip(ROPE_BUFFERS, layer_arrays(self.m)[1:]):
+            getattr(self, name).copy_(torch.from_numpy(value))
 
     def forward(self, tokens, dtype=torch.float32, remat="none", segments=None, cache=None, pos=0):
-        """tokens (B, T) long -> logits (B, T, V) in dtype; remat, segments as in JAX's forward.
-        With a cache (new_cache) the tokens sit at pos..pos+T-1."""
+        """tokens (B, T) long -> logits (B, T, V) in dtype; remat, segments: JAX's forward's; with
+        a cache (new_cache): at positions pos.."""
         T = tokens.shape[1]
         x = self.embed_tokens(tokens).to(dtype)  # (B, T, D)
         positions = torch.arange(pos, pos + T, device=tokens.device)
@@ -929,12 +891,11 @@ class OLMo(nn.Module):
         for layer, w, (f, s), c in zip(self.layers, self.windows, rope, caches):
             cos, sin = rope_cos_sin_torch(positions, f, s)
             run = partial(checkpoint, layer, use_reentrant=False) if remat == "block" else layer
-            x = run(x, cos, sin, masks[w], remat == "mlp", c, pos)  # remat_mlp, the layer's cache
+            x = run(x, cos, sin, masks[w], remat == "mlp", c, pos)
         return self.unembed(x, dtype)
 
     def new_cache(self, B, S, dtype):
-        """Empty keys and values per layer (B, K, S, H): all S positions on sliding layers too
-        (unlike JAX's ring); the mask applies the window."""
+        """Empty keys and values per layer (B, K, S, H), S on sliding layers too (no ring)."""
         shape, device = (B, self.m.n_kv_heads, S, self.m.head_dim), self.embed_tokens.weight.device
         new = partial(torch.zeros, shape, dtype=dtype, device=device)
         return [{n: new() for n in "kv"} for _ in self.layers]
@@ -947,22 +908,18 @@ class OLMo(nn.Module):
 
 
 def label_logps_torch(logits, labels, temperature=1.0):
-    """As label_logps: (log p(label), logsumexp)."""
+    """label_logps: (log p(label), logsumexp)."""
     logits = logits.float() / temperature
     lse = torch.logsumexp(logits, dim=-1)
     target = logits.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     return torch.where(labels != IGNORE_INDEX, target - lse, 0.0), lse
 
 
-def cross_entropy_torch(logits, labels, z_loss=0.0):
-    """As cross_entropy: returns (loss, ce, z)."""
-    n = (labels != IGNORE_INDEX).sum().clamp(min=1)
-    return cross_entropy_of(*label_logps_torch(logits, labels), labels, n, z_loss, torch)
+cross_entropy_torch = partial(cross_entropy, logps=label_logps_torch, xp=torch)
 
 
 def torch_model(m, params=None):
-    """An OLMo module over `params` (stacked, any array type and dtype; default: init_params' seed
-    0), built on the meta device, then given the arrays' own memory: no second copy."""
+    """An OLMo module on the memory of `params` (stacked, any array type; default: seed 0's)."""
     params = init_params(m, jax.random.PRNGKey(0)) if params is None else params
     with torch.device("meta"):
         net = OLMo(m)
@@ -971,35 +928,26 @@ def torch_model(m, params=None):
 
 
 def as_torch(a):
-    """A numpy array as a torch tensor sharing its memory (bf16 via int16); read-only: a copy."""
+    """A numpy array as a torch tensor on its memory (a read-only one: a copy)."""
     a = a if a.flags.writeable else a.copy()
-    if a.dtype == jnp.bfloat16:  # numpy has no bf16 of its own: torch.from_numpy refuses ml_dtypes'
+    if a.dtype == jnp.bfloat16:  # torch.from_numpy refuses ml_dtypes' bf16
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(a)
 
 
-# --- command line -------------------------------------------------------------------------------
-
-def print_table(m):
+def main(argv):
+    cfg = load_config(argv)
+    m = cfg.model
+    print(describe(cfg), end="\n\n")
     print(f"{'name':<42} {'shape':<19} {'count':>14}  {'logical axes':<26} init")
     for name, p in param_table(m).items():
-        std = p.std
-        if isinstance(std, tuple):  # one per layer
-            std = f"{std[0]:.4g}..{std[-1]:.4g}"
-        elif isinstance(std, float):
-            std = f"{std:.4g}"
-        init = "ones" if p.std is None else f"trunc N(0, {std})"
+        ends = (p.std[0], p.std[-1]) if isinstance(p.std, tuple) else (p.std,)  # (per layer)
+        init = "ones" if p.std is None else f"trunc N(0, {'..'.join(f'{s:.4g}' for s in ends)})"
         count, axes = math.prod(p.shape), ", ".join(p.axes)
         print(f"{name:<42} {str(p.shape):<19} {count:>14,}  {axes:<26} {init}")
     flops = flops_per_token(m)
     print(f"FLOPs/token (train, T={m.max_seq_len}): {flops:,} ({flops / 1e9:.2f} GFLOP)")
     print(f"total_params={count_params(m)}")
-
-
-def main(argv):
-    cfg = load_config(argv)
-    print(describe(cfg), end="\n\n")
-    print_table(cfg.model)
 
 
 if __name__ == "__main__":

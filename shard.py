@@ -1,8 +1,6 @@
-"""Device meshes and shardings: train.py asks here how to lay out the params, optimizer state and
-batch, and jit (GSPMD) inserts the communication; the model never sees a mesh. Also: torchrun +
-FSDP2, the piece of each array a process checkpoints, what each device has, and the ahead-of-time
-plan (`python train.py plan`). Only context parallelism (`attention`) writes its communication by
-hand. Why each choice: docs/sharding.md#notes-from-shardpy.
+"""Device meshes and shardings: how train.py lays out params, optimizer state and batch (GSPMD
+inserts the communication; the model sees no mesh). Also: torchrun + FSDP2, what a process
+checkpoints, what each device has, the ahead-of-time plan. Why: docs/sharding.md#notes-from-shardpy.
 
     python shard.py configs/olmo3-7b.toml --mesh.data=1 --mesh.fsdp=-1  # the mesh, param layouts
 """
@@ -28,18 +26,18 @@ import model
 from configs import ConfigError, load_config, run_cli
 
 
-# A parameter's logical axis -> the mesh axes it splits over: embed as FSDP/ZeRO-3 (gathered for
-# use), the others Megatron-style; layers not split (the scan walks it)
+# A parameter's logical axis -> the mesh axes it splits over: embed FSDP-style, the others
+# Megatron-style, layers not (the scan walks them)
 RULES = {"embed": ("fsdp",), "heads": ("tensor",), "kv_heads": ("tensor",), "mlp": ("tensor",),
          "vocab": ("tensor",), "layers": ()}
 AXES = ("data", "fsdp", "context", "tensor")
-BATCH = ("data", "fsdp")  # a batch's instances split over these (context splits positions)
+BATCH = ("data", "fsdp")  # instances split over these (positions: context)
 
 
 def mesh_shape(mesh_cfg, n_devices):
-    """(data, fsdp, context, tensor) with the one -1 filled in; checked against the device count."""
+    """(data, fsdp, context, tensor), the -1 filled, checked against n_devices."""
     sizes = [getattr(mesh_cfg, a) for a in AXES]
-    asked = dict(zip(AXES, sizes))  # as given, before the -1 is filled
+    asked = dict(zip(AXES, sizes))  # before the -1 is filled
     if sizes.count(-1) > 1:
         raise ValueError(f"mesh {asked}: at most one axis may be -1")
     known = math.prod(s for s in sizes if s != -1)
@@ -55,7 +53,7 @@ def mesh_shape(mesh_cfg, n_devices):
 def make_mesh(mesh_cfg, devices=None):
     devices = jax.devices() if devices is None else devices
     shape = mesh_shape(mesh_cfg, len(devices))
-    # Auto axes: shardings go in through jit's in/out_shardings (make_mesh's default: Explicit)
+    # Auto axes (not Explicit): shardings go in through jit's arguments
     return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * 4, devices=devices)
 
 
@@ -69,16 +67,8 @@ def spec_for(name, param, mesh_sizes):
         if dim % math.prod(mesh_sizes[a] for a in axes):
             raise ValueError(f"{name}: dimension '{logical}' of size {dim} does not divide over "
                              + " x ".join(f"mesh axis '{a}' of size {mesh_sizes[a]}" for a in axes))
-        if len(axes) == 1:
-            out.append(axes[0])
-        else:
-            out.append(axes or None)  # None: not split
+        out.append(axes[0] if len(axes) == 1 else axes or None)  # None: not split
     return P(*out)
-
-
-def param_shardings(mesh, table):
-    sizes = dict(mesh.shape)
-    return {name: NamedSharding(mesh, spec_for(name, p, sizes)) for name, p in table.items()}
 
 
 def replicated(mesh):
@@ -86,75 +76,73 @@ def replicated(mesh):
 
 
 def state_shardings(mesh, table):
-    """(params, AdamW's m, v and count, the skip-step history): moments laid out as params."""
-    p = param_shardings(mesh, table)
+    """(params, AdamW's m, v and count, the skip-step history); moments as params."""
+    p = {k: NamedSharding(mesh, spec_for(k, q, dict(mesh.shape))) for k, q in table.items()}
     return p, dict(m=p, v=p, count=replicated(mesh)), replicated(mesh)
 
 
 def instance_sharding(mesh, ndim=2):
-    """A plain batch of rows (B, T), split over data × fsdp and context; (B,) over data × fsdp."""
+    """Rows (B, T) split over data × fsdp and context; (B,) over data × fsdp."""
     return NamedSharding(mesh, P(BATCH, "context") if ndim == 2 else P(BATCH))
 
 
 def batch_sharding(mesh, ndim=2):
-    """A step's batch (A micro-batches, B rows, T), or a value per row (A, B): A not split."""
+    """A step's batch (A micro-batches, B rows, T) or values (A, B); A not split."""
     return NamedSharding(mesh, P(None, *instance_sharding(mesh, ndim).spec))
 
 
 def residual_constraint(mesh):
-    """Pin the residual stream (B, T, D) to instances over data x fsdp, positions over context (else
-    GSPMD may split it on D like the weights: docs/sharding.md#notes-from-shardpy)."""
+    """Pin the residual stream (B, T, D): instances over data x fsdp, positions over context (else
+    GSPMD may split it on D like the weights)."""
     pinned = NamedSharding(mesh, P(BATCH, "context", None))
     return lambda x: jax.lax.with_sharding_constraint(x, pinned)
 
 
 def attention(mesh, m, dtype, documents):
-    """The attention function model.forward calls on this mesh: GSPMD splits XLA's; a kernel (a
-    custom call it would gather whole) or context parallelism runs per device under shard_map."""
+    """model.forward's attention on this mesh: XLA's split by GSPMD; a kernel (which GSPMD would
+    gather) or context parallelism under shard_map."""
     context, impl = mesh.shape["context"], attention_impl(mesh, m, dtype, documents)
     attend = model.ATTEND[impl]
     if context == 1 and (impl == "xla" or mesh.devices.size == 1):
         return attend
     qkv, ids = P(BATCH, "context", "tensor", None), P(BATCH, "context")
 
-    def attend_fn(q, k, v, window, scale, segments=None):
+    def attend_fn(q, k, v, window, scale, *segments):
         def local(q, k, v, *segments):  # q (B/dp, T/C, N/tp, H), k and v (B/dp, T/C, K/tp, H)
             if context == 1:
                 return attend(q, k, v, window, scale, *segments)
-            # all T's keys, values and ids (docs/longctx.md); its transpose reduce-scatters dK, dV
+            # all T's keys, values, ids (the backward reduce-scatters dK, dV)
             k, v, *segments = [jax.lax.all_gather(x, "context", axis=1, tiled=True)
                                for x in (k, v, *segments)]
             offset = jax.lax.axis_index("context") * q.shape[1]
             return attend(q, k, v, window, scale, *segments, offset=offset)
-        args = (q, k, v) + (() if segments is None else (segments,))
-        in_specs = (qkv, qkv, qkv, ids)[:len(args)]
-        # check_vma off: a kernel's custom call has no replication rule to check
-        run = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=qkv, check_vma=False)
-        return run(*args)
+        specs = (qkv, qkv, qkv) + (ids,) * len(segments)
+        # check_vma off: a kernel's custom call has no replication rule
+        run = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=qkv, check_vma=False)
+        return run(q, k, v, *segments)
     return attend_fn
 
 
 def attention_impl(mesh, m, dtype, documents):
-    """model.pick_attention for this mesh: what `attention` runs."""
+    """What `attention` runs (model.pick_attention on this mesh)."""
     return model.pick_attention(m, dtype, documents, mesh.devices.flat[0], mesh.shape["context"])
 
 
 def check_mesh(sizes, m, seq_len):
-    """What a mesh of these axis sizes needs of the model and data beyond each param's split."""
+    """What mesh axis `sizes` need of the model and data, besides params' splits."""
     if seq_len % sizes["context"]:
         raise ValueError(f"data.seq_len={seq_len} does not divide over mesh.context="
-                         f"{sizes['context']}: each context device holds an equal slice of every "
-                         "instance")
+                         f"{sizes['context']}: make it a multiple")
     tensor = sizes["tensor"]
     if m.n_heads % tensor or m.n_kv_heads % tensor:  # attention runs per device on whole heads
         fits = [t for t in range(1, m.n_kv_heads + 1) if m.n_kv_heads % t == m.n_heads % t == 0]
         raise ValueError(f"mesh.tensor={tensor} splits the attention heads, and model.n_heads="
                          f"{m.n_heads} / n_kv_heads={m.n_kv_heads} do not divide over it: use "
-                         f"mesh.tensor in {fits} and put the other devices on mesh.fsdp")
+                         f"mesh.tensor in {fits}")
 
 
 def mesh_where(mesh):
-    """The mesh's data-parallel axes, as check_batch's errors name them."""
+    """Data-parallel axes, for check_batch's errors."""
     return f"mesh data={mesh.shape['data']} x fsdp={mesh.shape['fsdp']}"
 
 
@@ -163,15 +151,14 @@ def dp_size(mesh):
 
 
 def local_ranks(mesh):
-    """Data-parallel ranks (data-major, then fsdp) with a device in this process, in order."""
+    """Data-parallel ranks (data-major) with a device in this process."""
     devs = mesh.devices.reshape(dp_size(mesh), -1)  # (ranks, tensor)
     me = jax.process_index()
-    return [r for r in range(len(devs)) if any(d.process_index == me for d in devs[r])]
+    return [r for r, row in enumerate(devs) if any(d.process_index == me for d in row)]
 
 
 def check_batch(global_batch, micro_batch, dp, where):
-    """(instances per rank, micro-batch, micro-batches per step) over `dp` ranks (`where`: for
-    errors)."""
+    """(instances a rank, micro-batch, micro-batches a step) over `dp` ranks; `where`: errors'."""
     if global_batch % dp:
         raise ValueError(f"data.global_batch={global_batch} does not divide over the {dp} "
                          f"data-parallel ranks ({where})")
@@ -179,29 +166,27 @@ def check_batch(global_batch, micro_batch, dp, where):
     micro = micro_batch or per_rank
     if per_rank % micro:
         raise ValueError(f"train.micro_batch={micro} does not divide the {per_rank} instances "
-                         "each rank gets per step")
+                         "each rank gets")
     return per_rank, micro, per_rank // micro
 
 
 def split_over(spec, sizes):
-    """How many devices a PartitionSpec splits a tensor over, on a mesh of these sizes."""
+    """How many devices a PartitionSpec splits a tensor over, given mesh axis `sizes`."""
     return math.prod(sizes[a] for d in spec if d for a in (d if isinstance(d, tuple) else (d,)))
 
 
 def state_gib(table, sizes):
-    """GiB per device of the fp32 params and AdamW's two moments on a mesh of these sizes."""
-    per_device = [12 * math.prod(p.shape) / split_over(spec_for(name, p, sizes), sizes)
-                  for name, p in table.items()]
-    return sum(per_device) / 2**30
+    """GiB per device of fp32 params and AdamW's moments, given mesh axis `sizes`."""
+    return sum(12 * math.prod(p.shape) / split_over(spec_for(name, p, sizes), sizes)
+               for name, p in table.items()) / 2**30
 
 
-def layout_table(table, split, dtype_bytes=4):
-    """A line per param: its split and bytes per device (AdamW adds 2x). split(name, param) ->
-    (where, the fraction of the tensor one device holds)."""
+def layout_table(table, splits):
+    """A line per param: its split, fp32 bytes per device; splits: {name: (where, fraction)}."""
     lines, total = [], 0
     for name, p in table.items():
-        where, fraction = split(name, p)
-        per_dev = int(math.prod(p.shape) * dtype_bytes * fraction)
+        where, fraction = splits[name]
+        per_dev = int(math.prod(p.shape) * 4 * fraction)
         total += per_dev
         lines.append(f"{name:<42} {where:<34} {per_dev / 2**20:>10.2f} MiB/device")
     lines.append(f"{'params in all':<42} {'':<34} {total / 2**30:>10.3f} GiB/device "
@@ -211,11 +196,9 @@ def layout_table(table, split, dtype_bytes=4):
 
 def jax_layout(mesh, table):
     """layout_table for a JAX mesh: each parameter's PartitionSpec."""
-    specs = {name: sh.spec for name, sh in param_shardings(mesh, table).items()}
-
-    def split(name, p):
-        return str(specs[name]), 1 / split_over(specs[name], mesh.shape)
-    return layout_table(table, split)
+    specs = {name: spec_for(name, p, dict(mesh.shape)) for name, p in table.items()}
+    splits = {k: (str(s), 1 / split_over(s, mesh.shape)) for k, s in specs.items()}
+    return layout_table(table, splits)
 
 
 def describe(mesh):
@@ -230,22 +213,19 @@ def jax_barrier():
 
 
 def jax_allgather(values):
-    """Every process's int32 `values` (n,) -> (processes, n), on every process."""
+    """Every process's int32 `values` (n,) -> (processes, n) on each."""
     every = multihost_utils.process_allgather(np.asarray(values, np.int32))
     return np.asarray(every).reshape(-1, len(values))
 
 
 def check_hosts_agree(backend, run_dir, data_path):
-    """With several processes: every host sees the lead's run folder and the same data, or one error
-    on each now, not a hang or a mixed checkpoint later (backend: processes, lead, barrier,
-    allgather)."""
+    """All hosts see the lead's run folder and the same data, or each process errs now; backend:
+    processes, lead, barrier, allgather."""
     if backend.processes == 1:
         return
     if filesystem(run_dir) == "fuse.gcsfuse":
         raise OSError(f"train.run_dir={run_dir} is on GCS FUSE, which keeps one writer's copy of a "
-                      "file that several hosts write: every process writes its pieces of each "
-                      "checkpoint, so put the run folder on Filestore or NFS (data may stay on GCS "
-                      "FUSE), docs/sharding.md#a-real-launch")
+                      "file that several hosts write: put it on Filestore or NFS")
     token = int(backend.allgather([int.from_bytes(os.urandom(3), "little")])[0, 0])  # the lead's
     stamp = Path(run_dir) / ".hosts"
     if backend.lead:
@@ -258,54 +238,50 @@ def check_hosts_agree(backend, run_dir, data_path):
         stamp.unlink()
     if blind := [i for i, (ok, _) in enumerate(rows) if not ok]:
         raise OSError(f"train.run_dir={run_dir} is not one folder for every host: process(es) "
-                      f"{blind} do not see what process 0 wrote there; put it on a filesystem all "
-                      "hosts mount (NFS, Filestore), docs/sharding.md#a-real-launch")
+                      f"{blind} do not see what process 0 wrote: share it (NFS, Filestore)")
     if other := [i for i, (_, data) in enumerate(rows) if data != rows[0][1]]:
         raise ValueError(f"data.path={data_path} is not the same files on every host: "
-                         f"process(es) {other} see other file names or sizes than process 0; put "
-                         "the data where all hosts read it")
+                         f"process(es) {other} see other names or sizes than process 0")
 
 
 def filesystem(path, mounts="/proc/mounts"):
-    """The type of the filesystem `path` is on ("nfs4", "fuse.gcsfuse", ...), by the longest mount
-    point that holds it; "" if unreadable."""
+    """The type of the filesystem `path` is on ("nfs4", "fuse.gcsfuse"...); "" if unreadable."""
     path, best = Path(path).resolve(), ("", "")
     try:
         lines = Path(mounts).read_text().splitlines()
     except OSError:
         return ""
-    for fields in (line.split() for line in lines):  # device, mount point, type, options, ...
-        point = fields[1].replace("\\040", " ")  # (the file's escape for a space)
+    for fields in map(str.split, lines):  # device, mount point ("\040": " "), type
+        point = fields[1].replace("\\040", " ")
         if path.is_relative_to(point) and len(point) > len(best[0]):
             best = (point, fields[2])
     return best[1]
 
 
 def data_fingerprint(path):
-    """31 bits of the names and sizes of the files under `path` (stat only): same data, same id."""
+    """31 bits of the files' names and sizes under `path`: same data, same id."""
     path = Path(path)
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file())
+        files = {p.relative_to(path): p for p in sorted(path.rglob("*")) if p.is_file()}
     else:
-        files = [path] if path.is_file() else []
-    names = [p.relative_to(path) if path.is_dir() else p.name for p in files]
-    listing = "".join(f"{name}:{p.stat().st_size}\n" for name, p in zip(names, files))
+        files = {path.name: path} if path.is_file() else {}
+    listing = "".join(f"{name}:{p.stat().st_size}\n" for name, p in files.items())
     return int.from_bytes(hashlib.sha256(listing.encode()).digest()[:4], "little") >> 1
 
 
 def start_distributed():
-    """Join the processes JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID name, or the
-    cluster JAX detects (SLURM, Open MPI, TPU pods). Call before any device use."""
+    """Join the processes JAX_* variables name, or the cluster JAX finds (SLURM, Open MPI, TPU
+    pods); before any device use."""
     if address := os.environ.get("JAX_COORDINATOR_ADDRESS"):
         args = (address, int(os.environ["JAX_NUM_PROCESSES"]), int(os.environ["JAX_PROCESS_ID"]))
     else:
-        from jax._src import clusters  # JAX's own detection; private, but jax is pinned to 0.10.2
+        from jax._src import clusters  # JAX's detection; private, but jax is pinned
         env = next((c for c in clusters.ClusterEnv._cluster_types
                     if not c.opt_in_only_method and c.is_env_present()), None)
         if env is None or env.get_process_count() == 1:
-            return  # no cluster, a one-host TPU VM, srun -n1: nothing to join
-        args = ()  # initialize() takes the coordinator, process count and id from the cluster
-    if os.environ.get("JAX_PLATFORMS") == "cpu":  # CPU processes talk over gloo (tests, laptops)
+            return  # no cluster, one host, srun -n1
+        args = ()  # (from the cluster)
+    if os.environ.get("JAX_PLATFORMS") == "cpu":  # CPU processes talk over gloo
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(*args)
 
@@ -313,8 +289,8 @@ def start_distributed():
 # --- checkpoints: the piece of each array a process writes (train.save_checkpoint), reads back ---
 
 def stored_slices(name, shape, prefix, idx):
-    """[(stored name, index)] that slice idx of a param covers, one per layer if stacked; prefix
-    "model.": HF names."""
+    """[(stored name, index)] slice idx of a param covers, per layer if stacked; prefix "model.":
+    HF's."""
     rename = convert.hf_name if prefix == "model." else lambda n: prefix + n  # noqa: E731
     if not name.startswith("layers."):
         return [(rename(name), idx)]
@@ -322,20 +298,20 @@ def stored_slices(name, shape, prefix, idx):
 
 
 def jax_pieces(trees):
-    """(stored name, index, numpy) of replica 0 of each shard here, of [(prefix, {name: array})]."""
+    """(stored name, index, numpy) of each shard here (replica 0) of [(prefix, {name: array})]."""
     for prefix, tree in trees:
         for name, a in tree.items():
             for sh in a.addressable_shards:
                 if sh.replica_id:
-                    continue  # another device holds the same values and writes them
+                    continue  # another device writes the same values
                 value = np.asarray(sh.data)
-                values = value if name.startswith("layers.") else [value]  # one per stored tensor
+                values = value if name.startswith("layers.") else [value]  # one per stored name
                 for (fname, idx), v in zip(stored_slices(name, a.shape, prefix, sh.index), values):
                     yield fname, idx, v
 
 
 def jax_read(views, prefix, table, shardings):
-    """{name: global array}, each device's slice read from the stored tensors, as fp32."""
+    """{name: global fp32 array}, each device's slice read from stored tensors."""
     def read(name, idx):
         pieces = stored_slices(name, table[name].shape, prefix, idx)
         parts = [np.asarray(views[f][i], np.float32) for f, i in pieces]
@@ -345,13 +321,13 @@ def jax_read(views, prefix, table, shardings):
             for k, p in table.items()}
 
 
-# --- what each device has, and how XLA compiles for it ---------------------------------------
-# A JAX device: a TPU v4/v5p chip, a TPU7x TensorCore, or a GPU. Sources: docs/sharding.md#devices
+# --- what each device has, how XLA compiles for it, and the plan for a mesh we lack ---
+# A JAX device: a TPU v4/v5p chip, TPU7x TensorCore or GPU (docs/sharding.md#devices)
 
 @dataclass(frozen=True)
 class Device:
-    kinds: tuple  # its device_kind as JAX (and torch, for NVIDIA) says it
-    peak: float   # dense bf16 FLOP/s: MFU's denominator
+    kinds: tuple  # device_kind as JAX (and torch, NVIDIA) say it
+    peak: float   # dense bf16 FLOP/s
     hbm: float    # GiB
 
 
@@ -360,7 +336,7 @@ DEVICES = {
     "v5e": Device(("TPU v5 lite", "TPU v5e"), 197e12, 16),
     "v5p": Device(("TPU v5", "TPU v5p"), 459e12, 95),  # (a v5p chip says "TPU v5")
     "v6e": Device(("TPU v6 lite", "TPU v6e"), 918e12, 32),
-    "tpu7x": Device(("TPU7x",), 1153.5e12, 96),  # Ironwood: 2 a chip (2,307 TFLOP/s, 192 GiB)
+    "tpu7x": Device(("TPU7x",), 1153.5e12, 96),  # Ironwood: 2 a chip
     "a100-40gb": Device(("NVIDIA A100-SXM4-40GB", "NVIDIA A100-PCIE-40GB"), 312e12, 40),
     "a100": Device(("NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe"), 312e12, 80),
     "h100": Device(("NVIDIA H100 80GB HBM3",), 989e12, 79.6),
@@ -374,13 +350,13 @@ DEVICES = {
 
 
 def device_named(kind):
-    """The DEVICES entry of a device_kind as JAX or torch says it; None for others (CPUs)."""
+    """The DEVICES entry of a device_kind (JAX's or torch's), or None (CPUs)."""
     return next((d for d in DEVICES.values() if kind in d.kinds), None)
 
 
 def usable_gib(name):
-    """GiB per device a JAX run may use: all a TPU's; 75% of a GPU's, where JAX's allocator stops
-    (preallocated or not), unless an XLA_*MEM_FRACTION variable moves it."""
+    """GiB per device a JAX run may use: a TPU's all, 75% of a GPU's (unless XLA_*MEM_FRACTION
+    moves it)."""
     device = DEVICES[name]
     if not device.kinds[0].startswith("NVIDIA"):
         return device.hbm
@@ -390,8 +366,7 @@ def usable_gib(name):
 
 
 def unseen_accelerator(platform):
-    """A warning when this machine has an accelerator and the run's `platform` is "cpu" (a CPU-only
-    jaxlib or torch): JAX only logs it where nobody looks."""
+    """A warning if this machine has an accelerator and `platform` is "cpu" (JAX just logs it)."""
     if platform != "cpu":
         return None
     if glob.glob("/dev/nvidia[0-9]*"):
@@ -401,31 +376,26 @@ def unseen_accelerator(platform):
     else:
         return None
     return (f"warning: this machine has {found} and this run uses the CPU: install for it with "
-            f"`make demo ACCEL={accel}` (docs/sharding.md#installing-on-accelerators)")
+            f"`make demo ACCEL={accel}`")
 
 
 def compiler_options(mesh, dtype):
-    """XLA options for the train step: on one CPU in fp32, YNNPACK's elementwise fusions (XLA's own
-    are slow where they transpose; why only there: docs/sharding.md#notes-from-shardpy)."""
+    """XLA options for the train step: on one CPU in fp32, YNNPACK's fusions (XLA's transpose
+    slowly)."""
     if mesh.devices.size > 1 or mesh.devices.flat[0].platform != "cpu" or dtype != "float32":
         return None
-    kinds = ("INDIVIDUAL_DOT", "ELTWISE", "REDUCE")  # (XLA's default is the first and last)
+    kinds = ("INDIVIDUAL_DOT", "ELTWISE", "REDUCE")  # (XLA's default: first, last)
     fusions = ",".join(f"LIBRARY_FUSION_TYPE_{k}" for k in kinds)
     return {"xla_cpu_experimental_ynn_fusion_type": fusions}
 
 
-# --- the ahead-of-time plan: the train step compiled for a mesh we do not have -----------------
-
 def plan(cfg, names, topology, make_step, new_history):
-    """Compile the train step for cfg's target (mesh.device x mesh.devices) and print its memory per
-    device, read off the compiler, against what JAX can use there. names: the config files;
-    topology: a libtpu TPU topology (v5p:8x8x4), or None for fake CPU devices; make_step(cfg,
-    mesh), new_history(): train.py's step and skip-step state, passed in so nothing imports it."""
+    """Compile train.py's step for cfg's target (mesh.device x mesh.devices); print a device's
+    memory. topology: libtpu's (v5p:8x8x4), or None for fake CPU devices."""
     m, dc, tc, target = cfg.model, cfg.data, cfg.train, cfg.mesh
     if not (target.device and target.devices):
-        raise ConfigError(f"{' + '.join(names)} names no target to plan for: set "
-                          "mesh.device and mesh.devices in the config (e.g. [mesh] device = "
-                          "\"v5p\", devices = 256) or pass --device and --devices")
+        raise ConfigError(f"{' + '.join(names)} names no target to plan for: set mesh.device and "
+                          "mesh.devices, or pass --device and --devices")
     if target.device not in DEVICES:
         raise ConfigError(f"mesh.device={target.device!r}: plan knows {', '.join(DEVICES)}")
     n = target.devices
@@ -433,7 +403,7 @@ def plan(cfg, names, topology, make_step, new_history):
         devices = topologies.get_topology_desc(topology, "tpu").devices
         caveat = f"TPU compiler for {topology} (libtpu): its own memory figures"
     else:
-        jax.config.update("jax_num_cpu_devices", n)  # must happen before anything touches a backend
+        jax.config.update("jax_num_cpu_devices", n)  # before anything touches a backend
         devices = jax.devices()
         caveat = ("CPU compiler on fake devices: it lowers gradient reductions as all-reduce, not "
                   "reduce-scatter, so 'temporary' over-states what a TPU/GPU needs; params and "
@@ -451,10 +421,10 @@ def plan(cfg, names, topology, make_step, new_history):
     params = {k: abstract(p.shape, jnp.float32, p_sh[k]) for k, p in table.items()}
     opt = dict(m=params, v=params, count=abstract((), jnp.int32, o_sh["count"]))
     hist = jax.tree.map(lambda x: abstract(x.shape, x.dtype, h_sh), jax.eval_shape(new_history))
-    rows = dc.global_batch * (2 if tc.loss.startswith("dpo") else 1)  # (a pair is two rows)
+    rows = dc.global_batch * (2 if tc.loss.startswith("dpo") else 1)  # (a pair: two rows)
     shape = (accum, rows // accum)
     batch = dict(tokens=abstract(shape + (dc.seq_len,), jnp.int32, batch_sharding(mesh)))
-    if tc.loss != "ce":  # post-training's rows: the answer's mask, and a value per row
+    if tc.loss != "ce":  # the answer's mask, a value per row
         batch["mask"] = abstract(batch["tokens"].shape, jnp.bool_, batch_sharding(mesh))
         for name in {"grpo": ("advantage", "reward")}.get(tc.loss, ("ref",)):
             batch[name] = abstract(shape, jnp.float32, batch_sharding(mesh, 1))
@@ -462,7 +432,7 @@ def plan(cfg, names, topology, make_step, new_history):
     compiled = make_step(cfg, mesh).lower(params, opt, hist, batch, jnp.float32(1e-4)).compile()
     seconds = time.perf_counter() - t0
 
-    def per_dev(tree):  # bytes one device holds
+    def per_dev(tree):  # bytes a device holds
         return sum(math.prod(s.sharding.shard_shape(s.shape)) * s.dtype.itemsize
                    for s in jax.tree.leaves(tree))
     p_bytes, o_bytes = per_dev(params), per_dev(opt)
@@ -483,10 +453,10 @@ def plan(cfg, names, topology, make_step, new_history):
     print(f"  ({caveat})")
 
 
-# --- PyTorch: a process per device (torchrun), FSDP2 over mesh.data x mesh.fsdp ----------------
+# --- PyTorch: a process per device (torchrun), FSDP2 over mesh.data x mesh.fsdp ---
 
 def torch_start():
-    """(rank, processes, device) here; under torchrun, joins the others (nccl, or gloo on CPU)."""
+    """(rank, processes, device); under torchrun joined (nccl, or gloo on CPU)."""
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     gpu = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
     device = torch.device(gpu if torch.cuda.is_available() else "cpu")
@@ -498,54 +468,49 @@ def torch_start():
 
 
 def torch_shard(net, mesh_cfg, world, device, dtype):
-    """fully_shard each block, then the root, over a (data, fsdp) mesh; bf16 `dtype`: OLMo-core's
-    mixed precision (docs/sharding.md#pytorch-torchrun-and-fsdp2)."""
+    """FSDP2 over a (data, fsdp) mesh; bf16 `dtype`: OLMo-core's mixed precision."""
     data, fsdp, _, _ = mesh_shape(mesh_cfg, world)
     if world == 1:
         return net
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    # replicas over the first axis, shards over the second (HSDP); fsdp=1: plain DP
+    # HSDP: replicas over data, shards over fsdp
     mesh = init_device_mesh(device.type, (data, fsdp), mesh_dim_names=("data", "fsdp"))
     policy = {}
-    if dtype == torch.bfloat16:  # else autograd keeps a bf16 copy of every weight on each rank
+    if dtype == torch.bfloat16:  # else autograd keeps every weight's bf16 copy on each rank
         policy["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32,
                                                    cast_forward_inputs=False)
-    for block in net.layers:
-        fully_shard(block, mesh=mesh, **policy)
-    fully_shard(net, mesh=mesh, **policy)
+    for part in [*net.layers, net]:  # each block, then the root
+        fully_shard(part, mesh=mesh, **policy)
     return net
 
 
 def torch_layout(mesh_cfg, world, table):
-    """layout_table for torch: FSDP2 splits every tensor's rows (each layer's, if stacked)."""
+    """layout_table for torch: FSDP2 splits each tensor's rows (a layer's, if stacked)."""
     for axis in ("tensor", "context"):
         if (size := getattr(mesh_cfg, axis)) != 1:
             raise ValueError(f"mesh.{axis}={size}: the torch backend shards with FSDP2 only "
-                             f"(mesh.data x mesh.fsdp); {axis} parallelism is the JAX backend's")
+                             "(mesh.data x mesh.fsdp): set it to 1 or use the JAX backend")
     data, fsdp, _, _ = mesh_shape(mesh_cfg, world)
-
-    def split(name, p):
+    splits = {}
+    for name, p in table.items():
         stacked = name.startswith("layers.")
         rows = p.shape[1] if stacked else p.shape[0]
-        where = "whole"
-        if fsdp > 1:
-            where = f"rows over fsdp={fsdp}" + (" per layer" if stacked else "")
-        return where, -(-rows // fsdp) / rows  # torch.chunk: ceil(rows / fsdp) on the first ranks
-
+        per = " per layer" if stacked else ""
+        where = f"rows over fsdp={fsdp}{per}" if fsdp > 1 else "whole"
+        splits[name] = where, -(-rows // fsdp) / rows  # torch.chunk: ceil(rows / fsdp) a rank
     summary = f"torch {torch.__version__}: {world} process(es), mesh data={data} x fsdp={fsdp}"
-    return layout_table(table, split) + [summary + (" (FSDP2)" if world > 1 else "")]
+    return layout_table(table, splits) + [summary + (" (FSDP2)" if world > 1 else "")]
 
 
 def is_dtensor(t):
-    # Imported here: torch.distributed.tensor is slow to import, and JAX runs never need it.
+    # imported here: slow, and JAX runs never need it
     from torch.distributed.tensor import DTensor
     return isinstance(t, DTensor)
 
 
 def torch_local(t):
-    """(local tensor, its index in `t`, writes) for the piece of `t` here, cut as torch.chunk cuts;
-    `writes` on replica 0 only, so a checkpoint gets each value once."""
+    """(local piece of `t`, its index, writes: on replica 0 only), cut as torch.chunk cuts."""
     if not is_dtensor(t):
         return t, (slice(None),) * t.ndim, True
     local, idx, writes = t.to_local(), [slice(None)] * t.ndim, True
@@ -553,25 +518,23 @@ def torch_local(t):
         at, size = t.device_mesh.get_local_rank(axis), t.device_mesh.size(axis)
         if placement.is_shard():
             n = t.shape[placement.dim]
-            rows = -(-n // size)  # torch.chunk: ceil(n / size), the last shorter or empty
+            rows = -(-n // size)  # torch.chunk: ceil(n / size), the last short or empty
             idx[placement.dim] = slice(min(at * rows, n), min((at + 1) * rows, n))
         elif at:
             writes = False
     expect = tuple(len(range(*s.indices(n))) for s, n in zip(idx, t.shape))
     if tuple(local.shape) != expect:
-        raise RuntimeError(f"FSDP2 holds a {tuple(local.shape)} piece of a {tuple(t.shape)} tensor "
-                           f"here, where torch.chunk would give {expect}: this torch cuts tensors "
-                           "differently")
+        raise RuntimeError(f"FSDP2 holds a {tuple(local.shape)} piece of a {tuple(t.shape)} "
+                           f"tensor, torch.chunk {expect}: this torch cuts differently")
     return local, tuple(idx), writes
 
 
 def torch_full(t):
-    """The whole tensor on every process (FSDP2 all-gathers a DTensor)."""
+    """The whole tensor on each process (a DTensor all-gathered)."""
     return t.full_tensor() if is_dtensor(t) else t
 
 
 def torch_sum(t):
-    """Sum over the processes (nothing to do in one)."""
     if dist.is_initialized():
         dist.all_reduce(t)
     return t
@@ -583,7 +546,7 @@ def torch_barrier():
 
 
 def torch_allgather(values, device):
-    """Every process's int `values` (n,) -> (processes, n) numpy, on each (no pickles)."""
+    """Every process's int `values` (n,) -> (processes, n) numpy on each."""
     mine = torch.tensor(values, dtype=torch.int64, device=device)
     if not dist.is_initialized():
         return mine[None].cpu().numpy()

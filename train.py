@@ -449,7 +449,7 @@ class TorchBackend:
             logits = self.net(x[at], self.dtype, tc.remat, segments)  # (the head unchunked)
             logp, lse = model.label_logps_torch(logits, y[at], temperature(tc))
             share, aux = self.loss(logp, lse, y[at], {k: v[at] for k, v in rows.items()}, total)
-            # FSDP2 averages over ranks; each loss is a share of the global mean: x world, their sum
+            # FSDP2 averages over ranks; each loss is a share of the global mean: x world, summed
             (share * self.world).backward()
             for k, v in dict(loss=share, **aux).items():
                 sums[k] = sums.get(k, 0.0) + v.detach().double()

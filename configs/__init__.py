@@ -1,10 +1,7 @@
-"""The config schema and its loader: dataclass defaults, then TOML files (only what differs, under
-`[section]` headers) merged left to right, then dotted `--section.key=value` overrides.
-
-    python model.py configs/olmo2-7b.toml                    # a released shape
-    python model.py configs/tiny.toml --model.n_layers=8     # a file plus an override
-
-Standard library only: everything imports it. Notes on the fields: docs/design.md#config-notes.
+"""The config schema and loader: dataclass defaults, then TOML files (what differs, under
+`[section]` headers) merged left to right, then `--section.key=value` overrides (e.g.
+`--model.n_layers=8`). Standard library only: everything imports it. The fields:
+docs/design.md#config-notes.
 """
 
 import argparse
@@ -22,24 +19,22 @@ from pathlib import Path
 
 
 class ConfigError(ValueError):
-    """A config that cannot be right: the message names the source, the field and the value."""
+    """A config that cannot be right; the message names source, field and value."""
 
 
 def _need(cfg, ok, name, why):
-    """Unless ok, raise 'section.name=value: why' (section from the class: ModelConfig -> model)."""
+    """Raise 'section.name=value: why' unless ok."""
     if not ok:
         section = type(cfg).__name__.removesuffix("Config").lower()
         raise ConfigError(f"{section}.{name}={getattr(cfg, name)!r}: {why}")
 
 
 def _checks(cfg, positive="", nonneg="", unit="", devices="", **choices):
-    """Check single fields: each one named (space-separated) > 0, >= 0, in [0, 1), a device count,
-    or in its list. Each test fails a NaN (TOML's nan) too."""
+    """Fields (space-separated names) > 0, >= 0, in [0, 1), a device count, or in a list; no NaN."""
     tests = [(positive, lambda v: v > 0, "must be positive"),
              (nonneg, lambda v: v >= 0, "must be >= 0"),
              (unit, lambda v: 0 <= v < 1, "must be in [0, 1)"),
-             (devices, lambda v: v > 0 or v == -1,
-              "a positive number of devices, or -1 for the rest")]
+             (devices, lambda v: v > 0 or v == -1, "must be > 0, or -1 for the rest")]
     for names, ok, why in tests:
         for name in names.split():
             _need(cfg, ok(getattr(cfg, name)), name, why)
@@ -50,34 +45,34 @@ def _checks(cfg, positive="", nonneg="", unit="", devices="", **choices):
 @dataclass
 class ModelConfig:
     # Defaults: OLMo 2/3 at a laptop size
-    family: str = "olmo3"         # olmo1 | olmo2 (post-norm, QK-norm) | olmo3 (+ windows, YaRN)
+    family: str = "olmo3"         # olmo2 + sliding windows and YaRN
     d_model: int = 256            # D
     n_layers: int = 4             # L
     n_heads: int = 4              # N query heads
     n_kv_heads: int = 0           # K; 0 = n_heads (no GQA)
     head_dim: int = 0             # H; 0 = d_model // n_heads
     mlp_hidden: int = 0           # F, per SwiGLU branch (HF intermediate_size); 0 = llama rule
-    vocab_size: int = 100352      # V rows: dolma2's 100278 ids padded to a multiple of 128
-    tie_embeddings: bool = False  # lm_head reuses embed_tokens (OLMo-1B)
-    norm_eps: float = 1e-6        # RMSNorm eps; OLMo 1's LayerNorm uses 1e-5 (HF hard-codes it)
+    vocab_size: int = 100352      # V: dolma2's 100278 ids padded to a multiple of 128
+    tie_embeddings: bool = False  # lm_head reuses embed_tokens
+    norm_eps: float = 1e-6        # OLMo 1's LayerNorm: 1e-5 (HF hard-codes it)
     rope_theta: float = 500000.0
     max_seq_len: int = 4096       # HF max_position_embeddings; T in the FLOP count
-    clip_qkv: float = 0.0         # olmo1: clamp q, k, v to +-this (releases 0424/0724: 8); 0 = off
-    sliding_window: int = 0       # W: a sliding layer's query sees W keys (itself too); 0 = none
+    clip_qkv: float = 0.0         # olmo1: clamp q, k, v to +-this; 0 = off
+    sliding_window: int = 0       # W: a sliding layer's query sees W keys (its own too); 0 = none
     layer_pattern: str = "F"      # S = sliding, F = full; repeated to n_layers (OLMo 3: "SSSF")
-    yarn_factor: float = 0.0      # YaRN on full layers' RoPE; 0 = off (OLMo 3 long context: 8)
+    yarn_factor: float = 0.0      # YaRN on full layers' RoPE; 0 = off
     yarn_original_max_seq_len: int = 8192
     yarn_beta_fast: float = 32.0
     yarn_beta_slow: float = 1.0
-    yarn_attention_factor: float = 0.0  # 0 = 0.1·ln(factor) + 1, as HF and OLMo-core
+    yarn_attention_factor: float = 0.0  # 0 = HF's 0.1·ln(factor) + 1
     init: str = "normal"          # normal: init_std cut at +-3σ (OLMo 2/3); mitchell: OLMo 1
     init_std: float = 0.02
-    eos_token_id: int = 100257    # written to the HF config.json; dolma2's <|endoftext|>
+    eos_token_id: int = 100257    # dolma2's <|endoftext|> (HF config.json)
     pad_token_id: int = 100277    # dolma2's <|pad|>
-    attention: str = "auto"       # how attention is computed, not what; auto: by device
+    attention: str = "auto"       # how attention is computed, not what
 
     def __post_init__(self):
-        # A field left at 0 takes its derived value; `derived` (not a field: not saved) its formula
+        # A field left at 0 takes its derived value; `derived` (not saved) its formula
         self.derived = {}
         head_dim = self.d_model // self.n_heads if self.n_heads > 0 else 0
         mlp_hidden = 256 * math.ceil(int(8 * self.d_model / 3) / 256)  # OLMo-core's llama rule
@@ -91,64 +86,59 @@ class ModelConfig:
             if getattr(self, name) == 0 and value:
                 setattr(self, name, value)
                 self.derived[name] = formula
-        # In order: each check may rely on those above (n_kv_heads > 0 before n_heads % it)
+        # In order: a check may rely on those above (n_kv_heads > 0 before n_heads % it)
         _checks(self, positive="d_model n_layers n_heads n_kv_heads head_dim mlp_hidden vocab_size "
                                "max_seq_len",
                 nonneg="sliding_window clip_qkv", family=["olmo1", "olmo2", "olmo3"],
                 init=["normal", "mitchell"],
                 attention=["auto", "xla", "splash", "cudnn", "sdpa", "flex"])
-        need = functools.partial(_need, self)
-        pattern = self.layer_pattern
-        need(self.n_heads % self.n_kv_heads == 0, "n_kv_heads", f"n_heads={self.n_heads} must be a "
-             "multiple of n_kv_heads (each kv head serves n_heads/n_kv_heads query heads)")
-        need(self.head_dim % 2 == 0, "head_dim", "must be even: RoPE rotates pairs of dimensions")
+        need, pattern = functools.partial(_need, self), self.layer_pattern
+        need(self.n_heads % self.n_kv_heads == 0, "n_kv_heads",
+             f"n_heads={self.n_heads} must be a multiple of n_kv_heads")
+        need(self.head_dim % 2 == 0, "head_dim", "must be even (RoPE rotates pairs)")
         need(pattern and not set(pattern) - {"S", "F"}, "layer_pattern",
-             "must be a string of S (sliding window) and F (full attention), e.g. 'SSSF'")
+             "must be a string of S (sliding) and F (full), e.g. 'SSSF'")
         need(self.n_layers % len(pattern) == 0, "layer_pattern",
              f"its length {len(pattern)} must divide n_layers={self.n_layers}")
         need(("S" in pattern) == (self.sliding_window > 0), "sliding_window",
              f"layer_pattern={pattern!r} needs sliding_window > 0 exactly when it has an S layer")
         need(self.family == "olmo3" or not (self.sliding_window or self.yarn_factor), "family",
-             "sliding windows and YaRN need family 'olmo3' (HF Olmo3ForCausalLM)")
-        need(not self.clip_qkv or self.family == "olmo1", "clip_qkv",
-             "only OLMo 1 clamps q, k, v (HF Olmo2/3 do not)")
+             "sliding windows and YaRN need family 'olmo3'")
+        need(not self.clip_qkv or self.family == "olmo1", "clip_qkv", "only OLMo 1 clamps q, k, v")
         need(self.family != "olmo1" or self.norm_eps == 1e-5, "norm_eps",
-             "OLMo 1's LayerNorm eps is 1e-5 (HF OlmoLayerNorm hard-codes it)")
-        need(not self.yarn_factor or self.yarn_factor > 1, "yarn_factor",
-             "must be > 1 (or 0 for no YaRN)")
+             "OLMo 1's LayerNorm eps is 1e-5")
+        need(not self.yarn_factor or self.yarn_factor > 1, "yarn_factor", "must be > 1, or 0")
         for name in ("eos_token_id", "pad_token_id"):
             need(0 <= getattr(self, name) < self.vocab_size, name,
                  f"must be a token id below vocab_size={self.vocab_size}")
 
     def layer_types(self):
-        """Per-layer "S"/"F", the pattern repeated to n_layers."""
+        """The pattern repeated to n_layers: "S" or "F" per layer."""
         return self.layer_pattern * (self.n_layers // len(self.layer_pattern))
 
     def differences(self, other, ignore=()):
-        """'field: this vs other' where two models differ, init and init_std aside (they shape no
-        tensor)."""
-        skip = ("init", "init_std", *ignore)
-        names = [f.name for f in dataclasses.fields(self) if f.name not in skip]
-        return [f"{n}: {getattr(self, n)!r} vs {getattr(other, n)!r}" for n in names
-                if getattr(self, n) != getattr(other, n)]
+        """'field: this vs other' where the models differ, init and init_std aside."""
+        pairs = {f.name: (getattr(self, f.name), getattr(other, f.name))
+                 for f in dataclasses.fields(self) if f.name not in ("init", "init_std", *ignore)}
+        return [f"{n}: {a!r} vs {b!r}" for n, (a, b) in pairs.items() if a != b]
 
 
 @dataclass
 class DataConfig:
-    path: str = "data/tiny"       # a `data.py prepare` folder (train split), a mix or a token file
+    path: str = "data/tiny"       # a `data.py prepare` folder, a mix or a token file
     seq_len: int = 256            # T: tokens per instance
     global_batch: int = 16        # G: instances per optimizer step, over all devices
-    seed: int = 0                 # the order: epoch e shuffles with PCG64(seed + e), as OLMo-core
-    doc_mask: bool = False        # attention kept inside each document (Olmo 3: off in stages 1-2)
+    seed: int = 0                 # epoch e shuffles with PCG64(seed + e), as OLMo-core
+    doc_mask: bool = False        # attention kept inside each document
     packing: str = "fsl"          # fsl: the stream cut every seq_len | packed: whole docs, padded
-    source_group_size: int = 8          # packed: files packed together (Olmo 3 stage 3: 8; SFT: 1)
-    source_permutation_seed: int = 123  # packed: random.Random(seed).shuffle of the files first
-    long_docs: str = "truncate"         # packed: a doc over seq_len keeps its start, or is cut up
-    chat_template: str = "tulu"   # GRPO's prompts (*.jsonl) rendered in it (data.CHAT_TEMPLATES)
-    instance_filter: bool = False  # OLMo-core's: no loss on instances of a repeating pattern
-    repetition_min_period: int = 1  # the pattern's length in tokens: min..max_period
+    source_group_size: int = 8          # packed: files packed together
+    source_permutation_seed: int = 123  # packed: files shuffled first
+    long_docs: str = "truncate"         # packed: a long doc keeps its start, or is cut up
+    chat_template: str = "tulu"   # GRPO's prompts rendered in it (data.CHAT_TEMPLATES)
+    instance_filter: bool = False  # no loss on instances with a repeating pattern
+    repetition_min_period: int = 1
     repetition_max_period: int = 13
-    repetition_max_count: int = 32  # repeats back to back that filter an instance
+    repetition_max_count: int = 32
 
     def __post_init__(self):
         _checks(self, positive="seq_len global_batch source_group_size repetition_min_period "
@@ -156,22 +146,20 @@ class DataConfig:
                 packing=["fsl", "packed"], long_docs=["truncate", "fragment"],
                 chat_template=["tulu", "olmo"])
         _need(self, self.repetition_min_period <= self.repetition_max_period,
-              "repetition_min_period",
-              f"must be <= repetition_max_period ({self.repetition_max_period})")
-        _need(self, self.packing == "fsl" or self.doc_mask, "doc_mask", "packing='packed' puts "
-              "several documents in an instance with padding after them: set data.doc_mask=true to "
-              "keep them apart")
+              "repetition_min_period", "must be <= repetition_max_period")
+        _need(self, self.packing == "fsl" or self.doc_mask, "doc_mask",
+              "packing='packed' puts several documents in an instance: set data.doc_mask=true")
 
 
 @dataclass
 class MeshConfig:
-    # Devices along each mesh axis; one may be -1 (= what remains). What splits over which: shard.py
+    # Devices per mesh axis, one may be -1 (the rest); what splits over which: shard.py
     data: int = -1
     fsdp: int = 1
-    context: int = 1              # context parallelism: devices that share one instance's tokens
+    context: int = 1              # devices sharing each instance's tokens
     tensor: int = 1
-    device: str = ""              # the target `train.py plan` fits to (shard.DEVICES); "" = none
-    devices: int = 0              # the target's JAX devices (v5p-512: 256 chips); 0 = none
+    device: str = ""              # the target `train.py plan` fits (shard.DEVICES); "" = none
+    devices: int = 0              # the target's JAX devices; 0 = none
 
     def __post_init__(self):
         _checks(self, devices="data fsdp context tensor", nonneg="devices")
@@ -180,47 +168,47 @@ class MeshConfig:
 @dataclass
 class TrainConfig:
     # run
-    run_dir: str = "runs/tiny"    # checkpoints, metrics.jsonl, config.json, loss.png; reruns resume
-    backend: str = "jax"          # jax: any mesh, TPU/GPU/CPU | torch: a device or torchrun + FSDP2
-    compile: bool = False         # torch backend: torch.compile each block (JAX always compiles)
+    run_dir: str = "runs/tiny"    # checkpoints, metrics, plots; reruns resume
+    backend: str = "jax"          # jax: any mesh | torch: a device or torchrun + FSDP2
+    compile: bool = False         # torch: compile each block (JAX always compiles)
     steps: int = 1000             # optimizer steps in this stage
-    micro_batch: int = 0          # instances per device per pass; 0 = all of them (no accumulation)
-    compute_dtype: str = "float32"  # float32 | bfloat16 (params and optimizer state stay fp32)
-    remat: str = "none"           # activation checkpoints: none | block | mlp (OLMo 3 mid-training)
-    loss_chunks: int = 8          # JAX: the head and softmax in this many passes over the positions
-    scan_layers: bool = True      # JAX: loop over layers (compile time flat in L); false unrolls
+    micro_batch: int = 0          # instances per device per pass; 0 = all (no accumulation)
+    compute_dtype: str = "float32"  # params and optimizer state stay fp32
+    remat: str = "none"           # activation checkpoints
+    loss_chunks: int = 8          # JAX: the head and softmax in this many passes
+    scan_layers: bool = True      # JAX: loop over layers; false unrolls
     init_seed: int = 0
-    init_from: str = ""           # a new stage from this checkpoint's params (and moments), step 0
-    load_optimizer: bool = True   # init_from: also its AdamW moments (OLMo 3 mid-training does)
+    init_from: str = ""           # a new stage from this checkpoint, at step 0
+    load_optimizer: bool = True   # init_from: its AdamW moments too
     # schedule
     lr: float = 4e-4
-    schedule: str = "cosine"      # cosine | linear | half_cosine | constant, after a linear warmup
-    units: str = "steps"          # steps | tokens: what warmup and t_max count
+    schedule: str = "cosine"      # after a linear warmup
+    units: str = "steps"          # what warmup and t_max count
     warmup: int = 100
-    warmup_min_lr: float = 0.0    # OLMo 1 (Feb 2024) warmed up from 0.1·lr
+    warmup_min_lr: float = 0.0
     t_max: int = 0                # schedule length; 0 = this stage's steps (or their tokens)
     alpha_f: float = 0.1          # the schedule ends at alpha_f·lr
     # optimizer
     beta1: float = 0.9
     beta2: float = 0.95
-    eps: float = 1e-8             # OLMo 1 used 1e-5
-    weight_decay: float = 0.1     # on every weight but the embedding (the table's `decay` flag)
-    clip: float = 1.0             # global gradient-norm clipping; 0 = off
+    eps: float = 1e-8
+    weight_decay: float = 0.1     # not on the embedding (Param.decay)
+    clip: float = 1.0             # gradient-norm clipping; 0 = off
     # stability
-    z_loss: float = 1e-5          # OLMo 2/3; OLMo 1 had none
-    skip_step: bool = False       # OLMo 3: skip updates whose loss or grad norm is a 6σ outlier
-    # checkpoints (and logging)
+    z_loss: float = 1e-5
+    skip_step: bool = False       # skip updates whose loss or grad norm is a 6σ outlier
+    # logs and checkpoints
     log_every: int = 10
     checkpoint_every: int = 500
     keep: int = 2                 # checkpoints kept (the newest)
     # post-training (docs/posttrain.md)
-    loss: str = "ce"              # ce: cross-entropy (pretraining, SFT) | dpo | dpo_norm | grpo
+    loss: str = "ce"              # ce: cross-entropy (pretraining, SFT)
     epochs: int = 0               # > 0: steps = epochs x the data's steps per epoch
-    warmup_fraction: float = 0.0  # > 0: warmup = this fraction of steps (SFT 0.03, DPO 0.1)
-    dpo_beta: float = 0.1         # β: 0.1 for sigmoid DPO (Tulu 2), 5 for dpo_norm (OLMo 2/3)
-    grpo_group: int = 8           # GRPO: completions per prompt (Olmo 3: 8), in global_batch
-    grpo_max_new: int = 8         # GRPO: tokens per completion at most
-    grpo_temperature: float = 1.0  # GRPO: sampling temperature (Olmo 3: 1.0)
+    warmup_fraction: float = 0.0  # > 0: warmup = this fraction of steps
+    dpo_beta: float = 0.1         # β
+    grpo_group: int = 8           # completions per prompt (global_batch counts them)
+    grpo_max_new: int = 8         # tokens per completion at most
+    grpo_temperature: float = 1.0  # sampling temperature
 
     def __post_init__(self):
         _checks(self, positive="steps log_every checkpoint_every keep eps dpo_beta grpo_group "
@@ -236,15 +224,15 @@ class TrainConfig:
 
 @dataclass
 class EvalConfig:
-    every: int = 200              # held-out loss and bits/byte every N steps; 0 = only at the end
-    batches: int = 8              # held-out batches per in-loop eval (the last uses all); 0 = all
-    prompt: str = "It is a truth universally acknowledged"  # sampled at the end; "" = no sample
+    every: int = 200              # held-out loss every N steps; 0 = at the end only
+    batches: int = 8              # held-out batches per eval (the final one: all); 0 = all
+    prompt: str = "It is a truth universally acknowledged"  # "" = no sample at the end
     sample_tokens: int = 48
     temperature: float = 0.8
-    tasks: str = ""               # eval.TASKS run with the held-out eval, e.g. "arc_easy,piqa"
-    tasks_data: str = "../shared/evaldata"  # a folder laid out like it (eval.py tasks --data)
-    tasks_limit: int = 100        # the first N documents of each task; 0 = all
-    tasks_norm: str = "olmes"     # olmes | catwalk | olmo_core: task definitions (eval.py --norm)
+    tasks: str = ""               # eval.TASKS run with it, e.g. "arc_easy,piqa"
+    tasks_data: str = "../shared/evaldata"  # eval.py tasks --data
+    tasks_limit: int = 100        # each task's first N documents; 0 = all
+    tasks_norm: str = "olmes"     # eval.py --norm
 
     def __post_init__(self):
         _checks(self, nonneg="every batches sample_tokens temperature tasks_limit",
@@ -260,19 +248,19 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 
-# --- loading -------------------------------------------------------------------------------------
+# --- loading ---
 
-SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}  # "model" -> ModelConfig, ...
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}  # "model": ModelConfig, ...
 
 
 def _hint(word, known, show="{}"):
-    """' (did you mean X?)' for the closest of `known`, X written show.format(it); "" if none."""
+    """' (did you mean X?)' for the closest X in `known`, written show.format(X); or ""."""
     close = difflib.get_close_matches(word, known, n=1)
     return f" (did you mean {show.format(close[0])}?)" if close else ""
 
 
 def _typed(section, key, value, source):
-    """One value checked against its dataclass field's type; returned (ints widen to float)."""
+    """One value, checked against its field's type (ints widen to float)."""
     if section not in SECTIONS:
         raise ConfigError(f"{source}: unknown section [{section}]"
                           + _hint(section, SECTIONS, "[{}]"))
@@ -282,22 +270,22 @@ def _typed(section, key, value, source):
                           + _hint(key, types, section + ".{}"))
     want = types[key]
     value = float(value) if want is float and type(value) is int else value
-    if type(value) is not want:  # exact: a bool is not an int here, an int is not a str
+    if type(value) is not want:  # exact: a bool is no int, an int no str
         raise ConfigError(f"{source}: {section}.{key}={value!r} is {type(value).__name__}, "
                           f"expected {want.__name__}")
     return value
 
 
 def _read(arg):
-    """{section: {key: value}} of one argument: a --section.key=value override or a TOML file."""
+    """{section: {key: value}} of a --section.key=value override or a TOML file."""
     if arg.startswith("--"):
         dotted, eq, raw = arg[2:].partition("=")
         if not eq or not re.fullmatch(r"\w+\.\w+", dotted, re.ASCII):
             raise ConfigError(f"{arg}: overrides look like --section.key=value, "
                               "e.g. --model.n_layers=8")
-        try:  # a dotted TOML key is {section: {key: value}}
+        try:  # a dotted key: {section: {key: value}}
             return tomllib.loads(f"{dotted} = {raw}")
-        except tomllib.TOMLDecodeError:  # a bare word is a string
+        except tomllib.TOMLDecodeError:  # a bare word: a string
             return tomllib.loads(f"{dotted} = {json.dumps(raw)}")
     if not Path(arg).is_file():
         raise ConfigError(f"config file {arg} not found")
@@ -308,21 +296,20 @@ def _read(arg):
 
 
 def load_config(argv):
-    """A Config from TOML paths and --section.key=value overrides, merged in order; errors name the
-    argument."""
+    """A Config from TOML files and --section.key=value overrides, merged in order."""
     merged = {}
     for arg in argv:
         for section, table in _read(arg).items():
             if not isinstance(table, dict):
                 raise ConfigError(f"{arg}: top-level key {section!r} must sit under a [section] "
-                                  "header such as [model]")
+                                  "header, e.g. [model]")
             for key, value in table.items():
                 merged.setdefault(section, {})[key] = _typed(section, key, value, arg)
     return build(merged, " + ".join(argv) or "defaults")
 
 
 def build(merged, source="config"):
-    """Config from {section: {key: value}}; errors name the sources."""
+    """A Config from {section: {key: value}}; errors name `source`."""
     merged = {s: {k: _typed(s, k, v, source) for k, v in table.items()}
               for s, table in merged.items()}
     try:
@@ -331,11 +318,11 @@ def build(merged, source="config"):
         raise ConfigError(f"{source}: {e}") from None
 
 
-to_dict = dataclasses.asdict  # the config as plain {section: {key: value}}
+to_dict = dataclasses.asdict  # {section: {key: value}}
 
 
 def save_json(cfg, path):
-    """The resolved config, every field, as saved with each run."""
+    """Every field of the resolved config (saved with each run)."""
     Path(path).write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
 
 
@@ -344,7 +331,7 @@ def load_json(path):
 
 
 def read_json(path, fix="the file is damaged: restore it or write it again"):
-    """A JSON file's value; if it does not parse, an error naming the file and what to do."""
+    """A JSON file's value, or an error naming the file and `fix`."""
     try:
         return json.loads(Path(path).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -352,7 +339,7 @@ def read_json(path, fix="the file is damaged: restore it or write it again"):
 
 
 def describe(cfg):
-    """The resolved config as aligned lines, derived values with their formula."""
+    """The resolved config as aligned lines, derived values with their formulas."""
     lines = []
     for section in SECTIONS:
         derived = getattr(getattr(cfg, section), "derived", {})
@@ -362,11 +349,11 @@ def describe(cfg):
     return "\n".join(lines)
 
 
-# --- command lines -------------------------------------------------------------------------------
+# --- command lines ---
 
 def run_cli(main, argv=None):
-    """Every script's entry point: bad input (ValueError, OSError, a non-finite loss) prints its
-    one-line error and exits 1; bugs (other exceptions), or all with NANOLMO_TRACEBACK=1, raise."""
+    """Every script's entry point: bad input (ValueError, OSError, a non-finite loss) prints one
+    line and exits 1; bugs (other exceptions), or all with NANOLMO_TRACEBACK=1, raise."""
     name = Path(main.__code__.co_filename).name
     try:
         return main(sys.argv[1:] if argv is None else argv)
@@ -375,15 +362,15 @@ def run_cli(main, argv=None):
             raise
         print(f"{name}: error: {e}", file=sys.stderr)
         sys.exit(1)
-    except KeyboardInterrupt:  # Ctrl-C unhandled: stop as the shell expects (128 + SIGINT)
+    except KeyboardInterrupt:  # Ctrl-C: exit as shells expect (128 + SIGINT)
         print(f"{name}: interrupted", file=sys.stderr)
         sys.exit(130)
 
 
 def in_range(kind, lo, hi=math.inf, open_lo=False):
-    """An argparse type: a `kind` in [lo, hi] ((lo, hi] if open_lo); else a usage error (exit 2)."""
+    """An argparse type: a `kind` in [lo, hi] ((lo, hi] if open_lo), or a usage error (exit 2)."""
     def parse(text):
-        v = kind(text)  # a ValueError here: argparse says "invalid int value"
+        v = kind(text)  # a ValueError: argparse says "invalid int value"
         if not (lo < v if open_lo else lo <= v) or not v <= hi:
             low = f"{'>' if open_lo else '>='} {lo}"
             span = f"in {'(' if open_lo else '['}{lo}, {hi}]"
