@@ -274,28 +274,25 @@ def test_stage_from_a_checkpoint(setup, tmp_path):
 
 
 def test_elastic_resume_on_other_meshes(setup, tmp_path):
-    """4 steps on 8 devices as fsdp=2 x context=4, then on to 8 steps on 2 devices (fsdp=2, resumed again at
-    step 6 on fsdp=2 x context=4), or on 4 as a 2 x 2 (fsdp x tensor) mesh: the same step and data position,
-    losses as an uninterrupted 8-device (fsdp=8) run. The checkpoint holds whole tensors: the mesh is a launch
-    setting, context parallelism included, both ways."""
+    """4 steps on 8 devices as fsdp=2 x context=4, resumed at step 4 on 4 devices as a 2 x 2 (fsdp x
+    tensor) mesh, then at step 6 on fsdp=2 x context=4 again: the same step and data position, losses
+    as an uninterrupted 8-device (fsdp=8) run. The checkpoint holds whole tensors: the mesh is a
+    launch setting, context parallelism included, both ways."""
     root, toml = setup
     fsdp8 = ["--mesh.data=1", "--mesh.fsdp=8", "--train.t_max=8"]
     context = ["--mesh.data=1", "--mesh.fsdp=2", "--mesh.context=4", "--train.t_max=8"]
-    straight, first = tmp_path / "straight", tmp_path / "first"
+    mixed = ["--mesh.data=1", "--mesh.fsdp=2", "--mesh.tensor=2"]
+    straight, d = tmp_path / "straight", tmp_path / "elastic"
     run(toml, straight, "--train.steps=8", *fsdp8, env=devices(8))
-    run(toml, first, "--train.steps=4", *context, env=devices(8))
-    for name, legs in [("two", [(6, 2, ["--mesh.data=1", "--mesh.fsdp=2"]), (8, 8, context)]),
-                       ("mixed", [(8, 4, ["--mesh.data=1", "--mesh.fsdp=2", "--mesh.tensor=2"])])]:
-        d = tmp_path / name
-        shutil.copytree(first, d)  # (the run directory holds no absolute paths)
-        at = 4
-        for steps, n, mesh in legs:
-            r = run(toml, d, f"--train.steps={steps}", "--train.t_max=8", "--train.checkpoint_every=2", *mesh,
-                    env=devices(n))
-            assert f"resuming {d}/step_{at} at step {at}" in r.stdout and f"over {n} device(s)" in r.stdout
-            at = steps
-        a, b = losses(straight), losses(d)
-        assert a.keys() == b.keys() and all(b[s] == pytest.approx(a[s], rel=1e-5) for s in a), (name, a, b)
+    run(toml, d, "--train.steps=4", *context, env=devices(8))
+    at = 4
+    for steps, n, mesh in [(6, 4, mixed), (8, 8, context)]:
+        r = run(toml, d, f"--train.steps={steps}", "--train.t_max=8", "--train.checkpoint_every=2",
+                *mesh, env=devices(n))
+        assert f"resuming {d}/step_{at} at step {at}" in r.stdout and f"over {n} device(s)" in r.stdout
+        at = steps
+    a, b = losses(straight), losses(d)
+    assert a.keys() == b.keys() and all(b[s] == pytest.approx(a[s], rel=1e-5) for s in a), (a, b)
 
 
 TWO_BY_FOUR = ["--mesh.data=2", "--mesh.fsdp=4", "--train.steps=4"]
