@@ -29,9 +29,11 @@ from typing import Callable, NamedTuple
 
 import ml_dtypes
 import numpy as np
+import tiktoken
 import yaml
 from tqdm import tqdm
 
+import data
 import model
 from configs import ConfigError, ModelConfig, in_range, read_json, run_cli
 from model import param_table, stack_layers, unstack_layers
@@ -771,7 +773,6 @@ def convert(src, out, to_hf=False, dtype=None, tokenizer=None, config=None, shar
     except ValueError as e:
         print(f"note: {e}", file=sys.stderr)
     if tok or spec:
-        import data
         tok = tok or data.load_tokenizer(spec)
         V, spec = tok.vocab_size, tok.name
         if V > m.vocab_size:
@@ -854,8 +855,6 @@ def hf_tokenizer_files(tok, max_len):
 def read_hf_tokenizer(d):
     """d's tokenizer.json (ours, or allenai's dolma2) -> data.Tokenizer (rank = id), or None;
     another layout, or a damaged file, is a ValueError naming it."""
-    import tiktoken
-    import data
     path, cfg_path = Path(d) / "tokenizer.json", Path(d) / "tokenizer_config.json"
     if not path.is_file():
         return None
@@ -915,7 +914,6 @@ def soup(srcs, out):
 
 def load_tokens(path, seq_len=None, rows=0):
     """(B, T) int64 from a .npy (no pickles) or a token file, 1-D cut into rows."""
-    import data
     with open(path, "rb") as f:
         is_npy = f.read(6) == b"\x93NUMPY"
     try:

@@ -492,7 +492,7 @@ def render(task, doc, style="olmes", shots=0):
         ctx = f"{'Goal' if style == 'olmes' else 'Question'}: {doc['goal']}\nAnswer:"
         conts = [doc["sol1"], doc["sol2"]]
     elif task == "sciq":
-        # OLMES, catwalk: stripped (no leading "\n" if support is empty); olmo_core: not
+        # OLMES, catwalk: the context stripped; olmo_core: the support, so an empty one leaves "\n"
         support = doc["support"].strip() if oc else doc["support"]
         ctx = f"{support}\nQuestion: {doc['question']}\nAnswer:"
         ctx, conts, gold = ctx if oc else ctx.strip(), doc["options"], 3
