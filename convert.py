@@ -31,7 +31,6 @@ import ml_dtypes
 import numpy as np
 import tiktoken
 import yaml
-from tqdm import tqdm
 
 import data
 import model
@@ -288,6 +287,9 @@ def expected_tensors(m):
 def open_hf(d):
     """An HF OLMo directory -> (ModelConfig, our unstacked names -> unread maps), checked."""
     cfg = Path(d) / "config.json"
+    if not Path(d).exists():
+        raise FileNotFoundError(f"{d}: no such file or directory: pass a checkpoint folder "
+                                "(a training run's step_N or a Hugging Face model directory)")
     if not cfg.is_file():
         raise FileNotFoundError(f"{cfg} not found: pass a Hugging Face model directory")
     m, d = config_from_hf(read_json(cfg), str(cfg)), cfg.parent
@@ -303,7 +305,7 @@ def load_hf(d, dtype=None):
     in memory once."""
     m, state = open_hf(d)
     total, params = sum(v.nbytes for v in state.values()), {}
-    with tqdm(total=total, unit="B", unit_scale=True, desc=f"load {d}",
+    with data.Progress(total=total, unit="B", unit_scale=True, desc=f"load {d}",
               disable=total < 2**30) as bar:
         for name in param_table(m):
             stacked = name.startswith("layers.")
@@ -743,7 +745,7 @@ def write_checkpoint(out, m, tensors, dtype=None, files=None, shard_bytes=None):
     shutil.rmtree(tmp, ignore_errors=True)  # a previous run's leftovers: never complete
     tmp.mkdir(parents=True)
     try:
-        with tqdm(total=total, unit="B", unit_scale=True, desc=f"write {out.name}",
+        with data.Progress(total=total, unit="B", unit_scale=True, desc=f"write {out.name}",
                   disable=total < 2**27) as bar:
             for fname, keys in shards.items():
                 shard = {k: tensors[k] for k in keys}
@@ -989,7 +991,7 @@ def check(a, b, tokens, dtype="float32"):
         model.check_tokens(tokens, m)
     if tokens.max() >= (V := min(Va, Vb)):
         raise ValueError(f"token id {tokens.max()} is out of range for vocab {V}")
-    rows = tqdm(tokens, desc="check", disable=len(tokens) < 2)
+    rows = data.Progress(tokens, desc="check", disable=len(tokens) < 2)
     kls, agrees, diffs = zip(*[compare_logits(run_a(row[None]), run_b(row[None])) for row in rows])
     kl, agree = np.concatenate(kls), np.concatenate(agrees)
     sizes = f" (A has {Va}, B {Vb})" if Va != Vb else ""

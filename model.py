@@ -30,7 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F_  # F is the MLP width in our notation
 from torch.utils.checkpoint import checkpoint
 
-from configs import ModelConfig, describe, load_config, run_cli
+from configs import ModelConfig, describe, parse_config_args, run_cli
 
 IGNORE_INDEX = -100  # labels that add nothing to the loss
 Q_BLOCK = 256  # attend_in_blocks' query blocks
@@ -724,10 +724,11 @@ def rope_torch(x, cos, sin):
 
 
 class Attention(nn.Module):
-    def __init__(self, m):
+    def __init__(self, m, window=0):
         super().__init__()
         D, N, K, H = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim
         self.m = m
+        self.window = window  # 0: full attention; W: a sliding layer sees the last W keys
         self.q_proj, self.k_proj, self.v_proj = Linear(D, N * H), Linear(D, K * H), Linear(D, K * H)
         self.o_proj = Linear(N * H, D)
         if m.family != "olmo1":
@@ -754,34 +755,49 @@ class Attention(nn.Module):
         q, k, v = self.project(x, cos, sin)
         if cache is not None:
             cache["k"][:, :, pos:pos + T], cache["v"][:, :, pos:pos + T] = k, v
-            k, v = cache["k"][:, :, :pos + T], cache["v"][:, :, :pos + T]  # (B, K, pos + T, H)
+            # Only the keys some query can see: a sliding layer reads its last W keys, not the
+            # whole cache under a mask. Besides the work saved, that is the sum transformers'
+            # window-sized cache computes: over masked keys, SDPA's fp32 sums run in another
+            # order (vector width decides it: AVX2 vs AVX-512), and a bf16 near tie can flip.
+            first = first_key(pos, self.window)
+            k, v = cache["k"][:, :, first:pos + T], cache["v"][:, :, first:pos + T]  # (B, K, S, H)
         scale = m.head_dim ** -0.5
-        if isinstance(mask, torch.Tensor) or mask is None:  # is_causal: SDPA's flash kernel
-            y = F_.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+        if isinstance(mask, torch.Tensor) or mask is None:
+            # no mask: causal at pos 0 (SDPA's flash kernel); later, every cached key is visible
+            y = F_.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                is_causal=mask is None and pos == 0,
                                                 scale=scale, enable_gqa=True)
         else:
             y = flex_attention(q, k, v, mask, scale)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, m.n_heads * m.head_dim))  # (B, T, D)
 
 
+def first_key(pos, window):
+    """The first position a query at `pos` can see: pos - W + 1 on a sliding layer, else 0."""
+    return max(0, pos - window + 1) if window else 0
+
+
 def attention_masks_torch(m, windows, T, segments, device, pos=0):
-    """{window: mask}: None (SDPA's causal path), a flex BlockMask (auto on GPUs), or a bool
-    (B|1, 1, T, pos + T) mask, always if pos > 0 (SDPA's is_causal aligns top-left)."""
+    """{window: mask}: None (at pos 0 SDPA's causal path; later, one query that sees all the keys
+    Attention reads), a flex BlockMask (auto on GPUs), or a bool (B|1, 1, T, S) mask over the
+    keys first_key(pos, window)..pos+T-1 (SDPA's is_causal would align it top-left)."""
     if m.attention not in ("auto", "sdpa", "flex"):
         raise ValueError(f"model.attention={m.attention!r} is a JAX implementation: "
                          "torch takes auto, sdpa, flex")
     flex = m.attention == "flex" or (m.attention == "auto" and device.type == "cuda")
     out = {}
     for w in set(windows):
-        if not pos and w == 0 and segments is None:
+        causal = not pos and w == 0  # SDPA's is_causal path
+        one_query = pos and T == 1  # one new token sees every key Attention reads
+        if segments is None and (causal or one_query):
             out[w] = None
         elif not pos and flex:
             out[w] = (window_block_mask(T, w, device) if segments is None
                       else document_block_mask(segments, w, device))
         else:
             i = torch.arange(pos, pos + T, device=device)[:, None]  # queries
-            j = torch.arange(pos + T, device=device)[None, :]  # keys
-            mask = attention_mask(i, j, w)[None, None]  # (1, 1, T, pos + T)
+            j = torch.arange(first_key(pos, w), pos + T, device=device)[None, :]  # keys
+            mask = attention_mask(i, j, w)[None, None]  # (1, 1, T, S)
             if segments is not None:  # (B, 1, T, T): and the same document
                 mask = mask & (segments[:, None, :, None] == segments[:, None, None, :])
             out[w] = mask
@@ -837,10 +853,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, m):
+    def __init__(self, m, window=0):
         super().__init__()
         self.m = m
-        self.self_attn, self.mlp = Attention(m), MLP(m)
+        self.self_attn, self.mlp = Attention(m, window), MLP(m)
         if m.family != "olmo1":
             self.post_attention_layernorm = RMSNorm(m.d_model, m.norm_eps)
             self.post_feedforward_layernorm = RMSNorm(m.d_model, m.norm_eps)
@@ -864,13 +880,13 @@ class OLMo(nn.Module):
         super().__init__()
         self.m = m
         self.embed_tokens = nn.Embedding(m.vocab_size, m.d_model)
-        self.layers = nn.ModuleList(Block(m) for _ in range(m.n_layers))
+        window, *rope = layer_arrays(m)
+        self.windows = [int(w) for w in window]
+        self.layers = nn.ModuleList(Block(m, w) for w in self.windows)
         if m.family != "olmo1":
             self.norm = RMSNorm(m.d_model, m.norm_eps)
         if not m.tie_embeddings:
             self.lm_head = Linear(m.d_model, m.vocab_size)
-        window, *rope = layer_arrays(m)
-        self.windows = [int(w) for w in window]
         for name, value in zip(ROPE_BUFFERS, rope):  # from numpy: CPU tensors even on meta
             self.register_buffer(name, torch.from_numpy(value), persistent=False)
 
@@ -936,7 +952,7 @@ def as_torch(a):
 
 
 def main(argv):
-    cfg = load_config(argv)
+    cfg = parse_config_args(argv, "model.py", __doc__)
     m = cfg.model
     print(describe(cfg), end="\n\n")
     print(f"{'name':<42} {'shape':<19} {'count':>14}  {'logical axes':<26} init")

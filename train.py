@@ -20,19 +20,23 @@ import sys
 import time
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import torch
-from tqdm import tqdm
+import configs
+from configs import (ConfigError, build, describe, load_config, parse_config_args, read_json,
+                     run_cli, save_json, to_dict, write_text_atomic)
 
-import convert
-import data
-import eval as evaluate
-import model
-import shard
-from configs import (ConfigError, build, describe, load_config, read_json, run_cli, save_json,
-                     to_dict)
+if __name__ == "__main__":  # first, so that Ctrl-C during the slow imports below is one line
+    configs.exit_on_signals("train.py")
+
+import jax  # noqa: E402 (after the signal handlers)
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import convert  # noqa: E402
+import data  # noqa: E402
+import eval as evaluate  # noqa: E402
+import model  # noqa: E402
+import shard  # noqa: E402
 
 SKIP_WINDOW, SKIP_MIN, SKIP_SIGMA = 128, 64, 6.0  # OLMo-core SkipStepAdamW defaults
 POSTTRAIN_METRICS = ("margin", "accuracy", "reward", "eval_accuracy")
@@ -519,7 +523,7 @@ class TorchBackend:
 def pair_scores(backend, pairs, rows):
     """(N, 2) summed log-probs of each pair's answers, and their target counts."""
     sums, counts = np.zeros((pairs.n, 2)), np.zeros((pairs.n, 2))
-    for start in tqdm(range(0, pairs.n, rows), desc="log-probs of pairs", leave=False):
+    for start in data.Progress(range(0, pairs.n, rows), desc="log-probs of pairs", leave=False):
         ids = np.arange(start, start + rows) % pairs.n  # the last wraps round (same values twice)
         batch = {k: v for k, v in data.read_rows(pairs, ids).items() if k != "ref"}
         sums[ids] = backend.score(batch).reshape(-1, 2)
@@ -747,12 +751,14 @@ def read_pending(pending, window, tc, last_saved):
 
 def main(argv):
     # --- config and devices ---
-    cfg = load_config(argv)
+    cfg = parse_config_args(argv, "train.py", __doc__)
     m, dc, tc, ec = cfg.model, cfg.data, cfg.train, cfg.eval
     if dc.seq_len > m.max_seq_len:  # RoPE past what the model (and HF config) declares
         raise ConfigError(f"data.seq_len={dc.seq_len} is longer than model.max_seq_len="
                           f"{m.max_seq_len}: raise model.max_seq_len or shorten data.seq_len")
     run_dir = Path(tc.run_dir)
+    if not run_dir.exists():  # made by this start: removed again if it fails or is interrupted
+        configs.CLEANUPS.append(functools.partial(shutil.rmtree, run_dir, ignore_errors=True))
     run_dir.mkdir(parents=True, exist_ok=True)
     backend = (TorchBackend if tc.backend == "torch" else JaxBackend)(cfg)
     lead = backend.lead  # prints, and writes all but checkpoints
@@ -802,14 +808,17 @@ def main(argv):
           f"per epoch; {split}")
     task_eval = in_loop_tasks(cfg, tok, backend)
 
-    # --- stop cleanly on SIGTERM / Ctrl-C: finish the step, save ---
+    # --- stop cleanly on SIGTERM / Ctrl-C: finish the step, save, exit 143 / 130 ---
+    # From here on the run folder is the run's (its first step will be saved): no cleanup.
+    configs.CLEANUPS.clear()
     stop = {"signal": None}
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, _frame: stop.update(signal=signal.Signals(signum).name))
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    for sig in before:
+        signal.signal(sig, lambda signum, _frame: stop.update(signal=signal.Signals(signum)))
 
     # --- the loop: step -> log? -> eval? -> save? -> stop? ---
-    bar = tqdm(range(start + 1, tc.steps + 1), initial=start, total=tc.steps, desc="train",
-               dynamic_ncols=True, disable=not lead)
+    bar = data.Progress(range(start + 1, tc.steps + 1), initial=start, total=tc.steps,
+                        desc="train", dynamic_ncols=True, disable=not lead)
     t_last, pending, masked = time.perf_counter(), [], []  # pending: (step, metrics on device)
     for step, (_, batch) in zip(bar, loader):
         if "masked" in batch:  # data.instance_filter: the share of rows it masked
@@ -848,12 +857,14 @@ def main(argv):
             last_saved = save_checkpoint(step, backend, cfg, loader.state(), window, tok_files)
         if stopping:
             bar.close()
-            print(f"{stopping}: saved {last_saved}; rerun the same command to continue")
-            return
+            print(f"{stopping.name}: saved {last_saved}; rerun the same command to continue",
+                  flush=True)
+            # not 0: `train.py && next` must not go on with a run that stopped half way
+            sys.exit(128 + stopping)
     bar.close()
-    # Saved: a signal now stops the run at once (exit 130 or 143).
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    # Saved: a signal now stops the run at once (exit 130 or 143), as it did before the loop.
+    for sig, handler in before.items():
+        signal.signal(sig, handler)
 
     # --- the end: held-out eval, tasks, plot, sample ---
     final = held_out_eval(backend, heldout, cfg, token_bytes, 0)
@@ -872,7 +883,7 @@ def main(argv):
     if lead:
         log(final, None, print)  # (no "loss": the accuracies only)
         if len(final) > 1:
-            (run_dir / "final.json").write_text(json.dumps(final, indent=1) + "\n")
+            write_text_atomic(run_dir / "final.json", json.dumps(final, indent=1) + "\n")
         evaluate.plot([run_dir], run_dir / "loss.png")
     print(f"checkpoint {last_saved}; metrics {metrics_path}; plot {run_dir / 'loss.png'}")
     if ec.prompt and tok is not None and backend.processes == 1:  # (the sampler: all weights here)
@@ -880,7 +891,7 @@ def main(argv):
         new, _ = evaluate.generate(
             backend.host_params(), m, ids, ec.sample_tokens, temperature=ec.temperature,
             eos=m.eos_token_id, seed=tc.init_seed, tokenizer_size=tok.vocab_size)
-        print(f"sample: {ec.prompt}{tok.decode(new)!r}")
+        print(f"sample:\n{ec.prompt}{tok.decode(new)}")  # the text as it reads, newlines too
 
 
 def plan(argv):

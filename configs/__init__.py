@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import signal
 import sys
 import tomllib
 from dataclasses import dataclass, field
@@ -308,6 +309,24 @@ def load_config(argv):
     return build(merged, " + ".join(argv) or "defaults")
 
 
+def parse_config_args(argv, prog, doc):
+    """The config of a script run as `prog CONFIG.toml... [--section.key=value...]` (train.py,
+    model.py). -h or --help prints `doc` (the script's docstring) with the usage and exits 0; no
+    config file prints the usage and exits 2, as argparse does: a bare `python train.py` would
+    otherwise train the defaults into runs/tiny, over the demo's checkpoints."""
+    ap = argparse.ArgumentParser(prog=prog, description=doc,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("configs", nargs="*", metavar="CONFIG.toml | --section.key=value",
+                    help="TOML files, then overrides, merged left to right (e.g. "
+                         "configs/tiny.toml --train.steps=100); the fields: configs/__init__.py")
+    if "-h" in argv or "--help" in argv:
+        ap.print_help()
+        sys.exit(0)
+    if not any(not a.startswith("--") for a in argv):
+        ap.error("give a config file first, e.g. configs/tiny.toml")
+    return load_config(argv)
+
+
 def build(merged, source="config"):
     """A Config from {section: {key: value}}; errors name `source`."""
     merged = {s: {k: _typed(s, k, v, source) for k, v in table.items()}
@@ -321,9 +340,17 @@ def build(merged, source="config"):
 to_dict = dataclasses.asdict  # {section: {key: value}}
 
 
+def write_text_atomic(path, text):
+    """path's text, whole or not at all: written under a temporary name, then renamed over it (a
+    stop mid-write leaves the old file, never a cut one)."""
+    tmp = Path(path).with_name(Path(path).name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def save_json(cfg, path):
     """Every field of the resolved config (saved with each run)."""
-    Path(path).write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
+    write_text_atomic(path, json.dumps(to_dict(cfg), indent=2) + "\n")
 
 
 def load_json(path):
@@ -351,6 +378,16 @@ def describe(cfg):
 
 # --- command lines ---
 
+# What a start must not leave behind if it fails or is interrupted (train.py: the run folder it
+# made). run_cli and exit_on_signals run them, last registered first.
+CLEANUPS = []
+
+
+def run_cleanups():
+    while CLEANUPS:
+        CLEANUPS.pop()()
+
+
 def run_cli(main, argv=None):
     """Every script's entry point: bad input (ValueError, OSError, a non-finite loss) prints one
     line and exits 1; bugs (other exceptions), or all with NANOLMO_TRACEBACK=1, raise."""
@@ -358,13 +395,33 @@ def run_cli(main, argv=None):
     try:
         return main(sys.argv[1:] if argv is None else argv)
     except (ValueError, OSError, FloatingPointError) as e:
+        run_cleanups()
         if os.environ.get("NANOLMO_TRACEBACK"):
             raise
         print(f"{name}: error: {e}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:  # Ctrl-C: exit as shells expect (128 + SIGINT)
+        run_cleanups()
         print(f"{name}: interrupted", file=sys.stderr)
         sys.exit(130)
+
+
+def exit_on_signals(name):
+    """From now on Ctrl-C (SIGINT) or SIGTERM ends this process at once: one line, the cleanups,
+    exit status 128 + the signal's number (130, 143), as shells expect. A script calls it first,
+    before its slow imports. Python's default, a KeyboardInterrupt, fails three ways here: raised
+    during `import jax` it prints a 30-line traceback; raised inside a garbage-collector callback
+    (JAX registers one) it is printed as "Exception ignored" and the run goes on; and the normal
+    shutdown after it can crash (a segfault) while XLA's threads still compile. os._exit skips
+    that shutdown: nothing is half-written because every file the scripts keep is written under
+    a temporary name and renamed. train.py's loop swaps in its own handler: finish the step, save."""
+    def handler(signum, _frame):
+        print(f"{name}: interrupted ({signal.Signals(signum).name})", file=sys.stderr, flush=True)
+        run_cleanups()
+        sys.stdout.flush()
+        os._exit(128 + signum)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
 
 
 def in_range(kind, lo, hi=math.inf, open_lo=False):

@@ -506,3 +506,18 @@ def test_instance_filter_cli(tmp_path, bpe, capsys):
     data.main(["inspect", *common, "--step", "0"])
     out = capsys.readouterr().out
     assert out.count("masked: a 1-token pattern 32 times") == 4, out
+
+
+def test_progress_into_a_log_is_plain_lines():
+    """Into a file (not a terminal) a bar is one plain line per state, no carriage returns; tqdm.write's
+    lines come out between them, not wiped and redrawn."""
+    import io
+    out = io.StringIO()
+    bar = data.Progress(range(4), desc="work", file=out, mininterval=0)
+    for i in bar:
+        if i == 1:
+            bar.write("a log line", file=out)
+    bar.close()
+    lines = out.getvalue().splitlines()
+    assert "\r" not in out.getvalue() and "a log line" in lines, lines
+    assert lines[0].startswith("work:   0%") and lines[-1].startswith("work: 100%") and "4/4" in lines[-1], lines

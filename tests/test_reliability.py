@@ -46,6 +46,13 @@ def train_run(toml, run_dir, *extra):
     run_cli(train.cli, [str(toml), f"--train.run_dir={run_dir}", "--eval.prompt=", *extra])
 
 
+def stopped_run(toml, run_dir, *extra):
+    """train_run stopped by a signal (stop_at): it saves, then exits 143, not 0."""
+    with pytest.raises(SystemExit) as e:
+        train_run(toml, run_dir, *extra)
+    assert e.value.code == 128 + signal.SIGTERM
+
+
 def stop_at(monkeypatch, step, sig=signal.SIGTERM):
     """SIGTERM ourselves while step `step` runs, as a scheduler's preemption would."""
     lr_at = train.lr_at
@@ -169,7 +176,7 @@ def test_resumed_log_lines_equal_the_uninterrupted_run_off_the_boundary(setup, t
     args = [str(ROOT / "configs/tiny.toml"), f"--data.path={setup[0] / 'data'}", "--train.steps=60", "--eval.every=0"]
     train_run(args[0], tmp_path / "straight", *args[1:])
     stop_at(monkeypatch, 30)
-    train_run(args[0], tmp_path / "cut", *args[1:])
+    stopped_run(args[0], tmp_path / "cut", *args[1:])
     assert (tmp_path / "cut" / "latest").read_text().strip() == "step_30"
     monkeypatch.undo()
     train_run(args[0], tmp_path / "cut", *args[1:])
@@ -180,7 +187,7 @@ def test_torn_metrics_line_is_dropped_and_the_run_goes_on(setup, tmp_path, monke
     straight, cut = tmp_path / "straight", tmp_path / "cut"
     train_run(setup[1], straight, "--train.steps=6")
     stop_at(monkeypatch, 3)
-    train_run(setup[1], cut, "--train.steps=6")
+    stopped_run(setup[1], cut, "--train.steps=6")
     monkeypatch.undo()
     with open(cut / "metrics.jsonl", "a") as f:
         f.write('{"step": 4, "loss": 5.8')  # a kill during the append
@@ -194,7 +201,7 @@ def test_kill_during_the_metrics_rewrite_loses_nothing(setup, tmp_path, monkeypa
     straight, cut = tmp_path / "straight", tmp_path / "cut"
     train_run(setup[1], straight, "--train.steps=6")
     stop_at(monkeypatch, 3)
-    train_run(setup[1], cut, "--train.steps=6")
+    stopped_run(setup[1], cut, "--train.steps=6")
     monkeypatch.undo()
     metrics = cut / "metrics.jsonl"
     with open(metrics, "a") as f:  # as a run killed after logging steps 4 and 5, before checkpointing them
@@ -292,3 +299,51 @@ def test_a_signal_during_the_final_eval_stops_the_run(setup, tmp_path, monkeypat
     assert "interrupted" in fails(capsys, train.cli, [setup[1], f"--train.run_dir={run}", "--train.steps=2",
                                                       "--eval.prompt="], status=130)
     assert (run / "latest").read_text().strip() == "step_2"
+
+
+# A `python train.py` process that sends itself SIGINT (Ctrl-C) at one point of its start: while `import jax`
+# runs, while the config loads, while the data opens, while the step compiles (model.forward is traced), or as
+# the first batch is read. The handlers are the script's own (configs.exit_on_signals), so it runs as __main__.
+INTERRUPT_AT = """
+import os, runpy, signal, sys
+point, sys.argv = sys.argv[1], ["train.py", *sys.argv[2:]]
+interrupt = lambda: os.kill(os.getpid(), signal.SIGINT)
+if point == "imports":
+    class Hook:  # Ctrl-C the moment jax.numpy starts to import
+        def find_spec(self, name, path=None, target=None):
+            if name == "jax.numpy":
+                interrupt()
+    sys.meta_path.insert(0, Hook())
+else:
+    import configs, data, model
+    owner, name = dict(config=(configs, "load_config"), data=(data, "open_instances"),
+                       compile=(model, "forward"), first_step=(data.Loader, "__iter__"))[point]
+    wrapped = getattr(owner, name)
+    def at_point(*a, **k):
+        interrupt()
+        return wrapped(*a, **k)
+    setattr(owner, name, at_point)
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+def test_ctrl_c_at_any_point_of_the_start_is_one_line_and_exit_130(setup, tmp_path):
+    """Ctrl-C before the loop: one line, exit 130, and the run folder this start made is gone. Once the loop
+    runs (the compile is the first step's): the step finishes, is saved, and the exit is 130 too, never 0."""
+    import subprocess
+    import sys
+    points = ["imports", "config", "data", "compile", "first_step"]
+    procs = {p: subprocess.Popen([sys.executable, "-c", INTERRUPT_AT, p, str(setup[1]),
+                                  f"--train.run_dir={tmp_path / p}", "--train.steps=3", "--eval.prompt="],
+                                 cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for p in points}
+    for point, proc in procs.items():
+        out = proc.communicate(timeout=300)[0]
+        said = [line for line in out.splitlines() if "interrupted" in line or "SIGINT" in line]
+        assert proc.returncode == 130, (point, out[-3000:])
+        assert "Traceback" not in out and "Exception ignored" not in out and len(said) == 1, (point, out[-3000:])
+        run = tmp_path / point
+        if point in ("compile", "first_step"):
+            assert said[0].startswith("SIGINT: saved") and (run / "latest").read_text().strip() == "step_1", point
+        else:
+            assert said[0] == "train.py: interrupted (SIGINT)" and not run.exists(), (point, out[-3000:])

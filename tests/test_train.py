@@ -217,7 +217,7 @@ def test_exact_resume_after_sigterm(setup, tmp_path):
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     out = proc.communicate()[0]
-    assert proc.returncode == 0 and "SIGTERM: saved" in out, out[-2000:]
+    assert proc.returncode == 128 + signal.SIGTERM and "SIGTERM: saved" in out, out[-2000:]
     stopped = int((cut / "latest").read_text().strip()[5:])
     assert 4 <= stopped < 60
     r = run(toml, cut, "--train.steps=60")
