@@ -414,7 +414,8 @@ def exit_on_signals(name):
     (JAX registers one) it is printed as "Exception ignored" and the run goes on; and the normal
     shutdown after it can crash (a segfault) while XLA's threads still compile. os._exit skips
     that shutdown: nothing is half-written because every file the scripts keep is written under
-    a temporary name and renamed. train.py's loop swaps in its own handler: finish the step, save."""
+    a temporary name and renamed. train.py's loop swaps in its own handler: finish the step,
+    save, then exit."""
     def handler(signum, _frame):
         print(f"{name}: interrupted ({signal.Signals(signum).name})", file=sys.stderr, flush=True)
         run_cleanups()
