@@ -45,6 +45,8 @@ class Progress(tqdm):
     carriage returns would fill the log with one long line: there it prints its state as a plain
     line at most every 30 seconds, and the last one at the end (unless leave=False)."""
 
+    monitor_interval = 0  # no monitor thread: it redraws the bar with a stale count
+
     def __init__(self, *args, **kwargs):
         file = kwargs.get("file") or sys.stderr
         if not file.isatty():

@@ -862,9 +862,11 @@ def main(argv):
             # not 0: `train.py && next` must not go on with a run that stopped half way
             sys.exit(128 + stopping)
     bar.close()
-    # Saved: a signal now stops the run at once (exit 130 or 143), as it did before the loop.
+    # Saved: a signal now stops the run at once (exit 130 or 143), as it did before the loop
+    # (configs.exit_on_signals in a script; Python's KeyboardInterrupt where none was installed).
+    defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
     for sig, handler in before.items():
-        signal.signal(sig, handler)
+        signal.signal(sig, handler if callable(handler) else defaults[sig])
 
     # --- the end: held-out eval, tasks, plot, sample ---
     final = held_out_eval(backend, heldout, cfg, token_bytes, 0)

@@ -347,3 +347,31 @@ def test_ctrl_c_at_any_point_of_the_start_is_one_line_and_exit_130(setup, tmp_pa
             assert said[0].startswith("SIGINT: saved") and (run / "latest").read_text().strip() == "step_1", point
         else:
             assert said[0] == "train.py: interrupted (SIGINT)" and not run.exists(), (point, out[-3000:])
+
+
+def test_errors_say_the_next_step(setup, ckpt, tmp_path, capsys):
+    """A missing input's error says what to do about it: how to make the data, that a path does not exist, that
+    a shell pattern matched nothing, where the task files come from."""
+    line = fails(capsys, train.cli, [setup[1], f"--train.run_dir={tmp_path / 'run'}", f"--data.path={tmp_path / 'nope'}"])
+    assert "no such token file" in line and "make demo" in line and "data.py prepare" in line, line
+    assert not (tmp_path / "run").exists()  # the failed start took its run folder with it
+    line = fails(capsys, evaluate.main, ["generate", tmp_path / "no_ckpt", "--prompt", "x"])
+    assert f"{tmp_path / 'no_ckpt'}: no such file or directory" in line, line
+    line = fails(capsys, evaluate.main, ["bpb", ckpt, f"{tmp_path}/*.jsonl.gz"])  # as the shell passes it on
+    assert "no file matches this pattern" in line, line
+    line = fails(capsys, evaluate.main, ["tasks", ckpt, "--tasks", "arc_easy", "--data", tmp_path])
+    assert "arc_easy: none of" in line and "pass --data DIR" in line, line
+
+
+def test_scripts_answer_help(capsys):
+    """-h/--help prints the usage and the script's examples (exit 0); train.py without a config prints the usage
+    (exit 2) instead of training the defaults over runs/tiny."""
+    import model
+    for main, args in [(train.cli, ["-h"]), (train.cli, ["--help"]), (model.main, ["--help"])]:
+        with pytest.raises(SystemExit) as e:
+            run_cli(main, args)
+        out = capsys.readouterr().out
+        assert e.value.code == 0 and out.startswith("usage:") and "configs/" in out, out
+    with pytest.raises(SystemExit) as e:
+        run_cli(train.cli, [])
+    assert e.value.code == 2 and "give a config file first" in capsys.readouterr().err
