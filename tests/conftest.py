@@ -11,14 +11,19 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# One XLA compilation cache for the session, shared by this process and every script a test starts (set
-# before anything imports jax): most tests compile the same small step functions again, and compiling is
-# half of a short run's time. Entries are keyed by the program, the flags and the jax version, so a hit
-# runs exactly what a fresh compile would.
-CACHE = tempfile.mkdtemp(prefix="nanolmo-xla-")
-atexit.register(shutil.rmtree, CACHE, ignore_errors=True)
+# One XLA compilation cache for the session, shared by this process, both pytest-xdist workers (they
+# inherit the controller's environment and find it there) and every script a test starts (set before
+# anything imports jax): most tests compile the same small step functions again, and compiling is half
+# of a short run's time. Entries are keyed by the program, the flags and the jax version, so a hit runs
+# exactly what a fresh compile would. A size limit (never reached) turns on jax's file lock around each
+# read and write: without it, a process could read an entry another is still writing.
+CACHE = os.environ.get("NANOLMO_TEST_XLA_CACHE")
+if CACHE is None:  # the controller (or a run without xdist): it makes the folder and removes it
+    CACHE = os.environ["NANOLMO_TEST_XLA_CACHE"] = tempfile.mkdtemp(prefix="nanolmo-xla-")
+    atexit.register(shutil.rmtree, CACHE, ignore_errors=True)
 os.environ.update(JAX_COMPILATION_CACHE_DIR=CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                  JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+                  JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1",
+                  JAX_COMPILATION_CACHE_MAX_SIZE=str(16 * 2**30))
 sys.path.insert(0, str(ROOT))
 
 import data  # noqa: E402  (after the path is set)

@@ -26,7 +26,7 @@ STAGES = ["sft", "dpo", "grpo"]  # configs/tiny-STAGE.toml, each after configs/t
 
 
 def run(args):
-    print("$", " ".join(args), flush=True)
+    print("$", " ".join(args), file=sys.stderr, flush=True)  # (stdout: the table alone)
     subprocess.run(args, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
 
 
@@ -66,6 +66,15 @@ def heldout_bpb(run_dir):
     return {r["step"]: r["eval_bpb"] for r in rows if "eval_bpb" in r}
 
 
+def cpu_name():
+    """This machine's CPU as the figures depend on it: its model name and widest vector unit."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    name = re.search(r"^model name\s*:\s*(.+)$", info, re.M)
+    flags = set((re.search(r"^flags\s*:\s*(.+)$", info, re.M) or re.match("()", "")).group(1).split())
+    widest = "AMX" if "amx_tile" in flags else "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else ""
+    return ", ".join(x for x in [name.group(1).strip() if name else "this CPU", widest] if x)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -80,12 +89,14 @@ def main():
         ckpts = chain(a.base, seed, a.out, a.sft_extra)
         table[seed] = exact(ckpts)
         bpb = heldout_bpb(a.out / f"seed{seed}" / "sft")
-        print(f"seed {seed}: exact match {table[seed]}; SFT held-out bpb by step {bpb}", flush=True)
-    print(f"\nheld-out exact match, {len(a.seeds)} seeds ({' '.join(f'{k}={v}' for k, v in isa.items()) or 'this CPU'})")
-    print(f"{'stage':<8}" + "".join(f"{'seed ' + str(s):>9}" for s in a.seeds) + f"{'mean':>9}{'min':>9}")
+        print(f"seed {seed}: exact match {table[seed]}; SFT held-out bpb by step {bpb}", file=sys.stderr,
+              flush=True)
+    where = " ".join([cpu_name(), *(f"{k}={v}" for k, v in isa.items())])
+    print(f"{'exact match':<12}" + "".join(f"{'seed ' + str(s):>9}" for s in a.seeds)
+          + f"{'mean':>9}{'min':>9}   (held-out sums; {where})")
     for i, stage in enumerate(["base", *STAGES]):
         row = [table[s][i] for s in a.seeds]
-        print(f"{stage:<8}" + "".join(f"{v:>9.3f}" for v in row) + f"{np.mean(row):>9.3f}{min(row):>9.3f}")
+        print(f"{stage:<12}" + "".join(f"{v:>9.3f}" for v in row) + f"{np.mean(row):>9.3f}{min(row):>9.3f}")
 
 
 if __name__ == "__main__":

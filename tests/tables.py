@@ -17,7 +17,9 @@ fails leaves its block alone too, and the script exits non-zero at the end.
              databench, eval_tasks, eval_tasks_olmo_core, eval_bpb, generate, plan (~10), plan_stage3,
              plan_tpu (libtpu only),
              longctx (after `make longctx`), posttrain (after `make posttrain`)
-    longest  curves, curves_own_lr: five 300-step training runs from scratch under runs/tables/, and the PNGs
+    longest  posttrain_spread (after `make posttrain`: 3 post-training chains, ~20 min, or only their
+             exact match where runs/spread/ holds them), curves, curves_own_lr: five 300-step training runs
+             from scratch under runs/tables/, and the PNGs
 """
 
 import json
@@ -528,6 +530,7 @@ TABLES = {"configs": configs, "paramtable": paramtable, "corpus": corpus, "demo"
           "plan": plan, "plan_tpu": plan_tpu,
           "plan_stage3": plan_stage3, "devices": devices, "gpu": gpu, "xla_cost": xla_cost,
           "lowering": lowering, "longctx": longctx, "posttrain": posttrain, "curves": curves,
+          "posttrain_spread": lambda: shown("python tests/posttrain_spread.py"),
           "curves_own_lr": curves_own_lr}
 
 
