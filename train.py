@@ -761,6 +761,8 @@ def main(argv):
         configs.CLEANUPS.append(functools.partial(shutil.rmtree, run_dir, ignore_errors=True))
     run_dir.mkdir(parents=True, exist_ok=True)
     backend = (TorchBackend if tc.backend == "torch" else JaxBackend)(cfg)
+    if backend.processes > 1:  # the other processes share the folder: none of them removes it
+        configs.CLEANUPS.clear()
     lead = backend.lead  # prints, and writes all but checkpoints
     shard.check_hosts_agree(backend, run_dir, dc.path)  # several hosts: one folder, same data
     if not lead:

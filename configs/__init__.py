@@ -392,6 +392,7 @@ def run_cli(main, argv=None):
     """Every script's entry point: bad input (ValueError, OSError, a non-finite loss) prints one
     line and exits 1; bugs (other exceptions), or all with NANOLMO_TRACEBACK=1, raise."""
     name = Path(main.__code__.co_filename).name
+    CLEANUPS.clear()  # only this main's (an earlier main called directly may have left some)
     try:
         return main(sys.argv[1:] if argv is None else argv)
     except (ValueError, OSError, FloatingPointError) as e:
