@@ -20,12 +20,11 @@ import sys
 import time
 from pathlib import Path
 
-import configs
-from configs import (ConfigError, build, describe, load_config, parse_config_args, read_json,
-                     run_cli, save_json, to_dict, write_text_atomic)
+from configs import (CLEANUPS, ConfigError, build, describe, exit_on_signals, load_config,
+                     parse_config_args, read_json, run_cli, save_json, to_dict, write_text_atomic)
 
 if __name__ == "__main__":  # first, so that Ctrl-C during the slow imports below is one line
-    configs.exit_on_signals("train.py")
+    exit_on_signals("train.py")
 
 import jax  # noqa: E402 (after the signal handlers)
 import jax.numpy as jnp  # noqa: E402
@@ -758,11 +757,11 @@ def main(argv):
                           f"{m.max_seq_len}: raise model.max_seq_len or shorten data.seq_len")
     run_dir = Path(tc.run_dir)
     if not run_dir.exists():  # made by this start: removed again if it fails or is interrupted
-        configs.CLEANUPS.append(functools.partial(shutil.rmtree, run_dir, ignore_errors=True))
+        CLEANUPS.append(functools.partial(shutil.rmtree, run_dir, ignore_errors=True))
     run_dir.mkdir(parents=True, exist_ok=True)
     backend = (TorchBackend if tc.backend == "torch" else JaxBackend)(cfg)
     if backend.processes > 1:  # the other processes share the folder: none of them removes it
-        configs.CLEANUPS.clear()
+        CLEANUPS.clear()
     lead = backend.lead  # prints, and writes all but checkpoints
     shard.check_hosts_agree(backend, run_dir, dc.path)  # several hosts: one folder, same data
     if not lead:
@@ -812,7 +811,7 @@ def main(argv):
 
     # --- stop cleanly on SIGTERM / Ctrl-C: finish the step, save, exit 143 / 130 ---
     # From here on the run folder is the run's (its first step will be saved): no cleanup.
-    configs.CLEANUPS.clear()
+    CLEANUPS.clear()
     stop = {"signal": None}
     before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     for sig in before:

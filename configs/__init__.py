@@ -322,7 +322,7 @@ def parse_config_args(argv, prog, doc):
     if "-h" in argv or "--help" in argv:
         ap.print_help()
         sys.exit(0)
-    if not any(not a.startswith("--") for a in argv):
+    if all(a.startswith("--") for a in argv):  # overrides alone, or nothing
         ap.error("give a config file first, e.g. configs/tiny.toml")
     return load_config(argv)
 

@@ -10,6 +10,7 @@ Imitate an AVX2-only CPU for a second column of figures (docs/backends.md#other-
 reaches): ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 XLA_FLAGS=--xla_cpu_max_isa=AVX2.
 """
 import argparse
+import json
 import os
 import re
 import shutil
@@ -61,7 +62,6 @@ def exact(ckpts):
 
 def heldout_bpb(run_dir):
     """SFT's held-out bits per byte at each eval step: {step: bpb} (metrics.jsonl)."""
-    import json
     rows = [json.loads(line) for line in (ROOT / run_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["eval_bpb"] for r in rows if "eval_bpb" in r}
 
@@ -69,10 +69,10 @@ def heldout_bpb(run_dir):
 def cpu_name():
     """This machine's CPU as the figures depend on it: its model name and widest vector unit."""
     info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    name = re.search(r"^model name\s*:\s*(.+)$", info, re.M)
-    flags = set((re.search(r"^flags\s*:\s*(.+)$", info, re.M) or re.match("()", "")).group(1).split())
-    widest = "AMX" if "amx_tile" in flags else "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else ""
-    return ", ".join(x for x in [name.group(1).strip() if name else "this CPU", widest] if x)
+    fields = dict(re.findall(r"^(model name|flags)\s*:\s*(.*)$", info, re.M))  # (every CPU lists the same)
+    flags = set(fields.get("flags", "").split())
+    widest = [isa for flag, isa in [("amx_tile", "AMX"), ("avx512f", "AVX-512"), ("avx2", "AVX2")] if flag in flags]
+    return ", ".join([fields.get("model name", "this CPU").strip(), *widest[:1]])
 
 
 def main():
