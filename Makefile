@@ -27,7 +27,19 @@ ifneq ($(filter-out cuda tpu,$(ACCEL)),)
 $(error ACCEL=$(ACCEL): use ACCEL=cuda or ACCEL=tpu, or leave it out for the CPU)
 endif
 
+# jax 0.10.2 and numpy 2.4 need Python >= 3.11; Ubuntu 22.04 (TPU VM images, most GPU nodes) has
+# 3.10 only, and `python3.11: command not found` named no fix. CUDA 13 (jax[cuda13], torch's
+# wheel) needs NVIDIA driver >= 580: below it both run on the CPU, which train.py then refuses for
+# a GPU config. Only a warning here: a login node without GPUs may build the venv for its cluster.
+NVIDIA_DRIVER := 580
 $(VENV)/.installed: requirements.txt $(if $(ACCEL),$(VENV)/.accel-$(ACCEL))
+	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found: jax 0.10.2 needs Python" \
+	  ">= 3.11; on Ubuntu 22.04: sudo apt-get install -y python3.11 python3.11-venv"; exit 1; }
+ifeq ($(ACCEL),cuda)
+	@v=$$(cat /sys/module/nvidia/version 2>/dev/null); [ "$${v%%.*}" -ge $(NVIDIA_DRIVER) ] \
+	  2>/dev/null || echo "warning: ACCEL=cuda: CUDA 13 needs NVIDIA driver >= $(NVIDIA_DRIVER)," \
+	  "this machine has $${v:-none}: upgrade it where you train (nvidia-smi shows it)"
+endif
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) -r requirements.txt $(if $(JAX_FOR),"$(JAX_FOR)")
 	touch $@
@@ -114,9 +126,9 @@ tables: $(VENV)/.installed-test
 exercises: $(VENV)/.installed-test
 	$(PY) tests/exercises.py check
 
-# The check for the day a GPU is lent (tests/device_check.py, minutes): kernels against XLA/SDPA,
-# then short runs of OLMo-2-1B's shape in JAX, torch and transformers; its table goes into
-# docs/backends.md by `make tables`.
+# The check for the day a GPU is lent (tests/device_check.py, ~8 minutes): the bf16 step's dots,
+# kernels against fp32, the real train.py loop, short runs of OLMo-2-1B's shape in JAX, torch
+# and transformers, each row in a process of its own; `make tables` puts it in docs/backends.md.
 device-check: $(VENV)/.installed-test
 	$(PY) tests/device_check.py --out runs/device_check.md
 

@@ -20,6 +20,7 @@ import math
 import mmap
 import os
 import pickle
+import re
 import shutil
 import sys
 import warnings
@@ -85,7 +86,7 @@ def read_safetensors(path, writable=False):
 def copy_out(dst, src, block=64 << 20):
     """dst[...] = src, `block` bytes at a time, each block's pages then handed back (once read, a
     mapped page counts in RSS until unmapped)."""
-    mapped = src.base
+    mapped = getattr(src, "base", None)  # (a Pieced tensor has none)
     while isinstance(mapped, (np.ndarray, memoryview)):  # view -> the map's array -> the map
         mapped = mapped.obj if isinstance(mapped, memoryview) else mapped.base
     rows = max(1, block // max(src[:1].nbytes, 1))
@@ -152,6 +153,131 @@ def write_safetensors(path, tensors, metadata=None, progress=lambda nbytes: None
         progress(views[k].nbytes)
     del views
     replace(tmp, path)
+
+
+# --- checkpoints in pieces: one file per process, so that no page has two writers ---
+# A training run over several hosts saves each host's share of every tensor into a file only that
+# host writes. Writing through one shared file would lose data on a network file system: an NFS
+# client writes a dirty page back whole, and with `embed` split over fsdp a 4 KiB page holds the
+# bytes of many hosts, so the last host to flush a page overwrites the others' bytes with what it
+# saw there (zeros). One process (any number of devices) still writes `model.safetensors` whole.
+
+PIECE = re.compile(r"(.+)\[([0-9:,]*)\]")  # "model.norm.weight[0:512]": a stored piece's name
+
+
+def pieces_file(stem, rank, processes):
+    """The file process `rank` writes its share of `stem` (model, optimizer) into."""
+    if processes == 1:
+        return f"{stem}.safetensors"  # as transformers reads it
+    return f"{stem}.process{rank}-of-{processes}.safetensors"
+
+
+def _span(idx, shape):  # [(start, stop)] per axis of a tuple of slices
+    return [s.indices(n)[:2] for s, n in zip(idx, shape)]
+
+
+def piece_name(name, idx, shape):
+    """The name a piece of tensor `name` is stored under: its rows and columns, e.g. w[0:4,8:16]."""
+    return f"{name}[{','.join(f'{a}:{b}' for a, b in _span(idx, shape))}]"
+
+
+def write_pieces(path, pieces, entries, metadata):
+    """One process's pieces -> a safetensors file only it writes. pieces(): a fresh iterator of
+    (name, index, read) where read() gives the piece as numpy; entries: {name: (shape, dtype)}.
+    A tensor all of whose pieces are here is stored whole under its name; else each piece under
+    piece_name. Two passes over pieces(): the header first, then one piece in memory at a time."""
+    here = {}
+    for name, idx, _ in pieces():
+        here.setdefault(name, []).append(idx)
+    stored, whole = {}, set()
+    for name, idxs in here.items():
+        shape, dtype = entries[name]
+        sizes = [math.prod(b - a for a, b in _span(i, shape)) for i in idxs]
+        if sum(sizes) == math.prod(shape):  # (one replica's pieces never overlap)
+            stored[name] = (shape, dtype)
+            whole.add(name)
+        else:
+            for i in idxs:
+                stored[piece_name(name, i, shape)] = ([b - a for a, b in _span(i, shape)], dtype)
+    allocate_safetensors(path, stored, metadata)
+    views, _ = read_safetensors(path, writable=True)  # ours alone: no other process maps it
+    for name, idx, read in pieces():
+        if name in whole:
+            views[name][idx] = read()
+        else:
+            views[piece_name(name, idx, entries[name][0])][...] = read()
+    del views
+    fsync(path)
+
+
+class Pieced:
+    """A tensor stored in pieces by several processes, indexed like an array: reading a slice reads
+    only the pieces it overlaps (a host restoring its share reads no other host's bytes)."""
+
+    def __init__(self, name, pieces):  # pieces: [(tuple of slices, array)]
+        self.name, self.pieces = name, pieces
+        ndim = len(pieces[0][0])
+        # the pieces tile the tensor: its shape is where they end
+        self.shape = tuple(max(where[axis].stop for where, _ in pieces) for axis in range(ndim))
+        self.dtype, self.ndim = pieces[0][1].dtype, len(self.shape)
+        self.size = math.prod(self.shape)
+        self.nbytes = self.size * self.dtype.itemsize
+        if (held := sum(a.size for _, a in pieces)) != self.size:
+            raise ValueError(f"{name}: its pieces hold {held:,} of its {self.size:,} numbers: a "
+                             "process's file is incomplete (delete this checkpoint)")
+
+    def __getitem__(self, idx):
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        idx += (slice(None),) * (self.ndim - len(idx))
+        dropped = tuple(axis for axis, s in enumerate(idx) if not isinstance(s, slice))
+        idx = [slice(s, s + 1 if s != -1 else None) if axis in dropped else s
+               for axis, s in enumerate(idx)]
+        if any(s.step not in (None, 1) for s in idx):
+            raise IndexError(f"{self.name}: only contiguous slices of a pieced tensor are read")
+        want = _span(idx, self.shape)
+        out, filled = np.empty([b - a for a, b in want], self.dtype), 0
+        for where, array in self.pieces:
+            lo = [max(a, w.start) for (a, _), w in zip(want, where)]
+            hi = [min(b, w.stop) for (_, b), w in zip(want, where)]
+            if any(x >= y for x, y in zip(lo, hi)):
+                continue  # this piece is not read at all
+            into = tuple(slice(x - a, y - a) for x, y, (a, _) in zip(lo, hi, want))
+            out[into] = array[tuple(slice(x - w.start, y - w.start)
+                                    for x, y, w in zip(lo, hi, where))]
+            filled += math.prod(y - x for x, y in zip(lo, hi))
+        if filled != out.size:
+            raise ValueError(f"{self.name}: slice {want} is not covered by its pieces")
+        return out.squeeze(dropped) if dropped else out
+
+    def __array__(self, dtype=None, copy=None):
+        whole = self[()]
+        return whole if dtype is None else whole.astype(dtype)
+
+
+def read_pieces(files):
+    """name -> array or Pieced, over the files of every process (stem.processR-of-P.safetensors);
+    all P must be there."""
+    d = files[0].parent
+    found = {(f.name.split(".process")[0], f.name.split("-of-")[-1].split(".")[0]) for f in files}
+    (stem, count), *others = found
+    if others or not count.isdigit():
+        raise ValueError(f"{d}: files of different runs: {sorted(f.name for f in files)}")
+    want = [pieces_file(stem, r, int(count)) for r in range(int(count))]
+    if missing := [f for f in want if not (d / f).is_file()]:
+        raise FileNotFoundError(f"{d}: no {missing[0]}: a host's share was not "
+                                "written (delete this checkpoint)")
+    wholes, parts = {}, {}
+    for f in want:
+        for key, array in read_safetensors(d / f)[0].items():
+            if piece := PIECE.fullmatch(key):
+                spans = [r.split(":") for r in piece[2].split(",") if r]
+                parts.setdefault(piece[1], []).append(
+                    (tuple(slice(int(a), int(b)) for a, b in spans), array))
+            else:
+                wholes[key] = array
+    if twice := sorted(set(wholes) & set(parts)):
+        raise ValueError(f"{d}: {twice[0]} is stored whole and in pieces")
+    return {**wholes, **{k: Pieced(k, v) for k, v in parts.items()}}
 
 
 # --- HF config.json <-> ModelConfig ---
@@ -271,6 +397,9 @@ def config_to_hf(m: ModelConfig):
 # --- HF model directories ---
 
 HF_SAFETENSORS = ["model.safetensors.index.json", "model.safetensors"]
+# (train.py's checkpoints of several processes: read in pieces; `convert.py` joins them into
+# one HF folder)
+PIECES = "model.process*-of-*.safetensors"
 
 
 def hf_name(name):
@@ -297,7 +426,7 @@ def open_hf(d):
     if pickles and not any((d / n).is_file() for n in HF_SAFETENSORS):
         raise FileNotFoundError(f"{d}: no model.safetensors ({', '.join(pickles)} are pickles, "
                                 f"which we never load here: `python convert.py {d} OUT` converts)")
-    return m, _bind(_weights(d, HF_SAFETENSORS), 0, m, str(d), "config.json")
+    return m, _bind(_weights(d, HF_SAFETENSORS + [PIECES]), 0, m, str(d), "config.json")
 
 
 def load_hf(d, dtype=None):
@@ -601,6 +730,8 @@ def _weights(d, names, trainer=False):
                 if not (d / f).is_file():
                     raise FileNotFoundError(f"{p} names shard {f}, which is missing")
             return {k: v for f in files for k, v in _weights(d, [f], trainer).items()}
+        if "*" in name and (files := sorted(d.glob(name))):  # a multi-host run's pieces
+            return read_pieces(files)
         if name == "model_and_optim" and (p / ".metadata").is_file():
             return dcp_store(p)
         if p.is_file() and name.endswith(".safetensors"):
@@ -637,7 +768,7 @@ TOP_NAMES = [("embed_tokens", "transformer.wte", "embeddings"),
              ("lm_head", "transformer.ff_out", "lm_head.w_out")]
 LAYER_PREFIX = ["layers.{}.", "transformer.blocks.{}.", "blocks.{}."]
 
-HF_WEIGHTS = HF_SAFETENSORS + ["pytorch_model.bin.index.json", "pytorch_model.bin"]
+HF_WEIGHTS = HF_SAFETENSORS + [PIECES, "pytorch_model.bin.index.json", "pytorch_model.bin"]
 # kind -> (config reader, weight files by preference, its name tables' column)
 FORMATS = {
     "hf": (config_from_hf, HF_WEIGHTS, 0),

@@ -13,6 +13,7 @@ OLMo-core NumpyFSLDataLoader's (docs/data.md).
 import argparse
 import base64
 import bisect
+import concurrent.futures
 import errno
 import functools
 import gzip
@@ -797,10 +798,17 @@ class Loader:
                     instances=self.inst.n)
 
     def __iter__(self):
-        while True:
-            batch = self.batch(self.step)
-            self.step += 1
-            yield self.step - 1, batch
+        """(step, batch) from self.step on. The next step's batch is read on a thread while the
+        caller trains on this one: reading rows and the instance filter are host work, which
+        would otherwise wait between two accelerator steps. batch(step) depends on the step
+        alone, so reading ahead changes no batch; state() still says the step handed out."""
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="loader") as ahead:
+            upcoming = ahead.submit(self.batch, self.step)
+            while True:
+                batch = upcoming.result()  # (its error, e.g. a token out of range, raised here)
+                upcoming = ahead.submit(self.batch, self.step + 1)
+                self.step += 1
+                yield self.step - 1, batch
 
 
 def read_rows(inst, ids):

@@ -22,13 +22,14 @@ from functools import lru_cache, partial
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 import numpy as np
 import torch
 from jax.experimental.pallas.ops.tpu.splash_attention import (
     splash_attention_kernel as splash, splash_attention_mask as splash_mask)
 import torch.nn as nn
 import torch.nn.functional as F_  # F is the MLP width in our notation
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from configs import ModelConfig, describe, parse_config_args, run_cli
 
@@ -172,12 +173,44 @@ def matmul_precision(dtype):
 
 
 def linear(x, w):
-    """x (..., in) @ w (out, in).T -> (..., out) in x's dtype (w cast at use, fp32 sums)."""
+    """x (..., in) @ w (out, in).T -> (..., out) in x's dtype (w cast at use, fp32 sums). Its
+    output is named "linear": remat="dots" keeps exactly these (forward's REMAT_DOTS)."""
     if w.dtype == jnp.uint16:  # bf16 held as its bits (CPU decode)
         return bits_linear(x, w)
+    if x.dtype != jnp.float32:  # bf16 compute: the backward's dots in bf16 too
+        return checkpoint_name(low_linear(x, w), "linear")
     with matmul_precision(x.dtype):
         y = jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
-    return y.astype(x.dtype)
+    return checkpoint_name(y.astype(x.dtype), "linear")
+
+
+def sum_f32(spec, a, b):
+    """einsum of a and b in their own dtype (bf16), summed and returned in fp32."""
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+# JAX's own transpose of an fp32-output dot casts its bf16 operands up: every backward matmul
+# fp32 (TF32 on a GPU, half bf16's rate). Here each backward dot takes bf16 operands too.
+@jax.custom_vjp
+def low_linear(x, w):
+    """linear for x in bf16 (or fp16): bf16 operands, fp32 sums, one rounding to x's dtype."""
+    return sum_f32("...i,oi->...o", x, w.astype(x.dtype)).astype(x.dtype)
+
+
+def low_linear_fwd(x, w):
+    # w itself kept (the fp32 parameter, alive anyway), not a bf16 copy of it per layer
+    return low_linear(x, w), (x, w)
+
+
+def low_linear_bwd(saved, g):
+    """g (..., out) in x's dtype -> (dx in x's dtype, dw in w's dtype: fp32 sums over all rows,
+    never rounded to bf16 before the cross-device sum and the accumulation)."""
+    x, w = saved
+    dx = sum_f32("...o,oi->...i", g, w.astype(x.dtype)).astype(x.dtype)
+    return dx, sum_f32("...o,...i->oi", g, x).astype(w.dtype)
+
+
+low_linear.defvjp(low_linear_fwd, low_linear_bwd)
 
 
 # CPU decode holds bf16 matrices as bits: XLA's CPU backend would widen each whole every token
@@ -357,6 +390,11 @@ def block(p, x, attn, m, ffn=mlp):
 
 # --- forward, head and losses ---
 
+# remat="dots": MaxText's "minimal" (dots_with_no_batch_dims_saveable), by name: linear's bf16
+# matmul is a custom_vjp, which that policy does not see as a dot (it would keep nothing)
+REMAT_DOTS = jax.checkpoint_policies.save_only_these_names("linear")
+
+
 def forward(params, tokens, m, dtype=jnp.float32, remat="none", constrain=lambda x: x,
             segments=None, positions=None, attend_fn=None, head=True, scan_layers=True):
     """tokens (B, T) int, each < V (else clamped: check_tokens) -> logits (B, T, V) in dtype, or
@@ -375,7 +413,10 @@ def forward(params, tokens, m, dtype=jnp.float32, remat="none", constrain=lambda
 
     def layer(p, x, cos, sin, segments, w):
         return block(p, x, lambda h: attention(p, h, cos, sin, w, m, segments, attend_fn), m, ffn)
-    layer = jax.checkpoint(layer, static_argnums=(5,)) if remat == "block" else layer
+    if remat == "block":  # keeps each layer's input only: the backward reruns its forward
+        layer = jax.checkpoint(layer, static_argnums=(5,))
+    if remat == "dots":  # keeps the projections' outputs: reruns norms, RoPE, SwiGLU, attention
+        layer = jax.checkpoint(layer, static_argnums=(5,), policy=REMAT_DOTS)
 
     def step(x, group):  # compile time grows with P, not L
         for i in range(P):
@@ -583,9 +624,13 @@ def splash_kernel(Tq, S, N, window, offset, interpret):
         mask = splash_mask.LocalMask((Tq, S), (window - 1, 0), offset=offset)
     else:
         mask = splash_mask.CausalMask((Tq, S), offset=offset)
-    b = next(b for b in (512, 256, 128) if Tq % b == 0 and S % b == 0)
-    names = ("block_q", "block_kv", "block_q_dkv", "block_kv_dkv", "block_q_dq", "block_kv_dq")
-    sizes = splash.BlockSizes(**dict.fromkeys(names, b))
+    # Blocks as large as divide the sequence, up to 2048, and the fused backward (dq, dk, dv in
+    # one pass over the blocks): MaxText's tuned Llama-3.1-8B at T=8192 takes these
+    # (benchmarks/maxtext_trillium_model_configs.py: sa_block_* 2048, sa_use_fused_bwd_kernel).
+    # 512 everywhere, the kernel's own example, re-reads q and k four times as often.
+    b = next(b for b in (2048, 1024, 512, 256, 128) if Tq % b == 0 and S % b == 0)
+    names = ("block_q", "block_kv", "block_q_dkv", "block_kv_dkv")
+    sizes = splash.BlockSizes(**dict.fromkeys(names, b), use_fused_bwd_kernel=True)
     # Concrete even inside a trace: a cached kernel holding tracers breaks later calls
     with jax.ensure_compile_time_eval():
         heads = splash_mask.MultiHeadMask([mask] * N)
@@ -875,6 +920,12 @@ class Block(nn.Module):
 ROPE_BUFFERS = ("inv_freq", "rope_scale")  # (L, H/2), (L,) of layer_arrays
 
 
+# remat="dots" in torch: selective activation checkpointing keeps the outputs of these ops (the
+# linear layers' matmuls; F_.linear runs as one of them) and reruns every other op in the backward
+SAVE_MATMULS = partial(create_selective_checkpoint_contexts,
+                       [torch.ops.aten.mm.default, torch.ops.aten.addmm.default])
+
+
 class OLMo(nn.Module):
     def __init__(self, m):
         super().__init__()
@@ -895,9 +946,12 @@ class OLMo(nn.Module):
         for name, value in zip(ROPE_BUFFERS, layer_arrays(self.m)[1:]):
             getattr(self, name).copy_(torch.from_numpy(value))
 
-    def forward(self, tokens, dtype=torch.float32, remat="none", segments=None, cache=None, pos=0):
+    def forward(self, tokens, dtype=torch.float32, remat="none", segments=None, cache=None, pos=0,
+                labels=None, chunks=1, temperature=1.0):
         """tokens (B, T) long -> logits (B, T, V) in dtype; remat, segments: JAX's forward's; with
-        a cache (new_cache): at positions pos.."""
+        a cache (new_cache): at positions pos..; with labels (B, T): token_logps_torch's (log
+        p(label), logsumexp), the head in `chunks` passes (in forward: FSDP2 gathers the head
+        only for a forward call), logits divided by `temperature` (GRPO's sampling temperature)."""
         T = tokens.shape[1]
         x = self.embed_tokens(tokens).to(dtype)  # (B, T, D)
         positions = torch.arange(pos, pos + T, device=tokens.device)
@@ -907,7 +961,11 @@ class OLMo(nn.Module):
         for layer, w, (f, s), c in zip(self.layers, self.windows, rope, caches):
             cos, sin = rope_cos_sin_torch(positions, f, s)
             run = partial(checkpoint, layer, use_reentrant=False) if remat == "block" else layer
+            if remat == "dots":  # JAX's policy: the projections' outputs kept, the rest rerun
+                run = partial(checkpoint, layer, use_reentrant=False, context_fn=SAVE_MATMULS)
             x = run(x, cos, sin, masks[w], remat == "mlp", c, pos)
+        if labels is not None:
+            return token_logps_torch(self, x, labels, chunks, temperature)
         return self.unembed(x, dtype)
 
     def new_cache(self, B, S, dtype):
@@ -925,13 +983,34 @@ class OLMo(nn.Module):
 
 def label_logps_torch(logits, labels, temperature=1.0):
     """label_logps: (log p(label), logsumexp)."""
-    logits = logits.float() / temperature
+    logits = logits.float()  # (B, T, V): at 1 no second fp32 copy for the division
+    logits = logits / temperature if temperature != 1.0 else logits
     lse = torch.logsumexp(logits, dim=-1)
     target = logits.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     return torch.where(labels != IGNORE_INDEX, target - lse, 0.0), lse
 
 
 cross_entropy_torch = partial(cross_entropy, logps=label_logps_torch, xp=torch)
+
+
+def token_logps_torch(net, x, labels, chunks=1, temperature=1.0):
+    """token_logps: label_logps_torch (B, T) of net's head on the last layer's output x (B, T, D)
+    in `chunks` passes, chunk j: positions j (mod n), so (B, T/n, V) logits at a time. Under
+    autograd each pass is recomputed in the backward, as in JAX's token_logps: only one pass's
+    logits exist at a time then too (kept, all n would add up to the whole logits again)."""
+    (B, T, D), n = x.shape, min(chunks, x.shape[1])
+
+    def one(x, labels):  # (B, t, D), (B, t) -> log p, logsumexp (B, t)
+        return label_logps_torch(net.unembed(x, x.dtype), labels, temperature)
+    if n == 1:
+        return one(x, labels)
+    if torch.is_grad_enabled():
+        one = partial(checkpoint, one, use_reentrant=False)
+    pad = -T % n  # (no targets; cut below)
+    x = F_.pad(x, (0, 0, 0, pad)).reshape(B, -1, n, D)  # (B, T/n, n, D)
+    labels = F_.pad(labels, (0, pad), value=IGNORE_INDEX).reshape(B, -1, n)  # (B, T/n, n)
+    parts = [one(x[:, :, j], labels[:, :, j]) for j in range(n)]  # n of (log p, lse), (B, T/n)
+    return tuple(torch.stack(p, dim=2).reshape(B, -1)[:, :T] for p in zip(*parts))  # (B, T) each
 
 
 def torch_model(m, params=None):

@@ -5,10 +5,12 @@ checkpoints, what each device has, the ahead-of-time plan. Why: docs/sharding.md
     python shard.py configs/olmo3-7b.toml --mesh.data=1 --mesh.fsdp=-1  # the mesh, param layouts
 """
 
+import functools
 import glob
 import hashlib
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -224,8 +226,9 @@ def check_hosts_agree(backend, run_dir, data_path):
     if backend.processes == 1:
         return
     if filesystem(run_dir) == "fuse.gcsfuse":
-        raise OSError(f"train.run_dir={run_dir} is on GCS FUSE, which keeps one writer's copy of a "
-                      "file that several hosts write: put it on Filestore or NFS")
+        raise OSError(f"train.run_dir={run_dir} is on GCS FUSE, where renaming a folder is a copy "
+                      "then a delete (a kill mid-save leaves half a checkpoint): put it on "
+                      "Filestore or NFS")
     token = int(backend.allgather([int.from_bytes(os.urandom(3), "little")])[0, 0])  # the lead's
     stamp = Path(run_dir) / ".hosts"
     if backend.lead:
@@ -269,21 +272,44 @@ def data_fingerprint(path):
     return int.from_bytes(hashlib.sha256(listing.encode()).digest()[:4], "little") >> 1
 
 
+def srun_tasks():
+    """The task count of the srun step that started this process; 1 outside a step. JAX's
+    SlurmCluster counts SLURM_NTASKS, which an sbatch script run without srun, or salloc's
+    interactive shell (a step of SLURM_STEP_NUM_TASKS=1), export too: there a plain
+    `python train.py` waited for the allocation's other tasks, which never come."""
+    if "SLURM_STEP_ID" not in os.environ:
+        return 1  # no step (an salloc or sbatch shell): srun sets it for each task it starts
+    return int(os.environ.get("SLURM_STEP_NUM_TASKS", "1"))
+
+
 def start_distributed():
     """Join the processes JAX_* variables name, or the cluster JAX finds (SLURM, Open MPI, TPU
-    pods); before any device use."""
+    pods); before any device use. Says in one line what it joins (a wrong count waits forever)."""
     if address := os.environ.get("JAX_COORDINATOR_ADDRESS"):
-        args = (address, int(os.environ["JAX_NUM_PROCESSES"]), int(os.environ["JAX_PROCESS_ID"]))
+        n, me = int(os.environ["JAX_NUM_PROCESSES"]), int(os.environ["JAX_PROCESS_ID"])
+        args, kw = (address, n, me), {}
+        source = f"JAX_COORDINATOR_ADDRESS={address}"
     else:
         from jax._src import clusters  # JAX's detection; private, but jax is pinned
         env = next((c for c in clusters.ClusterEnv._cluster_types
                     if not c.opt_in_only_method and c.is_env_present()), None)
-        if env is None or env.get_process_count() == 1:
-            return  # no cluster, one host, srun -n1
-        args = ()  # (from the cluster)
+        if env is None:
+            return  # no cluster
+        n = srun_tasks() if env.name == "slurm" else env.get_process_count()
+        if n == 1 and env.name == "slurm" and env.get_process_count() > 1:  # JAX would wait
+            print(f"note: SLURM_NTASKS={env.get_process_count()}, but no srun step of several "
+                  "tasks started this process: it trains alone (`srun` starts one per task)",
+                  file=sys.stderr)
+        if n == 1:
+            return  # one host, srun -n1, an salloc shell
+        me = env.get_process_id()
+        # the count and the cluster passed on: JAX would read SLURM_NTASKS (the allocation's count)
+        args, kw = (None, n, me), dict(cluster_detection_method=env.name)
+        source = env.name
+    print(f"distributed: {source}: process {me} of {n}, waiting for all {n} to join", flush=True)
     if os.environ.get("JAX_PLATFORMS") == "cpu":  # CPU processes talk over gloo
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(*args)
+    jax.distributed.initialize(*args, **kw)
 
 
 # --- checkpoints: the piece of each array a process writes (train.save_checkpoint), reads back ---
@@ -298,16 +324,17 @@ def stored_slices(name, shape, prefix, idx):
 
 
 def jax_pieces(trees):
-    """(stored name, index, numpy) of each shard here (replica 0) of [(prefix, {name: array})]."""
+    """(stored name, index, read) of each shard here (replica 0) of [(prefix, {name: array})];
+    read() copies it to the host then (a stacked shard once for all its layers)."""
     for prefix, tree in trees:
         for name, a in tree.items():
             for sh in a.addressable_shards:
                 if sh.replica_id:
                     continue  # another device writes the same values
-                value = np.asarray(sh.data)
-                values = value if name.startswith("layers.") else [value]  # one per stored name
-                for (fname, idx), v in zip(stored_slices(name, a.shape, prefix, sh.index), values):
-                    yield fname, idx, v
+                host = functools.cache(lambda sh=sh: np.asarray(sh.data))
+                stacked = name.startswith("layers.")  # one stored name per layer
+                for i, (fname, idx) in enumerate(stored_slices(name, a.shape, prefix, sh.index)):
+                    yield fname, idx, (lambda i=i, host=host: host()[i]) if stacked else host
 
 
 def jax_read(views, prefix, table, shardings):
@@ -379,6 +406,89 @@ def unseen_accelerator(platform):
             f"`make demo ACCEL={accel}`")
 
 
+# CUDA 13's minimum Linux driver (NVIDIA's CUDA 13.0 release notes: >= 580.65.06), for
+# jax[cuda13] and torch's CUDA 13 wheel alike. Below it JAX logs a warning and runs on the CPU,
+# and torch.cuda.is_available() is just False: a 1B run would go on at CPU speed.
+NVIDIA_DRIVER = 580
+
+
+def nvidia_driver(path="/sys/module/nvidia/version"):
+    """The loaded NVIDIA kernel driver's version ("580.65.06"), or "" if none is loaded."""
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return ""
+
+
+def check_platform(mesh_cfg, platform, sees, backend="jax", driver=None):
+    """Refuse a run on the CPU whose config targets a GPU or TPU (mesh.device): `sees` is what
+    JAX or torch found, named in the error with the likely cause and its fix."""
+    target = DEVICES.get(mesh_cfg.device)
+    if target is None or platform != "cpu":
+        return  # no target (tiny.toml), or on an accelerator
+    driver = nvidia_driver() if driver is None else driver
+    if not target.kinds[0].startswith("NVIDIA"):
+        why = ("the torch backend runs on NVIDIA GPUs only: use --train.backend=jax"
+               if backend == "torch" else
+               "likely JAX's TPU plugin (libtpu) is not installed: `make demo ACCEL=tpu`")
+    elif not driver:
+        why = (f"likely no NVIDIA driver is loaded (/sys/module/nvidia/version): install driver >= "
+               f"{NVIDIA_DRIVER}, which CUDA 13 needs")
+    elif int(driver.split(".")[0]) < NVIDIA_DRIVER:
+        why = (f"likely the NVIDIA driver: {driver}, and CUDA 13 (jax[cuda13], torch's wheel) "
+               f"needs >= {NVIDIA_DRIVER}: upgrade it (nvidia-smi shows it)")
+    elif backend == "torch":  # (a CPU build says CUDA None; CUDA_VISIBLE_DEVICES may hide all)
+        why = "likely a CPU build of torch, or CUDA_VISIBLE_DEVICES hides the GPUs"
+    else:
+        why = "likely JAX's CUDA plugin is not installed: `make demo ACCEL=cuda`"
+    raise ValueError(f"mesh.device={mesh_cfg.device!r} is {target.kinds[0]}, but {backend} sees "
+                     f"only the CPU ({sees}); {why}; to train on the CPU anyway pass "
+                     "--mesh.device=")
+
+
+# Compiler flags for a run on GPUs or TPUs, read once, when JAX starts its backend. Each overlaps
+# FSDP's traffic with compute: without them every layer's weight gather (forward and backward) and
+# gradient reduce-scatter waits on the compute before it, in each micro-batch.
+GPU_FLAGS = [  # NVIDIA JAX-Toolbox rosetta/docs/GPU_performance.md; MaxText's H100 scripts
+    "--xla_gpu_enable_latency_hiding_scheduler=true",  # collectives scheduled under compute
+    "--xla_gpu_enable_highest_priority_async_stream=true",  # ... and not starved by it
+    "--xla_gpu_enable_pipelined_all_gather=true",  # layer i+1's weights gathered during layer i
+    "--xla_gpu_enable_pipelined_reduce_scatter=true",  # layer i's gradients reduced during i-1
+    "--xla_gpu_enable_pipelined_all_reduce=true",
+    "--xla_gpu_enable_while_loop_double_buffering=true",  # (the layers are a scan: a while loop)
+    "--xla_gpu_all_gather_combine_threshold_bytes=1073741824",  # a layer's gathers as one
+    "--xla_gpu_reduce_scatter_combine_threshold_bytes=33554432",
+    "--xla_gpu_all_reduce_combine_threshold_bytes=134217728",
+    "--xla_gpu_enable_all_gather_combine_by_dim=false",  # combine across dims too
+    "--xla_gpu_enable_reduce_scatter_combine_by_dim=false",
+]
+TPU_FLAGS = [  # MaxText benchmarks/xla_flags_library.py: CF_FOR_ALL_GATHER, DATA_PARALLEL_OVERLAP
+    "--xla_tpu_enable_async_collective_fusion=true",  # gathers fused into the compute that
+    "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true",  # runs meanwhile
+    "--xla_tpu_enable_async_collective_fusion_multiple_steps=true",
+    "--xla_tpu_overlap_compute_collective_tc=true",
+    "--xla_enable_async_all_gather=true",
+    "--xla_tpu_enable_data_parallel_all_reduce_opt=true",  # data-parallel reductions pipelined
+    "--xla_tpu_data_parallel_opt_different_sized_ops=true",
+    # (DENSE_VMEM_LIMIT_FLAG) scoped VMEM for one op: splash's 2048-wide blocks (model.py) need
+    # 29 MiB; at the default 16 MiB the v5p compile fails with CompileTimeScopedVmemOom
+    "--xla_tpu_scoped_vmem_limit_kib=98304",
+]
+
+
+def set_accelerator_flags(device, environ=os.environ):
+    """Put GPU_FLAGS in XLA_FLAGS or TPU_FLAGS in LIBTPU_INIT_ARGS for mesh.device `device`, before
+    JAX starts (a flag set later is never read). Yours come after ours: where both set a flag,
+    yours wins. None for a CPU."""
+    target = DEVICES.get(device)
+    if target is None:
+        return None
+    gpu = target.kinds[0].startswith("NVIDIA")
+    var, ours = ("XLA_FLAGS", GPU_FLAGS) if gpu else ("LIBTPU_INIT_ARGS", TPU_FLAGS)
+    environ[var] = " ".join([*ours, environ.get(var, "")]).strip()
+    return var
+
+
 def compiler_options(mesh, dtype):
     """XLA options for the train step: on one CPU in fp32, YNNPACK's fusions (XLA's transpose
     slowly)."""
@@ -448,6 +558,9 @@ def plan(cfg, names, topology, make_step, new_history):
     print(f"  optimizer state   {gib(o_bytes)} per device (AdamW m, v)")
     print(f"  gradients + activations + workspace (XLA temporary) {gib(temp)}")
     fits = "fits" if total <= usable * 2**30 else "does NOT fit"
+    if not topology and fits != "fits":  # (the CPU compiler's count is an upper bound)
+        fits = ("over by the CPU compiler's count, an upper bound (XLA attention keeps (T, T) "
+                "scores a kernel does not): `--topology` with libtpu, or the device, decides")
     print(f"  total             {gib(total)} of {usable:.1f} GiB JAX can use on a {target.device} "
           f"({DEVICES[target.device].hbm:g} GiB): {fits}")
     print(f"  ({caveat})")

@@ -115,7 +115,9 @@ def push_history(history, loss, grad_norm):
 
 
 # --- checkpoints (both backends) ---
-# HF layout on any backend or mesh (a run resumes on another); no host holds a whole array.
+# HF layout on any backend or mesh (a run resumes on another); no host holds a whole array, and
+# each process writes its own file (convert.py's "checkpoints in pieces": one process writes
+# model.safetensors whole; several write pieces, which `convert.py step_N OUT` joins).
 
 def checkpoint_entries(m):
     """{name: (shape, dtype)} of model.safetensors and optimizer.safetensors."""
@@ -138,16 +140,11 @@ def save_checkpoint(step, backend, cfg, loader_state, log_window, extra):
         barrier()
         formats = dict(model="pt", optimizer="nanolmo")
         for (kind, fmt), entries in zip(formats.items(), checkpoint_entries(cfg.model)):
-            path = tmp / f"{kind}.safetensors"
-            if lead:  # claims the disk; all write their pieces into a memory map
-                convert.allocate_safetensors(path, entries, {"format": fmt})
-            barrier()
-            views, _ = convert.read_safetensors(path, writable=True)
-            for name, idx, value in backend.pieces(kind):
-                views[name][idx] = value
-            del views
-            convert.fsync(path)  # the mapped pages, on disk
-            barrier()
+            # each process its own file (convert.py's "checkpoints in pieces" says why)
+            path = tmp / convert.pieces_file(kind, backend.rank, backend.processes)
+            convert.write_pieces(path, lambda kind=kind: backend.pieces(kind), entries,
+                                 {"format": fmt})
+        barrier()  # every file whole before the lead renames the folder
         if lead:
             meta = dict(step=step, config=to_dict(cfg), data=loader_state, log_window=log_window,
                         history={k: np.asarray(v).tolist() for k, v in backend.history.items()})
@@ -206,11 +203,11 @@ def open_checkpoint(path, m, with_optimizer=True, new_stage=False):
     theirs = build({"model": meta["config"]["model"]}).model if meta else saved_m
     if diff := theirs.differences(m, STAGE_MAY_CHANGE if new_stage else ()):
         raise ConfigError(f"{path} holds a different model (there vs here: {'; '.join(diff)})")
-    opt, file = None, path / "optimizer.safetensors"
-    if with_optimizer and file.is_file():
-        opt, _ = convert.read_safetensors(file)
+    opt, files = None, ["optimizer.safetensors", "optimizer.process*-of-*.safetensors"]
+    if with_optimizer and any(any(path.glob(f)) for f in files):
+        opt = convert._weights(path, files)
         if missing := [f for f in checkpoint_entries(m)[1] if f not in opt]:
-            raise ValueError(f"{file}: no tensor {missing[0]}")
+            raise ValueError(f"{path}: its optimizer has no tensor {missing[0]}")
     return state, opt, meta
 
 
@@ -282,8 +279,13 @@ class JaxBackend:
 
     def __init__(self, cfg):
         shard.start_distributed()
+        # a GPU/TPU config on the CPU (an old driver, no plugin) stops here, not at CPU speed
+        seen = f"jax.devices(): {jax.device_count()} x {jax.devices()[0].device_kind}"
+        shard.check_platform(cfg.mesh, jax.default_backend(), seen)
         m, dc, tc = cfg.model, cfg.data, cfg.train
-        self.cfg, self.lead, self.processes = cfg, jax.process_index() == 0, jax.process_count()
+        self.cfg = cfg
+        self.rank, self.processes = jax.process_index(), jax.process_count()
+        self.lead = self.rank == 0
         self.mesh = mesh = shard.make_mesh(cfg.mesh)
         self.n_devices, self.world = mesh.devices.size, shard.dp_size(mesh)
         self.ranks = shard.local_ranks(mesh)
@@ -302,11 +304,16 @@ class JaxBackend:
         self.history = jax.device_put(new_history(), hist_sh)
         self.train_step = make_train_step(cfg, mesh)
 
+        # eval and score: micro-batches (A, B, T) one after another, as the step's (olmo2-1b: 2
+        # rows a GPU, not all 64 at once: a head chunk's logits alone were 6 GiB bf16 + 12 fp32)
         def nats(params, batch):  # summed nats, and the targets they cover
-            logp, _, labels = token_stats(cfg, mesh, params, batch)
-            return -logp.sum(), (labels != model.IGNORE_INDEX).sum()
+            def one(micro):
+                logp, _, labels = token_stats(cfg, mesh, params, micro)
+                return -logp.sum(), (labels != model.IGNORE_INDEX).sum()
+            return jax.tree.map(jnp.sum, jax.lax.map(one, batch))
         self.eval_step = jax.jit(nats)
-        self.score_step = jax.jit(lambda p, b: token_stats(cfg, mesh, p, b)[0].sum(-1))
+        self.score_step = jax.jit(lambda p, batch: jax.lax.map(
+            lambda micro: token_stats(cfg, mesh, p, micro)[0].sum(-1), batch))  # (A, B)
         self.new_optimizer = jax.jit(new_optimizer, out_shardings=self.opt_sh)
 
     barrier, allgather = staticmethod(shard.jax_barrier), staticmethod(shard.jax_allgather)
@@ -330,27 +337,34 @@ class JaxBackend:
 
     def step(self, batch, lr):
         """batch: {tokens (B_local, T), ...}: this process's ranks' rows, rank-major."""
-        def lay_out(x):  # (B_local, ...) -> (A, B, ...): micro-batch a of all ranks, B: data x fsdp
-            per = x.reshape(len(self.ranks), self.accum, -1, *x.shape[1:]).swapaxes(0, 1)
-            return jax.make_array_from_process_local_data(
-                shard.batch_sharding(self.mesh, x.ndim), per.reshape(self.accum, -1, *x.shape[1:]))
-        batch = {k: lay_out(v) for k, v in batch.items()}
+        batch = self._lay_out(batch, self.accum)
         state = self.params, self.opt, self.history
         self.params, self.opt, self.history, out = self.train_step(*state, batch, jnp.float32(lr))
         return out  # still computing: the loop reads it when it must
 
-    def _put(self, batch):
-        return {k: jax.make_array_from_process_local_data(
-            shard.instance_sharding(self.mesh, v.ndim), v) for k, v in batch.items()}
+    def _lay_out(self, batch, accum):
+        """{k: (B_local, ...)} -> {k: (A, B, ...)}: micro-batch a of all ranks, B: data x fsdp."""
+        def lay_out(x):
+            per = x.reshape(len(self.ranks), accum, -1, *x.shape[1:]).swapaxes(0, 1)
+            return jax.make_array_from_process_local_data(
+                shard.batch_sharding(self.mesh, x.ndim), per.reshape(accum, -1, *x.shape[1:]))
+        return {k: lay_out(v) for k, v in batch.items()}
+
+    def _eval_accum(self, batch):
+        """Micro-batches of train.micro_batch rows a rank (or fewer that divide them) in `batch`."""
+        per = len(batch["tokens"]) // len(self.ranks)
+        return per // math.gcd(per, self.micro)
 
     def eval(self, batch):
         """Summed nats and target count of all processes' rows {tokens (B_local, T), mask?}."""
-        s, n = self.eval_step(self.params, self._put(batch))
+        s, n = self.eval_step(self.params, self._lay_out(batch, self._eval_accum(batch)))
         return float(s), int(n)
 
     def score(self, batch):
-        """Each row's summed log-prob of its targets (B,), numpy."""
-        return np.asarray(self.score_step(self.params, self._put(batch)))
+        """Each row's summed log-prob of its targets (B,), numpy (one process)."""
+        accum = self._eval_accum(batch)
+        out = np.asarray(self.score_step(self.params, self._lay_out(batch, accum)))  # (A, B)
+        return out.reshape(accum, len(self.ranks), -1).swapaxes(0, 1).ravel()  # rank-major rows
 
     def pieces(self, kind):
         o = self.opt
@@ -374,8 +388,12 @@ class TorchBackend:
         m, tc = cfg.model, cfg.train
         # JAX only draws the initial weights: keep it off the GPUs
         jax.config.update("jax_platforms", "cpu")
-        rank, self.processes, self.device = shard.torch_start()
-        self.cfg, self.lead, self.ranks = cfg, rank == 0, [rank]
+        self.rank, self.processes, self.device = shard.torch_start()
+        seen = (f"torch.cuda.is_available()={torch.cuda.is_available()}, torch {torch.__version__}"
+                f" built for CUDA {torch.version.cuda}")
+        shard.check_platform(cfg.mesh, self.device.type, seen, backend="torch")
+        self.cfg = cfg
+        self.lead, self.ranks = self.rank == 0, [self.rank]
         self.n_devices = self.world = self.processes  # a device, a data rank per process
         _, self.micro, self.accum = shard.check_batch(
             cfg.data.global_batch, tc.micro_batch, self.world, f"{self.world} torch process(es)")
@@ -397,7 +415,10 @@ class TorchBackend:
         groups = [dict(params=[], weight_decay=tc.weight_decay), dict(params=[], weight_decay=0.0)]
         for n, p in self.named.items():
             groups[not table[stacked_name(n)].decay]["params"].append(p)  # decayed: groups[0]
-        self.optim = torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps)
+        # fused on a GPU: one kernel for all tensors (the default, foreach, launches several per
+        # group); the CPU keeps foreach, which tests/test_train.py checks against JAX's AdamW
+        self.optim = torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps,
+                                       fused=self.device.type == "cuda")
         self.history = new_history()  # on the host
         self.loss, self.total_of = model.make_loss(cfg, torch)
         kind = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
@@ -421,10 +442,16 @@ class TorchBackend:
         """JAX's init_params, drawn on the host a tensor at a time: a JAX run's weights."""
         m, key = self.cfg.model, jax.random.PRNGKey(seed)
 
+        @functools.lru_cache(maxsize=1)  # one stacked tensor on the host at a time
+        def drawn(name):
+            return np.asarray(model.init_params(m, key, [name])[name])  # (L, ...) if stacked
+
         def draw(n, idx):
-            w = np.asarray(model.init_params(m, key, [stacked_name(n)])[stacked_name(n)])
-            return (w[int(n.split(".")[1])] if n.startswith("layers.") else w)[idx]  # (L, ...)
-        self._fill(self.named, draw)
+            w = drawn(stacked_name(n))
+            return (w[int(n.split(".")[1])] if n.startswith("layers.") else w)[idx]
+        # by stacked name, layers.0.X, layers.1.X, ...: X is drawn once for all L layers, not
+        # once per layer (minutes at 1B)
+        self._fill(dict(sorted(self.named.items(), key=lambda t: stacked_name(t[0]))), draw)
 
     def load(self, state, views):
         self._fill(self.named, lambda n, idx: state[n][idx])
@@ -449,8 +476,9 @@ class TorchBackend:
             if self.processes > 1:  # reduce-scatter once, after the last
                 self.net.set_requires_gradient_sync(a == self.accum - 1)
             segments = None if docs is None else docs[at]
-            logits = self.net(x[at], self.dtype, tc.remat, segments)  # (the head unchunked)
-            logp, lse = model.label_logps_torch(logits, y[at], temperature(tc))
+            # the head in train.loss_chunks passes, each recomputed in the backward (JAX's too)
+            logp, lse = self.net(x[at], self.dtype, tc.remat, segments, labels=y[at],
+                                 chunks=tc.loss_chunks, temperature=temperature(tc))
             share, aux = self.loss(logp, lse, y[at], {k: v[at] for k, v in rows.items()}, total)
             # FSDP2 averages over ranks; each loss is a share of the global mean: x world, summed
             (share * self.world).backward()
@@ -483,19 +511,27 @@ class TorchBackend:
         rows = {k: on(v) for k, v in batch.items() if k not in ("tokens", "mask")}
         return [None if a is None else on(a.astype(np.int64)) for a in ids] + [rows]
 
-    def _forward(self, batch):  # (logits, labels)
+    def _logps(self, batch):
+        """(log p(label) (B, T) fp32, labels) of this rank's rows: train.micro_batch rows at a
+        time, the head in train.loss_chunks passes, as JAX's eval. Whole, the 1B's 64 rows x
+        4,096 x 100,352 logits were 49 GiB in bf16 and 98 GiB more in fp32, on each GPU."""
         x, y, docs, _ = self._inputs(batch)
-        return self.net(x, self.dtype, segments=docs), y
+        logps = []
+        for at in range(0, len(x), self.micro):
+            rows = slice(at, at + self.micro)
+            segments = None if docs is None else docs[rows]
+            logps.append(self.net(x[rows], self.dtype, segments=segments, labels=y[rows],
+                                  chunks=self.cfg.train.loss_chunks)[0])
+        return torch.cat(logps), y
 
     @torch.no_grad()
     def score(self, batch):
-        return model.label_logps_torch(*self._forward(batch))[0].sum(-1).double().cpu().numpy()
+        return self._logps(batch)[0].sum(-1).double().cpu().numpy()
 
     @torch.no_grad()
     def eval(self, batch):
-        logits, y = self._forward(batch)
-        n = (y != model.IGNORE_INDEX).sum()
-        nats = model.cross_entropy_torch(logits, y)[1].double() * n
+        logp, y = self._logps(batch)
+        nats, n = -logp.double().sum(), (y != model.IGNORE_INDEX).sum()
         s, n = shard.torch_sum(torch.stack([nats, n.double()])).tolist()
         return s, int(n)
 
@@ -506,10 +542,10 @@ class TorchBackend:
             moments = {f"{k}.{n}": st[k] for k in ("exp_avg", "exp_avg_sq")}
             for fname, t in ({convert.hf_name(n): p} if kind == "model" else moments).items():
                 local, idx, writes = shard.torch_local(t)
-                if writes:
-                    yield fname, idx, local.detach().cpu().numpy()
+                if writes:  # read when written: one piece on the host at a time
+                    yield fname, idx, lambda local=local: local.detach().cpu().numpy()
         if kind != "model" and self.lead:
-            yield "step", (), np.int32(int(st["step"]))
+            yield "step", (), lambda: np.int32(int(st["step"]))
 
     def host_params(self):
         """Stacked numpy params, gathered whole on every process."""
@@ -703,8 +739,10 @@ def log(r, metrics_path, write):
     """One metrics.jsonl line, and its aligned line on the screen."""
     if "loss" in r:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
+        tps = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] is not None else "n/a"
         parts = [f"step {r['step']:>6}", f"loss {r['loss']:.4f}", f"lr {r['lr']:.2e}",
-                 f"grad norm {r['grad_norm']:.3f}", f"{r['tokens_per_s']:,.0f} tok/s", f"MFU {mfu}",
+                 f"grad norm {r['grad_norm']:.3f}", f"{tps} tok/s", f"MFU {mfu}",
+                 f"first step {r['compile_s']:.1f} s (compile)" if "compile_s" in r else "",
                  "SKIPPED" if r["skipped"] else "",
                  f"held-out bpb {r['eval_bpb']:.3f}" if r.get("eval_bpb") else "",
                  f"masked {r['masked']:.1%}" if "masked" in r else "",
@@ -759,6 +797,8 @@ def main(argv):
     if not run_dir.exists():  # made by this start: removed again if it fails or is interrupted
         CLEANUPS.append(functools.partial(shutil.rmtree, run_dir, ignore_errors=True))
     run_dir.mkdir(parents=True, exist_ok=True)
+    if tc.backend == "jax" and (var := shard.set_accelerator_flags(cfg.mesh.device)):
+        print(f"{var}={os.environ[var]}")  # (shard.GPU_FLAGS / TPU_FLAGS: why each)
     backend = (TorchBackend if tc.backend == "torch" else JaxBackend)(cfg)
     if backend.processes > 1:  # the other processes share the folder: none of them removes it
         CLEANUPS.clear()
@@ -821,6 +861,7 @@ def main(argv):
     bar = data.Progress(range(start + 1, tc.steps + 1), initial=start, total=tc.steps,
                         desc="train", dynamic_ncols=True, disable=not lead)
     t_last, pending, masked = time.perf_counter(), [], []  # pending: (step, metrics on device)
+    timed, compile_s = 0, None  # steps since t_last; the first step's seconds (see below)
     for step, (_, batch) in zip(bar, loader):
         if "masked" in batch:  # data.instance_filter: the share of rows it masked
             masked.append(batch.pop("masked") / len(batch["tokens"]))
@@ -828,6 +869,11 @@ def main(argv):
             batch = rollouts(backend, cfg, batch, step, tok)
         lr = lr_at(step, tc, tokens_per_step, tc.steps)
         pending.append((step, backend.step(batch, lr)))  # JAX returns at once: it runs meanwhile
+        if step == start + 1:  # it compiles (minutes at 7B): in tokens/s it hid the real speed
+            jax.block_until_ready(pending[-1][1])
+            compile_s, t_last = time.perf_counter() - t_last, time.perf_counter()
+        else:
+            timed += 1
         logging = step % tc.log_every == 0 or step == tc.steps
         evaluating = ec.every and step % ec.every == 0 and step != tc.steps
         stopping = stop["signal"]  # read once: a later signal takes this path after the next step
@@ -839,23 +885,28 @@ def main(argv):
         out = read_pending(pending, window, tc, last_saved)
         pending, record = [], {}
         if logging:
-            tps = len(window) * tokens_per_step / (time.perf_counter() - t_last)
-            mfu = flops * tps / (backend.peak * backend.n_devices) if backend.peak else None
+            # (a window of the first step alone has no speed yet: None, and its compile_s)
+            tps = timed * tokens_per_step / (time.perf_counter() - t_last) if timed else None
+            mfu = flops * tps / (backend.peak * backend.n_devices) if backend.peak and tps else None
             record = dict(step=step, loss=sum(window) / len(window), lr=lr,
                           grad_norm=out["grad_norm"], tokens_per_s=tps, skipped=out["skipped"],
                           mfu=mfu, tokens=step * tokens_per_step,
                           **{k: out[k] for k in POSTTRAIN_METRICS + ("ce",) if k in out})
             if masked:  # over the steps since the last line
                 record["masked"] = sum(masked) / len(masked)
-            t_last, window, masked = time.perf_counter(), [], []
+            if compile_s is not None:  # this start's first line: its first step (compile + run)
+                record["compile_s"], compile_s = compile_s, None
+            t_last, timed = time.perf_counter(), 0
+            window, masked = [], []
         if evaluating:
             held = held_out_eval(backend, heldout, cfg, token_bytes, ec.batches)
             record = {"step": step, **record, **held, **task_eval()}
-            t_last = time.perf_counter()  # tokens/s measures training only
+            t_last, timed = time.perf_counter(), 0  # tokens/s measures training only
         if record and lead:
             log(record, metrics_path, bar.write)
         if saving:  # every process writes its pieces
             last_saved = save_checkpoint(step, backend, cfg, loader.state(), window, tok_files)
+            t_last, timed = time.perf_counter(), 0  # (a checkpoint's seconds: in no step)
         if stopping:
             bar.close()
             print(f"{stopping.name}: saved {last_saved}; rerun the same command to continue",
@@ -889,6 +940,8 @@ def main(argv):
             write_text_atomic(run_dir / "final.json", json.dumps(final, indent=1) + "\n")
         evaluate.plot([run_dir], run_dir / "loss.png")
     print(f"checkpoint {last_saved}; metrics {metrics_path}; plot {run_dir / 'loss.png'}")
+    if backend.processes > 1:  # (each process's pieces: transformers wants them joined)
+        print(f"for transformers: python convert.py {last_saved} {last_saved}-hf")
     if ec.prompt and tok is not None and backend.processes == 1:  # (the sampler: all weights here)
         ids = tok.enc.encode(ec.prompt, allowed_special="all")
         new, _ = evaluate.generate(
@@ -913,6 +966,7 @@ def plan(argv):
     flags = [f"--mesh.{axis}" for axis in args.mesh.split(",") if axis]
     flags += [f"--{key}={getattr(args, a)}" for a, key in sets.items() if getattr(args, a)]
     cfg = load_config(args.configs + extra + flags)
+    shard.set_accelerator_flags(cfg.mesh.device)  # (libtpu reads them: --topology compiles so)
     shard.plan(cfg, args.configs, args.topology, make_train_step, new_history)
 
 

@@ -169,14 +169,16 @@ class MeshConfig:
 @dataclass
 class TrainConfig:
     # run
-    run_dir: str = "runs/tiny"    # checkpoints, metrics, plots; reruns resume
+    # checkpoints, metrics, plots; reruns resume. Unset: runs/<the last config file's name>
+    # (load_config), so no two configs share a folder (a run refuses a checkpoint of another model)
+    run_dir: str = "runs/default"
     backend: str = "jax"          # jax: any mesh | torch: a device or torchrun + FSDP2
     compile: bool = False         # torch: compile each block (JAX always compiles)
     steps: int = 1000             # optimizer steps in this stage
     micro_batch: int = 0          # instances per device per pass; 0 = all (no accumulation)
     compute_dtype: str = "float32"  # params and optimizer state stay fp32
     remat: str = "none"           # activation checkpoints
-    loss_chunks: int = 8          # JAX: the head and softmax in this many passes
+    loss_chunks: int = 8          # the head and softmax in this many passes (both backends)
     scan_layers: bool = True      # JAX: loop over layers; false unrolls
     init_seed: int = 0
     init_from: str = ""           # a new stage from this checkpoint, at step 0
@@ -218,7 +220,7 @@ class TrainConfig:
                 nonneg="micro_batch warmup t_max lr warmup_min_lr alpha_f weight_decay clip "
                        "z_loss epochs",
                 backend=["jax", "torch"], compute_dtype=["float32", "bfloat16"],
-                units=["steps", "tokens"], remat=["none", "block", "mlp"],
+                units=["steps", "tokens"], remat=["none", "block", "mlp", "dots"],
                 schedule=["cosine", "linear", "half_cosine", "constant"],
                 loss=["ce", "dpo", "dpo_norm", "grpo"])
 
@@ -306,14 +308,20 @@ def load_config(argv):
                                   "header, e.g. [model]")
             for key, value in table.items():
                 merged.setdefault(section, {})[key] = _typed(section, key, value, arg)
-    return build(merged, " + ".join(argv) or "defaults")
+    files = [a for a in argv if not a.startswith("--")]
+    derived = "run_dir" not in merged.get("train", {}) and files
+    if derived:  # runs/tiny for every config would mix the demo's run with a 1B run
+        merged.setdefault("train", {})["run_dir"] = f"runs/{Path(files[-1]).stem}"
+    cfg = build(merged, " + ".join(argv) or "defaults")
+    cfg.train.derived = {"run_dir": "runs/<the last config file's name>"} if derived else {}
+    return cfg
 
 
 def parse_config_args(argv, prog, doc):
     """The config of a script run as `prog CONFIG.toml... [--section.key=value...]` (train.py,
     model.py). -h or --help prints `doc` (the script's docstring) with the usage and exits 0; no
     config file prints the usage and exits 2, as argparse does: a bare `python train.py` would
-    otherwise train the defaults into runs/tiny, over the demo's checkpoints."""
+    otherwise train the defaults, a model nobody asked for, into runs/default."""
     ap = argparse.ArgumentParser(prog=prog, description=doc,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("configs", nargs="*", metavar="CONFIG.toml | --section.key=value",

@@ -4,6 +4,7 @@
     python tests/bench.py attention                  # sliding vs full layers: what a window saves
     python tests/bench.py data                       # the data pipeline's throughput
     python tests/bench.py generate olmo2-1b|olmo3-7b # a released shape: nanolmo vs transformers
+    python tests/bench.py fsdp configs/olmo2-1b.toml # bytes a sharded step moves; its MFU bound
 
 They live here, not in the files a learner reads; `python tests/tables.py` runs them to regenerate
 the tables in docs/ (each table shows its command).
@@ -74,7 +75,8 @@ def nanolmo_step(backend_cls, cfg, tokens):
 
 
 def transformers_step(cfg, device, dtype, tokens):
-    """transformers' model of the shape, torch.optim.AdamW; bf16: autocast, fp32 weights."""
+    """transformers' model of the shape, torch.optim.AdamW, micro-batched as ours; bf16: autocast,
+    fp32 weights."""
     import numpy as np
     import torch
     import transformers
@@ -90,10 +92,15 @@ def transformers_step(cfg, device, dtype, tokens):
     ids = torch.from_numpy(tokens.astype(np.int64)).to(device)
     autocast = torch.autocast(device, getattr(torch, dtype), enabled=dtype != "float32")
 
+    # train.micro_batch instances a pass, as our rows accumulate (0: all at once): one pass of
+    # the device check's 4 x 4,096 tokens holds their 100,352-wide logits at once (6.6 GB fp32)
+    micro = tc.micro_batch or len(ids)
+
     def step():
-        with autocast:
-            loss = hf(ids, labels=ids).loss
-        loss.backward()
+        for part in ids.split(micro):  # equal parts: the mean of their means is the batch's
+            with autocast:
+                loss = hf(part, labels=part).loss * len(part) / len(ids)
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(hf.parameters(), tc.clip or 1e9)
         optim.step()
         optim.zero_grad()
@@ -396,8 +403,106 @@ def generate_bench(argv, prompt_len=32):
     return rows
 
 
+# --- fsdp: what a sharded step moves between devices, read from its compiled program -----------
+
+def collective_bytes(hlo):
+    """{(collective, dtype): bytes of its results} over an HLO text, each instruction once (a
+    loop's body once, whatever its trip count)."""
+    import re
+    sizes = {"f32": 4, "bf16": 2, "s32": 4, "pred": 1, "f16": 2}
+    found = {}
+    for line in hlo.splitlines():
+        op = re.search(r" (all-gather|reduce-scatter|all-reduce)(?:-start)?\(", line)
+        if not op:
+            continue
+        result = line.split(" = ", 1)[1][:op.start() - len(line.split(" = ", 1)[0]) - 3]
+        for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", result):
+            n = 1
+            for d in filter(None, dims.split(",")):
+                n *= int(d)
+            key = (op[1], dtype)
+            found[key] = found.get(key, 0) + n * sizes.get(dtype, 4)
+    return found
+
+
+def fsdp_bench(argv):
+    """python tests/bench.py fsdp CONFIG [--key=value ...] [--link-gbs 350]: the config's step
+    compiled for its mesh on fake CPU devices, at 1 and 2 layers (a layer's collectives are their
+    difference; the real step runs them L times), one micro-batch. Per step and device: FLOPs,
+    bytes gathered and reduced, their times at the device's peak and at --link-gbs (the NCCL or
+    ICI bandwidth you measured: nccl-tests' all_gather busbw), and MFU with the traffic hidden
+    under the compute and with it in series. The CPU compiler emits gradient reductions as
+    all-reduce; they are counted as the reduce-scatter a GPU or TPU runs ((n-1)/n of the bytes)."""
+    import argparse
+    import os
+    ap = argparse.ArgumentParser(prog="bench.py fsdp", description=fsdp_bench.__doc__)
+    ap.add_argument("configs", nargs="+")
+    ap.add_argument("--link-gbs", type=float, default=350.0)
+    args, overrides = ap.parse_known_args(argv)
+    from configs import load_config
+    cfg = load_config(args.configs + overrides)
+    n = cfg.mesh.devices
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n}"
+    import jax
+    import jax.numpy as jnp
+
+    import model
+    import shard
+    import train
+    m, dc, tc = cfg.model, cfg.data, cfg.train
+    dp = shard.dp_size(shard.make_mesh(cfg.mesh, jax.devices()[:n]))
+    _, micro_batch, accum = shard.check_batch(dc.global_batch, tc.micro_batch, dp, "the mesh")
+    unit = len(m.layer_pattern or "F")  # (layers come in whole patterns: SSSF)
+    per_layer = {}
+    for layers in (1, 2):
+        small = load_config(args.configs + overrides + [
+            f"--model.n_layers={layers * unit}", "--model.attention=xla",
+            # unrolled: a scan's body is in the program once whatever L (1 and 2 would read equal)
+            "--train.scan_layers=false",
+            f"--data.global_batch={micro_batch * dp}", f"--train.micro_batch={micro_batch}"])
+        mesh = shard.make_mesh(small.mesh, jax.devices()[:n])
+        table = model.param_table(small.model)
+        p_sh, o_sh, h_sh = shard.state_shardings(mesh, table)
+
+        def abstract(shape, dtype, sh):
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
+        params = {k: abstract(p.shape, jnp.float32, p_sh[k]) for k, p in table.items()}
+        opt = dict(m=params, v=params, count=abstract((), jnp.int32, o_sh["count"]))
+        hist = jax.tree.map(lambda x: abstract(x.shape, x.dtype, h_sh),
+                            jax.eval_shape(train.new_history))
+        tokens = abstract((1, micro_batch * dp, dc.seq_len), jnp.int32, shard.batch_sharding(mesh, 3))
+        step = train.make_train_step(small, mesh)
+        hlo = step.lower(params, opt, hist, {"tokens": tokens}, jnp.float32(1e-4)).compile()
+        per_layer[layers] = collective_bytes(hlo.as_text())
+    keys = sorted(set(per_layer[1]) | set(per_layer[2]))
+    one, two = ({k: per_layer[i].get(k, 0) for k in keys} for i in (1, 2))
+    micro = {k: one[k] + (m.n_layers / unit - 1) * (two[k] - one[k]) for k in keys}  # at L
+    share = (n - 1) / n  # what a device receives of an all-gather, sends of a reduce-scatter
+    print(f"{' + '.join(args.configs)}: {n} devices, {accum} micro-batch(es) of {micro_batch} "
+          f"rows a device, {m.n_layers} layers, compute {tc.compute_dtype}")
+    print(f"{'collective (per micro-batch)':<34}{'dtype':>6}{'MB':>10}")
+    floats = {k: b for k, b in micro.items() if k[1] in ("f32", "bf16", "f16")}  # (not ids)
+    for (op, dtype), b in sorted(floats.items()):
+        print(f"{op:<34}{dtype:>6}{b / 1e6:>10,.1f}")
+    moved = accum * share * sum(floats.values())
+    flops = dc.global_batch // n * dc.seq_len * model.flops_per_token(m, dc.seq_len)
+    device = shard.DEVICES.get(cfg.mesh.device)
+    peak = device.peak if device else float("nan")
+    comm_s, compute_s = moved / (args.link_gbs * 1e9), flops / peak
+    print(f"per step and device: {flops / 1e15:.2f} PFLOP ({compute_s:.2f} s at the "
+          f"{cfg.mesh.device or '?'}'s peak), {moved / 1e9:.0f} GB moved ({comm_s:.2f} s at "
+          f"{args.link_gbs:.0f} GB/s)")
+    print(f"{'matmul efficiency':<20}{'MFU, traffic hidden':>22}{'MFU, in series':>16}"
+          f"{'tokens/s/device':>17}")
+    for eff in (0.5, 0.6, 0.7):
+        busy = compute_s / eff
+        hidden, serial = compute_s / max(busy, comm_s), compute_s / (busy + comm_s)
+        tps = dc.global_batch // n * dc.seq_len / max(busy, comm_s)
+        print(f"{eff:<20.0%}{hidden:>22.1%}{serial:>16.1%}{tps:>17,.0f}")
+
+
 COMMANDS = {"train": train_bench, "attention": attention_bench, "data": data_bench,
-            "generate": generate_bench}
+            "generate": generate_bench, "fsdp": fsdp_bench}
 
 if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:

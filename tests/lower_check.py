@@ -4,14 +4,15 @@ CUDA and for TPU (`.trace(...).lower(lowering_platforms=...)`), with `auto` atte
 The device check that picks the attention is stubbed (model.accelerator: an H100's platform and
 compute capability, or an A100's, or a TPU's), and so are cuDNN's own version and capability
 checks, as JAX's tests stub them (jax._src.cudnn.fused_attention_stablehlo). Prints one JSON line:
-per case, the custom calls in the lowered step and whether every fp32 matmul asks for full
-precision.
+per case, the custom calls in the lowered step, whether every fp32 matmul asks for full
+precision, and the operand types of its matmuls.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/lower_check.py
 """
 import json
 import re
 import sys
+from collections import Counter
 from pathlib import Path
 from unittest import mock
 
@@ -45,14 +46,28 @@ def lowered_text(fn, args, platform):
     return fn.trace(*args).lower(lowering_platforms=platforms).as_text()
 
 
+def operand_types(dot):
+    """A dot_general line's operand element types, "bf16xf32": the types in its signature, and
+    where an algorithm names other ones, as the hardware takes them: jax.nn.dot_product_attention
+    asks BF16_BF16_F32 of its fp32 scores' cotangent, which XLA rounds to bf16 (kBF16AsF32,
+    cuBLAS's CUBLAS_COMPUTE_32F_FAST_16BF): "f32 as bf16"."""
+    signature = dot.rsplit(" : (", 1)[1].split(") -> ")[0]
+    types = re.findall(r"tensor<(?:[\d?]+x)*(\w+)>", signature)
+    algorithm = re.search(r"lhs_precision_type = (\w+), rhs_precision_type = (\w+)", dot)
+    if algorithm:
+        types = [t if t == a else f"{t} as {a}" for t, a in zip(types, algorithm.groups())]
+    return "x".join(types)
+
+
 def summary(text):
     """What a lowered program calls (cuDNN's attention, a Mosaic kernel) and its matmuls'
-    precision."""
+    precision and operand types ({"bf16xbf16": count, ...})."""
     dots = re.findall(r"stablehlo\.dot_general[^\n]*", text)
     return dict(cudnn_forward=text.count("@__cudnn$fmhaSoftmax("),
                 cudnn_backward=text.count("fmhaSoftmaxBackward"),
                 mosaic=text.count("tpu_custom_call"), dots=len(dots),
-                highest=sum("precision = [HIGHEST, HIGHEST]" in d for d in dots))
+                highest=sum("precision = [HIGHEST, HIGHEST]" in d for d in dots),
+                types=dict(Counter(map(operand_types, dots))))
 
 
 def train_step(files, flags, platform):

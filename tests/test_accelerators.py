@@ -113,6 +113,28 @@ def test_float32_matmuls_are_full_precision_on_a_gpu(lowered):
         assert bf16[path]["highest"] == 0, path
 
 
+# --- issue 43, 5: a bf16 step multiplies in bf16 -------------------------------------------------
+
+@pytest.mark.parametrize("case", ["olmo2-1b h100", "olmo3-7b-h256 a100", "olmo3-7b-stage3 h100"])
+def test_bf16_steps_take_no_fp32_matmul_on_a_gpu(lowered, case):
+    """Every dot of a bf16 step lowered for CUDA takes bf16 operands, the backward's too: JAX's
+    transpose of linear's fp32-output dot took fp32 ones (TF32 on a GPU, half bf16's rate): 16
+    of olmo2-1b's 25 dots, 30 of the tiny step's 58. XLA attention's fp32 score cotangent
+    ("f32 as bf16") goes in as bf16 by its dot algorithm. The fp32 step stays fp32 throughout."""
+    found = {path: lowered[case][path]["types"] for path in ("step", "forward", "generate")
+             if path in lowered[case]}
+    print(case, found)
+    for path, types in found.items():
+        assert set(types) <= {"bf16xbf16", "f32 as bf16xbf16"}, (path, types)
+        assert sum(types.values()) == lowered[case][path]["dots"] > 0, path
+    if "forward" in found:  # (the step holds the backward's dots: twice the forward's)
+        assert found["step"]["bf16xbf16"] > 2 * found["forward"]["bf16xbf16"]
+    xla_attention = lowered[case]["attention"] == "xla"
+    assert ("f32 as bf16xbf16" in found["step"]) == xla_attention
+    fp32 = lowered["olmo2-1b-fp32 h100"]
+    assert {path: set(fp32[path]["types"]) for path in found} == {p: {"f32xf32"} for p in found}
+
+
 # --- 2, 6: configs that fit where they say -------------------------------------------------------
 
 @pytest.mark.parametrize("files", SHIPPED, ids=lambda f: "+".join(f))
@@ -138,6 +160,42 @@ def test_every_real_size_config_is_planned():
         cfg = load_config([str(path)])
         if path.stem not in stacked and model.count_params(cfg.model) > 1e9:
             pytest.fail(f"{path.name} is a real-size config missing from SHIPPED")
+
+
+def test_accelerator_flags_exist_in_this_jaxlib_and_yours_win():
+    """XLA aborts a process whose XLA_FLAGS names a flag it lacks: ours start a JAX here. A flag
+    given twice takes the last value, so a user's own XLA_FLAGS, placed after ours, wins."""
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=3"}
+    assert shard.set_accelerator_flags("h100", env) == "XLA_FLAGS"
+    assert env["XLA_FLAGS"].startswith(shard.GPU_FLAGS[0])
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2 " + env["XLA_FLAGS"]
+    r = subprocess.run([sys.executable, "-c", "import jax; print(len(jax.devices()))"],
+                       env=dict(os.environ, **env), capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == "3", r.stderr[-2000:]  # (the later 3)
+    tpu = {}
+    assert shard.set_accelerator_flags("v5p", tpu) == "LIBTPU_INIT_ARGS"
+    assert tpu["LIBTPU_INIT_ARGS"].split() == shard.TPU_FLAGS and "XLA_FLAGS" not in tpu
+    assert shard.set_accelerator_flags("cpu", {}) is None
+
+
+def test_fsdp_traffic_is_read_from_the_compiled_step():
+    """bench.py fsdp, on tiny split over 8 devices: per micro-batch each gradient but the
+    embedding's is reduced once in fp32 (the CPU compiler's all-reduce: a GPU's reduce-scatter;
+    the embedding's gradient is summed where its rows live, from the gathered token ids), and the
+    weights are gathered once or twice (forward, and again in the backward), in fp32: the cast to
+    bf16 comes after the gather."""
+    r = subprocess.run([sys.executable, "tests/bench.py", "fsdp", "configs/tiny.toml", "--mesh.data=1",
+                        "--mesh.fsdp=8", "--mesh.devices=8", "--mesh.device=h100",
+                        "--train.compute_dtype=bfloat16"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    mb = {tuple(line.split()[:2]): float(line.split()[2].replace(",", "")) for line in r.stdout.splitlines()
+          if line.startswith(("all-gather", "all-reduce", "reduce-scatter"))}
+    m = load_config(["configs/tiny.toml"]).model
+    params_mb = model.count_params(m) * 4 / 1e6
+    embedding_mb = m.vocab_size * m.d_model * 4 / 1e6
+    assert mb[("all-reduce", "f32")] == pytest.approx(params_mb - embedding_mb, abs=0.1), r.stdout
+    assert params_mb <= mb[("all-gather", "f32")] <= 2 * params_mb + 0.1, r.stdout
+    assert "MFU, traffic hidden" in r.stdout
 
 
 def test_usable_memory_is_what_jax_takes(monkeypatch):
@@ -250,23 +308,77 @@ def test_a_run_folder_on_gcs_fuse_is_refused_for_several_hosts(tmp_path, monkeyp
     assert shard.filesystem(tmp_path / "gcs" / "run", mounts) == "fuse.gcsfuse"
     assert shard.filesystem(tmp_path, mounts) == "ext4"
     monkeypatch.setattr(shard, "filesystem", lambda path: "fuse.gcsfuse")
-    with pytest.raises(OSError, match=r"is on GCS FUSE, which keeps one writer's copy of a file "
-                                      r"that several hosts"):
+    with pytest.raises(OSError, match=r"is on GCS FUSE, where renaming a folder is a copy then a "
+                                      r"delete"):
         shard.check_hosts_agree(SimpleNamespace(processes=2), tmp_path / "gcs" / "run", "data")
 
 
 # --- the prepared GPU check runs, here at a tiny size ---------------------------------------------
 
+def test_device_check_counts_a_lowered_programs_dots_by_operand_dtypes():
+    """The dots row's parser, on a real lowering: one bf16 x bf16, three f32 x f32 (one batched,
+    one from bf16 x f32 promoted), one f32 x bf16 whose algorithm runs it in bf16."""
+    import jax
+
+    import device_check
+    a, b, c = (jnp.ones((2, 8, 8), t) for t in (jnp.bfloat16, jnp.float32, jnp.float32))
+    as_bf16 = jax.lax.DotAlgorithmPreset.BF16_BF16_F32
+    text = jax.jit(lambda a, b, c: (a[0] @ a[1], b @ c, b[0] @ c[0], a[0] @ b[0],
+                                    jax.lax.dot(b[0], a[0], precision=as_bf16))
+                   ).lower(a, b, c).as_text()
+    counts = device_check.dot_counts(text)
+    assert counts == {"bf16 x bf16": 1, "f32 x f32": 3, "f32 x bf16 (as bf16 x bf16)": 1}
+
+
 def test_device_check_runs_on_the_cpu(tmp_path):
-    """tests/device_check.py is for a GPU machine; its code runs here at tiny shapes, and its table
-    comes out whole (the cuDNN rows say why they do not run on a CPU)."""
-    out = tmp_path / "check.md"
-    r = subprocess.run([sys.executable, "tests/device_check.py", "--tiny", "--out", str(out)],
-                       cwd=ROOT, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
+    """tests/device_check.py is for a GPU machine; its code runs here at tiny shapes: every row
+    comes out, each in a process of its own and written as it finishes; a row that raises or is
+    killed (as the OOM killer does) is recorded as failed, with why, and the rows after it run."""
+    import re
+    import time
+    out, log = tmp_path / "check.md", tmp_path / "stdout.txt"
+    env = {**os.environ, "NANOLMO_DEVICE_CHECK_FAIL": "train:torch:kill,train:jax-xla"}
+    with open(log, "w") as f:
+        p = subprocess.Popen([sys.executable, "tests/device_check.py", "--tiny", "--out", str(out)],
+                             cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, text=True, env=env)
+    first = "| tiny-shaped OLMo-2-1B, bfloat16, 4 x 1 x 128, for cpu |"  # the first row's
+    while first not in (out.read_text() if out.exists() else ""):
+        assert p.poll() is None, log.read_text()[-3000:]
+        time.sleep(0.2)
+    assert p.poll() is None  # written while the other rows (a minute here) are still to run
+    assert p.wait(timeout=600) == 0, log.read_text()[-3000:]
     text = out.read_text()
-    assert "| JAX | xla | 64 | True |" in text
+    assert text.startswith("`python tests/device_check.py --tiny`: jax ") and " in all;" in text
+    dots = re.search(r"for cpu \| (.*) \| (\d+) \|", text)
+    assert re.search(r"bf16 x bf16: [1-9]", dots[1]) and f"f32 x f32: {dots[2]}" in dots[1]
+    number = r"(\d\.\de-0\d)"
+    for window in (0, 64):  # bf16 against fp32: a few 1e-3 (a wrong mask: order 1)
+        for docs in (False, True):
+            row = re.search(rf"\| JAX \| xla \| {window} \| {docs} \| {number} \| {number} \| "
+                            r"[\d.]+ ms \|", text)
+            assert row and max(map(float, row.groups())) < 3e-2, window
     assert "| JAX | cudnn | 0 | False | refused | cuDNN needs an NVIDIA GPU" in text
-    assert "| torch | flex vs sdpa | 64 | True |" in text
-    assert "| nanolmo JAX xla (cpu, bfloat16) |" in text
-    assert "| transformers (cpu, float32) |" in text
+    flex = re.findall(rf"\| torch \| flex vs sdpa \| \d+ \| \w+ \| {number} \| n/a \| ", text)
+    assert len(flex) == 3 and max(map(float, flex)) < 3e-2
+    assert re.search(r"\| `train.py configs/tiny.toml` 4 steps of 2,048 tokens, bpe384.tiktoken "
+                     r"data \| [\d,]+ \| n/a \| \d+ s \| -?[\d.]+ s \| \d+ s \| \d+ s \|", text)
+    assert re.search(r"\| nanolmo JAX xla \(cpu, bfloat16\) \| [\d,]+ \| n/a \| \d+ s \|", text)
+    # killed after its row: the row stays, and the kill is a row of its own; later rows run
+    assert re.search(r"\| nanolmo torch sdpa eager \(cpu, bfloat16\) \| [\d,]+ \|", text)
+    assert "| train:torch | failed: killed by SIGKILL (out of memory?)" in text
+    assert re.search(r"\| transformers \(cpu, float32\) \| [\d,]+ \|", text)
+    assert ("| train:jax-xla | failed: RuntimeError: NANOLMO_DEVICE_CHECK_FAIL asked row "
+            "train:jax-xla to fail |") in text
+    records = [json.loads(x) for x in out.with_suffix(".jsonl").read_text().splitlines()]
+    import device_check
+    assert {r["unit"] for r in records} == {name for name, _, _ in device_check.UNITS}
+    rows = [r for r in records if r["section"] != "env"]
+    assert all("| " + " | ".join(r["cells"]) + " |" in text for r in rows)
+    assert len(rows) == len(re.findall(r"^\| (?!---)", text, re.M)) - len(device_check.SECTIONS)
+    # The budget (not --tiny): a row whose estimate does not fit is skipped, and says so
+    r = subprocess.run([sys.executable, "tests/device_check.py", "--budget=10", "--out",
+                        str(tmp_path / "budget.md")], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    skipped = re.findall(r"^\| ([\w:-]+) \| skipped: ~\d+ s, \d+ s left of the 10 s budget \|",
+                         (tmp_path / "budget.md").read_text(), re.M)
+    assert sorted(skipped) == sorted(name for name, _, _ in device_check.UNITS)

@@ -56,6 +56,23 @@ def test_merge_left_to_right_and_overrides(tmp_path):
     assert "= d_model / n_heads" in text and "256·ceil" in text
 
 
+def test_each_config_gets_its_own_run_folder(tmp_path):
+    """Issue 43: olmo2-1b after `make demo` was refused ("a different model") in runs/tiny. Unset,
+    run_dir is runs/<the last file's name>; a TOML's own (a stage's) or an override wins."""
+    run_dir = lambda *a: load_config([str(ROOT / "configs" / f) if f.endswith(".toml") else f  # noqa: E731
+                                      for f in a]).train.run_dir
+    assert run_dir("olmo2-1b.toml") == "runs/olmo2-1b"
+    assert run_dir("olmo3-7b.toml") == "runs/olmo3-7b"
+    assert run_dir("tiny.toml") == "runs/tiny"  # (the demo's, set in the file)
+    assert run_dir("tiny.toml", "tiny-sft.toml") == "runs/tiny-sft"
+    assert run_dir("olmo3-7b.toml", "olmo3-7b-stage3.toml") == "runs/olmo3-7b-stage3"
+    assert run_dir("olmo2-1b.toml", "--train.run_dir=/nfs/runs/1b") == "/nfs/runs/1b"
+    (tmp_path / "longer.toml").write_text("[train]\nsteps = 2000\n")
+    assert run_dir("tiny.toml", str(tmp_path / "longer.toml")) == "runs/tiny"  # tiny.toml's stays
+    shown = describe(load_config([str(ROOT / "configs/olmo2-1b.toml")]))
+    assert "train.run_dir                    'runs/olmo2-1b'    = runs/<the last" in shown
+
+
 def test_json_round_trip(tmp_path):
     cfg = load_config([str(ROOT / "configs/olmo3-7b.toml"), str(ROOT / "configs/olmo3-7b-stage3.toml")])
     save_json(cfg, tmp_path / "c.json")

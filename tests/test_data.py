@@ -2,6 +2,8 @@
 import gzip
 import json
 import shutil
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -360,6 +362,29 @@ def test_resume_and_rank_partition(tmp_path):
         parts = [data.Loader(inst, G, seed, world, ranks=(r,)).batch(s)["tokens"][:, 0] for r in range(world)]
         union = np.concatenate(parts)
         assert len(set(union)) == G and set(union) == set(full.global_ids(s))
+
+
+def test_the_loader_reads_the_next_batch_while_a_step_runs(tmp_path):
+    """Iterating, the batch of step s + 1 is read on the loader's thread while the caller holds
+    step s (the step runs meanwhile); the batches and state() are those of reading in order."""
+    T, G = 3, 4
+    inst = data.Instances([("a", [ids_file(tmp_path / "a.npy", 0, 40, T)], None)], T)
+    loader, reads = data.Loader(inst, G, 5), []
+    plain = loader.batch
+
+    def batch(step):  # each read says which thread made it
+        reads.append((step, threading.current_thread().name))
+        return plain(step)
+    loader.batch = batch
+    for step, got in loader:
+        assert np.array_equal(got["tokens"], plain(step)["tokens"])
+        time.sleep(0.05)  # "the step": the next read finishes meanwhile
+        assert step + 1 in [s for s, _ in reads], reads  # already read
+        assert loader.state()["step"] == step + 1  # what a checkpoint saved now resumes from
+        if step == 2:
+            break
+    assert [s for s, _ in reads] == [0, 1, 2, 3]
+    assert all(name.startswith("loader") for _, name in reads)
 
 
 def test_loader_errors(tmp_path):

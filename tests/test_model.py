@@ -58,6 +58,25 @@ def test_jax_torch_bf16(name):
     assert np.abs(lj - f32).mean() < 0.01 * scale
 
 
+def test_bf16_linear_gradients_are_fp32_sums_of_bf16_products():
+    """linear in bf16 (low_linear's own backward, bf16 dots: test_accelerators.py): y and dx the
+    exact fp32 sums of the bf16 operands' products rounded once to bf16; dw that sum unrounded in
+    the fp32 master's dtype (JAX's transpose rounded it to bf16: 2^-9 of each entry)."""
+    rng = np.random.default_rng(0)
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    x = jnp.asarray(rng.standard_normal((3, 40, 64)), bf16)  # (B, T, D)
+    w = jnp.asarray(rng.standard_normal((96, 64)), f32)  # (F, D), the fp32 master
+    g = jnp.asarray(rng.standard_normal((3, 40, 96)), bf16)  # dL/dy (B, T, F)
+    y, vjp = jax.vjp(model.linear, x, w)
+    dx, dw = vjp(g)
+    assert (y.dtype, dx.dtype, dw.dtype) == (bf16, bf16, f32)
+    x32, w32, g32 = (np.asarray(a.astype(f32), np.float64) for a in (x, w.astype(bf16), g))
+    want_dw = np.einsum("bto,bti->oi", g32, x32)
+    for got, want in ((y, x32 @ w32.T), (dx, g32 @ w32)):  # within bf16's half step
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2.0 ** -8, atol=0)
+    np.testing.assert_allclose(dw, want_dw, rtol=0, atol=1e-6 * np.abs(want_dw).max())
+
+
 def test_loss_against_torch_reference():
     """cross_entropy and cross_entropy_torch (both cross_entropy_of, with xp = jnp and torch): the
     cross-entropy equals torch's own with ignore_index, the z term mean(logsumexp²) over the

@@ -9,8 +9,10 @@ import json
 import os
 import shutil
 import signal
+import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -375,3 +377,57 @@ def test_scripts_answer_help(capsys):
     with pytest.raises(SystemExit) as e:
         run_cli(train.cli, [])
     assert e.value.code == 2 and "give a config file first" in capsys.readouterr().err
+
+
+def test_a_gpu_config_on_the_cpu_is_refused(capsys, tmp_path, monkeypatch):
+    """Issue 43: below driver 580 (CUDA 13's) or without JAX's plugin, JAX only logs a warning and
+    runs on the CPU, and torch finds no GPU; a config whose mesh.device names a GPU or TPU stops
+    before compiling anything, saying what JAX/torch see, the likely cause and the fix."""
+    import shard
+    from configs import MeshConfig
+    monkeypatch.setattr(train, "make_train_step", lambda *a: pytest.fail("compiled"))
+    run = tmp_path / "run"
+    for backend in ("jax", "torch"):
+        line = fails(capsys, train.cli, ["configs/olmo2-1b.toml", f"--train.run_dir={run}",
+                                         f"--train.backend={backend}"])
+        assert line.startswith(f"train.py: error: mesh.device='h100' is NVIDIA H100 80GB HBM3, but "
+                               f"{backend} sees only the CPU (") and "--mesh.device=" in line, line
+        assert not run.exists()  # (the start's own folder, removed)
+    h100, v5p = MeshConfig(device="h100"), MeshConfig(device="v5p")
+    causes = [(h100, "jax", "", "no NVIDIA driver is loaded"),
+              (h100, "jax", "550.54.14", "the NVIDIA driver: 550.54.14, and CUDA 13"),
+              (h100, "jax", "580.65.06", "`make demo ACCEL=cuda`"),
+              (h100, "torch", "580.65.06", "a CPU build of torch"),
+              (v5p, "jax", "", "`make demo ACCEL=tpu`"),
+              (v5p, "torch", "", "use --train.backend=jax")]
+    for mesh, backend, driver, why in causes:
+        with pytest.raises(ValueError, match=why):
+            shard.check_platform(mesh, "cpu", "seen", backend, driver)
+    shard.check_platform(h100, "gpu", "seen", "jax", "")  # on the GPU: nothing to say
+    shard.check_platform(MeshConfig(), "cpu", "seen", "jax", "")  # no target (tiny.toml)
+
+
+def test_the_logged_speed_leaves_out_the_compile(setup, tmp_path, monkeypatch, capsys):
+    """Issue 43: the first line's tokens/s counted the step's compile (minutes at 7B). Here the
+    first step takes 2 s more, as a compile would: it is logged as compile_s, and tokens/s is over
+    the steps after it (with it, each of steps 1-2 would read over 1 s)."""
+    step, calls = train.JaxBackend.step, []
+
+    def slow_first(self, batch, lr):
+        calls.append(lr)
+        out = step(self, batch, lr)
+        if len(calls) == 1:
+            jax.block_until_ready(out)
+            time.sleep(2)
+        return out
+    monkeypatch.setattr(train.JaxBackend, "step", slow_first)
+    train_run(setup[1], tmp_path / "run", "--train.steps=4", "--train.log_every=2")
+    first, second = [r for r in map(json.loads, (tmp_path / "run/metrics.jsonl").read_text()
+                                     .splitlines()) if "loss" in r]
+    per_step = 8 * 32  # global_batch x seq_len
+    assert first["compile_s"] >= 2 and "compile_s" not in second
+    assert per_step / first["tokens_per_s"] < 1, first  # step 2 alone
+    assert f"first step {first['compile_s']:.1f} s (compile)" in capsys.readouterr().out
+    train_run(setup[1], tmp_path / "one", "--train.steps=2")  # log_every=1: step 1 has no speed
+    first = json.loads((tmp_path / "one/metrics.jsonl").read_text().splitlines()[0])
+    assert first["tokens_per_s"] is None and first["mfu"] is None and first["compile_s"] > 0

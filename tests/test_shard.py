@@ -100,8 +100,8 @@ def test_remat_policies_compute_the_same_gradients():
     params = {k: jnp.asarray(v) for k, v in random_params(m, std=0.1).items()}
     t = tokens(m, T=24)
     labels = jnp.asarray(model.shift_labels(t))
-    grads = {r: jax.grad(model.loss_fn)(params, jnp.asarray(t), labels, m, remat=r) for r in ("none", "block", "mlp")}
-    for r in ("block", "mlp"):
+    grads = {r: jax.grad(model.loss_fn)(params, jnp.asarray(t), labels, m, remat=r) for r in ("none", "block", "mlp", "dots")}
+    for r in ("block", "mlp", "dots"):
         for k in params:
             ref = np.asarray(grads["none"][k])
             np.testing.assert_allclose(np.asarray(grads[r][k]), ref, rtol=0, atol=1e-5 * np.abs(ref).max(), err_msg=k)

@@ -1,6 +1,7 @@
 """The PyTorch backend against the JAX one: same steps, checkpoints that cross between them, FSDP2 under
 torchrun equal to one process. (torch.compile is left to `tests/bench.py train`: a cold compile takes ~40 s here.)"""
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -46,6 +47,45 @@ def test_torch_steps_equal_jax_steps(setup):
     assert cj == ct and nt == pytest.approx(nj, rel=REL)
 
 
+def test_eval_and_score_in_micro_batches_equal_the_whole_batch(setup, monkeypatch):
+    """Held-out eval and DPO's score take train.micro_batch rows at a time, the head in
+    train.loss_chunks passes (a rank's whole logits, 1B: 64 x 4,096 x 100,352, ran out of
+    memory): both backends equal the whole batch in one pass, and no logits larger than
+    micro x ⌈T/chunks⌉ x V are made (torch's as label_logps_torch sees them, JAX's in its
+    lowered eval)."""
+    root, toml = setup
+    # 8 rows: 4 micro-batches; 32 positions: chunks of 11, 11 and 10
+    cfg = load_config([str(toml), "--train.micro_batch=2", "--train.loss_chunks=3",
+                       "--data.doc_mask=true"])
+    m, rng = cfg.model, np.random.default_rng(0)
+    params = random_params(m, std=0.1)
+    tokens = rng.integers(0, m.vocab_size - 2, (8, 32)).astype(np.int32)
+    tokens[::3, 9] = m.eos_token_id  # documents in some rows
+    batch = dict(tokens=tokens, mask=rng.random((8, 32)) < 0.8)  # (chat: the answers' tokens)
+    labels = model.shift_labels(tokens, m.pad_token_id, batch["mask"])
+    with torch.no_grad():  # the whole batch: (8, 32, V) logits at once
+        logits = model.torch_model(m, params)(torch.from_numpy(tokens).long(),
+                                              segments=torch.from_numpy(model.segment_ids(
+                                                  tokens, m.eos_token_id)).long())
+    want = model.label_logps_torch(logits, torch.from_numpy(labels).long())[0].double().numpy()
+    seen = []
+    label_logps = model.label_logps_torch
+    monkeypatch.setattr(model, "label_logps_torch", lambda x, *a: seen.append(x.shape) or
+                        label_logps(x, *a))
+    backends = train.TorchBackend(cfg), train.JaxBackend(cfg)
+    for backend in backends:
+        backend.load(model.unstack_layers(params), None)
+        nats, count = backend.eval(batch)
+        assert count == (labels != model.IGNORE_INDEX).sum()
+        assert nats == pytest.approx(-want.sum(), rel=1e-6), type(backend).__name__
+        np.testing.assert_allclose(backend.score(batch), want.sum(-1), rtol=1e-5, atol=1e-5)
+    assert max(seen, key=np.prod) == (2, 11, m.vocab_size)
+    jb = backends[1]
+    text = jb.eval_step.lower(jb.params, jb._lay_out(batch, 4)).as_text()
+    logit_shapes = re.findall(rf"tensor<((?:\d+x)+){m.vocab_size}x(?:f32|bf16)>", text)
+    assert max(np.prod([int(d) for d in s[:-1].split("x")]) for s in logit_shapes) == 2 * 11
+
+
 def test_a_masked_instance_trains_nothing(setup, tmp_path):
     """data.instance_filter in both backends: instance 0 made one token 32 times is masked;
     what its tokens are then changes nothing in the step (loss, grad norm, weights),
@@ -87,16 +127,55 @@ def test_torch_remat_and_windows():
     params = random_params(m, seed=1)
     tokens = torch.from_numpy(np.random.default_rng(0).integers(0, m.vocab_size, (2, 48)))
     grads = {}
-    for remat in ("none", "block", "mlp"):
+    for remat in ("none", "block", "mlp", "dots"):
         net = model.torch_model(m, params)
         logits = net(tokens, remat=remat)
         logits.square().mean().backward()
         grads[remat] = {n: p.grad.clone() for n, p in net.named_parameters()}
-    for remat in ("block", "mlp"):
+    for remat in ("block", "mlp", "dots"):
         assert all(torch.allclose(grads[remat][n], grads["none"][n], rtol=1e-5, atol=1e-7) for n in grads["none"])
     import jax.numpy as jnp
     want = np.asarray(model.forward({k: jnp.asarray(v) for k, v in params.items()}, jnp.asarray(tokens.numpy()), m))
     assert np.abs(want - logits.detach().numpy()).max() < 1e-4
+
+
+def test_remat_dots_reruns_no_matmul_in_either_backend():
+    """remat="dots" keeps the projections' outputs: the backward reruns no matmul (block reruns
+    them all), counted in torch's dispatched ops and in JAX's differentiated program."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountMatmuls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, op, types, args=(), kwargs=None):
+            self.n += op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+            return op(*args, **(kwargs or {}))
+    m = variant("olmo2")
+    params = random_params(m, seed=1)
+    tokens = torch.from_numpy(np.random.default_rng(0).integers(0, m.vocab_size, (2, 16)))
+    backward = {}
+    for remat in ("none", "block", "dots"):
+        loss = model.torch_model(m, params)(tokens, remat=remat).square().mean()
+        with CountMatmuls() as count:
+            loss.backward()
+        backward[remat] = count.n
+    assert backward["dots"] == backward["none"] < backward["block"], backward
+    import jax
+    import jax.numpy as jnp
+    p, t = {k: jnp.asarray(v) for k, v in params.items()}, jnp.asarray(tokens.numpy())
+    # (batch dims, unbatched): the projections are unbatched dots, attention's have batch dims
+    batching = r"dot_general\[\s*dimension_numbers=\(\(\[[^\]]*\], \[[^\]]*\]\), \((\[[^\]]*\])"
+    for dtype in (jnp.float32, jnp.bfloat16):  # (bf16's linear is a custom_vjp)
+        dots = {}
+        for remat in ("none", "block", "dots"):
+            loss = lambda p, r=remat: model.forward(p, t, m, dtype, remat=r).astype(jnp.float32).sum()  # noqa: E731
+            dims = re.findall(batching, str(jax.make_jaxpr(jax.grad(loss))(p)))
+            dots[remat] = (sum(d != "[]" for d in dims), dims.count("[]"))
+        # dots reruns attention's batched dots, no projection; block reruns the projections too
+        assert dots["dots"][1] == dots["none"][1] < dots["block"][1], (dtype, dots)
+        assert dots["none"][0] < dots["dots"][0] == dots["block"][0], (dtype, dots)
 
 
 def run_together(*runs):
@@ -163,11 +242,13 @@ def test_torchrun_fsdp2_equals_one_process(setup, straight, tmp_path):
     assert all(losses(cont)[s] == pytest.approx(one[s], rel=REL) for s in range(7, 13))
     one = losses(straight / "torch")
     assert all(losses(d)[s] == pytest.approx(one[s], rel=REL) for s in range(1, 7))
-    written = convert.read_safetensors(d / "step_6" / "model.safetensors")[0]
-    ref = convert.read_safetensors(straight / "torch" / "step_6" / "model.safetensors")[0]
-    assert written.keys() == ref.keys() and max(float(np.abs(written[k] - ref[k]).max()) for k in ref) < 1e-5
-    moments = convert.read_safetensors(d / "step_6" / "optimizer.safetensors")[0]
-    assert int(moments["step"]) == 6 and not any(np.all(moments[k] == 0) for k in moments if k.startswith("exp_avg_sq."))
+    # each rank wrote its own file: model.process0-of-2.safetensors, model.process1-of-2...
+    written = convert.open_hf(d / "step_6")[1]
+    ref = convert.open_hf(straight / "torch" / "step_6")[1]
+    assert written.keys() == ref.keys() and max(float(np.abs(np.asarray(written[k]) - ref[k]).max()) for k in ref) < 1e-5
+    moments = convert._weights(d / "step_6", ["optimizer.process*-of-*.safetensors"])
+    assert int(np.asarray(moments["step"])) == 6
+    assert not any(np.all(np.asarray(moments[k]) == 0) for k in moments if k.startswith("exp_avg_sq."))
     thens = ("torch", "jax")
     resumed = [cut(d, tmp_path / f"two-{then}", 6) for then in thens]
     run_together(*[(r, ["--train.steps=12", f"--train.backend={then}"], toml) for r, then in zip(resumed, thens)])

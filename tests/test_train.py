@@ -42,8 +42,8 @@ def losses(run_dir):
     return {r["step"]: r["loss"] for r in map(json.loads, (Path(run_dir) / "metrics.jsonl").read_text().splitlines())}
 
 
-def final_params(run_dir, step):
-    return convert.read_safetensors(Path(run_dir) / f"step_{step}" / "model.safetensors")[0]
+def final_params(run_dir, step):  # our names -> numpy, from one file or every process's pieces
+    return {k: np.asarray(v) for k, v in convert.open_hf(Path(run_dir) / f"step_{step}")[1].items()}
 
 
 # --- AdamW and schedules ---
@@ -338,28 +338,140 @@ def test_two_processes_train_like_one(setup, one_process, tmp_path):
     assert all(np.allclose(x[k], y[k], rtol=1e-5, atol=1e-6) for k in x)
 
 
+# One process of a 2-host save, each host writing into its own copy of the run folder: what it
+# wrote stays apart from what the other wrote, for the test to merge as a network file system would.
+SAVE_APART = """
+import os, sys
+from pathlib import Path
+import jax, jax.numpy as jnp, numpy as np
+from jax.experimental import multihost_utils
+import train
+from configs import load_config
+toml, out = sys.argv[1:]
+rank = int(os.environ["JAX_PROCESS_ID"])
+cfg = load_config([toml, "--mesh.data=1", "--mesh.fsdp=8", f"--train.run_dir={out}/host{rank}"])
+backend = train.JaxBackend(cfg)
+backend.init(0)
+p = backend.params  # moments of their own: every tensor of the checkpoint differs
+backend.opt = dict(backend.opt, m=jax.tree.map(lambda x: x * 2, p),
+                   v=jax.tree.map(jnp.square, p), count=backend.opt["count"] + 3)
+Path(f"{out}/host{rank}/step_3.tmp").mkdir(parents=True)  # (the lead makes it for all)
+train.save_checkpoint(3, backend, cfg, {"step": 3}, [], {})
+want = {f"{k}.{n}": multihost_utils.process_allgather(a, tiled=True)
+        for k, tree in (("param", p), ("m", backend.opt["m"]), ("v", backend.opt["v"]))
+        for n, a in tree.items()}
+if rank == 0:
+    np.savez(f"{out}/want.npz", **want)
+"""
+
+
+def network_merge(copies, into, page=4096):
+    """What a network file system keeps of the files several hosts wrote: page by page, the last
+    host to write a page back wins (an NFS client flushes a dirty page whole). Each host's
+    step_N.tmp is the lead's step_N: the lead renamed the one shared folder."""
+    writers = {}
+    for host in copies:  # in the order they flush
+        for f in sorted(p for p in host.rglob("*") if p.is_file()):
+            rel = Path(*[part.removesuffix(".tmp") if part.startswith("step_") else part
+                         for part in f.relative_to(host).parts])
+            writers.setdefault(rel, []).append(host.name)
+            dst, mine = into / rel, f.read_bytes()
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            theirs = bytearray(dst.read_bytes() if dst.exists() else b"")
+            theirs.extend(bytes(max(0, len(mine) - len(theirs))))
+            for at in range(0, len(mine), page):  # every page this host wrote replaces the old
+                theirs[at:at + page] = mine[at:at + page]
+            dst.write_bytes(bytes(theirs))
+    return writers
+
+
+def test_hosts_write_checkpoints_a_network_file_system_keeps(setup, tmp_path):
+    """2 processes x 4 devices, every tensor split over all 8 (fsdp=8): each host writes its share
+    into its own file, so merged page by page, last writer wins, the checkpoint is exact; it reads
+    back in pieces, and one `convert.py` call makes a folder transformers loads."""
+    port = free_port()
+    envs = [dict(devices(4), JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                 JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)) for i in range(2)]
+    cmd = [sys.executable, "-c", SAVE_APART, str(setup[1]), str(tmp_path)]
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT) for env in envs]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs[0][-2000:] + outs[1][-2000:]
+    merged = tmp_path / "merged"
+    writers = network_merge([tmp_path / "host0", tmp_path / "host1"], merged)
+    assert all(len(w) == 1 for w in writers.values()), writers  # no file has two writers
+    step = merged / "step_3"
+    assert {"model.process1-of-2.safetensors", "optimizer.process1-of-2.safetensors"} <= {
+        f.name for f in (tmp_path / "host1" / "step_3.tmp").iterdir()}
+    want = np.load(tmp_path / "want.npz", allow_pickle=False)
+    m = train.load_config([str(setup[1])]).model
+    state, opt, meta = train.open_checkpoint(step, m)
+    assert meta["step"] == 3 and int(np.asarray(opt["step"])) == 3
+    for key in want.files:
+        kind, name = key.split(".", 1)
+        store, prefix = (state, "") if kind == "param" else (opt, dict(m="exp_avg.", v="exp_avg_sq.")[kind])
+        stored = [prefix + model.layer_name(name, i) for i in range(m.n_layers)] if name.startswith("layers.") else [prefix + name]
+        got = np.stack([np.asarray(store[n]) for n in stored]) if name.startswith("layers.") else np.asarray(store[stored[0]])
+        assert np.array_equal(got, want[key]), key  # bit for bit
+    assert any(isinstance(v, convert.Pieced) for v in state.values())  # (pieces, read in place)
+    convert.convert(step, tmp_path / "hf")
+    assert not list((tmp_path / "hf").glob("*process*"))
+    hf = pytest.importorskip("transformers").AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    emb = hf.model.embed_tokens.weight.detach().numpy()
+    assert np.array_equal(emb, want["param.embed_tokens.weight"])
+
+
+def test_a_pieced_tensor_reads_only_the_pieces_a_slice_needs():
+    class Untouchable:  # another host's piece: reading it fails the test
+        dtype, size = np.dtype(np.float32), 8
+
+        def __getitem__(self, idx):
+            raise AssertionError("read a piece the slice does not overlap")
+    top = np.arange(8, dtype=np.float32).reshape(2, 4)
+    t = convert.Pieced("w", [((slice(0, 2), slice(0, 4)), top), ((slice(2, 4), slice(0, 4)), Untouchable())])
+    assert t.shape == (4, 4) and np.array_equal(t[0:2, 1:3], top[:, 1:3]) and np.array_equal(t[1], top[1])
+    with pytest.raises(AssertionError, match="does not overlap"):
+        t[1:3]
+    with pytest.raises(ValueError, match="hold 8 of its 16 numbers"):
+        convert.Pieced("w", [((slice(0, 2), slice(0, 4)), top)] * 1 + [((slice(0, 4), slice(4, 4)), np.zeros((4, 0)))])
+
+
 def test_two_slurm_tasks_train_like_one(setup, one_process, tmp_path):
     """SLURM sets no JAX_COORDINATOR_ADDRESS: its 2 tasks still join one world and split batches."""
     port = str(free_port())  # JAX's own port, from the job id, could be taken
     outs = two_processes(setup[1], tmp_path / "two", lambda i: dict(
         SLURM_JOB_ID="4242", SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2", SLURM_PROCID=str(i),
-        SLURM_LOCALID=str(i), JAX_COORDINATOR_PORT=port))
+        SLURM_LOCALID=str(i), SLURM_STEP_ID="0", SLURM_STEP_NUM_TASKS="2", JAX_COORDINATOR_PORT=port))
     assert "over 8 device(s)" in outs[0] and "2 process(es)" in outs[0], outs[0][-2000:]
+    assert "distributed: slurm: process 1 of 2, waiting for all 2 to join" in outs[1], outs[1][-2000:]
     a, b = losses(one_process), losses(tmp_path / "two")
     assert a.keys() == b.keys() and all(b[s] == pytest.approx(a[s], rel=1e-5) for s in a)
 
 
-def test_start_distributed_only_for_several_processes(monkeypatch):
-    """No cluster, or a one-task SLURM step (srun -n1): nothing to join; two tasks: JAX joins up."""
+def test_start_distributed_only_for_several_processes(monkeypatch, capsys):
+    """No cluster, a one-task srun step, or a stray SLURM environment (issue 43: an sbatch
+    script's shell, salloc's interactive step: the allocation's SLURM_NTASKS=8, which JAX's
+    SlurmCluster counts) start alone; an srun step of two tasks joins both, saying so."""
+    from jax._src.clusters import SlurmCluster
     calls = []
-    monkeypatch.setattr(jax.distributed, "initialize", lambda *a: calls.append(a))
-    slurm = dict(SLURM_JOB_ID="7", SLURM_STEP_NODELIST="n1", SLURM_PROCID="0", SLURM_LOCALID="0")
-    cases = [({}, []), (dict(slurm, SLURM_NTASKS="1"), []), (dict(slurm, SLURM_NTASKS="2"), [()])]
-    for env, want in cases:
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **k: calls.append((a, k)))
+    slurm = dict(SLURM_JOB_ID="7", SLURM_STEP_NODELIST="n1", SLURM_PROCID="1", SLURM_LOCALID="1")
+    batch = dict(slurm, SLURM_NTASKS="8")  # no step: sbatch's script running python itself
+    interactive = dict(batch, SLURM_STEP_ID="4294967290", SLURM_STEP_NUM_TASKS="1")
+    srun = dict(slurm, SLURM_NTASKS="2", SLURM_STEP_ID="0", SLURM_STEP_NUM_TASKS="2")
+    joined = [((None, 2, 1), dict(cluster_detection_method="slurm"))]
+    cases = [({}, [], ""), (dict(slurm, SLURM_NTASKS="1", SLURM_STEP_ID="0"), [], ""),
+             (batch, [], "SLURM_NTASKS=8, but no srun step"),
+             (interactive, [], "SLURM_NTASKS=8, but no srun step"),
+             (srun, joined, "distributed: slurm: process 1 of 2, waiting for all 2 to join")]
+    for env, want, said in cases:
         calls.clear()
         with mock.patch.dict(os.environ, env, clear=True):
+            # what JAX alone would have done: wait for 8 processes
+            assert env is not interactive or SlurmCluster.get_process_count() == 8
             shard.start_distributed()
-        assert calls == want, env
+        out = capsys.readouterr()
+        assert calls == want and said in out.out + out.err, env
 
 
 def test_hosts_must_share_the_run_folder_and_the_data(setup, tmp_path):
