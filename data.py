@@ -756,7 +756,8 @@ def epoch_permutation(n, seed, epoch):
 class Loader:
     """Batches for this process's data-parallel ranks from any step: step s is row s mod (N // G)
     of epoch 1 + s // (N // G). Yields (step, read_rows' dict); with instance_filter (filtered's
-    keywords) also mask (all False in a masked row) and masked (how many)."""
+    keywords) also mask (all False in a masked row), filtered (B,) (which rows are masked) and
+    masked (how many)."""
 
     def __init__(self, instances, global_batch, seed, world=1, ranks=(0,), start_step=0,
                  vocab_size=None, instance_filter=None):
@@ -789,6 +790,7 @@ class Loader:
         if self.instance_filter is not None:  # a mask in every step: inputs keep one shape
             masked = np.array([filtered(row, **self.instance_filter) is not None for row in tokens])
             out["mask"] = out.get("mask", np.ones(tokens.shape, np.bool_)) & ~masked[:, None]
+            out["filtered"] = masked  # (B,): the loss still counts their T positions (OLMo-core)
             out["masked"] = int(masked.sum())
         return out
 

@@ -503,7 +503,7 @@ def dpo_of(scores, ref, n, tc, xp):
 
 def make_loss(cfg, xp):
     """(loss, total_of) for cfg.train.loss: loss(logp, lse, labels, batch, total) -> this
-    micro-batch's shares of the loss and metrics; total_of(labels): the global count."""
+    micro-batch's shares of the loss and metrics; total_of(labels, batch): the global count."""
     tc, ignore = cfg.train, IGNORE_INDEX
     stop_gradient = jax.lax.stop_gradient if xp is jnp else torch.Tensor.detach
 
@@ -522,10 +522,16 @@ def make_loss(cfg, xp):
         reward = batch["reward"].sum() / cfg.data.global_batch
         return xp.where(labels != ignore, per, 0.0).sum() / total, dict(reward=reward)
 
-    def total_of(labels):
+    def total_of(labels, batch=None):  # batch: its "filtered" rows, if the loader filtered any
         if tc.loss.startswith("dpo"):
             return math.prod(labels.shape[:-1]) // 2
-        return (labels != ignore).sum()
+        targets = (labels != ignore).sum()
+        if batch is None or "filtered" not in batch:
+            return targets
+        # OLMo-core (train_module.py, train_batch: "we count those tokens for the loss anyways")
+        # keeps a filtered instance's T label positions in the denominator, as zero-loss
+        # tokens: each rank then divides by a count it knows without a collective
+        return targets + batch["filtered"].sum() * labels.shape[-1]
 
     return {"ce": ce, "dpo": dpo, "dpo_norm": dpo, "grpo": grpo}[tc.loss], total_of
 

@@ -50,8 +50,13 @@ def lr_at(step, tc, tokens_per_step, total_steps):
     unit = tokens_per_step if tc.units == "tokens" else 1
     t, T = step * unit, tc.t_max or total_steps * unit
     W, lr, floor = tc.warmup, tc.lr, tc.alpha_f * tc.lr
+    if tc.schedule == "wsds":  # (its own periods; t_max unused)
+        return wsds_lr(t, tc, floor)
+    # half_cosine (HalfCosWithWarmup) warms up to where its half cosine starts, the midpoint
+    # between lr and the floor, not to lr (that would drop by half at the warmup's end)
+    peak = floor + (lr - floor) / 2 if tc.schedule == "half_cosine" else lr
     if t < W:
-        return tc.warmup_min_lr + (lr - tc.warmup_min_lr) * t / W
+        return tc.warmup_min_lr + (peak - tc.warmup_min_lr) * t / W
     if tc.schedule == "constant":
         return lr
     if t >= T:
@@ -60,8 +65,33 @@ def lr_at(step, tc, tokens_per_step, total_steps):
         return lr - (lr - floor) * (t - W) / (T - W)
     if tc.schedule == "cosine":
         return floor + (lr - floor) * (1 + math.cos(math.pi * (t - W) / (T - W))) / 2
+    if tc.schedule == "wsd":  # OLMo-core's WSD: stable at lr, then linear to the floor at T
+        D = tc.decay or round(T * tc.decay_fraction)
+        return lr if t < T - D else floor + (lr - floor) * (T - t) / D
     # half_cosine (OLMo 3 pretraining part 2): a cosine twice as long, from its midpoint
     return floor + (lr - floor) * (1 + math.cos(math.pi * (t - W + (T - W)) / (2 * (T - W)))) / 2
+
+
+def wsds_lr(t, tc, floor):
+    """OLMo-core's WSDS (optim/scheduler.py, WSDS.get_lr): a warmup to the first period's peak,
+    then per period a stable stretch at its peak (lr x its multiplier) and a linear decay to the
+    floor over its last `decay` (or decay_fraction of it); t past the last period: the floor."""
+    peaks = [tc.lr * x for x in tc.period_lr_multipliers or [1] * len(tc.periods)]
+    W = tc.warmup
+    if t < W:
+        return tc.warmup_min_lr + (peaks[0] - tc.warmup_min_lr) * t / W
+    x, start = t - W, 0  # the first period's length counts the warmup; the others do not
+    lengths = [tc.periods[0] - W, *tc.periods[1:]]
+    if x >= sum(lengths):
+        return floor
+    for i, L in enumerate(lengths):
+        if x <= start + L:  # (a period's last position is in it: its decay ends there at floor)
+            D = tc.decay or round(tc.decay_fraction * tc.periods[i])
+            pos = x - start
+            if pos < L - D:
+                return peaks[i]
+            return floor + (peaks[i] - floor) * (D - (pos - (L - D))) / D
+        start += L
 
 
 # exercise: adamw
@@ -94,8 +124,10 @@ def new_history():
 
 # exercise: skip_step
 def is_outlier(history, loss, grad_norm):
-    """OLMo-core SkipStepAdamW: a 6σ outlier in loss or grad norm, once 64 steps of history exist.
-    jnp, so the JAX step runs it inside jit and the torch step calls it eagerly on the host."""
+    """OLMo-core SkipStepAdamW: a 6σ outlier in loss or grad norm over the history (the previous
+    <= 128 steps), from the step whose window, this step counted, holds 64 values: the 64th step
+    (get_step_factor: `len(self._losses) < max(2, 128 // 2)` with this step's loss appended
+    first). jnp, so the JAX step runs it inside jit and the torch step calls it on the host."""
     n = jnp.minimum(history["n"], SKIP_WINDOW)
     valid = jnp.arange(SKIP_WINDOW) < n
 
@@ -105,7 +137,7 @@ def is_outlier(history, loss, grad_norm):
         return x - mean > SKIP_SIGMA * std
 
     either = outlier(loss, history["loss"]) | outlier(grad_norm, history["grad_norm"])
-    return (n >= SKIP_MIN) & either
+    return (n + 1 >= SKIP_MIN) & either  # (n: the previous steps; + 1: this one)
 
 
 def push_history(history, loss, grad_norm):
@@ -242,7 +274,7 @@ def make_train_step(cfg, mesh):
         """batch: tokens (A, B, T) (A micro-batches of B rows, B split over the data axis), and per
         loss its mask (A, B, T), ref or advantage (A, B)."""
         labels = model.shift_labels(batch["tokens"], m.pad_token_id, batch.get("mask"))
-        total = jnp.maximum(total_of(labels), 1)
+        total = jnp.maximum(total_of(labels, batch), 1)
 
         def accumulate(grads, micro):
             def loss_fn(p):
@@ -258,11 +290,14 @@ def make_train_step(cfg, mesh):
             grads = jax.tree.map(lambda g: g * scale, grads)
         new_params, new_opt = adamw(params, grads, opt, lr, tc, decay)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        # the history holds the cross-entropy without z-loss (OLMo-core: optim.latest_loss =
+        # ce_batch_loss); a loss without a "ce" (DPO, GRPO) is itself
+        tracked = aux.get("ce", loss)
         if tc.skip_step:
-            ok &= ~is_outlier(history, loss, grad_norm)
+            ok &= ~is_outlier(history, tracked, grad_norm)
         kept = jax.tree.map(lambda a, b: jnp.where(ok, a, b), (new_params, new_opt), (params, opt))
         metrics = dict(loss=loss, grad_norm=grad_norm, skipped=~ok, **aux)
-        return *kept, push_history(history, loss, grad_norm), metrics
+        return *kept, push_history(history, tracked, grad_norm), metrics
 
     p, o, h = shard.state_shardings(mesh, model.param_table(m))  # (the batch: JaxBackend.step's)
     return jax.jit(step, in_shardings=(p, o, h, None, None),
@@ -469,7 +504,8 @@ class TorchBackend:
         """batch: {tokens (B_rank, T), ...}: this rank's rows; sums as in JAX."""
         tc = self.cfg.train
         x, y, docs, rows = self._inputs(batch)  # rows: ref, advantage
-        total = shard.torch_sum(torch.as_tensor(self.total_of(y), device=self.device)).clamp(min=1)
+        mine = torch.as_tensor(self.total_of(y, rows), device=self.device)
+        total = shard.torch_sum(mine).clamp(min=1)
         per, sums = len(x) // self.accum, {}  # rows per micro-batch (DPO: a pair's two together)
         for a in range(self.accum):
             at = slice(a * per, (a + 1) * per)
@@ -490,7 +526,7 @@ class TorchBackend:
         loss, grad_norm = sums["loss"], float(norm)
         ok = math.isfinite(loss) and math.isfinite(grad_norm)
         if ok and tc.skip_step:
-            ok = not bool(is_outlier(self.history, loss, grad_norm))
+            ok = not bool(is_outlier(self.history, sums.get("ce", loss), grad_norm))
         if ok:
             if tc.clip:  # min(1, clip / (norm + 1e-6)), as in JAX
                 torch.nn.utils.clip_grads_with_norm_(self.named.values(), tc.clip, norm)
@@ -498,7 +534,7 @@ class TorchBackend:
                 group["lr"] = lr
             self.optim.step()
         self.optim.zero_grad(set_to_none=True)
-        self.history = push_history(self.history, loss, grad_norm)
+        self.history = push_history(self.history, sums.get("ce", loss), grad_norm)  # (JAX's too)
         return dict(sums, grad_norm=grad_norm, skipped=not ok)
 
     def _inputs(self, batch):

@@ -190,7 +190,15 @@ class TrainConfig:
     warmup: int = 100
     warmup_min_lr: float = 0.0
     t_max: int = 0                # schedule length; 0 = this stage's steps (or their tokens)
-    alpha_f: float = 0.1          # the schedule ends at alpha_f·lr
+    alpha_f: float = 0.1          # the schedule ends at alpha_f·lr (wsd, wsds: decays to it)
+    # wsd and wsds (warmup, stable at lr, linear decay): the decay's length in `units`; 0 = its
+    # decay_fraction of t_max (wsds: of each period). OLMo-core's decay_min_lr is alpha_f·lr here.
+    decay: int = 0
+    decay_fraction: float = 0.1
+    # wsds only: each period's length in `units` (the first includes the warmup), and each one's
+    # peak as a multiple of lr ([] = all 1); each period decays at its end (OLMo-core's WSDS)
+    periods: list = field(default_factory=list)
+    period_lr_multipliers: list = field(default_factory=list)
     # optimizer
     beta1: float = 0.9
     beta2: float = 0.95
@@ -218,11 +226,24 @@ class TrainConfig:
                                "grpo_max_new loss_chunks grpo_temperature",
                 unit="beta1 beta2 warmup_fraction",
                 nonneg="micro_batch warmup t_max lr warmup_min_lr alpha_f weight_decay clip "
-                       "z_loss epochs",
+                       "z_loss epochs decay",
                 backend=["jax", "torch"], compute_dtype=["float32", "bfloat16"],
                 units=["steps", "tokens"], remat=["none", "block", "mlp", "dots"],
-                schedule=["cosine", "linear", "half_cosine", "constant"],
+                schedule=["cosine", "linear", "half_cosine", "constant", "wsd", "wsds"],
                 loss=["ce", "dpo", "dpo_norm", "grpo"])
+        _need(self, 0 <= self.decay_fraction <= 1, "decay_fraction", "must be in [0, 1]")
+        _need(self, all(type(p) is int and p > 0 for p in self.periods), "periods",
+              "must be positive whole numbers (steps or tokens)")
+        _need(self, (self.schedule == "wsds") == bool(self.periods), "periods",
+              "a wsds schedule needs them; no other schedule reads them")
+        multipliers = self.period_lr_multipliers
+        _need(self, not multipliers or (len(multipliers) == len(self.periods) and all(
+              type(x) in (int, float) and x > 0 for x in multipliers)),
+              "period_lr_multipliers", "must be [] or one positive number per period")
+        for i, length in enumerate(self.periods):  # (OLMo-core WSDS.__post_init__'s checks)
+            room = length - (self.warmup if i == 0 else 0)
+            _need(self, self.decay or round(self.decay_fraction * length) <= room, "periods",
+                  f"period {i} ({length}) is shorter than its warmup + decay")
 
 
 @dataclass

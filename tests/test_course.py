@@ -514,10 +514,11 @@ def skip_cases():
          "the gradient norm alone can make an outlier (loss OR grad norm)."),
         ("a loss 8σ below the mean", 100, flat, ok, mu - 8 * sd, 1.0,
          "one-sided: only a rise is an outlier (x - mean > 6σ, no absolute value)."),
-        ("63 values of history, a loss 100σ above", 63, values(63), values(63, 1.0, 0.1),
-         2.0 + 100 * 0.05, 1.0, "with fewer than 64 values (SKIP_MIN) never skip."),
-        ("exactly 64 values, a loss 8σ above", 64, values(64), values(64, 1.0, 0.1), 2.4, 1.0,
-         "from 64 values on (n >= SKIP_MIN) the rule is active."),
+        ("62 values of history, a loss 100σ above", 62, values(62), values(62, 1.0, 0.1),
+         2.0 + 100 * 0.05, 1.0, "with the step itself under 64 values (SKIP_MIN) never skip."),
+        ("63 values of history, a loss 8σ above", 63, values(63), values(63, 1.0, 0.1), 2.4, 1.0,
+         "OLMo-core's window counts the step itself: 63 values before it and this one make "
+         "64 (SKIP_MIN), so the 64th step can be skipped (n + 1 >= SKIP_MIN)."),
         ("300 steps pushed (the ring wrapped), a loss 8σ above", 300, values(300),
          values(300, 1.0, 0.1), 2.4, 1.0,
          "n counts every push; the ring holds the last min(n, 128): divide by that, not by n."),
@@ -525,10 +526,12 @@ def skip_cases():
 
 
 def olmo_core_skips(n, losses, grads, loss, grad_norm):
-    """The rule as reference/olmo-facts.md §5.3 states it: loss - mean > 6·std or grad_norm -
-    mean > 6·std over the previous <= 128 steps, once >= 64 values exist."""
+    """OLMo-core's SkipStepOptimizer.get_step_factor (olmo_core/optim/skip_step_optimizer.py):
+    its window holds this step's value too (set before step()), at most 128 + 1; no skip while
+    it holds fewer than max(2, 128 // 2) = 64; else loss - mean > 6·std or grad_norm - mean >
+    6·std over the values before this one (torch.std_mean: std with n - 1)."""
     held = min(n, 128)
-    if held < 64:
+    if held + 1 < max(2, 128 // 2):
         return False
     pairs = ((loss, losses.astype(np.float64)), (grad_norm, grads.astype(np.float64)))
     return any(x - h[:held].mean() > 6 * h[:held].std(ddof=1) for x, h in pairs)
@@ -563,4 +566,4 @@ def test_is_outlier_is_olmo_cores_rule():
     if wrong:
         fail("train.is_outlier disagrees with OLMo-core's SkipStepAdamW rule (skip when loss - "
              "mean > 6·std or grad_norm - mean > 6·std over the last min(n, 128) values, once "
-             "n >= 64; std with n - 1, as torch.std):", *wrong)
+             "n + 1 >= 64, the step itself counted; std with n - 1, as torch.std):", *wrong)

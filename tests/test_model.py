@@ -279,3 +279,34 @@ def test_head_in_chunks_equals_the_whole_head(chunks):
     got, want = jax.grad(loss)(params, chunks), jax.grad(loss)(params, 1)
     for k in want:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6 * float(np.abs(want[k]).max()), err_msg=k)
+
+
+def olmo_core_get_labels(input_ids, label_mask=None, instance_mask=None):
+    """OLMo-core data/utils.py get_labels, in numpy: label_mask and instance_mask set -100, then
+    the shift; no rule for PAD ids."""
+    labels = input_ids.copy()
+    if label_mask is not None:
+        labels[~label_mask] = model.IGNORE_INDEX
+    if instance_mask is not None:
+        labels[~instance_mask] = model.IGNORE_INDEX
+    return np.pad(labels[:, 1:], ((0, 0), (0, 1)), constant_values=model.IGNORE_INDEX)
+
+
+def test_labels_are_olmo_cores_but_at_a_pad_id_inside_the_text():
+    """shift_labels equals OLMo-core's get_labels on its own data: a padded instance carries a
+    label mask False on the padding (NumpyPaddedFSLDataset), a filtered one an instance mask.
+    They differ only at a PAD id inside the text, which OLMo-core trains on and we do not
+    (docs/training.md: labels)."""
+    pad = 7
+    padded = np.array([[3, 4, 5, pad, pad, pad]])
+    label_mask = np.array([[True, True, True, False, False, False]])
+    assert np.array_equal(model.shift_labels(padded, pad, label_mask),
+                          olmo_core_get_labels(padded, label_mask))
+    both = np.array([[3, 4, 5, 6, 2, 1], [1, 2, 3, 4, 5, 6]])
+    instance = np.array([True, False])
+    assert np.array_equal(model.shift_labels(both, pad, np.broadcast_to(instance[:, None], (2, 6))),
+                          olmo_core_get_labels(both, instance_mask=instance))
+    text = np.array([[3, pad, 5, 6]])  # a PAD id in a document, no mask
+    ours, theirs = model.shift_labels(text, pad), olmo_core_get_labels(text)
+    assert theirs[0, 0] == pad and ours[0, 0] == model.IGNORE_INDEX
+    assert np.array_equal(ours[:, 1:], theirs[:, 1:])

@@ -89,7 +89,9 @@ def test_eval_and_score_in_micro_batches_equal_the_whole_batch(setup, monkeypatc
 def test_a_masked_instance_trains_nothing(setup, tmp_path):
     """data.instance_filter in both backends: instance 0 made one token 32 times is masked;
     what its tokens are then changes nothing in the step (loss, grad norm, weights),
-    while unmasked it would."""
+    while unmasked it would. The loss divides by OLMo-core's count: every unmasked target plus T
+    for each masked instance (olmo_core/train/train_module/transformer/train_module.py,
+    train_batch: batch_num_tokens_for_loss += (~instance_mask).sum() * labels.shape[1])."""
     root, toml = setup
     cfg = load_config([str(toml)])
     src = data.dataset_files(cfg.data.path)[0]
@@ -105,12 +107,20 @@ def test_a_masked_instance_trains_nothing(setup, tmp_path):
         batch = loader.batch(step)
         assert batch.pop("masked", 0) == (check is not None)
         batches.append(dict(batch, mask=batch.get("mask", np.ones(batch["tokens"].shape, bool))))
+    first = batches[0]
+    assert first["filtered"].sum() == 1 and first["tokens"].shape[1] == cfg.data.seq_len
     for backend in (train.JaxBackend, train.TorchBackend):
         outs = []
         for batch in batches:
             b = backend(cfg)
             b.init(cfg.train.init_seed)
-            outs.append((jax.device_get(b.step(batch, 1e-3)), b.host_params()))
+            start = {k: np.array(v) for k, v in b.host_params().items()}  # (torch's: live memory)
+            outs.append((jax.device_get(b.step(dict(batch), 1e-3)), b.host_params()))
+        labels = model.shift_labels(first["tokens"], cfg.model.pad_token_id, first["mask"])
+        logits = model.forward(start, jax.numpy.asarray(first["tokens"]), cfg.model)
+        logp = np.asarray(model.label_logps(logits, jax.numpy.asarray(labels))[0])
+        olmo_core = (labels != model.IGNORE_INDEX).sum() + 1 * cfg.data.seq_len
+        assert outs[0][0]["ce"] == pytest.approx(-logp.sum() / olmo_core, rel=1e-5), backend
         (a, pa), (b, pb), (c, pc) = outs
         assert (a["loss"] == pytest.approx(b["loss"], rel=1e-6)
                 and a["grad_norm"] == pytest.approx(b["grad_norm"]))

@@ -21,7 +21,7 @@ import convert
 import model
 import shard
 import train
-from configs import build, load_config
+from configs import ConfigError, build, load_config
 from teach import fail
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -133,6 +133,14 @@ def test_schedules_match_the_reference_numbers():
     hand = lambda s: 3e-5 + 2.7e-4 * (1 + math.cos(math.pi * (s - W + (T - W)) / (2 * (T - W)))) / 2  # noqa: E731
     assert hand(W) == pytest.approx(1.65e-4) and hand(1_413_814) == pytest.approx(3.93e-5, rel=2e-3)
     expect_lr("OLMo 3 part 2, its start", (W, part2, 1, 0), hand(W), HALF)
+    # Its warmup climbs to that midpoint, max_lr = eta_min + (lr - eta_min) / 2 (OLMo-core
+    # optim/scheduler.py, HalfCosWithWarmup.get_lr), not to lr: with lr 1e-2, alpha_f 0.1 and
+    # warmup 10, step 1 is 0.1 x 5.5e-3 (lr 1e-2 would give 1e-3).
+    short = tcfg(lr=1e-2, warmup=10, t_max=100, schedule="half_cosine", alpha_f=0.1)
+    expect_lr("half_cosine's warmup, step 1", (1, short, 1, 0), 5.5e-4,
+              "warms up to eta_min + (lr - eta_min) / 2", 1e-9)
+    expect_lr("half_cosine's warmup, half way", (W // 2, part2, 1, 0), 1.65e-4 / 2,
+              "warms up to eta_min + (lr - eta_min) / 2", 1e-3)
     expect_lr("OLMo 3 part 2, stage 1's end", (1_413_814, part2, 1, 0), hand(1_413_814), HALF)
     # OLMo 2 1B, counted in tokens: warmup 8,388,608,000 tokens, cosine to 0.1 over 5e12; at the stage-1
     # end (step 1,907,359 of 512 x 4096 tokens) the LR was the stage-2 starting LR 7.4487e-5.
@@ -186,8 +194,58 @@ def test_accumulation_equals_one_batch(setup):
             np.testing.assert_allclose(p[k], results[0][2][k], rtol=0, atol=1e-6, err_msg=k)
 
 
+def olmo_core_wsd(lr, current, t_max, warmup, decay, warmup_min_lr=0.0, decay_min_lr=0.0):
+    """OLMo-core optim/scheduler.py, WSD.get_lr (with _linear_warmup and _linear_decay)."""
+    if current <= warmup:
+        return warmup_min_lr + (lr - warmup_min_lr) * min(current, warmup) / warmup
+    if current >= t_max - decay:
+        return decay_min_lr + (lr - decay_min_lr) * min(t_max - current, decay) / decay
+    return lr
+
+
+def olmo_core_wsds(lr, current, periods, multipliers, warmup, decay_fraction, decay_min_lr):
+    """OLMo-core optim/scheduler.py, WSDS.get_lr and its __post_init__'s adjusted periods."""
+    adjusted = [periods[0] - warmup] + periods[1:]
+    ends = np.cumsum(adjusted).tolist()
+    if current < warmup:
+        return lr * multipliers[0] * min(current, warmup) / warmup
+    x = current - warmup
+    if x >= ends[-1]:
+        return decay_min_lr
+    i = next((k for k, end in enumerate(ends) if x <= end), len(ends) - 1)
+    start, L = (0 if i == 0 else ends[i - 1]), adjusted[i]
+    pos = min(max(x - start, 0), L)
+    D = int(round(decay_fraction * periods[i]))
+    peak = lr * multipliers[i]
+    if pos < L - D:
+        return peak
+    return decay_min_lr + (peak - decay_min_lr) * min(D - (pos - (L - D)), D) / D
+
+
+def test_wsd_and_wsds_are_olmo_cores():
+    """Every step of a WSD and a WSDS schedule against transcriptions of OLMo-core's classes;
+    OLMo-core's decay_min_lr is alpha_f·lr here."""
+    wsd = tcfg(lr=1e-3, schedule="wsd", warmup=20, t_max=200, decay=50, alpha_f=0.1)
+    for step in range(1, 201):
+        want = olmo_core_wsd(1e-3, step, 200, 20, 50, decay_min_lr=1e-4)
+        assert train.lr_at(step, wsd, 1, 200) == pytest.approx(want, rel=1e-12), step
+    by_fraction = tcfg(lr=1e-3, schedule="wsd", warmup=0, t_max=1000, alpha_f=0.0)
+    assert train.lr_at(899, by_fraction, 1, 1000) == 1e-3  # decay_fraction 0.1: the last 100
+    assert train.lr_at(950, by_fraction, 1, 1000) == pytest.approx(5e-4)
+    periods, mult = [300, 200, 100], [1.0, 0.5, 0.25]
+    wsds = tcfg(lr=2e-3, schedule="wsds", warmup=30, periods=periods, period_lr_multipliers=mult,
+                decay_fraction=0.2, alpha_f=0.0)
+    for step in range(1, 620):
+        want = olmo_core_wsds(2e-3, step, periods, mult, 30, 0.2, 0.0)
+        assert train.lr_at(step, wsds, 1, 600) == pytest.approx(want, rel=1e-12, abs=1e-15), step
+    with pytest.raises(ConfigError, match="periods=.*a wsds schedule needs them"):
+        tcfg(schedule="wsds")
+    with pytest.raises(ConfigError, match="period 0 .300. is shorter than its warmup"):
+        tcfg(schedule="wsds", periods=[300], warmup=250, decay_fraction=0.2)
+
+
 def test_skip_step_skips_outliers(setup):
-    cfg = small_cfg(setup, "--train.skip_step=true")
+    cfg = small_cfg(setup, "--train.skip_step=true", "--train.z_loss=1e-2")  # (loss = ce + z)
     step = train.make_train_step(cfg, shard.make_mesh(cfg.mesh))
     params = model.init_params(cfg.model, jax.random.PRNGKey(0))
     def history(n):  # a fresh one each call: the step donates its inputs
@@ -198,9 +256,14 @@ def test_skip_step_skips_outliers(setup):
     assert bool(out["skipped"])  # loss ≈ 6 is far above a history of 1.0-1.1
     assert all(np.array_equal(np.asarray(p[k]), np.asarray(params[k])) for k in params)
     assert int(h["n"]) == 65
-    # Fewer than 64 values: never skip.
+    # 63 before it: this step is the window's 64th value, and OLMo-core's SkipStepAdamW may skip
+    # it (get_step_factor counts the step's own loss); 62 before it: never.
     _, _, _, out = step(jax.tree.map(jnp.copy, params), train.new_optimizer(params), history(63), dict(tokens=tokens), jnp.float32(1e-3))
+    assert bool(out["skipped"])
+    _, _, h, out = step(jax.tree.map(jnp.copy, params), train.new_optimizer(params), history(62), dict(tokens=tokens), jnp.float32(1e-3))
     assert not bool(out["skipped"])
+    # The history keeps the cross-entropy without z-loss (OLMo-core: optim.latest_loss = ce_batch_loss)
+    assert float(h["loss"][62]) == pytest.approx(float(out["ce"])) and float(out["ce"]) != float(out["loss"])
 
 
 # --- whole runs ---
