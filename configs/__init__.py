@@ -195,8 +195,8 @@ class TrainConfig:
     # decay_fraction of t_max (wsds: of each period). OLMo-core's decay_min_lr is alpha_f·lr here.
     decay: int = 0
     decay_fraction: float = 0.1
-    # wsds only: each period's length in `units` (the first includes the warmup), and each period's
-    # peak as a multiple of lr ([] = all 1); each period decays at its end (OLMo-core's WSDS)
+    # wsds only: the length of each period in `units` (the first includes the warmup), and the
+    # peak of each as a multiple of lr ([] = all 1); each period decays at its end (OLMo-core WSDS)
     periods: list = field(default_factory=list)
     period_lr_multipliers: list = field(default_factory=list)
     # optimizer
