@@ -230,7 +230,7 @@ class Pieced:
         idx = idx if isinstance(idx, tuple) else (idx,)
         idx += (slice(None),) * (self.ndim - len(idx))
         dropped = tuple(axis for axis, s in enumerate(idx) if not isinstance(s, slice))
-        idx = [slice(s, s + 1 if s != -1 else None) if axis in dropped else s
+        idx = [slice(s, s + 1 or None) if axis in dropped else s  # (s = -1: to the end)
                for axis, s in enumerate(idx)]
         if any(s.step not in (None, 1) for s in idx):
             raise IndexError(f"{self.name}: only contiguous slices of a pieced tensor are read")
@@ -426,7 +426,7 @@ def open_hf(d):
     if pickles and not any((d / n).is_file() for n in HF_SAFETENSORS):
         raise FileNotFoundError(f"{d}: no model.safetensors ({', '.join(pickles)} are pickles, "
                                 f"which we never load here: `python convert.py {d} OUT` converts)")
-    return m, _bind(_weights(d, HF_SAFETENSORS + [PIECES]), 0, m, str(d), "config.json")
+    return m, _bind(read_weights(d, HF_SAFETENSORS + [PIECES]), 0, m, str(d), "config.json")
 
 
 def load_hf(d, dtype=None):
@@ -720,8 +720,9 @@ def dcp_store(d):
         if key.startswith("model.") and isinstance(meta, dcp.metadata.TensorStorageMetadata)}
 
 
-def _weights(d, names, trainer=False):
-    """Their name -> tensor, from the first of `names` in d: a weight file, shard index or DCP."""
+def read_weights(d, names, trainer=False):
+    """Their name -> tensor, from the first of `names` in d: a weight file, shard index, DCP, or
+    a glob of train.py's per-process pieces (read_pieces)."""
     for name in names:
         p = d / name
         if name.endswith(".index.json") and p.is_file():
@@ -729,7 +730,7 @@ def _weights(d, names, trainer=False):
             for f in files:
                 if not (d / f).is_file():
                     raise FileNotFoundError(f"{p} names shard {f}, which is missing")
-            return {k: v for f in files for k, v in _weights(d, [f], trainer).items()}
+            return {k: v for f in files for k, v in read_weights(d, [f], trainer).items()}
         if "*" in name and (files := sorted(d.glob(name))):  # a multi-host run's pieces
             return read_pieces(files)
         if name == "model_and_optim" and (p / ".metadata").is_file():
@@ -838,7 +839,7 @@ def open_source(path, config=None):
                              "d_model or model.block)")
     read, files, column = FORMATS[kind]
     m = read(c, str(cfg))
-    store = _weights(d, ([path.name] if path.is_file() else []) + files, trainer=kind == "olmo")
+    store = read_weights(d, ([path.name] if path.is_file() else []) + files, trainer=kind == "olmo")
     tensors = {k: Lazy.of(t) for k, t in _bind(store, column, m, str(path), cfg.name).items()}
     # OLMo-core names its tokenizer; elsewhere dolma2's EOS 100257 and rows for its ids say so
     ident = str(((c.get("dataset") or {}).get("tokenizer") or {}).get("identifier", ""))

@@ -237,7 +237,7 @@ def open_checkpoint(path, m, with_optimizer=True, new_stage=False):
         raise ConfigError(f"{path} holds a different model (there vs here: {'; '.join(diff)})")
     opt, files = None, ["optimizer.safetensors", "optimizer.process*-of-*.safetensors"]
     if with_optimizer and any(any(path.glob(f)) for f in files):
-        opt = convert._weights(path, files)
+        opt = convert.read_weights(path, files)
         if missing := [f for f in checkpoint_entries(m)[1] if f not in opt]:
             raise ValueError(f"{path}: its optimizer has no tensor {missing[0]}")
     return state, opt, meta

@@ -242,7 +242,8 @@ class TrainConfig:
               "period_lr_multipliers", "must be [] or one positive number per period")
         for i, length in enumerate(self.periods):  # (OLMo-core WSDS.__post_init__'s checks)
             room = length - (self.warmup if i == 0 else 0)
-            _need(self, self.decay or round(self.decay_fraction * length) <= room, "periods",
+            decay = self.decay or round(self.decay_fraction * length)
+            _need(self, decay <= room, "periods",
                   f"period {i} ({length}) is shorter than its warmup + decay")
 
 

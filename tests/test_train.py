@@ -242,6 +242,8 @@ def test_wsd_and_wsds_are_olmo_cores():
         tcfg(schedule="wsds")
     with pytest.raises(ConfigError, match="period 0 .300. is shorter than its warmup"):
         tcfg(schedule="wsds", periods=[300], warmup=250, decay_fraction=0.2)
+    with pytest.raises(ConfigError, match="period 0 .100. is shorter than its warmup"):
+        tcfg(schedule="wsds", periods=[100], warmup=50, decay=60)  # (a decay in steps too)
 
 
 def test_skip_step_skips_outliers(setup):
