@@ -898,7 +898,8 @@ def main(argv):
                         desc="train", dynamic_ncols=True, disable=not lead)
     t_last, pending, masked = time.perf_counter(), [], []  # pending: (step, metrics on device)
     timed, compile_s = 0, None  # steps since t_last; the first step's seconds (see below)
-    for step, (_, batch) in zip(bar, loader):
+    batches = iter(loader)  # (closed after the loop: its read-ahead thread ends there)
+    for step, (_, batch) in zip(bar, batches):
         if "masked" in batch:  # data.instance_filter: the share of rows it masked
             masked.append(batch.pop("masked") / len(batch["tokens"]))
         if tc.loss == "grpo":  # prompts -> completions
@@ -950,6 +951,7 @@ def main(argv):
             # not 0: `train.py && next` must not go on with a run that stopped half way
             sys.exit(128 + stopping)
     bar.close()
+    batches.close()  # no thread reading a batch nobody takes while the run ends
     # Saved: a signal now stops the run at once (exit 130 or 143), as it did before the loop
     # (configs.exit_on_signals in a script; Python's KeyboardInterrupt where none was installed).
     defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
