@@ -3,8 +3,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+import data
 from configs import ConfigError, ModelConfig, describe, load_config, load_json, save_json
 from model import count_params
 
@@ -147,9 +149,28 @@ def test_readme_table_is_current():
     assert table in (ROOT / "README.md").read_text(), "README's parameter table is stale: paste the new output"
 
 
-# What OLMo-core's official scripts set (OLMo-core fa6c501, src/scripts/official/OLMo3/): file ->
-# the values a config reproducing it carries. (The OLMo 2 configs are not checked yet: issue 44.)
+# What the official scripts set, file -> the values a config reproducing it carries: OLMo-core
+# fa6c501's src/scripts/official/OLMo3/ for Olmo 3; for OLMo 1 and 2, the old trainer's YAMLs
+# that made the releases (allenai/OLMo configs/official/ @15af6688, configs/official-0425/ and
+# official-1124/ @59a53e3f). seed: the old trainer's 6198 is 6197 here
+# (test_old_trainer_seeds_give_its_data_order).
+OLMO2 = dict(schedule="cosine", units="tokens", warmup=8_388_608_000, t_max=5_000_000_000_000,
+             alpha_f=0.1, warmup_min_lr=0.0, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8,
+             clip=1.0, z_loss=1e-5, skip_step=False, seed=6197, instance_filter=True)
+OLMO1 = dict(warmup_min_lr_fraction=0.1, alpha_f=0.1, t_max=0, weight_decay=0.1, beta1=0.9,
+             beta2=0.95, eps=1e-5, clip=1.0, z_loss=0.0, skip_step=False, seed=6197,
+             tokens_per_step=2048 * 2048, instance_filter=False)
 OFFICIAL = {
+    "olmo1-1b": ("OLMo-1B.yaml", dict(OLMO1, lr=4e-4, schedule="cosine", warmup=2000,
+                                      steps=739_328)),
+    "olmo1-7b": ("OLMo-7B.yaml", dict(OLMO1, lr=3e-4, schedule="linear", warmup=5000,
+                                      steps=2 * 10**12 // (2048 * 2048))),  # 476,837: rounded down
+    "olmo2-1b": ("OLMo2-1B-stage1.yaml", dict(  # 4e12 tokens, rounded up by the old trainer's HEAD
+        OLMO2, lr=4e-4, steps=-(-4 * 10**12 // (512 * 4096)), tokens_per_step=512 * 4096)),
+    "olmo2-7b": ("OLMo2-7B-stage1.yaml", dict(OLMO2, lr=3e-4, epochs=1,
+                                             tokens_per_step=1024 * 4096)),
+    "olmo2-13b": ("OLMo2-13B-stage1.yaml", dict(OLMO2, lr=3e-4, epochs=1,
+                                               tokens_per_step=2048 * 4096)),
     "olmo3-7b": ("OLMo-3-1025-7B-pretrain-1.py", dict(
         lr=3e-4, warmup=2000, schedule="cosine", alpha_f=0.1, t_max=1_192_093, steps=597_046,
         skip_step=True, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8, clip=1.0,
@@ -168,5 +189,18 @@ def test_real_size_configs_carry_the_official_recipe(name):
     assert script in (ROOT / "configs" / f"{name}.toml").read_text()  # it names its source
     got = {**{k: getattr(cfg.train, k, None) for k in want}, "seed": cfg.data.seed,
            "tokens_per_step": cfg.data.global_batch * cfg.data.seq_len,
-           "instance_filter": cfg.data.instance_filter}
+           "instance_filter": cfg.data.instance_filter,
+           # the Feb-2024 warmup starts at 0.1 x lr (olmo/optim.py @15af6688, _linear_warmup)
+           "warmup_min_lr_fraction": cfg.train.warmup_min_lr / cfg.train.lr}
     assert {k: got[k] for k in want} == want
+
+
+def test_old_trainer_seeds_give_its_data_order():
+    # allenai/OLMo olmo/data/iterable_dataset.py (@15af6688 and HEAD), _build_and_save_global_indices:
+    # indices = np.arange(N, dtype=np.uint32); PCG64(seed=self.seed + self.epoch).shuffle(indices),
+    # with the first epoch 0 (olmo/data/__init__.py: epoch=train_config.epoch or 0) and seed 6198.
+    old_trainer = np.arange(1000, dtype=np.uint32)
+    np.random.Generator(np.random.PCG64(seed=6198 + 0)).shuffle(old_trainer)
+    for name in ("olmo1-1b", "olmo1-7b", "olmo2-1b", "olmo2-7b", "olmo2-13b"):
+        seed = load_config([f"configs/{name}.toml"]).data.seed
+        assert np.array_equal(data.epoch_permutation(1000, seed, 1), old_trainer), name
