@@ -13,7 +13,7 @@ ifneq ($(TCMALLOC),)
 export LD_PRELOAD ?= $(TCMALLOC)
 endif
 
-.PHONY: demo test env longctx posttrain tables exercises device-check clean
+.PHONY: demo test env longctx midtrain posttrain tables exercises device-check clean
 
 # On an accelerator, name it once: `make demo ACCEL=cuda` (NVIDIA GPUs) or `make demo ACCEL=tpu`
 # installs JAX's plugin for it beside the CPU jaxlib (pinned to jax's version); torch's PyPI wheel
@@ -91,6 +91,17 @@ longctx: $(DATA)/tiny/prepare.json
 	$(PY) data.py verify $(DATA)/tiny --seq-len 1024 --global-batch 4 --seed 0 --packed --long-docs fragment
 	$(PY) train.py configs/tiny.toml configs/tiny-stage3.toml
 	$(PY) eval.py positions runs/tiny/step_1350 runs/tiny-stage3/step_200 --data $(DATA)/tiny --seq-len 1024
+
+# Olmo 3's stage 2 on a laptop (docs/training.md#stages): the demo model annealed on its books mixed with the arithmetic
+# conversations, with two data seeds, the two averaged; then held-out exact match and books' bits per byte of each.
+midtrain: $(DATA)/tiny/prepare.json $(DATA)/arith-sft/prepare.json
+	test -f runs/tiny/step_1350/nanolmo.json || $(MAKE) demo
+	$(PY) train.py configs/tiny.toml configs/tiny-midtrain.toml
+	$(PY) train.py configs/tiny.toml configs/tiny-midtrain.toml --data.seed=2 --train.run_dir=runs/tiny-midtrain-2
+	rm -rf runs/tiny-midtrain-soup  # (a rerun averages again: convert.py never overwrites)
+	$(PY) convert.py soup runs/tiny-midtrain/step_300 runs/tiny-midtrain-2/step_300 --out runs/tiny-midtrain-soup
+	$(PY) eval.py exact runs/tiny/step_1350 runs/tiny-midtrain/step_300 runs/tiny-midtrain-2/step_300 runs/tiny-midtrain-soup \
+		--prompts $(DATA)/arith/heldout.jsonl --template tulu --heldout $(DATA)/tiny
 
 # Post-training on a laptop (docs/posttrain.md): the demo model -> SFT -> DPO -> GRPO on generated arithmetic, then
 # each one's exact match on the held-out sums, as one table.

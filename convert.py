@@ -1041,7 +1041,14 @@ def soup(srcs, out):
 
     tensors = {k: Lazy(t.shape, t.dtype, functools.partial(mean, k))
                for k, t in first.tensors.items()}
-    return write_checkpoint(out, first.m, tensors)
+    # the tokenizer files go with the soup, so eval.py reads it as it reads its sources
+    names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+    folders = [s.path if s.path.is_dir() else s.path.parent for s in sources]
+    texts = [{n: (d / n).read_text() for n in names if (d / n).is_file()} for d in folders]
+    for s, own in zip(rest, texts[1:]):
+        if own and texts[0] and own != texts[0]:
+            raise ConfigError(f"{s.path} has other tokenizer files than {first.path}")
+    return write_checkpoint(out, first.m, tensors, files=texts[0])
 
 
 # --- check: two models on the same tokens ---

@@ -583,6 +583,10 @@ class TokenFile:
         return self._mm
 
     def mask(self):
+        """Which tokens are targets. A file without a mask (plain text) is all targets: a mix
+        may put a chat dataset (the prompts masked) beside plain text."""
+        if not self.has_mask:
+            return np.broadcast_to(np.True_, (self.tokens,))  # no memory, whatever the size
         if not hasattr(self, "_mask"):
             path = self.path.with_suffix(".labels_mask")
             self._mask = np.memmap(path, np.bool_, "r", shape=(self.tokens,))
@@ -818,7 +822,7 @@ def read_rows(inst, ids):
     bool, OLMo-core's label_mask, if labelled; ref (B,) float32 if set."""
     T = inst.seq_len
     out = dict(tokens=np.stack([inst.read(i) for i in ids]).astype(np.int32).reshape(-1, T))
-    if inst.files[0].has_mask:
+    if any(f.has_mask for f in inst.files):  # a mix's plain-text files: all targets
         out["mask"] = np.stack([inst.read(i, "mask") for i in ids]).reshape(-1, T)
     if getattr(inst, "ref", None) is not None:
         out["ref"] = inst.ref[ids].reshape(-1).astype(np.float32)

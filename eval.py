@@ -935,13 +935,32 @@ def cmd_chat(args):
          args.dtype)
 
 
+def heldout_bpb(params, m, tok, folder, rows=8):
+    """Bits per byte of a prepared folder's held-out split, as train.py's final eval: instances
+    of the model's max_seq_len, every token after an instance's first a target (in a chat
+    dataset, the assistant's only), each target's UTF-8 bytes from the tokenizer."""
+    held = data.open_instances(folder, m.max_seq_len, split="heldout")
+    load, run = _backend(m, "jax", "float32", lambda xp, x, t: -_logp(xp, x, t)[:, :-1])
+    net, sizes, nats, n_bytes = load(params), token_bytes(tok), 0.0, 0
+    for b in range(0, held.n, rows):
+        batch = data.read_rows(held, range(b, min(b + rows, held.n)))
+        out = run(net, batch["tokens"])  # (B, T - 1) nats
+        keep = batch["mask"][:, 1:] if "mask" in batch else np.ones(out.shape, bool)
+        nats += float(out[keep].sum())
+        n_bytes += int(sizes[batch["tokens"][:, 1:]][keep].sum())
+    return bits_per_byte(nats, n_bytes)
+
+
 def cmd_exact(args):  # all with the first checkpoint's tokenizer
     tok = checkpoint_tokenizer(args.ckpts[0], convert.open_hf(args.ckpts[0])[0], args.tokenizer)
     prompts, by_len = Prompts(args.prompts, tok, args.template), defaultdict(list)
     print(f"exact match of greedy answers to {prompts.n} prompts of {args.prompts} "
-          f"({args.template} template)")
+          f"({args.template} template)"
+          + (f"; bits per byte of {args.heldout}'s held-out split" if args.heldout else ""))
     for item in prompts.items:  # greedy, batched by prompt length
         by_len[len(item[0])].append(item)
+    if args.heldout:
+        print(f"  {'checkpoint':<32} {'exact':>6} {'bits/byte':>10}")
     for c in args.ckpts:
         m, params = convert.load_hf(c)
         right = 0
@@ -949,7 +968,8 @@ def cmd_exact(args):  # all with the first checkpoint's tokenizer
             rows = np.array([ids for ids, _ in group])  # (n, P)
             new = sample(params, m, rows, 8, 0.0, 0, tok.vocab_size, tok.eos_id)
             right += sum(reward(tok, ids, answer) for ids, (_, answer) in zip(new, group))
-        print(f"  {c:<32} {right / prompts.n:.3f}")
+        bpb = f" {heldout_bpb(params, m, tok, args.heldout):>10.4f}" if args.heldout else ""
+        print(f"  {c:<32} {right / prompts.n:>6.3f}{bpb}")
 
 
 def cmd_arith(args):
@@ -1042,6 +1062,8 @@ def main(argv):
     add("--prompts", required=True, help="JSON lines {messages, answer}")
     add("--template", choices=list(data.CHAT_TEMPLATES), required=True)
     add("--tokenizer", help="(default: the first checkpoint's)")
+    add("--heldout", help="a prepared dataset: also each checkpoint's bits per byte on its "
+                          "held-out split")
     add = command(cmd_arith, "write the arithmetic task (SFT, preference, RL, held-out)")
     add("--out", required=True)
     add("--seed", type=nat, default=0)

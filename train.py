@@ -683,14 +683,22 @@ def open_data(cfg):
                   permutation_seed=dc.source_permutation_seed,
                   long_docs=dc.long_docs) if dc.packing == "packed" else None
     instances = data.open_instances(dc.path, dc.seq_len, dc.seed, packed)
-    if info is None:  # a mix or bare token file: no tokenizer or held-out split
+    # the held-out split and the tokenizer: eval.data's, else data.path's (a mix or a bare token
+    # file has neither: the run then logs no held-out loss and its checkpoints no tokenizer)
+    held_path = cfg.eval.data or (dc.path if info else None)
+    if held_path is None:
         return instances, None, None
+    if cfg.eval.data:
+        if tc.loss != "ce":
+            raise ConfigError(f"eval.data={held_path!r} is for train.loss='ce', not {tc.loss!r}")
+        info = data.load_dataset_info(held_path)
     if (V := info["vocab_size"]) > m.vocab_size:
-        raise ConfigError(f"{dc.path} was tokenized with {V} ids; model.vocab_size={m.vocab_size}")
-    held = data.dataset_files(dc.path, "heldout")
+        raise ConfigError(f"{held_path} was tokenized with {V} ids; model.vocab_size="
+                          f"{m.vocab_size}")
+    held = data.dataset_files(held_path, "heldout")
     enough = held and sum(f.tokens for f in held) >= dc.seq_len  # one instance at least
-    heldout = data.open_instances(dc.path, dc.seq_len, split="heldout") if enough else None
-    return instances, heldout, data.dataset_tokenizer(dc.path)
+    heldout = data.open_instances(held_path, dc.seq_len, split="heldout") if enough else None
+    return instances, heldout, data.dataset_tokenizer(held_path)
 
 
 def restore(backend, cfg):

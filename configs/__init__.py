@@ -251,6 +251,10 @@ class TrainConfig:
 class EvalConfig:
     every: int = 200              # held-out loss every N steps; 0 = at the end only
     batches: int = 8              # held-out batches per eval (the final one: all); 0 = all
+    # Another prepared folder whose held-out split the run evaluates, and whose tokenizer its
+    # checkpoints carry: for data.path a mix file or a bare token file, which have neither (OLMo-
+    # core's stage-2 runs evaluate on a fixed validation set, not on their mix). "" = data.path's
+    data: str = ""
     prompt: str = "It is a truth universally acknowledged"  # "" = no sample at the end
     sample_tokens: int = 48
     temperature: float = 0.8

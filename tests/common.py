@@ -43,6 +43,8 @@ def tokens(m, B=2, T=24, seed=0):
 # its target, test_accelerators.py checks each fits).
 SHIPPED = [["olmo1-1b"], ["olmo1-7b"], ["olmo2-1b"], ["olmo2-7b"], ["olmo2-13b"], ["olmo3-7b"],
            ["olmo3-7b-h256"], ["olmo3-32b"],
+           ["olmo3-7b", "olmo3-7b-pretrain-2"], ["olmo3-7b", "olmo3-7b-stage2"],
+           ["olmo3-32b", "olmo3-32b-stage2"],
            ["olmo3-7b", "olmo3-7b-stage3"], ["olmo3-32b", "olmo3-32b-stage3"],
            ["olmo3-7b", "olmo3-7b-stage3", "olmo3-7b-sft"],
            ["olmo3-7b", "olmo3-7b-stage3", "olmo3-7b-dpo"],

@@ -40,7 +40,8 @@ from configs import load_config, load_json  # noqa: E402
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"(<!-- table:([\w.-]+) -->\n)(.*?)(<!-- /table -->)", re.S)
 # An overlay file (a later stage) is shown stacked on the config it extends.
-POSTTRAIN = re.compile(r"-(sft|dpo|rl|grpo)$")  # configs of post-training stages (docs/posttrain.md)
+# Stages that change the data, the schedule or the loss but not the model: not rows of the configs table
+SAME_MODEL = re.compile(r"-(pretrain-2|stage2|midtrain|sft|dpo|rl|grpo)$")
 OVERLAYS = {"olmo3-7b-stage3": "olmo3-7b", "olmo3-32b-stage3": "olmo3-32b", "tiny-stage3": "tiny"}
 TINY = load_config([str(ROOT / "configs/tiny.toml")])
 SHARED = ROOT.parent / "shared"
@@ -92,8 +93,8 @@ def config_rows():
     import model
     rows = []
     for path in sorted((ROOT / "configs").glob("*.toml")):
-        if POSTTRAIN.search(path.stem):
-            continue  # post-training stages change the data and the loss, not the model
+        if SAME_MODEL.search(path.stem):
+            continue
         files = [OVERLAYS[path.stem], path.stem] if path.stem in OVERLAYS else [path.stem]
         rows.append((" + ".join(files), load_config([str(ROOT / f"configs/{f}.toml") for f in files]).model))
     return sorted(rows, key=lambda r: (r[1].family, model.count_params(r[1]), r[0]))

@@ -179,15 +179,34 @@ OFFICIAL = {
         lr=6e-4, warmup=2000, schedule="cosine", alpha_f=0.1, epochs=1, skip_step=True,
         weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8, clip=1.0, z_loss=1e-5, seed=34521,
         tokens_per_step=8 * 1024 * 1024, instance_filter=True)),
+    # A stage is its file stacked on the model's (name + name): only the stage's own values here.
+    "olmo3-7b+olmo3-7b-pretrain-2": ("OLMo-3-1025-7B-pretrain-2.py", dict(
+        run_dir="runs/olmo3-7b", schedule="half_cosine", epochs=1, lr=3e-4, skip_step=True,
+        warmup=5 * 10**12 // (512 * 8192) // 2 + 2000 // 2,  # the script's own arithmetic
+        t_max=-(-7 * 10**12 // (512 * 8192)))),              # Duration.tokens(7e12), rounded up
+    "olmo3-7b+olmo3-7b-stage2": ("OLMo-3-1025-7B-midtrain.py", dict(
+        init_from="runs/olmo3-7b/step_1413814", load_optimizer=True, lr=0.00020712352850360292,
+        schedule="linear", warmup=0, alpha_f=0.0, t_max=0, steps=-(-100 * 10**9 // 2**21),
+        skip_step=True, weight_decay=0.1, z_loss=1e-5, clip=1.0, micro_batch=2, seed=1337,
+        tokens_per_step=2**21, instance_filter=False,
+        mix="configs/mixes/OLMo-midtraining-mix-0625-100B.txt")),
+    "olmo3-32b+olmo3-32b-stage2": ("OLMo-3-1025-32B-midtrain-ingredient-1.py", dict(
+        init_from="runs/olmo3-32b/step_656000", load_optimizer=True, lr=0.0002071235285,
+        schedule="linear", warmup=0, alpha_f=0.0, epochs=0, steps=-(-100 * 10**9 // 2**22),
+        skip_step=True, weight_decay=0.1, z_loss=1e-5, clip=1.0, seed=42069,
+        tokens_per_step=4 * 1024 * 1024, instance_filter=True,
+        mix="configs/mixes/OLMo-midtraining-mix-0925-ingredient1-100B.txt")),
 }
 
 
 @pytest.mark.parametrize("name", sorted(OFFICIAL))
 def test_real_size_configs_carry_the_official_recipe(name):
     script, want = OFFICIAL[name]
-    cfg = load_config([f"configs/{name}.toml"])
-    assert script in (ROOT / "configs" / f"{name}.toml").read_text()  # it names its source
+    files = [f"configs/{part}.toml" for part in name.split("+")]
+    cfg = load_config(files)
+    assert script in (ROOT / files[-1]).read_text()  # it names its source
     got = {**{k: getattr(cfg.train, k, None) for k in want}, "seed": cfg.data.seed,
+           "mix": cfg.data.path,
            "tokens_per_step": cfg.data.global_batch * cfg.data.seq_len,
            "instance_filter": cfg.data.instance_filter,
            # the Feb-2024 warmup starts at 0.1 x lr (olmo/optim.py @15af6688, _linear_warmup)
@@ -204,3 +223,43 @@ def test_old_trainer_seeds_give_its_data_order():
     for name in ("olmo1-1b", "olmo1-7b", "olmo2-1b", "olmo2-7b", "olmo2-13b"):
         seed = load_config([f"configs/{name}.toml"]).data.seed
         assert np.array_equal(data.epoch_permutation(1000, seed, 1), old_trainer), name
+
+
+def test_the_olmo3_stages_start_where_the_one_before_ends():
+    def stage(*names):
+        return load_config([f"configs/{n}.toml" for n in names]).train
+    # 7B: stage 1 (its two parts, one run) -> stage 2 -> stage 3. Stage 1 ends at the epoch's end,
+    # step 1,413,814 in OLMo-3-1025-7B.csv (its length depends on the data, not the config).
+    part2, mid, long = (stage("olmo3-7b", s) for s in
+                        ("olmo3-7b-pretrain-2", "olmo3-7b-stage2", "olmo3-7b-stage3"))
+    assert part2.run_dir == stage("olmo3-7b").run_dir  # part 2 resumes part 1's run
+    assert mid.init_from == f"{part2.run_dir}/step_1413814"
+    assert long.init_from == f"{mid.run_dir}/step_{mid.steps}"
+    # 32B: two stage-2 runs (the second by overrides), their soup, then stage 3 from the soup
+    mid, long = (stage("olmo3-32b", s) for s in ("olmo3-32b-stage2", "olmo3-32b-stage3"))
+    header = (ROOT / "configs/olmo3-32b-stage2.toml").read_text().replace("\\\n#", "")
+    two = mid.run_dir.replace("ingredient1", "ingredient2")
+    assert f"--train.run_dir={two}" in header and "ingredient2-100B.txt" in header
+    soup = f"soup {mid.run_dir}/step_{mid.steps}       {two}/step_{mid.steps} --out {long.init_from}"
+    assert " ".join(soup.split()) in " ".join(header.split())
+    assert not long.load_optimizer  # a soup has no AdamW moments
+
+
+@pytest.mark.parametrize("mix", sorted((ROOT / "configs/mixes").glob("OLMo-*.txt")), ids=lambda p: p.stem)
+def test_shipped_mix_files_read_the_folders_they_name(tmp_path, mix):  # (the official ones)
+    # The mix as a user lays it out: the file in configs/mixes/, a token file in each folder under
+    # data/ that its header names; each source then reads its own folder's two instances.
+    (tmp_path / "configs/mixes").mkdir(parents=True)
+    copy = tmp_path / "configs/mixes" / mix.name
+    copy.write_text(mix.read_text())
+    lines = [line.split("#")[0].strip() for line in mix.read_text().splitlines()]
+    lines = [line.split(",") for line in lines if line]
+    for i, (_, glob) in enumerate(lines):
+        folder = (copy.parent / glob).parent
+        folder.mkdir(parents=True, exist_ok=True)
+        np.full(8, i, np.uint32).tofile(folder / "part-00-00000.npy")
+    sources = data.read_mix(copy)
+    assert [label for label, _, _ in sources] == [label for label, _ in lines]
+    instances = data.open_instances(copy, 4)
+    assert instances.n == 2 * len(lines)
+    assert {int(instances.read(i)[0]) for i in range(instances.n)} == set(range(len(lines)))

@@ -522,6 +522,15 @@ def test_soup(tmp_path):
     with pytest.raises(ConfigError, match="is a different model .*n_layers: 2 vs 4"):
         convert.soup([tmp_path / "run0", tmp_path / "other"], tmp_path / "bad")
     assert not (tmp_path / "bad").exists()
+    # the sources' tokenizer files go with the soup (eval.py reads it as a source); two differing
+    # tokenizers are refused
+    for i in range(2):
+        (tmp_path / f"run{i}" / "tokenizer.json").write_text('{"model": "the same"}')
+    convert.soup([tmp_path / "run0", tmp_path / "run1"], tmp_path / "soup2")
+    assert (tmp_path / "soup2" / "tokenizer.json").read_text() == '{"model": "the same"}'
+    (tmp_path / "run1" / "tokenizer.json").write_text('{"model": "another"}')
+    with pytest.raises(ConfigError, match="run1 has other tokenizer files than .*run0"):
+        convert.soup([tmp_path / "run0", tmp_path / "run1"], tmp_path / "bad")
 
 
 def test_conversion_streams_one_tensor_at_a_time(tmp_path):

@@ -108,3 +108,48 @@ def test_pairs_cut_to_nothing_are_refused(arith):
     with pytest.raises(ValueError, match=r"preference pair \d+ .*no token left within seq_len=8.*raise data\.seq_len"):
         data.open_instances(arith / "dpo", 8)
     assert data.open_instances(arith / "dpo", 48).n > 0
+
+
+def test_midtraining_mix_two_seeds_and_their_soup(setup, arith, tmp_path, capsys):
+    """Stage 2 as `make midtrain` runs it, small: a mix of a text dataset and chat conversations
+    (each keeps its own label mask), two runs from one checkpoint with two data seeds, held-out bits
+    per byte from eval.data (a mix has no held-out split), then their soup and eval.py's table."""
+    root, _ = setup
+    mix = tmp_path / "mix.txt"
+    mix.write_text(f"books,{root / 'data'},3\narith,{arith / 'sft'},1\n")
+    inst = data.open_instances(mix, 32, seed=1)
+    rows = data.read_rows(inst, np.linspace(0, inst.n - 1, 64).astype(int))  # both sources'
+    books = rows["mask"].all(1)  # a plain-text instance: every token a target
+    assert books.any() and not books.all() and rows["mask"][~books].any()
+    held = data.open_instances(root / "data", 32, split="heldout")
+    B = next(b for b in (8, 4, 2, 1) if held.n % b == 0)  # whole batches: eval covers them all
+    base = tmp_path / "base"
+    train.main([str(setup[1]), f"--train.run_dir={base}", "--train.steps=2", "--train.z_loss=0"])
+    runs = [tmp_path / f"mid{seed}" for seed in (1, 2)]
+    for seed, run in zip((1, 2), runs):
+        train.main([str(setup[1]), f"--data.path={mix}", f"--data.seed={seed}",
+                    f"--data.global_batch={B}", f"--eval.data={root / 'data'}",
+                    f"--train.init_from={base / 'step_2'}", "--train.schedule=linear",
+                    "--train.warmup=0", "--train.alpha_f=0", f"--train.run_dir={run}",
+                    "--train.steps=3", "--train.z_loss=0"])
+    finals = [json.loads((run / "final.json").read_text()) for run in runs]
+    assert all(f["eval_bpb"] > 0 for f in finals)  # eval.data's held-out split
+    for run in runs:  # and its tokenizer, which the mix does not name
+        assert ((run / "step_3/tokenizer.json").read_bytes()
+                == (base / "step_2/tokenizer.json").read_bytes())
+    first, second = (train.convert.load_hf(run / "step_3")[1] for run in runs)
+    assert any(not np.array_equal(first[k], second[k]) for k in first)  # two samples, two models
+    soup = tmp_path / "soup"
+    train.convert.soup([run / "step_3" for run in runs], soup)
+    prompts = tmp_path / "prompts.jsonl"  # 50 of the held-out sums: enough for the table's shape
+    prompts.write_text("".join((arith / "task/heldout.jsonl").read_text().splitlines(True)[:50]))
+    capsys.readouterr()
+    evaluate.main(["exact", str(base / "step_2"), *(str(r / "step_3") for r in runs), str(soup),
+                   "--prompts", str(prompts), "--template", "tulu",
+                   "--heldout", str(root / "data")])
+    table = capsys.readouterr().out.splitlines()[2:]
+    assert [line.split()[0] for line in table] == [str(base / "step_2"),
+                                                   *(str(r / "step_3") for r in runs), str(soup)]
+    bpb = [float(line.split()[2]) for line in table]
+    # eval.py's bits per byte are train.py's final eval's, from another code path
+    assert bpb[1:3] == pytest.approx([f["eval_bpb"] for f in finals], abs=1e-4)
