@@ -85,13 +85,8 @@ demo: $(DATA)/tiny/prepare.json
 	$(PY) data.py verify $(DATA)/tiny --seq-len 128 --global-batch 16 --seed 0
 	$(PY) train.py configs/tiny.toml
 
-# Olmo 3's stage 3 on a laptop (docs/longctx.md): the demo model from 128 to 1024 tokens, then loss by position.
-longctx: $(DATA)/tiny/prepare.json
-	test -f runs/tiny/step_1350/nanolmo.json || $(MAKE) demo
-	$(PY) data.py verify $(DATA)/tiny --seq-len 1024 --global-batch 4 --seed 0 --packed --long-docs fragment
-	$(PY) train.py configs/tiny.toml configs/tiny-stage3.toml
-	$(PY) eval.py positions runs/tiny/step_1350 runs/tiny-stage3/step_200 --data $(DATA)/tiny --seq-len 1024
-
+# The whole Olmo 3 recipe on a laptop runs in this order: demo (stage 1), midtrain, longctx, posttrain; each target
+# starts from the one before's result, and runs it first when it is missing.
 # Olmo 3's stage 2 on a laptop (docs/training.md#stages): the demo model annealed on its books mixed with the arithmetic
 # conversations, with two data seeds, the two averaged; then held-out exact match and books' bits per byte of each.
 midtrain: $(DATA)/tiny/prepare.json $(DATA)/arith-sft/prepare.json
@@ -100,10 +95,17 @@ midtrain: $(DATA)/tiny/prepare.json $(DATA)/arith-sft/prepare.json
 	$(PY) train.py configs/tiny.toml configs/tiny-midtrain.toml --data.seed=2 --train.run_dir=runs/tiny-midtrain-2
 	rm -rf runs/tiny-midtrain-soup  # (a rerun averages again: convert.py never overwrites)
 	$(PY) convert.py soup runs/tiny-midtrain/step_300 runs/tiny-midtrain-2/step_300 --out runs/tiny-midtrain-soup
-	$(PY) eval.py exact runs/tiny/step_1350 runs/tiny-midtrain/step_300 runs/tiny-midtrain-2/step_300 runs/tiny-midtrain-soup \
-		--prompts $(DATA)/arith/heldout.jsonl --template tulu --heldout $(DATA)/tiny
+	$(PY) eval.py exact runs/tiny/step_1350 runs/tiny-midtrain/step_300 runs/tiny-midtrain-2/step_300 \
+		runs/tiny-midtrain-soup --prompts $(DATA)/arith/heldout.jsonl --template tulu --heldout $(DATA)/tiny
 
-# Post-training on a laptop (docs/posttrain.md): the demo model -> SFT -> DPO -> GRPO on generated arithmetic, then
+# Olmo 3's stage 3 on a laptop (docs/longctx.md): stage 2's soup from 128 to 1024 tokens, then loss by position.
+longctx: $(DATA)/tiny/prepare.json
+	test -f runs/tiny-midtrain-soup/model.safetensors || $(MAKE) midtrain
+	$(PY) data.py verify $(DATA)/tiny --seq-len 1024 --global-batch 4 --seed 0 --packed --long-docs fragment
+	$(PY) train.py configs/tiny.toml configs/tiny-stage3.toml
+	$(PY) eval.py positions runs/tiny-midtrain-soup runs/tiny-stage3/step_200 --data $(DATA)/tiny --seq-len 1024
+
+# Post-training on a laptop (docs/posttrain.md): stage 3's model -> SFT -> DPO -> GRPO on generated arithmetic, then
 # each one's exact match on the held-out sums, as one table.
 ARITH := $(DATA)/arith/sft.jsonl
 $(ARITH): $(VENV)/.installed
@@ -113,12 +115,12 @@ $(DATA)/arith-%/prepare.json: $(ARITH) $(DATA)/bpe4096.tiktoken
 	$(PY) data.py prepare $(DATA)/arith/$(if $(findstring sft,$*),sft,pref).jsonl --out $(@D) --chat tulu \
 		--tokenizer $(DATA)/bpe4096.tiktoken --heldout 0.05
 posttrain: $(DATA)/arith-sft/prepare.json $(DATA)/arith-dpo/prepare.json
-	test -f runs/tiny/step_1350/nanolmo.json || $(MAKE) demo
-	$(PY) train.py configs/tiny.toml configs/tiny-sft.toml
+	test -f runs/tiny-stage3/step_200/nanolmo.json || $(MAKE) longctx
+	$(PY) train.py configs/tiny.toml configs/tiny-stage3.toml configs/tiny-sft.toml
 	rm -f $(DATA)/arith-dpo/reference_logps.npz  # the new SFT model is DPO's reference: computed again
-	$(PY) train.py configs/tiny.toml configs/tiny-dpo.toml
-	$(PY) train.py configs/tiny.toml configs/tiny-grpo.toml
-	$(PY) eval.py exact runs/tiny/step_1350 runs/tiny-sft/step_600 runs/tiny-dpo/step_150 runs/tiny-grpo/step_200 \
+	$(PY) train.py configs/tiny.toml configs/tiny-stage3.toml configs/tiny-dpo.toml
+	$(PY) train.py configs/tiny.toml configs/tiny-stage3.toml configs/tiny-grpo.toml
+	$(PY) eval.py exact runs/tiny-stage3/step_200 runs/tiny-sft/step_600 runs/tiny-dpo/step_150 runs/tiny-grpo/step_200 \
 		--prompts $(DATA)/arith/heldout.jsonl --template tulu
 
 # The environment alone, with the test extra (docs/exercises.md starts with it).

@@ -2,7 +2,8 @@
 
     python train.py configs/tiny.toml  # the main job's run (JAX); rerun it: it resumes
     python train.py configs/tiny.toml --train.backend=torch  # model.py's nn.Module; torchrun: FSDP2
-    python train.py configs/tiny.toml configs/tiny-sft.toml  # post-training: -sft, -dpo, -grpo
+    python train.py configs/tiny.toml configs/tiny-midtrain.toml  # a later stage: its file on top
+    python train.py configs/tiny.toml configs/tiny-stage3.toml configs/tiny-sft.toml  # -dpo, -grpo
     python train.py plan configs/olmo3-32b.toml  # fits on its target?
 
 Both backends have the same methods: the loop has no `if backend`. Run dirs: docs/training.md.

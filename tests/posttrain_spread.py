@@ -1,7 +1,7 @@
-"""The post-training chain of `make posttrain` (SFT -> DPO -> GRPO from the demo model) for several seeds,
+"""The post-training chain of `make posttrain` (SFT -> DPO -> GRPO from stage 3's model) for several seeds,
 and each stage's held-out exact match as one table: the spread a laptop user should expect, not one lucky
-figure. A seed sets each stage's data order (data.seed) and GRPO's sampling (train.init_seed); the demo
-model they start from is the same (`make demo` first, and `make posttrain` once for the prepared data).
+figure. A seed sets each stage's data order (data.seed) and GRPO's sampling (train.init_seed); the model
+they start from is the same (`make posttrain` once first: it runs the stages before and prepares the data).
 
     python tests/posttrain_spread.py                       # seeds 0 1 2 into runs/spread/
     python tests/posttrain_spread.py --seeds 0 --out runs/spread-x -- --train.lr=1e-2   # extra SFT overrides
@@ -23,7 +23,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from configs import load_config  # noqa: E402
-STAGES = ["sft", "dpo", "grpo"]  # configs/tiny-STAGE.toml, each after configs/tiny.toml
+STAGES = ["sft", "dpo", "grpo"]  # configs/tiny-STAGE.toml, each stacked on the model as stage 3 left it
+MODEL = ["configs/tiny.toml", "configs/tiny-stage3.toml"]
 
 
 def run(args):
@@ -32,13 +33,13 @@ def run(args):
 
 
 def chain(base, seed, out, sft_extra):
-    """Each stage from the one before; -> the four checkpoints, the demo model first."""
+    """Each stage from the one before; -> the four checkpoints, stage 3's model first."""
     ckpts, start = [base], base
     for name in STAGES:
         toml = f"configs/tiny-{name}.toml"
-        steps = load_config([str(ROOT / "configs/tiny.toml"), str(ROOT / toml)]).train.steps
+        steps = load_config([str(ROOT / f) for f in (*MODEL, toml)]).train.steps
         run_dir = out / f"seed{seed}" / name
-        args = [sys.executable, "train.py", "configs/tiny.toml", toml, f"--train.run_dir={run_dir}",
+        args = [sys.executable, "train.py", *MODEL, toml, f"--train.run_dir={run_dir}",
                 f"--train.init_from={start}", f"--data.seed={seed}", f"--train.init_seed={seed}"]
         if name == "sft":
             args += sft_extra
@@ -80,7 +81,7 @@ def main():
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--out", default="runs/spread", type=Path)
-    ap.add_argument("--base", default="runs/tiny/step_1350", help="the demo model (this CPU's)")
+    ap.add_argument("--base", default="runs/tiny-stage3/step_200", help="stage 3's model (this CPU's)")
     ap.add_argument("sft_extra", nargs="*", help="overrides for the SFT stage (after --)")
     a = ap.parse_args()
     isa = {k: os.environ[k] for k in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "XLA_FLAGS") if k in os.environ}

@@ -10,7 +10,8 @@ line, or a sentence beside the table), so a reader can run it again. A block who
 here (no `make demo` run, no ../shared, no libtpu) is left as it is and reported; a command that
 fails leaves its block alone too, and the script exits non-zero at the end.
 
-    seconds  configs, paramtable, corpus, demo, parity, check   (configs, model.py, data/, runs/tiny/, transformers)
+    seconds  configs, paramtable, recipes, corpus, demo, parity, check   (configs, model.py, data/, runs/tiny/,
+             transformers); midtrain (after `make midtrain`)
     seconds  devices (shard.DEVICES), gpu (runs/device_check.md, from `make device-check` on a GPU
              machine)
     minutes  bench, bench100m (~5), bench_tcmalloc and bench100m_tcmalloc (where tcmalloc is installed), attention,
@@ -473,10 +474,46 @@ def longctx():
                  f"--data {stage3.data.path} --seq-len {stage3.data.seq_len}")
 
 
+def midtrain():
+    """docs/training.md: exact match and held-out bits per byte of the demo model, its two stage-2 runs and their
+    soup (`make midtrain`)."""
+    mid = load_config([str(ROOT / "configs/tiny.toml"), str(ROOT / "configs/tiny-midtrain.toml")])
+    ckpts = [mid.train.init_from, f"{mid.train.run_dir}/step_{mid.train.steps}",
+             f"{mid.train.run_dir}-2/step_{mid.train.steps}", f"{mid.train.run_dir}-soup"]
+    needs(*(ROOT / c for c in ckpts))
+    return shown(f"python eval.py exact {' '.join(ckpts)} --prompts data/arith/heldout.jsonl --template tulu "
+                 f"--heldout {mid.eval.data}")
+
+
+def recipes():
+    """docs/training.md: each real-size pretraining stage's optimizer, schedule and data values, from the configs
+    (tests/test_config.py's OFFICIAL checks them against the official scripts it names)."""
+    from common import SHIPPED
+    from test_config import OFFICIAL
+    rows = ["| config | source | lr | schedule | warmup | length | tokens/step | weight decay | eps | z-loss "
+            "| skip-step | instance filter | data seed |", "|---" * 13 + "|"]
+    for files in SHIPPED:
+        if "+".join(files) not in OFFICIAL:
+            continue  # a layout variant (olmo3-7b-h256) or post-training (docs/posttrain.md)
+        cfg = load_config([str(ROOT / f"configs/{f}.toml") for f in files])
+        tc, dc = cfg.train, cfg.data
+        unit = " tokens" if tc.units == "tokens" else ""
+        length = (f"{tc.epochs} epoch" if tc.epochs else f"{tc.steps:,} steps") + (
+            f", t_max {tc.t_max:,}{unit}" if tc.t_max else "")
+        script = OFFICIAL["+".join(files)][0]
+        rows.append(f"| `{' + '.join(files)}` | {script} | {tc.lr:.4g} | {tc.schedule} → {tc.alpha_f:g}·lr "
+                    f"| {tc.warmup:,}{unit} | {length} | {dc.global_batch * dc.seq_len:,} | {tc.weight_decay:g} "
+                    f"| {tc.eps:g} | {tc.z_loss:g} | {'yes' if tc.skip_step else 'no'} "
+                    f"| {'yes' if dc.instance_filter else 'no'} | {dc.seed} |")
+    return ("Made by `python tests/tables.py recipes` from the configs as shipped (stage files stacked on the "
+            "model's); `tests/test_config.py::test_real_size_configs_carry_the_official_recipe` checks each "
+            "value against the script it names:\n\n" + "\n".join(rows) + "\n")
+
+
 def posttrain():
-    """docs/posttrain.md and README: held-out exact match of the demo model and its three post-training stages."""
-    stages = [load_config([str(ROOT / "configs/tiny.toml"), str(ROOT / f"configs/tiny-{s}.toml")]).train
-              for s in ("sft", "dpo", "grpo")]
+    """docs/posttrain.md and README: held-out exact match of stage 3's model and its three post-training stages."""
+    model = [str(ROOT / "configs/tiny.toml"), str(ROOT / "configs/tiny-stage3.toml")]
+    stages = [load_config([*model, str(ROOT / f"configs/tiny-{s}.toml")]).train for s in ("sft", "dpo", "grpo")]
     ckpts = [stages[0].init_from] + [f"{t.run_dir}/step_{t.steps}" for t in stages]
     needs(*(ROOT / c for c in ckpts))
     return shown(f"python eval.py exact {' '.join(ckpts)} --prompts data/arith/heldout.jsonl --template tulu")
@@ -532,7 +569,8 @@ TABLES = {"configs": configs, "paramtable": paramtable, "corpus": corpus, "demo"
           "generate_1b": lambda: generate_bench("olmo2-1b"), "generate_7b": lambda: generate_bench("olmo3-7b"),
           "plan": plan, "plan_tpu": plan_tpu,
           "plan_stage3": plan_stage3, "devices": devices, "gpu": gpu, "xla_cost": xla_cost,
-          "lowering": lowering, "longctx": longctx, "posttrain": posttrain, "curves": curves,
+          "lowering": lowering, "midtrain": midtrain, "recipes": recipes, "longctx": longctx,
+          "posttrain": posttrain, "curves": curves,
           "posttrain_spread": lambda: shown("python tests/posttrain_spread.py"),
           "curves_own_lr": curves_own_lr}
 

@@ -196,6 +196,13 @@ OFFICIAL = {
         skip_step=True, weight_decay=0.1, z_loss=1e-5, clip=1.0, seed=42069,
         tokens_per_step=4 * 1024 * 1024, instance_filter=True,
         mix="configs/mixes/OLMo-midtraining-mix-0925-ingredient1-100B.txt")),
+    "olmo3-7b+olmo3-7b-stage3": ("OLMo-3-1025-7B-long-context.py", dict(
+        lr=0.00020712352850360292, schedule="linear", warmup=200, alpha_f=0.0, steps=11_921,
+        skip_step=True, seed=34521, tokens_per_step=65536 * 64, instance_filter=False)),
+    "olmo3-32b+olmo3-32b-stage3": ("OLMo-3-1025-32B-long-context.py", dict(
+        lr=0.0002071235285, schedule="linear", warmup=200, alpha_f=0.0,
+        steps=-(-100 * 10**9 // (8 * 1024 * 1024)), skip_step=True, seed=34521,
+        tokens_per_step=8 * 1024 * 1024, instance_filter=True)),
 }
 
 
