@@ -692,7 +692,10 @@ def open_data(cfg):
     if cfg.eval.data:
         if tc.loss != "ce":
             raise ConfigError(f"eval.data={held_path!r} is for train.loss='ce', not {tc.loss!r}")
-        info = data.load_dataset_info(held_path)
+        own, info = info, data.load_dataset_info(held_path)
+        if own and own["tokenizer_sha256"] != info["tokenizer_sha256"]:  # bits per byte would lie
+            raise ConfigError(f"eval.data={held_path!r} was tokenized with another tokenizer than "
+                              f"data.path={dc.path!r}")
     if (V := info["vocab_size"]) > m.vocab_size:
         raise ConfigError(f"{held_path} was tokenized with {V} ids; model.vocab_size="
                           f"{m.vocab_size}")

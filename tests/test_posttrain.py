@@ -153,3 +153,16 @@ def test_midtraining_mix_two_seeds_and_their_soup(setup, arith, tmp_path, capsys
     bpb = [float(line.split()[2]) for line in table]
     # eval.py's bits per byte are train.py's final eval's, from another code path
     assert bpb[1:3] == pytest.approx([f["eval_bpb"] for f in finals], abs=1e-4)
+
+
+def test_eval_data_of_another_tokenizer_is_refused(setup, tmp_path):
+    """Bits per byte of held-out text tokenized otherwise would be a wrong figure, not an error."""
+    root, _ = setup
+    other = tmp_path / "other"
+    shutil.copytree(root / "data", other)
+    info = json.loads((other / "prepare.json").read_text())
+    (other / "prepare.json").write_text(json.dumps({**info, "tokenizer_sha256": "0" * 64}))
+    with pytest.raises(ConfigError, match="eval.data=.*other.* another tokenizer than data.path"):
+        train.main([str(setup[1]), f"--eval.data={other}", f"--train.run_dir={tmp_path / 'run'}",
+                    "--train.steps=1"])
+    assert not (tmp_path / "run" / "step_1").exists()
