@@ -4,7 +4,9 @@ over a flat params dict), then PyTorch (nn.Module). The parameter table, init, c
 
     python model.py configs/olmo2-7b.toml    # parameter table, FLOPs/token, total_params=...
 
-Shapes: docs/design.md#notation. The three families (HF names):
+Notation, in names and shape comments alike (`# (B, T, N, H)` where a shape changes): B batch,
+T sequence (queries), S keys, D d_model, F MLP width (each SwiGLU branch), V vocabulary, L layers,
+N query heads, K kv heads, H head dim. The three families (HF names):
     OLMo 1:   x = x + o_proj(attn(LN(x)))
               x = x + down(silu(gate(LN(x))) * up(LN(x)))
     OLMo 2/3: x = x + post_attention_layernorm(o_proj(attn(x)))
@@ -28,7 +30,7 @@ import torch
 from jax.experimental.pallas.ops.tpu.splash_attention import (
     splash_attention_kernel as splash, splash_attention_mask as splash_mask)
 import torch.nn as nn
-import torch.nn.functional as F_  # F is the MLP width in our notation
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from configs import ModelConfig, describe, parse_config_args, run_cli
@@ -51,10 +53,10 @@ def param_table(m: ModelConfig):
     """name -> Param in HF order and names (per-layer ones stacked on a leading L, no layer index);
     linear weights (out, in)."""
     D, L, N, K, H = m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.head_dim
-    F, V = m.mlp_hidden, m.vocab_size
+    hidden, V = m.mlp_hidden, m.vocab_size  # F in shape comments
     if m.init == "mitchell":
         # 1/sqrt(fan_in), the residual stream's writers also / sqrt(2·(layer+1))
-        s_in, s_f = 1 / math.sqrt(D), 1 / math.sqrt(F)
+        s_in, s_f = 1 / math.sqrt(D), 1 / math.sqrt(hidden)
         depth = [math.sqrt(2 * (i + 1)) for i in range(L)]
         std = dict(embed=s_in, qkv=s_in, out=tuple(s_in / d for d in depth), up=s_in,
                    down=tuple(s_f / d for d in depth), head=s_in)
@@ -69,9 +71,10 @@ def param_table(m: ModelConfig):
     if m.family != "olmo1":
         t[a + "q_norm.weight"] = Param((L, N * H), ("layers", "heads"))
         t[a + "k_norm.weight"] = Param((L, K * H), ("layers", "kv_heads"))
-    t["layers.mlp.gate_proj.weight"] = Param((L, F, D), ("layers", "mlp", "embed"), std["up"])
-    t["layers.mlp.up_proj.weight"] = Param((L, F, D), ("layers", "mlp", "embed"), std["up"])
-    t["layers.mlp.down_proj.weight"] = Param((L, D, F), ("layers", "embed", "mlp"), std["down"])
+    t["layers.mlp.gate_proj.weight"] = Param((L, hidden, D), ("layers", "mlp", "embed"), std["up"])
+    t["layers.mlp.up_proj.weight"] = Param((L, hidden, D), ("layers", "mlp", "embed"), std["up"])
+    t["layers.mlp.down_proj.weight"] = Param((L, D, hidden), ("layers", "embed", "mlp"),
+                                             std["down"])
     if m.family != "olmo1":  # OLMo 1's LayerNorms have no parameters
         t["layers.post_attention_layernorm.weight"] = Param((L, D), ("layers", "embed"))
         t["layers.post_feedforward_layernorm.weight"] = Param((L, D), ("layers", "embed"))
@@ -739,7 +742,7 @@ class Linear(nn.Linear):
         super().__init__(d_in, d_out, bias=False)
 
     def forward(self, x):
-        return F_.linear(x, self.weight.to(x.dtype))
+        return F.linear(x, self.weight.to(x.dtype))
 
 
 class RMSNorm(nn.Module):
@@ -756,7 +759,7 @@ class RMSNorm(nn.Module):
 
 
 def layer_norm_torch(x, eps):
-    return F_.layer_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
+    return F.layer_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
 
 
 # exercise: rope
@@ -815,7 +818,7 @@ class Attention(nn.Module):
         scale = m.head_dim ** -0.5
         if isinstance(mask, torch.Tensor) or mask is None:
             # no mask: causal at pos 0 (SDPA's flash kernel); later, every cached key is visible
-            y = F_.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                                 is_causal=mask is None and pos == 0,
                                                 scale=scale, enable_gqa=True)
         else:
@@ -896,11 +899,13 @@ def flex_attention(q, k, v, block_mask, scale):
 class MLP(nn.Module):
     def __init__(self, m):
         super().__init__()
-        D, F = m.d_model, m.mlp_hidden
-        self.gate_proj, self.up_proj, self.down_proj = Linear(D, F), Linear(D, F), Linear(F, D)
+        D, hidden = m.d_model, m.mlp_hidden
+        self.gate_proj = Linear(D, hidden)
+        self.up_proj = Linear(D, hidden)
+        self.down_proj = Linear(hidden, D)
 
     def forward(self, x):
-        return self.down_proj(F_.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Block(nn.Module):
@@ -927,7 +932,7 @@ ROPE_BUFFERS = ("inv_freq", "rope_scale")  # (L, H/2), (L,) of layer_arrays
 
 
 # remat="dots" in torch: selective activation checkpointing keeps the outputs of these ops (the
-# linear layers' matmuls; F_.linear runs as one of them) and reruns every other op in the backward
+# linear layers' matmuls; F.linear runs as one of them) and reruns every other op in the backward
 SAVE_MATMULS = partial(create_selective_checkpoint_contexts,
                        [torch.ops.aten.mm.default, torch.ops.aten.addmm.default])
 
@@ -984,7 +989,7 @@ class OLMo(nn.Module):
         """The final norm and the head: x (B, T, D) -> (B, T, V)."""
         x = layer_norm_torch(x, self.m.norm_eps) if self.m.family == "olmo1" else self.norm(x)
         head = self.embed_tokens.weight if self.m.tie_embeddings else self.lm_head.weight
-        return F_.linear(x, head.to(dtype))
+        return F.linear(x, head.to(dtype))
 
 
 def label_logps_torch(logits, labels, temperature=1.0):
@@ -1013,8 +1018,8 @@ def token_logps_torch(net, x, labels, chunks=1, temperature=1.0):
     if torch.is_grad_enabled():
         one = partial(checkpoint, one, use_reentrant=False)
     pad = -T % n  # (no targets; cut below)
-    x = F_.pad(x, (0, 0, 0, pad)).reshape(B, -1, n, D)  # (B, T/n, n, D)
-    labels = F_.pad(labels, (0, pad), value=IGNORE_INDEX).reshape(B, -1, n)  # (B, T/n, n)
+    x = F.pad(x, (0, 0, 0, pad)).reshape(B, -1, n, D)  # (B, T/n, n, D)
+    labels = F.pad(labels, (0, pad), value=IGNORE_INDEX).reshape(B, -1, n)  # (B, T/n, n)
     parts = [one(x[:, :, j], labels[:, :, j]) for j in range(n)]  # n of (log p, lse), (B, T/n)
     return tuple(torch.stack(p, dim=2).reshape(B, -1)[:, :T] for p in zip(*parts))  # (B, T) each
 

@@ -46,7 +46,9 @@ def _checks(cfg, positive="", nonneg="", unit="", devices="", **choices):
 @dataclass
 class ModelConfig:
     # Defaults: OLMo 2/3 at a laptop size
-    family: str = "olmo3"         # olmo2 + sliding windows and YaRN
+    # The block: olmo1 (pre-norm LayerNorm without weights), olmo2 (RMSNorm on each sublayer's
+    # output, QK-norm) or olmo3 (olmo2, plus sliding-window layers and YaRN)
+    family: str = "olmo3"         # olmo1 | olmo2 | olmo3
     d_model: int = 256            # D
     n_layers: int = 4             # L
     n_heads: int = 4              # N query heads
@@ -70,7 +72,10 @@ class ModelConfig:
     init_std: float = 0.02
     eos_token_id: int = 100257    # dolma2's <|endoftext|> (HF config.json)
     pad_token_id: int = 100277    # dolma2's <|pad|>
-    attention: str = "auto"       # how attention is computed, not what
+    # How attention is computed, never what: auto (the device's kernel where it can run, else
+    # xla), xla (plain einsums), splash (JAX's TPU kernel), cudnn (JAX's GPU kernel), sdpa or flex
+    # (torch's two); a kernel that cannot run for this shape or device is refused by name
+    attention: str = "auto"       # auto | xla | splash | cudnn | sdpa | flex
 
     def __post_init__(self):
         # A field left at 0 takes its derived value; `derived` (not saved) its formula
@@ -134,8 +139,12 @@ class DataConfig:
     packing: str = "fsl"          # fsl: the stream cut every seq_len | packed: whole docs, padded
     source_group_size: int = 8          # packed: files packed together
     source_permutation_seed: int = 123  # packed: files shuffled first
-    long_docs: str = "truncate"         # packed: a long doc keeps its start, or is cut up
-    chat_template: str = "tulu"   # GRPO's prompts rendered in it (data.CHAT_TEMPLATES)
+    # packed: a document longer than seq_len is cut to its start (truncate, OLMo-core's) or cut
+    # into seq_len fragments that each become a document (fragment)
+    long_docs: str = "truncate"   # truncate | fragment
+    # GRPO's prompts are rendered in this template: tulu (OLMo 1/2 Instruct) or olmo (Olmo 3's
+    # ChatML); data.CHAT_TEMPLATES holds both
+    chat_template: str = "tulu"   # tulu | olmo
     instance_filter: bool = False  # no loss on instances with a repeating pattern
     repetition_min_period: int = 1
     repetition_max_period: int = 13
@@ -176,8 +185,13 @@ class TrainConfig:
     compile: bool = False         # torch: compile each block (JAX always compiles)
     steps: int = 1000             # optimizer steps in this stage
     micro_batch: int = 0          # instances per device per pass; 0 = all (no accumulation)
-    compute_dtype: str = "float32"  # params and optimizer state stay fp32
-    remat: str = "none"           # activation checkpoints
+    # float32 or bfloat16 (matmuls and activations); params and optimizer state stay fp32, and
+    # norms, softmax and the loss run in fp32 either way
+    compute_dtype: str = "float32"  # float32 | bfloat16
+    # What the backward pass recomputes instead of storing: none; block (keeps each layer's input,
+    # reruns the layer); mlp (reruns the feed-forward only); dots (keeps the matmuls' outputs,
+    # reruns norms, RoPE, SwiGLU and attention)
+    remat: str = "none"           # none | block | mlp | dots
     loss_chunks: int = 8          # the head and softmax in this many passes (both backends)
     scan_layers: bool = True      # JAX: loop over layers; false unrolls
     init_seed: int = 0
@@ -185,8 +199,10 @@ class TrainConfig:
     load_optimizer: bool = True   # init_from: its AdamW moments too
     # schedule
     lr: float = 4e-4
-    schedule: str = "cosine"      # after a linear warmup
-    units: str = "steps"          # what warmup and t_max count
+    # After a linear warmup: cosine, linear, half_cosine (the second half of a cosine: OLMo 3's
+    # extension), constant, wsd (warmup, stable, decay) or wsds (several wsd periods); train.lr_at
+    schedule: str = "cosine"      # cosine | linear | half_cosine | constant | wsd | wsds
+    units: str = "steps"          # what warmup, t_max and decay count: steps or tokens
     warmup: int = 100
     warmup_min_lr: float = 0.0
     t_max: int = 0                # schedule length; 0 = this stage's steps (or their tokens)
@@ -213,7 +229,9 @@ class TrainConfig:
     checkpoint_every: int = 500
     keep: int = 2                 # checkpoints kept (the newest)
     # post-training (docs/posttrain.md)
-    loss: str = "ce"              # ce: cross-entropy (pretraining, SFT)
+    # ce: cross-entropy (pretraining, SFT); dpo or dpo_norm (length-normalised, OLMo 2/3): DPO on
+    # preference pairs; grpo: GRPO on prompts with answers (model.make_loss)
+    loss: str = "ce"              # ce | dpo | dpo_norm | grpo
     epochs: int = 0               # > 0: steps = epochs x the data's steps per epoch
     warmup_fraction: float = 0.0  # > 0: warmup = this fraction of steps
     dpo_beta: float = 0.1         # β
@@ -261,7 +279,9 @@ class EvalConfig:
     tasks: str = ""               # eval.TASKS run with it, e.g. "arc_easy,piqa"
     tasks_data: str = "../shared/evaldata"  # eval.py tasks --data
     tasks_limit: int = 100        # each task's first N documents; 0 = all
-    tasks_norm: str = "olmes"     # eval.py --norm
+    # The prompts and normalisations of the tasks: olmes (OLMES v0.1), catwalk (the OLMo paper's)
+    # or olmo_core (ai2-olmo-eval's in-loop tasks); eval.py --norm
+    tasks_norm: str = "olmes"     # olmes | catwalk | olmo_core
 
     def __post_init__(self):
         _checks(self, nonneg="every batches sample_tokens temperature tasks_limit",
