@@ -5,6 +5,8 @@ they start from is the same (`make posttrain` once first: it runs the stages bef
 
     python tests/posttrain_spread.py                       # seeds 0 1 2 into runs/spread/
     python tests/posttrain_spread.py --seeds 0 --out runs/spread-x -- --train.lr=1e-2   # extra SFT overrides
+    python tests/posttrain_spread.py --base runs/tiny-midtrain-soup --model configs/tiny.toml \
+        --out runs/spread-soup              # from stage 2's soup, stage 3 skipped (docs/posttrain.md)
 
 Imitate an AVX2-only CPU for a second column of figures (docs/backends.md#other-cpus says what each variable
 reaches): ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 XLA_FLAGS=--xla_cpu_max_isa=AVX2.
@@ -23,8 +25,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from configs import load_config  # noqa: E402
-STAGES = ["sft", "dpo", "grpo"]  # configs/tiny-STAGE.toml, each stacked on the model as stage 3 left it
-MODEL = ["configs/tiny.toml", "configs/tiny-stage3.toml"]
+STAGES = ["sft", "dpo", "grpo"]  # configs/tiny-STAGE.toml, each stacked on --model
+MODEL = "configs/tiny.toml,configs/tiny-stage3.toml"  # the model as stage 3 left it
 
 
 def run(args):
@@ -32,14 +34,14 @@ def run(args):
     subprocess.run(args, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
 
 
-def chain(base, seed, out, sft_extra):
+def chain(base, seed, out, sft_extra, model):
     """Each stage from the one before; -> the four checkpoints, stage 3's model first."""
     ckpts, start = [base], base
     for name in STAGES:
         toml = f"configs/tiny-{name}.toml"
-        steps = load_config([str(ROOT / f) for f in (*MODEL, toml)]).train.steps
+        steps = load_config([str(ROOT / f) for f in (*model, toml)]).train.steps
         run_dir = out / f"seed{seed}" / name
-        args = [sys.executable, "train.py", *MODEL, toml, f"--train.run_dir={run_dir}",
+        args = [sys.executable, "train.py", *model, toml, f"--train.run_dir={run_dir}",
                 f"--train.init_from={start}", f"--data.seed={seed}", f"--train.init_seed={seed}"]
         if name == "sft":
             args += sft_extra
@@ -82,12 +84,13 @@ def main():
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--out", default="runs/spread", type=Path)
     ap.add_argument("--base", default="runs/tiny-stage3/step_200", help="stage 3's model (this CPU's)")
+    ap.add_argument("--model", default=MODEL, help="the config files the stages stack on, comma-separated")
     ap.add_argument("sft_extra", nargs="*", help="overrides for the SFT stage (after --)")
     a = ap.parse_args()
     isa = {k: os.environ[k] for k in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "XLA_FLAGS") if k in os.environ}
     table = {}
     for seed in a.seeds:
-        ckpts = chain(a.base, seed, a.out, a.sft_extra)
+        ckpts = chain(a.base, seed, a.out, a.sft_extra, a.model.split(","))
         table[seed] = exact(ckpts)
         bpb = heldout_bpb(a.out / f"seed{seed}" / "sft")
         print(f"seed {seed}: exact match {table[seed]}; SFT held-out bpb by step {bpb}", file=sys.stderr,
