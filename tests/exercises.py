@@ -16,7 +16,10 @@ order.
 In the code, the line `# exercise: NAME` stands directly above each function (or method) an
 exercise removes; one marker may stand above several, such as the JAX function and its PyTorch
 twin, which go together. The copy keeps the signature and the docstring and replaces the rest of
-the body with `raise NotImplementedError("exercise: NAME ...")`. docs/exercises.md names, under each
+the body with `raise NotImplementedError("exercise: NAME (docs/exercises.md): FUNCTION is yours to
+write")`, so a failing test names the function (the JAX one or its twin) still to write. A student's
+run shows each failure as one line, where it was raised: pytest's usual report would print the
+test's source, which holds the answer. docs/exercises.md names, under each
 `##` heading, the marker (**Marker** `NAME`) and the tests that check it (**Tests** `tests/...`).
 """
 
@@ -53,10 +56,17 @@ def exercises(doc=None):
 
 
 def marked(source):
-    """{marker: [(first body line, last line, indent)]} of the functions under markers (1-based)."""
+    """{marker: [(first body line, last line, indent, name)]} of the functions under markers
+    (lines 1-based; name: "function" or "Class.method")."""
     lines, found = source.splitlines(), {}
+    tree = ast.parse(source)
+    owner = {}  # a method -> the name of its class
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            for child in node.body:
+                owner[child] = node.name
     defs = {}
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             start = min([node.lineno] + [d.lineno for d in node.decorator_list])
             defs[start] = node
@@ -76,7 +86,8 @@ def marked(source):
                              "but a docstring")
         first = body[1].lineno if has_doc else body[0].lineno
         indent = len(lines[body[0].lineno - 1]) - len(lines[body[0].lineno - 1].lstrip())
-        found.setdefault(m.group(1), []).append((first, node.end_lineno, indent))
+        name = f"{owner[node]}.{node.name}" if node in owner else node.name
+        found.setdefault(m.group(1), []).append((first, node.end_lineno, indent, name))
     return found
 
 
@@ -84,11 +95,15 @@ def stub(source, names):
     """The source with the bodies of the functions marked with any of `names` replaced by a
     raise."""
     lines = source.splitlines(keepends=True)
-    spans = [(first, last, indent, name) for name, places in marked(source).items()
-             if name in names for first, last, indent in places]
-    for first, last, indent, name in sorted(spans, reverse=True):  # bottom up: line numbers hold
-        lines[first - 1:last] = [" " * indent + f'raise NotImplementedError("exercise: {name} '
-                                 '(docs/exercises.md)")\n']
+    spans = []
+    for exercise, places in marked(source).items():
+        if exercise in names:
+            spans += [(first, last, indent, exercise, function)
+                      for first, last, indent, function in places]
+    for first, last, indent, exercise, function in sorted(spans, reverse=True):  # bottom up: the
+        # line numbers of the spans above stay valid
+        message = f"exercise: {exercise} (docs/exercises.md): {function} is yours to write"
+        lines[first - 1:last] = [" " * indent + f'raise NotImplementedError("{message}")\n']
     return "".join(lines)
 
 
@@ -129,11 +144,13 @@ def write_copy(dest, names):
 
 def run_pytest(cwd, tests, quiet=True):
     """{test id: (passed | failed | error | skipped | not run, message)} and pytest's output (its
-    own printing goes to the terminal when not quiet). Outcomes come from pytest's junit report."""
+    own printing goes to the terminal when not quiet, each failure as one line: file, line and
+    error, never the test's source). Outcomes come from pytest's junit report."""
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "junit.xml"
+        one_line = () if quiet else ("--tb=line",)
         cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-               f"--junitxml={junit}", *tests]
+               f"--junitxml={junit}", *one_line, *tests]
         env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
         r = subprocess.run(cmd, cwd=cwd, env=env, text=True,
                            **(dict(capture_output=True) if quiet else {}))
@@ -237,6 +254,13 @@ def student_test(name=None):
         print(f"  {status:8} {t}: {message.splitlines()[0] if message else ''}")
         if status in ("skipped", "not run"):
             print(f"           a {status} test is no pass: {SETUP}")
+    # An exercise may hold a JAX function and its PyTorch twin: say which ones still raise
+    messages = " ".join(message for _, message in not_passed.values())
+    left = sorted(set(re.findall(r"\(docs/exercises.md\): (\S+) is yours to write", messages)))
+    if left:
+        passed = len(tests) - len(not_passed)
+        already = f" ({passed} of its tests pass already)" if passed else ""
+        print(f"  still to write: {', '.join(left)}{already}")
     return False
 
 

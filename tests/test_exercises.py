@@ -138,7 +138,8 @@ def toy_course(root, monkeypatch):
     monkeypatch.setattr(exercises, "DOC", root / "docs" / "exercises.md")
 
 
-def test_check_and_runner_on_a_toy_course(tmp_path, monkeypatch, capsys):
+def test_check_and_runner_on_a_toy_course(tmp_path, monkeypatch, capfd):
+    capsys = capfd  # (pytest's own output, from its process, too)
     toy_course(tmp_path / "toy", monkeypatch)
     assert exercises.check()
     out = capsys.readouterr().out
@@ -160,6 +161,9 @@ def test_check_and_runner_on_a_toy_course(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(exercises, "DOC", tmp_path / "copy" / "docs" / "exercises.md")
     assert exercises.left_to_write() == ["plus_one"]
     assert not exercises.student_test()
-    assert "plus_one: NOT done (1 of 1 tests did not pass)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "plus_one: NOT done (1 of 1 tests did not pass)" in out
+    assert "still to write: plus_one" in out  # the function, named in the stub's message
+    assert "toy.plus_one(2) == 5" not in out  # the test's source, which holds the answer
     assert exercises.student_test("double")
     assert "double: done, all 1 tests pass. Next: plus_one" in capsys.readouterr().out
