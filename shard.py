@@ -28,6 +28,8 @@ import model
 from configs import ConfigError, load_config, run_cli
 
 
+# --- the mesh, and how params, optimizer state and batches split over it ---
+
 # A parameter's logical axis -> the mesh axes it splits over: embed FSDP-style, the others
 # Megatron-style, layers not (the scan walks them)
 RULES = {"embed": ("fsdp",), "heads": ("tensor",), "kv_heads": ("tensor",), "mlp": ("tensor",),
@@ -100,6 +102,8 @@ def residual_constraint(mesh):
     return lambda x: jax.lax.with_sharding_constraint(x, pinned)
 
 
+# --- attention on a mesh: a kernel or context parallelism under shard_map ---
+
 def attention(mesh, m, dtype, documents):
     """model.forward's attention on this mesh: XLA's split by GSPMD; a kernel (which GSPMD would
     gather) or context parallelism under shard_map."""
@@ -129,6 +133,8 @@ def attention_impl(mesh, m, dtype, documents):
     """What `attention` runs (model.pick_attention on this mesh)."""
     return model.pick_attention(m, dtype, documents, mesh.devices.flat[0], mesh.shape["context"])
 
+
+# --- what a mesh asks of the model and the batch ---
 
 def check_mesh(sizes, m, seq_len):
     """What mesh axis `sizes` need of the model and data, besides params' splits."""
@@ -160,7 +166,8 @@ def local_ranks(mesh):
 
 
 def check_batch(global_batch, micro_batch, dp, where):
-    """(instances a rank, micro-batch, micro-batches a step) over `dp` ranks; `where`: errors'."""
+    """(instances a rank, micro-batch, micro-batches a step) over `dp` ranks; `where`: the mesh
+    the errors name."""
     if global_batch % dp:
         raise ValueError(f"data.global_batch={global_batch} does not divide over the {dp} "
                          f"data-parallel ranks ({where})")
@@ -172,9 +179,16 @@ def check_batch(global_batch, micro_batch, dp, where):
     return per_rank, micro, per_rank // micro
 
 
+# --- the layout: each param's split and its bytes per device ---
+
 def split_over(spec, sizes):
     """How many devices a PartitionSpec splits a tensor over, given mesh axis `sizes`."""
-    return math.prod(sizes[a] for d in spec if d for a in (d if isinstance(d, tuple) else (d,)))
+    count = 1
+    for dim in spec:  # per dimension: None (not split), a mesh axis or a tuple of mesh axes
+        if dim:
+            axes = dim if isinstance(dim, tuple) else (dim,)
+            count *= math.prod(sizes[a] for a in axes)
+    return count
 
 
 def state_gib(table, sizes):
@@ -209,6 +223,8 @@ def describe(mesh):
             f"{jax.process_count()} process(es)")
 
 
+# --- several hosts: barriers, gathers, and the check that they share a run folder and data ---
+
 def jax_barrier():
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices("barrier")
@@ -229,7 +245,8 @@ def check_hosts_agree(backend, run_dir, data_path):
         raise OSError(f"train.run_dir={run_dir} is on GCS FUSE, where renaming a folder is a copy "
                       "then a delete (a kill mid-save leaves half a checkpoint): put it on "
                       "Filestore or NFS")
-    token = int(backend.allgather([int.from_bytes(os.urandom(3), "little")])[0, 0])  # the lead's
+    # the lead's random token, the same on every host
+    token = int(backend.allgather([int.from_bytes(os.urandom(3), "little")])[0, 0])
     stamp = Path(run_dir) / ".hosts"
     if backend.lead:
         stamp.write_text(f"{token}\n")
@@ -271,6 +288,8 @@ def data_fingerprint(path):
     listing = "".join(f"{name}:{p.stat().st_size}\n" for name, p in files.items())
     return int.from_bytes(hashlib.sha256(listing.encode()).digest()[:4], "little") >> 1
 
+
+# --- joining the processes of a run (JAX_* variables, SLURM, Open MPI, TPU pods) ---
 
 def srun_tasks():
     """The task count of the srun step that started this process; 1 outside a step. JAX's
@@ -316,7 +335,7 @@ def start_distributed():
 
 def stored_slices(name, shape, prefix, idx):
     """[(stored name, index)] slice idx of a param covers, per layer if stacked; prefix "model.":
-    HF's."""
+    HF's names (convert.hf_name)."""
     rename = convert.hf_name if prefix == "model." else lambda n: prefix + n  # noqa: E731
     if not name.startswith("layers."):
         return [(rename(name), idx)]
@@ -377,7 +396,7 @@ DEVICES = {
 
 
 def device_named(kind):
-    """The DEVICES entry of a device_kind (JAX's or torch's), or None (CPUs)."""
+    """The DEVICES entry of a device_kind (as JAX or torch says it), or None (CPUs)."""
     return next((d for d in DEVICES.values() if kind in d.kinds), None)
 
 
@@ -599,7 +618,7 @@ def torch_shard(net, mesh_cfg, world, device, dtype):
 
 
 def torch_layout(mesh_cfg, world, table):
-    """layout_table for torch: FSDP2 splits each tensor's rows (a layer's, if stacked)."""
+    """layout_table for torch: FSDP2 splits each tensor's rows (a layer's rows, if stacked)."""
     for axis in ("tensor", "context"):
         if (size := getattr(mesh_cfg, axis)) != 1:
             raise ValueError(f"mesh.{axis}={size}: the torch backend shards with FSDP2 only "
@@ -626,7 +645,9 @@ def torch_local(t):
     """(local piece of `t`, its index, writes: on replica 0 only), cut as torch.chunk cuts."""
     if not is_dtensor(t):
         return t, (slice(None),) * t.ndim, True
-    local, idx, writes = t.to_local(), [slice(None)] * t.ndim, True
+    local = t.to_local()
+    idx = [slice(None)] * t.ndim
+    writes = True
     for axis, placement in enumerate(t.placements):
         at, size = t.device_mesh.get_local_rank(axis), t.device_mesh.size(axis)
         if placement.is_shard():

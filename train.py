@@ -38,7 +38,10 @@ import eval as evaluate  # noqa: E402
 import model  # noqa: E402
 import shard  # noqa: E402
 
-SKIP_WINDOW, SKIP_MIN, SKIP_SIGMA = 128, 64, 6.0  # OLMo-core SkipStepAdamW defaults
+# OLMo-core SkipStepAdamW defaults
+SKIP_WINDOW = 128
+SKIP_MIN = 64
+SKIP_SIGMA = 6.0
 POSTTRAIN_METRICS = ("margin", "accuracy", "reward", "eval_accuracy")
 
 
@@ -50,7 +53,9 @@ def lr_at(step, tc, tokens_per_step, total_steps):
     `step` counts from 1, as OLMo-core's global_step."""
     unit = tokens_per_step if tc.units == "tokens" else 1
     t, T = step * unit, tc.t_max or total_steps * unit
-    W, lr, floor = tc.warmup, tc.lr, tc.alpha_f * tc.lr
+    W = tc.warmup
+    lr = tc.lr
+    floor = tc.alpha_f * tc.lr
     if tc.schedule == "wsds":  # (its own periods; t_max unused)
         return wsds_lr(t, tc, floor)
     # half_cosine (HalfCosWithWarmup) warms up to where its half cosine starts, the midpoint
@@ -101,7 +106,9 @@ def adamw(params, grads, opt, lr, tc, decay):
     bias-corrected step."""
     count = opt["count"] + 1
     bc1, bc2 = 1 - tc.beta1 ** count, 1 - tc.beta2 ** count
-    new_p, new_m, new_v = {}, {}, {}
+    new_p = {}
+    new_m = {}
+    new_v = {}
     for k, p in params.items():
         g = grads[k]
         m = tc.beta1 * opt["m"][k] + (1 - tc.beta1) * g
@@ -156,7 +163,9 @@ def checkpoint_entries(m):
     """{name: (shape, dtype)} of model.safetensors and optimizer.safetensors."""
     shapes = convert.expected_tensors(m)  # unstacked names, as stored
     model_e = {convert.hf_name(n): (s, np.float32) for n, s in shapes.items()}
-    opt_e = {p + n: (s, np.float32) for p in ("exp_avg.", "exp_avg_sq.") for n, s in shapes.items()}
+    opt_e = {}
+    for p in ("exp_avg.", "exp_avg_sq."):
+        opt_e.update({p + n: (s, np.float32) for n, s in shapes.items()})
     opt_e["step"] = ((), np.int32)
     return model_e, opt_e
 
@@ -164,7 +173,9 @@ def checkpoint_entries(m):
 def save_checkpoint(step, backend, cfg, loader_state, log_window, extra):
     """step_N.tmp/ -> fsync -> step_N/ -> `latest` -> drop those past `keep`: a crash leaves the
     last whole. extra: {file: text}."""
-    run_dir, lead, barrier = Path(cfg.train.run_dir), backend.lead, backend.barrier
+    run_dir = Path(cfg.train.run_dir)
+    lead = backend.lead
+    barrier = backend.barrier
     final, tmp = run_dir / f"step_{step}", run_dir / f"step_{step}.tmp"
     try:
         if lead:
@@ -300,7 +311,8 @@ def make_train_step(cfg, mesh):
         metrics = dict(loss=loss, grad_norm=grad_norm, skipped=~ok, **aux)
         return *kept, push_history(history, tracked, grad_norm), metrics
 
-    p, o, h = shard.state_shardings(mesh, model.param_table(m))  # (the batch: JaxBackend.step's)
+    # the state's shardings; the batch gets none here: JaxBackend.step lays it out
+    p, o, h = shard.state_shardings(mesh, model.param_table(m))
     return jax.jit(step, in_shardings=(p, o, h, None, None),
                    out_shardings=(p, o, h, shard.replicated(mesh)), donate_argnums=(0, 1, 2),
                    compiler_options=shard.compiler_options(mesh, tc.compute_dtype))
@@ -684,8 +696,8 @@ def open_data(cfg):
                   permutation_seed=dc.source_permutation_seed,
                   long_docs=dc.long_docs) if dc.packing == "packed" else None
     instances = data.open_instances(dc.path, dc.seq_len, dc.seed, packed)
-    # the held-out split and the tokenizer: eval.data's, else data.path's (a mix or a bare token
-    # file has neither: the run then logs no held-out loss and its checkpoints no tokenizer)
+    # the held-out split and the tokenizer: from eval.data, else from data.path (a mix or a bare
+    # token file has neither: the run then logs no held-out loss and its checkpoints no tokenizer)
     held_path = cfg.eval.data or (dc.path if info else None)
     if held_path is None:
         return instances, None, None
@@ -779,7 +791,10 @@ def in_loop_tasks(cfg, tok, backend):
     def task_eval():
         scorer.params = backend.host_params()
         scores = evaluate.score_tasks(scorer, tasks)
-        return {k: v for r in scores.values() for k, v in r["logged"].items()}
+        logged = {}
+        for r in scores.values():
+            logged.update(r["logged"])
+        return logged
     return task_eval
 
 
@@ -908,7 +923,9 @@ def main(argv):
     # --- the loop: step -> log? -> eval? -> save? -> stop? ---
     bar = data.Progress(range(start + 1, tc.steps + 1), initial=start, total=tc.steps,
                         desc="train", dynamic_ncols=True, disable=not lead)
-    t_last, pending, masked = time.perf_counter(), [], []  # pending: (step, metrics on device)
+    t_last = time.perf_counter()
+    pending = []  # (step, metrics on device)
+    masked = []
     timed, compile_s = 0, None  # steps since t_last; the first step's seconds (see below)
     batches = iter(loader)  # (closed after the loop: its read-ahead thread ends there)
     for step, (_, batch) in zip(bar, batches):

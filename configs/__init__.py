@@ -46,8 +46,8 @@ def _checks(cfg, positive="", nonneg="", unit="", devices="", **choices):
 @dataclass
 class ModelConfig:
     # Defaults: OLMo 2/3 at a laptop size
-    # The block: olmo1 (pre-norm LayerNorm without weights), olmo2 (RMSNorm on each sublayer's
-    # output, QK-norm) or olmo3 (olmo2, plus sliding-window layers and YaRN)
+    # The block: olmo1 (pre-norm LayerNorm without weights), olmo2 (RMSNorm on each
+    # sublayer's output, QK-norm) or olmo3 (olmo2, plus sliding-window layers and YaRN)
     family: str = "olmo3"         # olmo1 | olmo2 | olmo3
     d_model: int = 256            # D
     n_layers: int = 4             # L
@@ -139,11 +139,11 @@ class DataConfig:
     packing: str = "fsl"          # fsl: the stream cut every seq_len | packed: whole docs, padded
     source_group_size: int = 8          # packed: files packed together
     source_permutation_seed: int = 123  # packed: files shuffled first
-    # packed: a document longer than seq_len is cut to its start (truncate, OLMo-core's) or cut
-    # into seq_len fragments that each become a document (fragment)
+    # packed: a document longer than seq_len is cut to its start (truncate, OLMo-core's way) or
+    # cut into seq_len fragments that each become a document (fragment)
     long_docs: str = "truncate"   # truncate | fragment
-    # GRPO's prompts are rendered in this template: tulu (OLMo 1/2 Instruct) or olmo (Olmo 3's
-    # ChatML); data.CHAT_TEMPLATES holds both
+    # GRPO's prompts are rendered in this template: tulu (OLMo 1/2 Instruct) or olmo
+    # (Olmo 3's ChatML); data.CHAT_TEMPLATES holds both
     chat_template: str = "tulu"   # tulu | olmo
     instance_filter: bool = False  # no loss on instances with a repeating pattern
     repetition_min_period: int = 1
@@ -199,8 +199,9 @@ class TrainConfig:
     load_optimizer: bool = True   # init_from: its AdamW moments too
     # schedule
     lr: float = 4e-4
-    # After a linear warmup: cosine, linear, half_cosine (the second half of a cosine: OLMo 3's
-    # extension), constant, wsd (warmup, stable, decay) or wsds (several wsd periods); train.lr_at
+    # After a linear warmup: cosine, linear, half_cosine (the second half of a cosine:
+    # OLMo 3's extension), constant, wsd (warmup, stable, decay) or wsds (several wsd periods);
+    # train.lr_at
     schedule: str = "cosine"      # cosine | linear | half_cosine | constant | wsd | wsds
     units: str = "steps"          # what warmup, t_max and decay count: steps or tokens
     warmup: int = 100
@@ -270,8 +271,9 @@ class EvalConfig:
     every: int = 200              # held-out loss every N steps; 0 = at the end only
     batches: int = 8              # held-out batches per eval (the final one: all); 0 = all
     # Another prepared folder whose held-out split the run evaluates, and whose tokenizer its
-    # checkpoints carry: for data.path a mix file or a bare token file, which have neither (OLMo-
-    # core's stage-2 runs evaluate on a fixed validation set, not on their mix). "" = data.path's
+    # checkpoints carry: for data.path a mix file or a bare token file, which have neither
+    # (OLMo-core's stage-2 runs evaluate on a fixed validation set, not on their mix).
+    # "" = data.path's own held-out split and tokenizer
     data: str = ""
     prompt: str = "It is a truth universally acknowledged"  # "" = no sample at the end
     sample_tokens: int = 48
@@ -279,8 +281,8 @@ class EvalConfig:
     tasks: str = ""               # eval.TASKS run with it, e.g. "arc_easy,piqa"
     tasks_data: str = "../shared/evaldata"  # eval.py tasks --data
     tasks_limit: int = 100        # each task's first N documents; 0 = all
-    # The prompts and normalisations of the tasks: olmes (OLMES v0.1), catwalk (the OLMo paper's)
-    # or olmo_core (ai2-olmo-eval's in-loop tasks); eval.py --norm
+    # The prompts and normalisations of the tasks: olmes (OLMES v0.1), catwalk (the OLMo
+    # paper's evaluation) or olmo_core (ai2-olmo-eval's in-loop tasks); eval.py --norm
     tasks_norm: str = "olmes"     # olmes | catwalk | olmo_core
 
     def __post_init__(self):
