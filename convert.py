@@ -1030,6 +1030,10 @@ def hf_tokenizer_files(tok, max_len):
             "special_tokens_map.json": _json(specials)}
 
 
+# What hf_tokenizer_files writes, and a soup copies from its sources
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
 def read_hf_tokenizer(d):
     """d's tokenizer.json (ours, or allenai's dolma2) -> data.Tokenizer (rank = id), or None;
     another layout, or a damaged file, is a ValueError naming it."""
@@ -1086,9 +1090,9 @@ def soup(srcs, out):
     tensors = {k: Lazy(t.shape, t.dtype, functools.partial(mean, k))
                for k, t in first.tensors.items()}
     # the tokenizer files go with the soup, so eval.py reads it as it reads its sources
-    names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
     folders = [s.path if s.path.is_dir() else s.path.parent for s in sources]
-    texts = [{n: (d / n).read_text() for n in names if (d / n).is_file()} for d in folders]
+    texts = [{n: (d / n).read_text() for n in TOKENIZER_FILES if (d / n).is_file()}
+             for d in folders]
     for s, own in zip(rest, texts[1:]):
         if own and texts[0] and own != texts[0]:
             raise ConfigError(f"{s.path} has other tokenizer files than {first.path}")
