@@ -109,7 +109,7 @@ longctx: $(DATA)/tiny/prepare.json
 # each one's exact match on the held-out sums, as one table.
 ARITH := $(DATA)/arith/sft.jsonl
 $(ARITH): $(VENV)/.installed
-	$(PY) eval.py arith --out $(DATA)/arith
+	$(PY) data.py arith --out $(DATA)/arith
 $(DATA)/arith-%/prepare.json: $(ARITH) $(DATA)/bpe4096.tiktoken
 	rm -rf $(@D)
 	$(PY) data.py prepare $(DATA)/arith/$(if $(findstring sft,$*),sft,pref).jsonl --out $(@D) --chat tulu \

@@ -8,7 +8,9 @@ config.json + model.safetensors) and out as a release-style HF directory; `check
     python convert.py info SRC  # what it reads in SRC
 
 SRC formats: hf (ours), hf_olmo (allenai/OLMo-* repos), olmo (the old trainer), olmo_core
-(docs/conversion.md). Written to OUT.tmp, renamed OUT at the end; nothing is unpickled freely.
+(FORMATS says which files each is). Written to OUT.tmp, renamed OUT at the end; nothing is
+unpickled freely. Also here: our own checkpoint format, the step_N folders train.py saves and
+resumes from (its section says what is in one).
 """
 
 import base64
@@ -35,7 +37,7 @@ import yaml
 
 import data
 import model
-from configs import ConfigError, ModelConfig, in_range, read_json, run_cli
+from configs import ConfigError, ModelConfig, build, in_range, read_json, run_cli, to_dict
 from model import param_table, stack_layers, unstack_layers
 
 # --- safetensors, in numpy ---
@@ -153,131 +155,6 @@ def write_safetensors(path, tensors, metadata=None, progress=lambda nbytes: None
         progress(views[k].nbytes)
     del views
     replace(tmp, path)
-
-
-# --- checkpoints in pieces: one file per process, so that no page has two writers ---
-# A training run over several hosts saves each host's share of every tensor into a file only that
-# host writes. Writing through one shared file would lose data on a network file system: an NFS
-# client writes a dirty page back whole, and with `embed` split over fsdp a 4 KiB page holds the
-# bytes of many hosts, so the last host to flush a page overwrites the others' bytes with what it
-# saw there (zeros). One process (any number of devices) still writes `model.safetensors` whole.
-
-PIECE = re.compile(r"(.+)\[([0-9:,]*)\]")  # "model.norm.weight[0:512]": a stored piece's name
-
-
-def pieces_file(stem, rank, processes):
-    """The file process `rank` writes its share of `stem` (model, optimizer) into."""
-    if processes == 1:
-        return f"{stem}.safetensors"  # as transformers reads it
-    return f"{stem}.process{rank}-of-{processes}.safetensors"
-
-
-def _span(idx, shape):  # [(start, stop)] per axis of a tuple of slices
-    return [s.indices(n)[:2] for s, n in zip(idx, shape)]
-
-
-def piece_name(name, idx, shape):
-    """The name a piece of tensor `name` is stored under: its rows and columns, e.g. w[0:4,8:16]."""
-    return f"{name}[{','.join(f'{a}:{b}' for a, b in _span(idx, shape))}]"
-
-
-def write_pieces(path, pieces, entries, metadata):
-    """One process's pieces -> a safetensors file only it writes. pieces(): a fresh iterator of
-    (name, index, read) where read() gives the piece as numpy; entries: {name: (shape, dtype)}.
-    A tensor all of whose pieces are here is stored whole under its name; else each piece under
-    piece_name. Two passes over pieces(): the header first, then one piece in memory at a time."""
-    here = {}
-    for name, idx, _ in pieces():
-        here.setdefault(name, []).append(idx)
-    stored, whole = {}, set()
-    for name, idxs in here.items():
-        shape, dtype = entries[name]
-        sizes = [math.prod(b - a for a, b in _span(i, shape)) for i in idxs]
-        if sum(sizes) == math.prod(shape):  # (one replica's pieces never overlap)
-            stored[name] = (shape, dtype)
-            whole.add(name)
-        else:
-            for i in idxs:
-                stored[piece_name(name, i, shape)] = ([b - a for a, b in _span(i, shape)], dtype)
-    allocate_safetensors(path, stored, metadata)
-    views, _ = read_safetensors(path, writable=True)  # ours alone: no other process maps it
-    for name, idx, read in pieces():
-        if name in whole:
-            views[name][idx] = read()
-        else:
-            views[piece_name(name, idx, entries[name][0])][...] = read()
-    del views
-    fsync(path)
-
-
-class Pieced:
-    """A tensor stored in pieces by several processes, indexed like an array: reading a slice reads
-    only the pieces it overlaps (a host restoring its share reads no other host's bytes)."""
-
-    def __init__(self, name, pieces):  # pieces: [(tuple of slices, array)]
-        self.name, self.pieces = name, pieces
-        ndim = len(pieces[0][0])
-        # the pieces tile the tensor: its shape is where they end
-        self.shape = tuple(max(where[axis].stop for where, _ in pieces) for axis in range(ndim))
-        self.dtype, self.ndim = pieces[0][1].dtype, len(self.shape)
-        self.size = math.prod(self.shape)
-        self.nbytes = self.size * self.dtype.itemsize
-        if (held := sum(a.size for _, a in pieces)) != self.size:
-            raise ValueError(f"{name}: its pieces hold {held:,} of its {self.size:,} numbers: a "
-                             "process's file is incomplete (delete this checkpoint)")
-
-    def __getitem__(self, idx):
-        idx = idx if isinstance(idx, tuple) else (idx,)
-        idx += (slice(None),) * (self.ndim - len(idx))
-        dropped = tuple(axis for axis, s in enumerate(idx) if not isinstance(s, slice))
-        idx = [slice(s, s + 1 or None) if axis in dropped else s  # (s = -1: to the end)
-               for axis, s in enumerate(idx)]
-        if any(s.step not in (None, 1) for s in idx):
-            raise IndexError(f"{self.name}: only contiguous slices of a pieced tensor are read")
-        want = _span(idx, self.shape)
-        out, filled = np.empty([b - a for a, b in want], self.dtype), 0
-        for where, array in self.pieces:
-            lo = [max(a, w.start) for (a, _), w in zip(want, where)]
-            hi = [min(b, w.stop) for (_, b), w in zip(want, where)]
-            if any(x >= y for x, y in zip(lo, hi)):
-                continue  # this piece is not read at all
-            into = tuple(slice(x - a, y - a) for x, y, (a, _) in zip(lo, hi, want))
-            out[into] = array[tuple(slice(x - w.start, y - w.start)
-                                    for x, y, w in zip(lo, hi, where))]
-            filled += math.prod(y - x for x, y in zip(lo, hi))
-        if filled != out.size:
-            raise ValueError(f"{self.name}: slice {want} is not covered by its pieces")
-        return out.squeeze(dropped) if dropped else out
-
-    def __array__(self, dtype=None, copy=None):
-        whole = self[()]
-        return whole if dtype is None else whole.astype(dtype)
-
-
-def read_pieces(files):
-    """name -> array or Pieced, over the files of every process (stem.processR-of-P.safetensors);
-    all P must be there."""
-    d = files[0].parent
-    found = {(f.name.split(".process")[0], f.name.split("-of-")[-1].split(".")[0]) for f in files}
-    (stem, count), *others = found
-    if others or not count.isdigit():
-        raise ValueError(f"{d}: files of different runs: {sorted(f.name for f in files)}")
-    want = [pieces_file(stem, r, int(count)) for r in range(int(count))]
-    if missing := [f for f in want if not (d / f).is_file()]:
-        raise FileNotFoundError(f"{d}: no {missing[0]}: a host's share was not "
-                                "written (delete this checkpoint)")
-    wholes, parts = {}, {}
-    for f in want:
-        for key, array in read_safetensors(d / f)[0].items():
-            if piece := PIECE.fullmatch(key):
-                spans = [r.split(":") for r in piece[2].split(",") if r]
-                parts.setdefault(piece[1], []).append(
-                    (tuple(slice(int(a), int(b)) for a, b in spans), array))
-            else:
-                wholes[key] = array
-    if twice := sorted(set(wholes) & set(parts)):
-        raise ValueError(f"{d}: {twice[0]} is stored whole and in pieces")
-    return {**wholes, **{k: Pieced(k, v) for k, v in parts.items()}}
 
 
 # --- HF config.json <-> ModelConfig ---
@@ -465,7 +342,283 @@ def save_hf(d, m, params, dtype=np.float32):
     (d / "config.json").write_text(_json(config_to_hf(m)))
 
 
+# --- our checkpoint format: step_N folders ---
+# train.py saves run_dir/step_N/ every train.checkpoint_every steps (save_step) and a rerun resumes
+# from the folder `latest` names (latest_checkpoint, open_checkpoint). A step_N folder is an HF
+# model directory, so transformers, eval.py and `convert.py check` read it as it is:
+#   config.json            the model, as transformers reads it (config_to_hf)
+#   model.safetensors      the parameters, float32, one tensor per layer under its HF name
+#                          (hf_name: "model.layers.3.mlp.up_proj.weight"), whatever the backend,
+#                          the mesh or scan_layers; metadata format "pt", as transformers writes it
+#   optimizer.safetensors  AdamW's moments, float32, under "exp_avg." or "exp_avg_sq." + our name
+#                          (no "model.": "exp_avg.layers.3.mlp.up_proj.weight"), and "step"
+#                          (int32, the updates so far); metadata format "nanolmo": only we read it
+#   nanolmo.json           the train state: step, the resolved config, the data loader's position,
+#                          the losses since the last log line, the skip-step history
+#   tokenizer.json, ...    the run's tokenizer, as `--to-hf` writes it (hf_tokenizer_files)
+# One process (any number of devices) writes each .safetensors file whole. Several processes
+# (hosts, torchrun ranks) each write their own model.processR-of-P.safetensors and
+# optimizer.processR-of-P.safetensors instead: the next section says why and how their pieces are
+# named; `python convert.py step_N OUT` joins them into one HF folder.
+# Nothing is ever half there: all is written into step_N.tmp/ and fsynced, the folder is renamed
+# step_N, then the file `latest` (its text: "step_N") is replaced, and the folders past train.keep
+# are renamed step_N.trash, then deleted. A kill at any moment leaves the last whole checkpoint;
+# the next start clears the leftovers (train.tidy).
+# A tensor's way out: the backend's pieces(kind) (train.py) yields each piece its devices hold
+# (shard.jax_pieces, shard.stored_slices: a stacked (L, ...) parameter as one HF name per layer;
+# torch: shard.torch_local), and write_pieces stores them. Its way back: open_checkpoint ->
+# open_hf (read_weights maps the files, read_pieces joins a several-process folder as Pieced;
+# _bind checks every name and shape against the config) -> the backend's load, which reads only
+# the slices its devices hold (shard.jax_read through jax.make_array_from_callback; torch: each
+# rank's rows), so a checkpoint resumes on any mesh and any number of processes.
+
+STEP_FOLDER = re.compile(r"step_([0-9]+)")  # a whole checkpoint; step_N.tmp, step_N.trash are not
+
+# What a new stage (train.init_from) may change: the context it trains at (max_seq_len, and the
+# RoPE base and the YaRN settings of a long-context stage), never a parameter's shape
+STAGE_MAY_CHANGE = ("max_seq_len", "rope_theta", "yarn_factor", "yarn_original_max_seq_len",
+                    "yarn_beta_fast", "yarn_beta_slow", "yarn_attention_factor")
+
+
+def step_number(path):
+    """N of a step_N folder; None for any other name (step_N.tmp, step_N.trash, latest)."""
+    found = STEP_FOLDER.fullmatch(Path(path).name)
+    return int(found[1]) if found else None
+
+
+def saved_steps(run_dir):
+    """N of every whole checkpoint folder in run_dir, oldest first."""
+    numbers = [step_number(p) for p in Path(run_dir).glob("step_*")]
+    return sorted(n for n in numbers if n is not None)
+
+
+def checkpoint_entries(m):
+    """{name: (shape, dtype)} of model.safetensors and optimizer.safetensors, in file order."""
+    shapes = expected_tensors(m)  # unstacked names, as stored
+    model_e = {hf_name(n): (s, np.float32) for n, s in shapes.items()}
+    opt_e = {}
+    for p in ("exp_avg.", "exp_avg_sq."):
+        opt_e.update({p + n: (s, np.float32) for n, s in shapes.items()})
+    opt_e["step"] = ((), np.int32)
+    return model_e, opt_e
+
+
+def save_step(step, backend, cfg, loader_state, log_window, extra):
+    """step_N.tmp/ -> fsync -> step_N/ -> `latest` -> drop those past `keep`: a crash leaves the
+    last whole. Every process calls it and writes its own files; backend: train.py's JaxBackend or
+    TorchBackend (lead, rank, processes, barrier, pieces, history). extra: {file: text}."""
+    run_dir = Path(cfg.train.run_dir)
+    lead = backend.lead
+    barrier = backend.barrier
+    final = run_dir / f"step_{step}"
+    tmp = run_dir / f"step_{step}.tmp"
+    try:
+        if lead:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        barrier()
+        formats = dict(model="pt", optimizer="nanolmo")
+        for (kind, fmt), entries in zip(formats.items(), checkpoint_entries(cfg.model)):
+            # each process its own file (the next section says why)
+            path = tmp / pieces_file(kind, backend.rank, backend.processes)
+            write_pieces(path, lambda kind=kind: backend.pieces(kind), entries, {"format": fmt})
+        barrier()  # every file whole before the lead renames the folder
+        if lead:
+            history = {k: np.asarray(v).tolist() for k, v in backend.history.items()}
+            meta = dict(step=step, config=to_dict(cfg), data=loader_state, log_window=log_window,
+                        history=history)
+            texts = {"config.json": _json(config_to_hf(cfg.model)),
+                     "nanolmo.json": json.dumps(meta, indent=1) + "\n", **extra}
+            for f, text in texts.items():
+                (tmp / f).write_text(text)
+                fsync(tmp / f)
+    except BaseException as e:  # a full disk, or Ctrl-C: no half-written step_N.tmp stays behind
+        if lead:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise OSError(e.errno, f"checkpoint {final.name} not written ({e}); {tmp} removed, "
+                          f"{run_dir / 'latest'} unchanged") from None
+        raise
+    if lead:
+        if final.exists():  # left by a run that crashed before updating `latest`: redo it
+            discard(final)
+        replace(tmp, final)
+        (run_dir / "latest.tmp").write_text(final.name + "\n")
+        replace(run_dir / "latest.tmp", run_dir / "latest")
+        for old in saved_steps(run_dir)[:-cfg.train.keep]:
+            discard(run_dir / f"step_{old}")
+    barrier()
+    return final
+
+
+def discard(path):
+    """Renamed, then deleted: a kill mid-delete leaves step_N.trash, not a half step_N."""
+    trash = path.with_name(path.name + ".trash")
+    os.replace(path, trash)
+    shutil.rmtree(trash)
+
+
+def latest_checkpoint(run_dir):
+    """The step_N folder `latest` names, or None before the first save."""
+    pointer = Path(run_dir) / "latest"
+    path = pointer.parent / pointer.read_text().strip() if pointer.is_file() else None
+    if path and not (path / "nanolmo.json").is_file():
+        raise FileNotFoundError(f"{pointer} names {path.name}, which has no nanolmo.json: point "
+                                "it at a whole checkpoint")
+    return path
+
+
+def open_checkpoint(path, m, with_optimizer=True, new_stage=False):
+    """(model, optimizer or None, meta) memory maps of an HF OLMo dir of model `m`: a step_N
+    folder, or any HF directory (no optimizer, meta {}) for train.init_from."""
+    path = Path(path)
+    saved_m, state = open_hf(path)
+    fix = f"delete {path} (and fix {path.parent / 'latest'}) to resume the one before"
+    meta = read_json(path / "nanolmo.json", fix) if (path / "nanolmo.json").is_file() else {}
+    theirs = build({"model": meta["config"]["model"]}).model if meta else saved_m
+    if diff := theirs.differences(m, STAGE_MAY_CHANGE if new_stage else ()):
+        raise ConfigError(f"{path} holds a different model (there vs here: {'; '.join(diff)})")
+    opt = None
+    files = ["optimizer.safetensors", "optimizer.process*-of-*.safetensors"]
+    if with_optimizer and any(any(path.glob(f)) for f in files):
+        opt = read_weights(path, files)
+        if missing := [f for f in checkpoint_entries(m)[1] if f not in opt]:
+            raise ValueError(f"{path}: its optimizer has no tensor {missing[0]}")
+    return state, opt, meta
+
+
+# --- our checkpoint format in pieces: one file per process, so that no page has two writers ---
+# A training run over several hosts saves each host's share of every tensor into a file only that
+# host writes. Writing through one shared file would lose data on a network file system: an NFS
+# client writes a dirty page back whole, and with `embed` split over fsdp a 4 KiB page holds the
+# bytes of many hosts, so the last host to flush a page overwrites the others' bytes with what it
+# saw there (zeros). One process (any number of devices) still writes `model.safetensors` whole.
+# save_step writes through write_pieces; read_weights reads a folder of pieces through read_pieces.
+
+PIECE = re.compile(r"(.+)\[([0-9:,]*)\]")  # "model.norm.weight[0:512]": a stored piece's name
+
+
+def pieces_file(stem, rank, processes):
+    """The file process `rank` writes its share of `stem` (model, optimizer) into."""
+    if processes == 1:
+        return f"{stem}.safetensors"  # as transformers reads it
+    return f"{stem}.process{rank}-of-{processes}.safetensors"
+
+
+def _span(idx, shape):  # [(start, stop)] per axis of a tuple of slices
+    return [s.indices(n)[:2] for s, n in zip(idx, shape)]
+
+
+def piece_name(name, idx, shape):
+    """The name a piece of tensor `name` is stored under: its rows and columns, e.g. w[0:4,8:16]."""
+    return f"{name}[{','.join(f'{a}:{b}' for a, b in _span(idx, shape))}]"
+
+
+def write_pieces(path, pieces, entries, metadata):
+    """One process's pieces -> a safetensors file only it writes. pieces(): a fresh iterator of
+    (name, index, read) where read() gives the piece as numpy; entries: {name: (shape, dtype)}.
+    A tensor all of whose pieces are here is stored whole under its name; else each piece under
+    piece_name. Two passes over pieces(): the header first, then one piece in memory at a time."""
+    here = {}
+    for name, idx, _ in pieces():
+        here.setdefault(name, []).append(idx)
+    stored, whole = {}, set()
+    for name, idxs in here.items():
+        shape, dtype = entries[name]
+        sizes = [math.prod(b - a for a, b in _span(i, shape)) for i in idxs]
+        if sum(sizes) == math.prod(shape):  # (one replica's pieces never overlap)
+            stored[name] = (shape, dtype)
+            whole.add(name)
+        else:
+            for i in idxs:
+                stored[piece_name(name, i, shape)] = ([b - a for a, b in _span(i, shape)], dtype)
+    allocate_safetensors(path, stored, metadata)
+    views, _ = read_safetensors(path, writable=True)  # ours alone: no other process maps it
+    for name, idx, read in pieces():
+        if name in whole:
+            views[name][idx] = read()
+        else:
+            views[piece_name(name, idx, entries[name][0])][...] = read()
+    del views
+    fsync(path)
+
+
+class Pieced:
+    """A tensor stored in pieces by several processes, indexed like an array: reading a slice reads
+    only the pieces it overlaps (a host restoring its share reads no other host's bytes)."""
+
+    def __init__(self, name, pieces):  # pieces: [(tuple of slices, array)]
+        self.name, self.pieces = name, pieces
+        ndim = len(pieces[0][0])
+        # the pieces tile the tensor: its shape is where they end
+        self.shape = tuple(max(where[axis].stop for where, _ in pieces) for axis in range(ndim))
+        self.dtype, self.ndim = pieces[0][1].dtype, len(self.shape)
+        self.size = math.prod(self.shape)
+        self.nbytes = self.size * self.dtype.itemsize
+        if (held := sum(a.size for _, a in pieces)) != self.size:
+            raise ValueError(f"{name}: its pieces hold {held:,} of its {self.size:,} numbers: a "
+                             "process's file is incomplete (delete this checkpoint)")
+
+    def __getitem__(self, idx):
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        idx += (slice(None),) * (self.ndim - len(idx))
+        dropped = tuple(axis for axis, s in enumerate(idx) if not isinstance(s, slice))
+        idx = [slice(s, s + 1 or None) if axis in dropped else s  # (s = -1: to the end)
+               for axis, s in enumerate(idx)]
+        if any(s.step not in (None, 1) for s in idx):
+            raise IndexError(f"{self.name}: only contiguous slices of a pieced tensor are read")
+        want = _span(idx, self.shape)
+        out, filled = np.empty([b - a for a, b in want], self.dtype), 0
+        for where, array in self.pieces:
+            lo = [max(a, w.start) for (a, _), w in zip(want, where)]
+            hi = [min(b, w.stop) for (_, b), w in zip(want, where)]
+            if any(x >= y for x, y in zip(lo, hi)):
+                continue  # this piece is not read at all
+            into = tuple(slice(x - a, y - a) for x, y, (a, _) in zip(lo, hi, want))
+            out[into] = array[tuple(slice(x - w.start, y - w.start)
+                                    for x, y, w in zip(lo, hi, where))]
+            filled += math.prod(y - x for x, y in zip(lo, hi))
+        if filled != out.size:
+            raise ValueError(f"{self.name}: slice {want} is not covered by its pieces")
+        return out.squeeze(dropped) if dropped else out
+
+    def __array__(self, dtype=None, copy=None):
+        whole = self[()]
+        return whole if dtype is None else whole.astype(dtype)
+
+
+def read_pieces(files):
+    """name -> array or Pieced, over the files of every process (stem.processR-of-P.safetensors);
+    all P must be there."""
+    d = files[0].parent
+    found = {(f.name.split(".process")[0], f.name.split("-of-")[-1].split(".")[0]) for f in files}
+    (stem, count), *others = found
+    if others or not count.isdigit():
+        raise ValueError(f"{d}: files of different runs: {sorted(f.name for f in files)}")
+    want = [pieces_file(stem, r, int(count)) for r in range(int(count))]
+    if missing := [f for f in want if not (d / f).is_file()]:
+        raise FileNotFoundError(f"{d}: no {missing[0]}: a host's share was not "
+                                "written (delete this checkpoint)")
+    wholes, parts = {}, {}
+    for f in want:
+        for key, array in read_safetensors(d / f)[0].items():
+            if piece := PIECE.fullmatch(key):
+                spans = [r.split(":") for r in piece[2].split(",") if r]
+                parts.setdefault(piece[1], []).append(
+                    (tuple(slice(int(a), int(b)) for a, b in spans), array))
+            else:
+                wholes[key] = array
+    if twice := sorted(set(wholes) & set(parts)):
+        raise ValueError(f"{d}: {twice[0]} is stored whole and in pieces")
+    return {**wholes, **{k: Pieced(k, v) for k, v in parts.items()}}
+
+
 # --- the old trainer's and OLMo-core's configs -> ModelConfig ---
+# Every field that changes the forward is mapped onto ours or refused in one line naming it, its
+# value and ours (_refuse: "embedding_layer_norm=True is not supported (OLMo 1: False)"). A field
+# a reader ignored would convert into a different model with no message: the OLMo 1 field
+# embedding_layer_norm is a LayerNorm without weights, so no tensor goes missing, and the logits
+# come out 0.7-15 off. An absent key means what it means to its trainer (the *_DEFAULTS below).
 
 # The old trainer's ModelConfig defaults (ai2-olmo 0.6.0): what an absent key means
 OLMO_DEFAULTS = dict(
@@ -478,12 +631,16 @@ OLMO_DEFAULTS = dict(
     weight_tying=True, eos_token_id=50256, pad_token_id=50256, init_fn="normal", init_std=0.02,
     norm_after=False)
 # Its fields that change the forward (_refuse's rules): those both families share, then those of
-# each family
+# each family. config_from_olmo maps the rest. Read nowhere, as they leave the forward as it is:
+# rope_full_precision (we rotate in fp32), alibi_bias_max (alibi is refused), flash_attention,
+# the dropouts, init_device, init_cutoff_factor, precision, scale_emb_init, emb_init_std
 OLMO_FLAGS = [
     ("rope", True), ("alibi", False), ("include_bias", False), ("scale_logits", False),
     ("activation_type", "swiglu"), ("block_type", "sequential"),
     ("block_group_size", 1, "grouped blocks' names are not read"),
     ("embedding_layer_norm", False)]
+# OLMo 1's low_precision LayerNorm differs in rounding only; OLMo 1 never reads
+# attention_layer_norm_with_affine or bias_for_layer_norm (no QK-norm, no norm weights)
 OLMO_FAMILY_FLAGS = {
     "olmo1": [("attention_layer_norm", False), ("layer_norm_with_affine", False),
               ("layer_norm_type", ("default", "low_precision"))],
@@ -521,8 +678,14 @@ def _flat(d, prefix):
     return out
 
 
-# OLMo-core's TransformerConfig and modules' configs, by dotted path: defaults for unset keys,
-# then the fields that change the forward (docs/conversion.md says what each does)
+# OLMo-core's TransformerConfig and modules' configs (3.0.0), by dotted path: defaults for unset
+# keys (OLMo-core writes configs without their nulls: an unset key is the module's own default,
+# e.g. an unset `bias` is true), then the fields that change the forward, each with the value we
+# implement (else refused). config_from_olmo_core maps the sizes, norm_eps (every norm's eps must
+# equal the block norm's eps), rope.theta, the sliding_window pattern (one window size) and YaRN
+# on full layers. Read nowhere, as they leave our forward as it is (we compute norms and RoPE in
+# fp32): the dtypes, full_precision flags, the attention's backend, use_flash, mxfp8_*,
+# use_recompute_qkv_prep, dropouts, init_*, freeze_params, lm_head.loss_implementation
 _BLOCK = "model.block"  # each layer's block
 _MIXER = "model.block.sequence_mixer"  # the block's attention
 _NORMS = (f"{_BLOCK}.layer_norm", f"{_MIXER}.qk_norm", "model.lm_head.layer_norm")
@@ -796,6 +959,19 @@ TOP_NAMES = [("embed_tokens", "transformer.wte", "embeddings"),
 LAYER_PREFIX = ["layers.{}.", "transformer.blocks.{}.", "blocks.{}."]
 
 HF_WEIGHTS = HF_SAFETENSORS + [PIECES, "pytorch_model.bin.index.json", "pytorch_model.bin"]
+# The formats open_source tells apart by their files (`convert.py info SRC` says which it saw):
+# - hf: HF OLMo, Olmo2, Olmo3, ours too: config.json (model_type olmo, olmo2 or olmo3) and
+#   model.safetensors, shards and an index, or pytorch_model*.bin. A rename.
+# - hf_olmo: the original allenai/OLMo-* repos (custom code): a config.json with the keys of the
+#   old trainer, model.transformer.* weights; the fused tensors are split.
+# - olmo: the old OLMo trainer (OLMo 1 and 2), unsharded: config.yaml and model.safetensors (read
+#   first, as ai2-olmo does; its names are pickles: trainer_store) or model.pt; the fused att_proj
+#   and ff_proj are split.
+# - olmo_core: OLMo-core (OLMo 2, 3): config.json ({"model": TransformerConfig, ...}) and model.pt
+#   or model.safetensors (its unshard_checkpoint), or model_and_optim/ (torch's DCP); window
+#   pattern and YaRN from block_overrides.
+# Names map one to one onto ours: a rename, a split of the fused tensors, never a transpose or a
+# RoPE permute.
 # kind -> (config reader, weight files by preference, its name tables' column)
 FORMATS = {
     "hf": (config_from_hf, HF_WEIGHTS, 0),

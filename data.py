@@ -4,10 +4,11 @@
     python data.py prepare DOCS... --out DIR --tokenizer dolma2 --heldout 0.05 [--chat tulu]
     python data.py inspect DIR --seq-len 256 --global-batch 8 --seed 0 --step 3 [--world 2 --rank 1]
     python data.py verify DIR --seq-len 256 --global-batch 8 --seed 0
+    python data.py arith --out data/arith  # the post-training task: SFT, pairs, RL prompts
 
 Token files are OLMo-core's (little-endian uint16 or uint32 ids, no header, EOS after each
 document); PART.json and PART.docs.npy beside each map tokens to documents. The order is
-OLMo-core NumpyFSLDataLoader's (docs/data.md).
+OLMo-core NumpyFSLDataLoader's (epoch_permutation, Loader).
 """
 
 import argparse
@@ -19,10 +20,12 @@ import functools
 import gzip
 import hashlib
 import heapq
+import itertools
 import json
 import multiprocessing
 import os
 import random
+import re
 import shutil
 import sys
 import zlib
@@ -133,7 +136,8 @@ def load_tokenizer(spec):
 
 def read_ranks(path):
     """A tiktoken ranks file ("<base64 token> <rank>" lines) -> {token bytes: rank}; not
-    load_tiktoken_bpe, whose cache by path misses a retrained file (docs/data.md)."""
+    load_tiktoken_bpe: it copies each file it reads to $TMPDIR/data-gym-cache/<sha1 of the path>
+    and serves that copy ever after, so a tokenizer retrained at the same path would be ignored."""
     ranks = {}
     for n, line in enumerate(Path(path).read_bytes().splitlines(), 1):
         if not line:  # as tiktoken
@@ -296,7 +300,9 @@ def heldout_score(text):
 
 
 # --- chat (post-training) ---
-# OLMo's chat formats as open-instruct renders them: "tulu" (OLMo 1/2 Instruct), "olmo" (Olmo 3)
+# OLMo's chat formats as open-instruct renders them: "tulu" (OLMo 1/2 Instruct: plain-text
+# headers, BOS first, each assistant turn closed by EOS), "olmo" (Olmo 3: ChatML turns between
+# <|im_start|> and <|im_end|>, a default system turn, the last assistant turn closed by EOS)
 OLMO_SYSTEM = ("You are OLMo, a helpful function-calling AI assistant built by Ai2. Your date "
                "cutoff is November 2024, and your model weights are available at "
                "https://huggingface.co/allenai.")
@@ -331,8 +337,9 @@ def check_messages(messages, where, need_assistant=True):
 
 def render_chat(tok, messages, template, generation_prompt=False, train_turns="all"):
     """-> (ids, mask): mask True on each assistant turn's content and end token (train_turns="last":
-    only the last turn's content and end token), as open-instruct; tokenized whole, a token takes
-    its first character's mask."""
+    only the last turn's content and end token), as open-instruct; tokenized whole (as
+    transformers' apply_chat_template, which gives the same ids), a token takes its first
+    character's mask."""
     t = CHAT_TEMPLATES[template]
     eos = tok.enc.decode([tok.eos_id])
     pieces = [(eos, False)] if t["bos"] else []  # (text, trained)
@@ -562,7 +569,7 @@ def prepare(inputs, out, tokenizer="dolma2", heldout=0.0, decontaminate=(),
             chat_template=chat, tokenizer=Path(tok.name).name,
             tokenizer_sha256=tok.sha256, vocab_size=tok.vocab_size, eos_token_id=tok.eos_id,
             pad_token_id=tok.pad_id, dtype=np.dtype(dtype).name, heldout_fraction=heldout,
-            # a second read, far faster than tokenizing (docs/data.md)
+            # a second read of the inputs for their sha256: about 100x faster than tokenizing
             sources=[dict(path=str(p), bytes=p.stat().st_size, sha256=sha256(p)) for p in sources],
             splits={s: dict(documents=w.documents, tokens=w.tokens, parts=w.part + 1)
                     for s, w in writers.items()},
@@ -709,28 +716,69 @@ def mix_files(sources):
 # --- the data order ---
 
 class Pieces:
-    """Instance i is pieces(i), [(row, file, start, end)], end to end in their row, then PAD (False
-    in the label mask): read(i) -> (T,) or (rows, T). By default, documents
-    docs[offsets[i]:offsets[i + 1]], cut to seq_len, in row 0 or one a row."""
-    rows, pad = 1, 0
+    """Instances made of pieces of token files. Instance i is pieces(i), [(row, file, start, end)],
+    laid end to end in their row, then PAD (False in the label mask): read(i) -> (T,), or
+    (rows, T). By default pieces(i) are documents docs[offsets[i]:offsets[i + 1]], each cut to
+    seq_len, all in row 0 (rows == 1) or one a row.
+
+    A subclass sets files, seq_len and n in its __init__, and either docs, offsets and kind (the
+    default pieces and where) or its own pieces(i) and where(i) (Instances)."""
+    files: list          # [TokenFile]: a piece names its file by index here
+    seq_len: int         # T: tokens per row
+    n: int               # how many instances
+    docs: np.ndarray     # (documents, 3): file, start, end, in instance order (default pieces)
+    offsets: np.ndarray  # instance i's documents: docs[offsets[i]:offsets[i + 1]]
+    kind: str            # what where(i) calls an instance: "packed instance", "preference pair"
+    rows = 1             # rows per instance: a pair has 2 (chosen, rejected)
+    pad = 0              # the token after an instance's pieces
+    ref = None           # (N, rows) float32 per instance, sent along as batch()'s ref (DPO)
 
     def pieces(self, i):
         docs = self.docs[self.offsets[i]:self.offsets[i + 1]].tolist()
         return [(j if self.rows > 1 else 0, f, s, min(e, s + self.seq_len))
                 for j, (f, s, e) in enumerate(docs)]
 
-    def read(self, i, what="array"):  # what="mask": the label mask
-        fill, dtype = (self.pad, np.int32) if what == "array" else (False, np.bool_)
-        out = np.full((self.rows, self.seq_len), fill, dtype)
+    def read(self, i):
+        """Instance i's tokens: (T,), or (rows, T); PAD after its pieces."""
+        out = np.full((self.rows, self.seq_len), self.pad, np.int32)
+        return self._lay(i, out, TokenFile.array)
+
+    def read_mask(self, i):
+        """Instance i's label mask, shaped as read(i): True on targets, False on PAD."""
+        out = np.full((self.rows, self.seq_len), False, np.bool_)
+        return self._lay(i, out, TokenFile.mask)
+
+    def _lay(self, i, out, values):
+        """out with values(file)[start:end] of each of instance i's pieces, end to end in its
+        row; values: TokenFile.array (tokens) or TokenFile.mask (label mask)."""
         used = [0] * self.rows
         for row, f, s, e in self.pieces(i):
-            out[row, used[row]:used[row] + e - s] = getattr(self.files[f], what)()[s:e]
+            out[row, used[row]:used[row] + e - s] = values(self.files[f])[s:e]
             used[row] += e - s
         return out if self.rows > 1 else out[0]
 
     def where(self, i):
         (_, f, s, e), *more = self.pieces(i)
         return f"{self.kind} {i} ({self.files[f].path} tokens [{s}, {e}){' and more' * bool(more)})"
+
+    def batch(self, ids, vocab_size=None):
+        """Instances `ids` as a step's rows: tokens (B, T) int32 (a pair's rows adjacent); mask
+        (B, T) bool, OLMo-core's label_mask, if labelled; ref (B,) float32 if set. vocab_size:
+        refuse a token id the model has no embedding for (data tokenized for another model),
+        naming the instance that holds it."""
+        T = self.seq_len
+        rows = np.stack([self.read(i) for i in ids])
+        out = dict(tokens=rows.astype(np.int32).reshape(-1, T))
+        if any(f.has_mask for f in self.files):  # a mix's plain-text files: all targets
+            out["mask"] = np.stack([self.read_mask(i) for i in ids]).reshape(-1, T)
+        if self.ref is not None:
+            out["ref"] = self.ref[ids].reshape(-1).astype(np.float32)
+        tokens = out["tokens"]
+        if vocab_size is not None and tokens.size and tokens.max() >= vocab_size:
+            row = int(np.argmax(tokens.max(axis=1))) * len(ids) // len(tokens)
+            raise ValueError(f"{self.where(ids[row])} holds token id {tokens.max()}, "
+                             f"out of range for vocab_size={vocab_size}")
+        return out
 
 
 class Instances(Pieces):
@@ -743,6 +791,7 @@ class Instances(Pieces):
             raise ValueError(f"seq_len {seq_len} must be positive")
         self.files, self.seq_len = mix_files(sources), seq_len
         per_file = [f.tokens // seq_len for f in self.files]
+        # offsets[f]: file f's first instance id (its own pieces(i) read them, not Pieces')
         self.offsets = np.concatenate([[0], np.cumsum(per_file, dtype=np.int64)])
         n = int(self.offsets[-1])
         if n == 0:
@@ -788,9 +837,9 @@ def epoch_permutation(n, seed, epoch):
 
 class Loader:
     """Batches for this process's data-parallel ranks from any step: step s is row s mod (N // G)
-    of epoch 1 + s // (N // G). Yields (step, read_rows' dict); with instance_filter (filtered's
-    keywords) also mask (all False in a masked row), filtered (B,) (which rows are masked) and
-    masked (how many)."""
+    of epoch 1 + s // (N // G). Yields (step, the instances' batch(ids) dict: Pieces' rows, or
+    Prompts' prompts and answers); with instance_filter (filtered's keywords) also mask (all False
+    in a masked row), filtered (B,) (which rows are masked) and masked (how many)."""
 
     def __init__(self, instances, global_batch, seed, world=1, ranks=(0,), start_step=0,
                  vocab_size=None, instance_filter=None):
@@ -817,15 +866,9 @@ class Loader:
 
     def batch(self, step):
         ids = np.concatenate([self.global_ids(step)[r::self.world] for r in self.ranks])
-        if hasattr(self.inst, "batch"):  # eval.Prompts: the rollouts make the rows
-            return self.inst.batch(ids)
-        out = read_rows(self.inst, ids)
-        tokens = out["tokens"]
-        if self.vocab_size is not None and tokens.size and tokens.max() >= self.vocab_size:
-            row = int(np.argmax(tokens.max(axis=1))) * len(ids) // len(tokens)
-            raise ValueError(f"{self.inst.where(ids[row])} holds token id {tokens.max()}, "
-                             f"out of range for vocab_size={self.vocab_size}")
+        out = self.inst.batch(ids, self.vocab_size)
         if self.instance_filter is not None:  # a mask in every step: inputs keep one shape
+            tokens = out["tokens"]  # (rows: train.py sets the filter for train.loss="ce" only)
             masked = np.array([filtered(row, **self.instance_filter) is not None for row in tokens])
             out["mask"] = out.get("mask", np.ones(tokens.shape, np.bool_)) & ~masked[:, None]
             out["filtered"] = masked  # (B,): the loss still counts their T positions (OLMo-core)
@@ -849,18 +892,6 @@ class Loader:
                 upcoming = ahead.submit(self.batch, self.step + 1)
                 self.step += 1
                 yield self.step - 1, batch
-
-
-def read_rows(inst, ids):
-    """Instances `ids` as a step's rows: tokens (B, T) int32 (a pair's rows adjacent); mask (B, T)
-    bool, OLMo-core's label_mask, if labelled; ref (B,) float32 if set."""
-    T = inst.seq_len
-    out = dict(tokens=np.stack([inst.read(i) for i in ids]).astype(np.int32).reshape(-1, T))
-    if any(f.has_mask for f in inst.files):  # a mix's plain-text files: all targets
-        out["mask"] = np.stack([inst.read(i, "mask") for i in ids]).reshape(-1, T)
-    if getattr(inst, "ref", None) is not None:
-        out["ref"] = inst.ref[ids].reshape(-1).astype(np.float32)
-    return out
 
 
 def open_instances(spec, seq_len, seed=0, packed=None, split="train"):
@@ -889,7 +920,11 @@ def open_instances(spec, seq_len, seed=0, packed=None, split="train"):
 def pack_documents(lengths, L):
     """OLMo-core's best-fit decreasing (InstancePacker): longest first by np.argsort(-lengths) (its
     tie order included), each document into the bin it fills most tightly (the first such), else
-    a new one -> (order, bins): order[r] is the document of rank r; bins list ranks as placed."""
+    a new one -> (order, bins): order[r] is the document of rank r; bins list ranks as placed.
+    OLMo-core finds the tightest bin with a segment tree over the capacities 1..L; a sorted list
+    of the free capacities (per capacity, its bins first come first) finds the same bin."""
+    # numpy's default sort is not stable, exactly as OLMo-core calls it: how it orders documents
+    # of equal length is part of the data order
     order = np.argsort(-np.asarray(lengths, np.int64))
     bins = []
     spaces = []  # the sorted capacities some bin has free
@@ -913,9 +948,14 @@ def pack_documents(lengths, L):
 
 
 class PackedInstances(Pieces):
-    """OLMo-core's NumpyPackedFSLDataset (docs/data.md): files shuffled (permutation_seed), then
-    packed group_size at a time by pack_documents into L-token instances, then PAD; a longer
-    document cut to L (long_docs="truncate"; `cut` counts the rest) or in L-token "fragment"s."""
+    """OLMo-core's NumpyPackedFSLDataset: the token files shuffled by Python's
+    random.Random(permutation_seed), taken group_size at a time; each group's documents (each
+    ending at EOS) packed into L-token instances by pack_documents, then PAD; instances numbered
+    group after group, bin by bin. A longer document is cut to its first L tokens
+    (long_docs="truncate", the default; `cut` counts the rest) or into L-token "fragment"s.
+    The PAD is never trained: model.shift_labels drops PAD targets (OLMo-core's label mask).
+    read(i) is Pieces', as for fixed-length instances, so the Loader's order over them is the
+    same."""
     kind = "packed instance"
 
     def __init__(self, files, seq_len, eos, pad, group_size=8, permutation_seed=123,
@@ -978,9 +1018,75 @@ class PairInstances(Pieces):
                              f"seq_len={seq_len} ({empty.size} of {len(kept)}); raise data.seq_len")
 
 
+# --- prompts (GRPO) and the arithmetic task ---
+
+class Prompts:
+    """JSON lines {"messages": [..., user], "answer": "85"} as prompts (GRPO, eval.py exact): the
+    Loader's instances as Pieces are, but batch(ids) gives prompts and answers, not token rows:
+    train.rollouts samples the completions that make the rows."""
+
+    def __init__(self, path, tok, template):
+        self.items = []  # (prompt ids, answer)
+        for where, rec in json_lines(path):
+            msgs = rec.get("messages") if isinstance(rec, dict) else None
+            msgs = check_messages(msgs, where, need_assistant=False)
+            if msgs[-1]["role"] != "user" or not isinstance(rec.get("answer"), str):
+                raise ValueError(f"{where}: needs a last 'user' turn and a string 'answer'")
+            ids = render_chat(tok, msgs, template, generation_prompt=True)[0]
+            self.items.append((ids, rec["answer"]))
+        if not self.items:
+            raise ValueError(f"{path}: no prompts")
+        self.n = len(self.items)
+        self.seq_len = 0  # no rows: the rollouts make them (Loader.state records it)
+
+    def batch(self, ids, vocab_size=None):
+        """{prompts: [ids], answers: [str]} of prompts `ids`. vocab_size goes unchecked here: the
+        prompts were tokenized by the checkpoint's own tokenizer, which fits its model."""
+        return dict(prompts=[self.items[i][0] for i in ids],
+                    answers=[self.items[i][1] for i in ids])
+
+
+def reward(tok, completion, answer):
+    """GRPO's verifiable reward (and eval.py exact's check): 1 when the completion's first integer
+    is the answer, else 0."""
+    found = re.search(r"-?\d+", tok.decode(completion))
+    return float(found is not None and found.group() == answer)
+
+
+def arithmetic(out, seed=0):
+    """OUT/{sft,pref,rl,heldout}.jsonl of "What is a + b?", a, b in 0..99 -> each file's count.
+    sft: conversations with the right sum; pref: the right sum chosen over a wrong one; rl and
+    heldout: prompts and answers (Prompts). A tenth of the sums, by a hash of the pair, are held
+    out: never in sft, pref or rl, whatever the seed."""
+    out, rng = Path(out), np.random.default_rng(seed)
+    out.mkdir(parents=True, exist_ok=True)
+    files = {k: [] for k in ("sft", "pref", "rl", "heldout")}
+    for a, b in itertools.product(range(100), repeat=2):
+        user = [dict(role="user", content=f"What is {a} + {b}?")]
+        rl = dict(messages=user, answer=str(a + b))  # and held-out's record
+        if heldout_score(f"{a}+{b}") < 0.1:  # a tenth, by a hash of the pair
+            files["heldout"].append(rl)
+            continue
+        # off by one, or a forgotten carry
+        wrong = a + b + int(rng.choice([-10, -1, 1, 10])) if a + b >= 10 else a + b + 1
+        chosen, rejected = ([*user, dict(role="assistant", content=str(x))] for x in (a + b, wrong))
+        files["sft"].append(dict(messages=chosen))
+        files["pref"].append(dict(chosen=chosen, rejected=rejected))
+        files["rl"].append(rl)
+    for name, recs in files.items():
+        order = rng.permutation(len(recs))
+        (out / f"{name}.jsonl").write_text("".join(json.dumps(recs[i]) + "\n" for i in order))
+    return {k: len(recs) for k, recs in files.items()}
+
+
 # --- the instance filter ---
-# Runs like "g4ODg4OD..." caused OLMo's loss spikes: an instance with one keeps its place but
-# trains nothing (docs/data.md).
+# OLMo-core's InstanceFilterConfig. Runs like "g4ODg4OD..." (a pattern of 1 to 13 tokens 32 times
+# back to back) caused OLMo's loss spikes: an instance with one keeps its place in the order and
+# its tokens, but trains nothing: its mask row is all False (OLMo-core's instance_mask; labels
+# -100). Each instance is checked alone, so a run across two counts in each what it has there;
+# packed instances are checked with their PAD, as OLMo-core checks them: 32+ PAD is a period-1
+# run, masked too. The loss still counts a masked instance's T positions in its denominator
+# (Loader's `filtered`, read by train.global_count), as OLMo-core's train_batch does.
 
 def periodic_runs(tokens, max_period=13, min_period=1):
     """Maximal stretches of 1-D tokens with tokens[i] == tokens[i - period] for i in
@@ -1153,6 +1259,11 @@ def cmd_verify(args):
     print(f"ok: {summary}")
 
 
+def cmd_arith(args):
+    counts = arithmetic(args.out, args.seed)
+    print(f"{args.out}: " + ", ".join(f"{n} {k}" for k, n in counts.items()))
+
+
 def main(argv):
     ap = argparse.ArgumentParser(description="nanolmo data: tokenizers, token files, data order")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -1170,23 +1281,26 @@ def main(argv):
     opt("--instance-filter", action="store_const", const=INSTANCE_FILTER,
         help="data.instance_filter (periods 1..13, 32 times)")
 
-    def command(fn, parent, help):  # -> add_argument of a command running fn(args)
-        q = sub.add_parser(fn.__name__.removeprefix("cmd_"), parents=[parent], help=help)
+    def command(fn, help, *parents):  # -> add_argument of a command running fn(args)
+        q = sub.add_parser(fn.__name__.removeprefix("cmd_"), parents=list(parents), help=help)
         q.set_defaults(fn=fn)
         return q.add_argument
 
-    add = command(cmd_tokenizer, files, "train a byte-level BPE into a tiktoken ranks file")
+    add = command(cmd_tokenizer, "train a byte-level BPE into a tiktoken ranks file", files)
     add("--vocab-size", type=in_range(int, 1), default=4096, help="ids, EOS and PAD included")
-    add = command(cmd_prepare, files, "tokenize documents into token files")
+    add = command(cmd_prepare, "tokenize documents into token files", files)
     add("--tokenizer", default="dolma2", help="dolma2, or a `data.py tokenizer` ranks file")
     add("--heldout", type=float, default=0.0, help="fraction held out, by the text's hash")
     add("--decontaminate", nargs="+", default=[], metavar="FILE", help="eval texts")
     add("--chat", choices=list(CHAT_TEMPLATES), help="conversations or pairs in this template")
-    add = command(cmd_inspect, order, "what step N fed each rank, decoded")
+    add = command(cmd_inspect, "what step N fed each rank, decoded", order)
     add("--step", type=in_range(int, 0), required=True)
     add("--world", type=in_range(int, 1), default=1)
     add("--rank", type=in_range(int, 0))
-    command(cmd_verify, order, "check one epoch of the order, and the splits")
+    command(cmd_verify, "check one epoch of the order, and the splits", order)
+    add = command(cmd_arith, "write the arithmetic task (SFT, preference, RL, held-out)")
+    add("--out", required=True)
+    add("--seed", type=in_range(int, 0), default=0)
     args = ap.parse_args(argv)
     if args.fn is cmd_inspect and args.rank is not None and args.rank >= args.world:
         ap.error(f"--rank {args.rank} is not below --world {args.world}")

@@ -2,11 +2,12 @@
 
     python eval.py bpb CKPT FILE... [--out bpb.json]    # FILE: .jsonl(.gz), a "text" per line
     python eval.py tasks CKPT [--tasks arc_easy,piqa] [--limit 100] [--norm olmo_core]
-    python eval.py generate|chat|exact|positions|logits|arith|plot ...   # eval.py COMMAND -h
+    python eval.py generate|chat|exact|positions|logits|plot ...   # eval.py COMMAND -h
 
 CKPT: our checkpoint directory (HF layout); its tokenizer: --tokenizer SPEC, else its own
 tokenizer.json, else its run's dataset's tokenizer, else dolma2 if its ids are.
-More: docs/evaluation.md.
+The arithmetic task that `exact` answers is written by `data.py arith`. The measurements (the
+demo's and released checkpoints' scores against OLMo's own): docs/evaluation.md.
 """
 
 import argparse
@@ -34,9 +35,15 @@ def _backend(m, backend, dtype, fn):
         import jax
         import jax.numpy as jnp
 
+        import shard
+
         def forward_fn(params, t, *a):
             """fn of the forward's float32 logits, on the device; *a: fn's own extra arguments."""
-            logits = model.forward(params, t, m, jnp.dtype(dtype)).astype(jnp.float32)
+            # this device's attention kernel (splash on TPUs, cuDNN on GPUs where it runs, else
+            # XLA): model.forward alone runs the XLA maths everywhere
+            attend = shard.ATTEND[shard.pick_attention(m, jnp.dtype(dtype))]
+            logits = model.forward(params, t, m, jnp.dtype(dtype), attend_fn=attend)
+            logits = logits.astype(jnp.float32)  # (B, T, V)
             return fn(jnp, logits, t, *a)
         jitted = jax.jit(forward_fn)
 
@@ -132,7 +139,9 @@ def encode(tok, text):
 
 
 # --- scoring: log p(continuation | context) ---
-# A row that prefixes another is read off its "host" row's forward (docs/evaluation.md).
+# The forward is causal, so a row that prefixes another needs no forward of its own: it is read
+# off its "host", the longest row it prefixes (sorted, a row's extensions follow it). One-token
+# options (BoolQ's " yes"/" no", the "Answer:" requests) so read off their context's forward.
 
 # A request runs as the row (context + continuation)[:-1]: its final token is not in the row, so
 # its log p is not among the row's own (the host's next token there, if any, may be another). So
@@ -262,7 +271,8 @@ def read_documents(paths, limit=0):
 
 def bpb(scorer, tok, docs):
     """Per domain: docs, tokens, bytes, nats, bpb, ppl_token; the macro bpb (Paloma's headline),
-    micro."""
+    micro. Nats sum over a domain's bytes (catwalk's PerplexityMetrics micro-averages within a
+    domain); Paloma's headline is then the macro average over domains."""
     L, eos = scorer.m.max_seq_len, scorer.m.eos_token_id
     windows = [rolling_windows(encode(tok, text), L, eos) for *_, text in docs]
     requests = []  # every document's windows, in order
@@ -664,6 +674,11 @@ def print_tasks(res, style):
 
 
 # --- generation: one pick rule, one compiled KV-cache step ---
+# Two loops over them: `generate` steps on the host, a token at a time (per-step timings, a stop
+# at EOS, the torch backend, cache=False), drawing with numpy's generator; `sample` steps on the
+# device, a batch under one scan (GRPO's rollouts, eval.py exact), drawing with JAX's keys. Their
+# random streams stay apart: seeds fix what each draws (the README's sample, GRPO's rollouts),
+# and one stream for both would change one or the other.
 
 def cut(xp, logits, temperature, top_k=0, top_p=1.0):
     """(ids, p, keep) on the last axis (xp: numpy or jnp): ids most likely first (ties: lower id),
@@ -812,57 +827,7 @@ def sample(params, m, prompts, max_new, temperature, seed, vocab, eos, top_k=0, 
     return [row[:row.index(eos) + 1] if eos in row else row for row in np.asarray(out).tolist()]
 
 
-# --- arithmetic: the post-training task ---
-
-def arithmetic(out, seed=0):
-    """OUT/{sft,pref,rl,heldout}.jsonl of "What is a + b?", a, b in 0..99 -> each file's count."""
-    out, rng = Path(out), np.random.default_rng(seed)
-    out.mkdir(parents=True, exist_ok=True)
-    files = {k: [] for k in ("sft", "pref", "rl", "heldout")}
-    for a, b in itertools.product(range(100), repeat=2):
-        user = [dict(role="user", content=f"What is {a} + {b}?")]
-        rl = dict(messages=user, answer=str(a + b))  # and held-out's record
-        if data.heldout_score(f"{a}+{b}") < 0.1:  # a tenth, by a hash of the pair
-            files["heldout"].append(rl)
-            continue
-        # off by one, or a forgotten carry
-        wrong = a + b + int(rng.choice([-10, -1, 1, 10])) if a + b >= 10 else a + b + 1
-        chosen, rejected = ([*user, dict(role="assistant", content=str(x))] for x in (a + b, wrong))
-        files["sft"].append(dict(messages=chosen))
-        files["pref"].append(dict(chosen=chosen, rejected=rejected))
-        files["rl"].append(rl)
-    for name, recs in files.items():
-        order = rng.permutation(len(recs))
-        (out / f"{name}.jsonl").write_text("".join(json.dumps(recs[i]) + "\n" for i in order))
-    return {k: len(recs) for k, recs in files.items()}
-
-
-class Prompts:
-    """JSON lines {"messages": [..., user], "answer": "85"} as prompts (RL, exact); Loader-ready."""
-
-    def __init__(self, path, tok, template):
-        self.items = []  # (prompt ids, answer)
-        for where, rec in data.json_lines(path):
-            msgs = rec.get("messages") if isinstance(rec, dict) else None
-            msgs = data.check_messages(msgs, where, need_assistant=False)
-            if msgs[-1]["role"] != "user" or not isinstance(rec.get("answer"), str):
-                raise ValueError(f"{where}: needs a last 'user' turn and a string 'answer'")
-            ids = data.render_chat(tok, msgs, template, generation_prompt=True)[0]
-            self.items.append((ids, rec["answer"]))
-        if not self.items:
-            raise ValueError(f"{path}: no prompts")
-        self.n, self.seq_len = len(self.items), 0  # seq_len: no rows (rollouts make them)
-
-    def batch(self, ids):
-        return dict(prompts=[self.items[i][0] for i in ids],
-                    answers=[self.items[i][1] for i in ids])
-
-
-def reward(tok, completion, answer):
-    """1 when the completion's first integer is the answer, else 0."""
-    found = re.search(r"-?\d+", tok.decode(completion))
-    return float(found is not None and found.group() == answer)
-
+# --- chat ---
 
 def chat(params, m, tok, template, prompt=None, max_new=256, temperature=0.0, backend="jax",
          dtype="float32"):
@@ -1009,7 +974,7 @@ def heldout_bpb(params, m, tok, folder, rows=8):
     nats = 0.0
     n_bytes = 0
     for b in range(0, held.n, rows):
-        batch = data.read_rows(held, range(b, min(b + rows, held.n)))
+        batch = held.batch(range(b, min(b + rows, held.n)))
         out = run(net, batch["tokens"])  # (B, T - 1) nats
         keep = batch["mask"][:, 1:] if "mask" in batch else np.ones(out.shape, bool)
         nats += float(out[keep].sum())
@@ -1019,7 +984,8 @@ def heldout_bpb(params, m, tok, folder, rows=8):
 
 def cmd_exact(args):  # all with the first checkpoint's tokenizer
     tok = checkpoint_tokenizer(args.ckpts[0], convert.open_hf(args.ckpts[0])[0], args.tokenizer)
-    prompts, by_len = Prompts(args.prompts, tok, args.template), defaultdict(list)
+    prompts = data.Prompts(args.prompts, tok, args.template)
+    by_len = defaultdict(list)
     print(f"exact match of greedy answers to {prompts.n} prompts of {args.prompts} "
           f"({args.template} template)"
           + (f"; bits per byte of {args.heldout}'s held-out split" if args.heldout else ""))
@@ -1033,14 +999,9 @@ def cmd_exact(args):  # all with the first checkpoint's tokenizer
         for group in by_len.values():
             rows = np.array([ids for ids, _ in group])  # (n, P)
             new = sample(params, m, rows, 8, 0.0, 0, tok.vocab_size, tok.eos_id)
-            right += sum(reward(tok, ids, answer) for ids, (_, answer) in zip(new, group))
+            right += sum(data.reward(tok, ids, answer) for ids, (_, answer) in zip(new, group))
         bpb = f" {heldout_bpb(params, m, tok, args.heldout):>10.4f}" if args.heldout else ""
         print(f"  {c:<32} {right / prompts.n:>6.3f}{bpb}")
-
-
-def cmd_arith(args):
-    counts = arithmetic(args.out, args.seed)
-    print(f"{args.out}: " + ", ".join(f"{n} {k}" for k, n in counts.items()))
 
 
 def cmd_plot(args):
@@ -1134,9 +1095,6 @@ def main(argv):
     add("--tokenizer", help="(default: the first checkpoint's)")
     add("--heldout", help="a prepared dataset: also each checkpoint's bits per byte on its "
                           "held-out split")
-    add = command(cmd_arith, "write the arithmetic task (SFT, preference, RL, held-out)")
-    add("--out", required=True)
-    add("--seed", type=nat, default=0)
     add = command(cmd_plot, "runs' loss curves -> RUN/loss.png; their largest difference")
     add("runs", nargs="+", help="run directories, the first the reference")
     add = command(cmd_positions, "held-out loss by position bucket per checkpoint", run, cks)

@@ -1,6 +1,7 @@
 """The OLMo architecture (OLMo 1, 2 and 3) twice, in the same order and names: JAX (pure functions
 over a flat params dict), then PyTorch (nn.Module). The parameter table, init, counts and losses
-(xp: jnp or torch) serve both; JAX's attention kernels follow its model.
+(xp: jnp or torch) serve both. The device attention kernels (splash, cuDNN) and the choice
+between them live in shard.py, where the device is known.
 
     python model.py configs/olmo2-7b.toml    # parameter table, FLOPs/token, total_params=...
 
@@ -12,8 +13,15 @@ N query heads, K kv heads, H head dim. The three families (HF names):
     OLMo 2/3: x = x + post_attention_layernorm(o_proj(attn(x)))
               x = x + post_feedforward_layernorm(mlp(x))
 LN: LayerNorm with no weight or bias; OLMo 2/3: RMSNorm with a weight, QK-norm over the projected
-width. OLMo 3 adds sliding-window layers (3 sliding : 1 full) and YaRN on full layers. Params are
-fp32, `dtype` the compute dtype; norms, RoPE, softmax and the loss run in fp32. Why: docs/design.md.
+width. OLMo 3 adds sliding-window layers (3 sliding : 1 full) and YaRN on full layers. Every
+family: RoPE in the half-split convention, SwiGLU, no biases, GQA where K < N, and H independent of
+D / N. `family` decides the block, and sliding windows and YaRN need olmo3, clip_qkv olmo1: every
+config we accept has an HF class computing the same function, which the parity tests compare with.
+
+Params are fp32 (an AdamW update is often smaller than one bf16 step of its weight, and would round
+away) and `dtype` is the compute dtype: each matmul casts its fp32 weight to it where it is used.
+Norms, RoPE, softmax and the loss run in fp32 whatever `dtype` is: each sums many terms or turns
+large angles and logits into small differences, which the 8-bit mantissa of bf16 would lose.
 """
 
 import math
@@ -27,8 +35,6 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 import numpy as np
 import torch
-from jax.experimental.pallas.ops.tpu.splash_attention import (
-    splash_attention_kernel as splash, splash_attention_mask as splash_mask)
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
@@ -50,8 +56,15 @@ class Param:
 
 
 def param_table(m: ModelConfig):
-    """name -> Param in HF order and names (per-layer ones stacked on a leading L, no layer index);
-    linear weights (out, in)."""
+    """name -> Param in HF order and names, without "model." and without the layer index: per-layer
+    weights are stacked on a leading L (forward scans them a layer_pattern at a time). Linear
+    weights are (out, in) as in PyTorch, so HF conversion is a rename plus stack/unstack, never a
+    transpose or a RoPE permutation. This table is the only declaration: init, counts, the logical
+    axes for sharding, the weight-decay flag, the checkpoint's tensor names and `python model.py`'s
+    printed table all come from it.
+
+    Init: OLMo 2/3 draw every weight from a normal with std init_std truncated at ±3σ and set the
+    norms to 1; OLMo 1 uses the "mitchell" init below."""
     D, L, N, K, H = m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.head_dim
     hidden, V = m.mlp_hidden, m.vocab_size  # F in shape comments
     if m.init == "mitchell":
@@ -89,7 +102,9 @@ def count_params(m):
 
 
 def flops_per_token(m, T=None):
-    """Training FLOPs per token at length T (OLMo-core's count)."""
+    """Training FLOPs per token at length T, OLMo-core's count: 6 per matmul weight (2 forward, 4
+    backward) plus 12·N·H per attended key per layer, T keys on a full layer (the causal mask not
+    discounted) and min(W, T) on a sliding one."""
     T = T or m.max_seq_len
     # all but the embedding lookup (a tied head still does its V·D matmul)
     matmul = count_params(m) - (0 if m.tie_embeddings else m.vocab_size * m.d_model)
@@ -98,7 +113,8 @@ def flops_per_token(m, T=None):
 
 
 def init_params(m, key, names=None):
-    """fp32, truncated normal at ±3σ, norms 1; `names`: just those (same values)."""
+    """fp32, truncated normal at ±3σ, norms 1; `names`: just those, with the same values as in a
+    whole draw (the torch backend draws one tensor at a time)."""
     params = {}
     for k, (name, p) in zip(jax.random.split(key, len(param_table(m))), param_table(m).items()):
         if names is not None and name not in names:
@@ -111,31 +127,67 @@ def init_params(m, key, names=None):
     return params
 
 
-def layer_name(name, i):  # "layers.mlp.up_proj.weight", 3 -> "layers.3.mlp.up_proj.weight"
-    return name.replace("layers.", f"layers.{i}.", 1)
+# Stacked axes: a stacked name ("layers.mlp.up_proj.weight") holds HF's tensors for every index
+# of its leading axes, one leading axis per component of the name found in STACKED_AXES, in the
+# name's order; HF's name puts each index right after that component. The dense model stacks one
+# axis, its layers. An OLMoE's experts would be one more entry here, no new code:
+# "layers.mlp.experts.up_proj.weight" (L, E, F, D) <-> "layers.3.mlp.experts.5.up_proj.weight".
+STACKED_AXES = ("layers",)
+
+
+def stacked_axes(name):
+    """The stacked axes of a param_table name, in order: "layers.mlp.up_proj.weight" ->
+    ["layers"]; "norm.weight" -> []."""
+    return [part for part in name.split(".") if part in STACKED_AXES]
+
+
+def layer_name(name, *index):
+    """A stacked name and one index per stacked axis -> HF's name (without "model."):
+    "layers.mlp.up_proj.weight", 3 -> "layers.3.mlp.up_proj.weight"."""
+    for axis, i in zip(stacked_axes(name), index):
+        name = name.replace(f"{axis}.", f"{axis}.{i}.", 1)
+    return name
+
+
+def stacked_tensor(state, name, shape, index=()):
+    """state's HF tensors of `name` at `index` and every index of the stacked axes after it, as
+    one numpy array (shape: the param_table shape); at index (): the whole stacked array."""
+    if len(index) == len(stacked_axes(name)):
+        return np.asarray(state[layer_name(name, *index)])
+    parts = [stacked_tensor(state, name, shape, index + (i,)) for i in range(shape[len(index)])]
+    return np.stack(parts)
+
+
+def unstacked_tensors(name, value, index=()):
+    """{HF name: numpy array} of `value`, the stacked tensor `name` at `index` (any array type, or
+    a list with one entry per index), split along the stacked axes left."""
+    if len(index) == len(stacked_axes(name)):
+        return {layer_name(name, *index): np.asarray(value)}
+    out = {}
+    for i, part in enumerate(value):
+        out.update(unstacked_tensors(name, part, index + (i,)))
+    return out
 
 
 def stack_layers(state, m):
-    """Per-layer state dict (numpy or torch) -> stacked numpy params."""
-    def stacked(name):
-        return np.stack([np.asarray(state[layer_name(name, i)]) for i in range(m.n_layers)])
-    return {name: stacked(name) if name.startswith("layers.") else np.asarray(state[name])
-            for name in param_table(m)}
+    """Per-layer state dict (HF names, numpy or torch) -> stacked numpy params, as param_table."""
+    return {name: stacked_tensor(state, name, p.shape) for name, p in param_table(m).items()}
 
 
 def unstack_layers(params):
+    """Stacked params -> numpy arrays under HF's per-layer names, in the order of params."""
     out = {}
     for name, value in params.items():
-        if name.startswith("layers."):
-            out.update({layer_name(name, i): np.asarray(v) for i, v in enumerate(value)})
-        else:
-            out[name] = np.asarray(value)
+        out.update(unstacked_tensors(name, value))
     return out
 
 
 def layer_arrays(m):
     """window (L,) int32, 0 = full; inv_freq (L, H/2) fp32; rope_scale (L,) fp32: what sliding
-    and full layers differ by, read per layer (each window a Python int)."""
+    and full layers differ by, as data. They are read per layer, not scanned: forward's scan step
+    is one repeat of layer_pattern (OLMo 3: SSSF), so each layer in it gets its window as a Python
+    int and attention builds only the blocks that window can see; forward_step and the PyTorch
+    model loop over all L layers, indexing these."""
     H = m.head_dim
     # theta^(2i/H) by torch's fp32 pow, as HF (numpy's is off: 1e-2 rad at 65536)
     pos_freqs = m.rope_theta ** (torch.arange(0, H, 2, dtype=torch.float32, device="cpu") / H)
@@ -151,7 +203,11 @@ def layer_arrays(m):
 
 
 def yarn_inv_freq(m, pos_freqs):
-    """YaRN's inv_freq (H/2,): HF's _compute_yarn_parameters, bit for bit."""
+    """YaRN's inv_freq (H/2,): HF's _compute_yarn_parameters (OLMo-core's YaRNRoPEScalingConfig),
+    HF's fp32 operations in HF's order, so bit for bit. Dimensions turning more than beta_fast
+    times over the original context keep their frequency, those turning fewer than beta_slow times
+    are divided by factor, with a linear ramp between; the attention factor multiplies cos and sin
+    (rope_cos_sin)."""
     H, theta, ctx = m.head_dim, m.rope_theta, m.yarn_original_max_seq_len
 
     def dim_for(rotations):  # the dimension turning `rotations` times over ctx
@@ -172,13 +228,17 @@ def yarn_inv_freq(m, pos_freqs):
 # --- matmuls, the embedding, norms and RoPE ---
 
 def matmul_precision(dtype):
-    """Exact fp32 matmuls (JAX's default rounds them on GPUs, TPUs); bf16: the default."""
+    """Exact fp32 matmuls; bf16: the default. JAX's default precision rounds fp32 operands on GPUs
+    (TF32) and TPUs (bf16 passes), where torch's fp32 matmul is exact: the parity tests' 1e-5
+    tolerance needs "highest"."""
     return jax.default_matmul_precision("highest" if jnp.dtype(dtype) == jnp.float32 else None)
 
 
 def linear(x, w):
-    """x (..., in) @ w (out, in).T -> (..., out) in x's dtype (w cast at use, fp32 sums). Its
-    output is named "linear": remat="dots" keeps exactly these (forward's REMAT_DOTS)."""
+    """x (..., in) @ w (out, in).T -> (..., out) in x's dtype. The fp32 weight is cast to x's
+    dtype where it is used, and the products are summed in fp32 before the cast back, as TPU and
+    GPU matmul units do (on CPUs: the fast bf16 path, AMX). Its output is named "linear":
+    remat="dots" keeps exactly these (forward's REMAT_DOTS)."""
     if w.dtype == jnp.uint16:  # bf16 held as its bits (CPU decode)
         return bits_linear(x, w)
     if x.dtype != jnp.float32:  # bf16 compute: the backward's dots in bf16 too
@@ -217,7 +277,11 @@ def low_linear_bwd(saved, g):
 low_linear.defvjp(low_linear_fwd, low_linear_bwd)
 
 
-# CPU decode holds bf16 matrices as bits: XLA's CPU backend would widen each whole every token
+# bf16 weights as bits on a CPU: the CPU decode path (eval.cpu_bits) holds each bf16 matrix as its
+# bits (uint16). XLA's CPU backend computes bf16 in fp32 and converts a bf16 weight whole before
+# use: an fp32 copy of every matrix per token. Widened a few hundred rows at a time in a loop
+# (bits_linear), each weight is read once a token, at memory speed, and never held in fp32; the
+# embedding widens only the rows it reads.
 
 def widen(bits):
     """bf16 bits (uint16) -> the same numbers in fp32 (its top half)."""
@@ -278,6 +342,9 @@ def rope(x, cos, sin):
 
 
 # --- attention: the masks, then softmax attention in query blocks (XLA, any device) ---
+# One mask predicate, attention_mask: the XLA blocks, the KV cache, the torch bool masks and
+# flex_attention's mask_mod all call it on positions that broadcast, so the off-by-one of the
+# sliding window is written once for both backends.
 
 def pad_t(x, n, **how):
     """x with n more positions at the end of axis 1 (T); how: jnp.pad's keyword arguments."""
@@ -292,9 +359,20 @@ def attention_mask(i, j, window):
     return (j <= i) & ((window == 0) | (i - j < window))
 
 
+@lru_cache(maxsize=None)
+def keys_before(window):
+    """How many keys before its own a query on a sliding layer of `window` reads. The KV cache and
+    the device kernels (shard.py) take a span of keys where the XLA maths takes a mask, so the span
+    is counted from attention_mask above: a window has one definition."""
+    query = window  # far enough from the first position that only the window limits its keys
+    keys = np.arange(query + 1)  # every key up to the query's own
+    return int(attention_mask(query, keys, window).sum()) - 1
+
+
 def segment_ids(tokens, eos):
     """tokens (B, T) -> (B, T) int32 document ids, each EOS ending (in) one (OLMo-core's
-    doc_lens); numpy for numpy."""
+    doc_lens); a trailing run without an EOS is one more document; numpy for numpy. RoPE's
+    positions are not restarted per document (Olmo 3 never did)."""
     xp = np if isinstance(tokens, np.ndarray) else jnp
     ends = (tokens == eos).astype(np.int32)
     return xp.cumsum(ends, axis=-1, dtype=np.int32) - ends
@@ -367,29 +445,51 @@ def attention(p, x, cos, sin, window, m, segments=None, attend_fn=None):
     """Attention over the sequence itself: x (B, T, D) -> (B, T, D)."""
     B, T, _ = x.shape
     q, k, v = project_qkv(p, x, cos, sin, m)
-    if attend_fn is None:  # (no mesh)
-        attend_fn = ATTEND[pick_attention(m, q.dtype, segments is not None)]
+    if attend_fn is None:
+        # The plain XLA maths, on any device. The device kernels (splash, cuDNN) are picked in
+        # shard.py, where the device is known: shard.attention on a mesh, shard.ATTEND and
+        # shard.pick_attention for one device (eval.py)
+        attend_fn = attend_in_blocks
     documents = () if segments is None else (segments,)
     y = attend_fn(q, k, v, window, m.head_dim ** -0.5, *documents)  # (B, T, N, H)
     return linear(y.reshape(B, T, m.n_heads * m.head_dim), p["self_attn.o_proj.weight"])
 
 
+# The feed-forward, ffn(p, x) -> (y (B, T, D), terms): terms is a dict {name: scalar} of auxiliary
+# loss terms. forward sums each over the layers (add_terms) and the training step adds it to the
+# loss (train.step_loss), divided by the step's global count as the loss's own sums are. The dense
+# MLP has none: its {} adds no operation. A mixture of experts (OLMoE) would return the
+# load-balancing loss and the z-loss of its router, each times its coefficient and summed over the
+# positions of the batch, and would stand in for mlp where forward and OLMo pick the feed-forward.
 def mlp(p, x):
+    """SwiGLU: x (B, T, D) -> (down(silu(gate(x)) · up(x)) (B, T, D), no auxiliary loss terms)."""
     gate = linear(x, p["mlp.gate_proj.weight"])  # (B, T, F)
     up = linear(x, p["mlp.up_proj.weight"])  # (B, T, F)
-    return linear(jax.nn.silu(gate) * up, p["mlp.down_proj.weight"])  # (B, T, D)
+    return linear(jax.nn.silu(gate) * up, p["mlp.down_proj.weight"]), {}  # (B, T, D)
+
+
+def add_terms(total, terms):
+    """Two dicts of auxiliary loss terms summed name by name (jnp or torch); a name not yet in
+    total is taken as it is, so nothing is added to a zero."""
+    out = dict(total)
+    for name, value in terms.items():
+        out[name] = out[name] + value if name in out else value
+    return out
 
 
 # exercise: rmsnorm
 def block(p, x, attn, m, ffn=mlp):
-    """One layer. attn(h) -> (B, T, D) is the attention sublayer: over the sequence itself in
-    training, over a KV cache in generation (forward_step)."""
+    """One layer: x (B, T, D) -> (x (B, T, D), the feed-forward's auxiliary loss terms). attn(h) ->
+    (B, T, D) is the attention sublayer: over the sequence itself in training, over a KV cache in
+    generation (forward_step); ffn(p, h) -> ((B, T, D), terms) the feed-forward (mlp)."""
     if m.family == "olmo1":  # pre-norm
         x = x + attn(layer_norm(x, m.norm_eps))
-        return x + ffn(p, layer_norm(x, m.norm_eps))
+        y, terms = ffn(p, layer_norm(x, m.norm_eps))
+        return x + y, terms
     # OLMo 2/3: RMSNorm on each sublayer's output, before the add (none on its input)
     x = x + rms_norm(attn(x), p["post_attention_layernorm.weight"], m.norm_eps)
-    return x + rms_norm(ffn(p, x), p["post_feedforward_layernorm.weight"], m.norm_eps)
+    y, terms = ffn(p, x)
+    return x + rms_norm(y, p["post_feedforward_layernorm.weight"], m.norm_eps), terms
 
 
 # --- forward, head and losses ---
@@ -401,10 +501,15 @@ REMAT_DOTS = jax.checkpoint_policies.save_only_these_names("linear")
 
 def forward(params, tokens, m, dtype=jnp.float32, remat="none", constrain=lambda x: x,
             segments=None, positions=None, attend_fn=None, head=True, scan_layers=True):
-    """tokens (B, T) int, each < V (else clamped: check_tokens) -> logits (B, T, V) in dtype, or
-    the last layer's output (B, T, D) if not head. constrain pins each layer's output; segments
-    (B, T): document ids; positions (T,): RoPE's positions (default 0..T-1); attend_fn: the
-    function shard.attention returns (default: pick_attention's choice)."""
+    """tokens (B, T) int, each < V (else clamped: check_tokens) -> logits (B, T, V) in dtype. If
+    not head, the training step's form: (the last layer's output (B, T, D), the feed-forward's
+    auxiliary loss terms summed over the layers), the head left to token_logps, in chunks.
+    constrain pins each layer's output; segments (B, T): document ids; positions (T,): RoPE's
+    positions (default 0..T-1); attend_fn: the function shard.attention returns, which runs a
+    kernel on each device's own instances and heads or gathers keys for context parallelism
+    (default: the one attention picks); the maths here does not change with it. remat: what the
+    backward keeps of each layer: "none" all, "block" its input only (the backward reruns the
+    layer), "mlp" all but the insides of the MLP (rerun), "dots" the projections (REMAT_DOTS)."""
     x = constrain(embed(params["embed_tokens.weight"], tokens, dtype))  # (B, T, D)
     positions = jnp.arange(tokens.shape[1]) if positions is None else positions
     # A scan step is one layer_pattern, so windows are Python ints (as data: every block computed)
@@ -416,7 +521,7 @@ def forward(params, tokens, m, dtype=jnp.float32, remat="none", constrain=lambda
 
     ffn = jax.checkpoint(mlp) if remat == "mlp" else mlp
 
-    def layer(p, x, cos, sin, segments, w):
+    def layer(p, x, cos, sin, segments, w):  # -> (x, terms), as block
         return block(p, x, lambda h: attention(p, h, cos, sin, w, m, segments, attend_fn), m, ffn)
     if remat == "block":  # keeps each layer's input only: the backward reruns its forward
         layer = jax.checkpoint(layer, static_argnums=(5,))
@@ -424,13 +529,19 @@ def forward(params, tokens, m, dtype=jnp.float32, remat="none", constrain=lambda
         layer = jax.checkpoint(layer, static_argnums=(5,), policy=REMAT_DOTS)
 
     def step(x, group):  # compile time grows with P, not L
+        terms = {}  # the P layers' auxiliary loss terms, summed
         for i in range(P):
             p = {name: w[i] for name, w in group.items()}
-            x = constrain(layer(p, x, *ropes[i], segments, int(window[i])))
-        return x, None
+            x, layer_terms = layer(p, x, *ropes[i], segments, int(window[i]))
+            x = constrain(x)
+            terms = add_terms(terms, layer_terms)
+        return x, terms
 
-    x, _ = jax.lax.scan(step, x, groups, unroll=not scan_layers)
-    return unembed(params, x, m) if head else x
+    x, stacked = jax.lax.scan(step, x, groups, unroll=not scan_layers)  # each term (L/P,)
+    terms = {name: t.sum(0) for name, t in stacked.items()}
+    if not head:
+        return x, terms
+    return unembed(params, x, m)
 
 
 def unembed(params, x, m):
@@ -442,7 +553,11 @@ def unembed(params, x, m):
 
 def label_logps(logits, labels, temperature=1.0):
     """logits (B, T, V), labels (B, T) -> (log p(label), logsumexp), (B, T) fp32 each; log p 0 at
-    IGNORE_INDEX; temperature: GRPO's sampling temperature."""
+    IGNORE_INDEX. Every loss is written on these two: the losses sum log p(label) and z-loss
+    squares the logsumexp, so the (B, T, V) logits need not outlive the head (token_logps), and
+    the torch backend takes the same two from its logits (label_logps_torch). temperature: GRPO's
+    sampling temperature, which divides the logits so that p is the policy its rollouts came from
+    (open-instruct, TRL)."""
     logits = logits.astype(jnp.float32) / temperature
     lse, valid = jax.nn.logsumexp(logits, axis=-1), labels != IGNORE_INDEX
     target = jnp.take_along_axis(logits, jnp.where(valid, labels, 0)[..., None], axis=-1)[..., 0]
@@ -453,7 +568,7 @@ def label_logps(logits, labels, temperature=1.0):
 def cross_entropy_of(logp, lse, labels, n, z_loss=0.0, xp=jnp):
     """(loss, ce, z) from label_logps' logp and lse (B, T): ce = -sum(logp) / n and
     z = sum(lse²) / n over the targets (labels != IGNORE_INDEX), loss = ce + z_loss * z; n: the
-    batch's target count or the global batch's (make_loss); xp: jnp or torch.
+    batch's target count or the global batch's (train.step_loss); xp: jnp or torch.
     z keeps the softmax's normaliser near 1."""
     ce = -logp.sum() / n
     z = xp.where(labels != IGNORE_INDEX, lse * lse, 0.0).sum() / n
@@ -468,7 +583,9 @@ def cross_entropy(logits, labels, z_loss=0.0, logps=label_logps, xp=jnp):
 
 def token_logps(params, x, labels, m, chunks=1, temperature=1.0):
     """label_logps (B, T) of the last layer's output x (B, T, D), the head in `chunks` passes
-    recomputed in the backward (no whole (B, T, V) logits); chunk j: positions j (mod n)."""
+    recomputed in the backward (no whole (B, T, V) logits); chunk j: positions j (mod n). At
+    V = 100352 and T = 8192 the whole logits were most of a step's memory (`train.py plan`), and
+    on a CPU a chunk that stays in cache is faster too (tests/bench.py train)."""
     def one(x, labels):
         return label_logps(unembed(params, x, m), labels, temperature)
     (B, T, D), n = x.shape, min(chunks, x.shape[1])
@@ -486,7 +603,9 @@ def token_logps(params, x, labels, m, chunks=1, temperature=1.0):
 def dpo_loss(scores, ref, beta, xp=jnp):
     """scores, ref (2P,): the policy's and the reference's log-probs of rows chosen_0, rejected_0,
     chosen_1, ... -> (losses, margins), each (P,): margin = β·((π_c - ref_c) - (π_r - ref_r)),
-    loss = -log σ(margin) (open-instruct's dpo_loss, TRL's "sigmoid"). xp: jnp or torch."""
+    loss = -log σ(margin) (open-instruct's dpo_loss, TRL's "sigmoid"): the margin is the implicit
+    reward of the chosen answer minus that of the rejected one. xp: jnp or torch, which both have
+    logaddexp, so the two backends share this maths."""
     ratio = scores - ref  # (2P,) log π/π_ref of each row
     margin = beta * (ratio[0::2] - ratio[1::2])  # (P,)
     return xp.logaddexp(xp.zeros_like(margin), -margin), margin
@@ -494,60 +613,33 @@ def dpo_loss(scores, ref, beta, xp=jnp):
 
 def grpo_loss(logps, old_logps, advantages, clip=0.2, xp=jnp):
     """Per-token GRPO loss (B, T): -min(ρ·A, clip(ρ, 1 - ε, 1 + ε)·A), ρ = π/π_old,
-    A (B, 1) each row's group-normalised advantage (open-instruct grpo_fast)."""
+    A (B, 1) each row's group-normalised advantage (open-instruct grpo_fast, which clips at
+    ε = 0.2 on both sides). With one update per batch of rollouts (ours) π_old is π itself under a
+    stop-gradient: ρ = 1, the clip never binds and the gradient is -A·∇log π; the clip matters
+    once a batch is reused."""
     ratio = xp.exp(logps - old_logps)
     return -xp.minimum(ratio * advantages, xp.clip(ratio, 1 - clip, 1 + clip) * advantages)
 
 
 def dpo_of(scores, ref, n, tc, xp):
-    """dpo_loss of summed answer log-probs (2P,); dpo_norm divides them by lengths n."""
+    """dpo_loss of each row's score (2P,): its answer's log-probs summed over the answer's tokens,
+    or for dpo_norm (Olmo 2/3) their per-token mean, the sums divided by the lengths n (2P,)."""
     if tc.loss == "dpo_norm":
         scores, ref = scores / n, ref / n
     return dpo_loss(scores, ref, tc.dpo_beta, xp)
 
 
-def make_loss(cfg, xp):
-    """(loss, total_of) for cfg.train.loss: loss(logp, lse, labels, batch, total) -> this
-    micro-batch's shares of the loss and metrics; total_of(labels, batch): the global count."""
-    tc, ignore = cfg.train, IGNORE_INDEX
-    stop_gradient = jax.lax.stop_gradient if xp is jnp else torch.Tensor.detach
-
-    def ce(logp, lse, labels, batch, total):  # total: the global batch's targets
-        loss, ce, _ = cross_entropy_of(logp, lse, labels, total, tc.z_loss, xp)
-        return loss, dict(ce=ce)
-
-    def dpo(logp, lse, labels, batch, total):  # total: the global batch's pairs
-        lengths = (labels != ignore).sum(-1)  # (2P,)
-        losses, margins = dpo_of(logp.sum(-1), batch["ref"], lengths, tc, xp)
-        accuracy = (margins > 0).sum() / total
-        return losses.sum() / total, dict(margin=margins.sum() / total, accuracy=accuracy)
-
-    def grpo(lp, lse, labels, batch, total):  # total: its completion tokens
-        per = grpo_loss(lp, stop_gradient(lp), batch["advantage"][:, None], xp=xp)
-        reward = batch["reward"].sum() / cfg.data.global_batch
-        return xp.where(labels != ignore, per, 0.0).sum() / total, dict(reward=reward)
-
-    def total_of(labels, batch=None):  # batch: its "filtered" rows, if the loader filtered any
-        if tc.loss.startswith("dpo"):
-            return math.prod(labels.shape[:-1]) // 2
-        targets = (labels != ignore).sum()
-        if batch is None or "filtered" not in batch:
-            return targets
-        # OLMo-core (train_module.py, train_batch: "we count those tokens for the loss anyways")
-        # keeps a filtered instance's T label positions in the denominator, as zero-loss
-        # tokens: each rank then divides by a count it knows without a collective
-        return targets + batch["filtered"].sum() * labels.shape[-1]
-
-    return {"ce": ce, "dpo": dpo, "dpo_norm": dpo, "grpo": grpo}[tc.loss], total_of
-
-
 def loss_fn(params, tokens, labels, m, dtype=jnp.float32, z_loss=0.0, remat="none"):
+    """cross_entropy's loss of forward's whole logits: the plain form the tests take gradients of
+    (the step's own loss: train.step_loss, on token_logps)."""
     return cross_entropy(forward(params, tokens, m, dtype, remat), labels, z_loss)[0]
 
 
 def shift_labels(tokens, pad=None, mask=None):
     """tokens (B, T) -> next-token labels (B, T) (OLMo-core get_labels): IGNORE_INDEX at the end,
-    at PAD and where mask (B, T) is False (label_mask); numpy for numpy."""
+    at PAD and where mask (B, T) is False (label_mask); numpy for numpy. PAD only fills packed
+    instances, so it is never a target; the mask (OLMo-core's label_mask) keeps chat's assistant
+    tokens as the only targets in SFT."""
     xp = np if isinstance(tokens, np.ndarray) else jnp
     labels = xp.concatenate([tokens[..., 1:], xp.full_like(tokens[..., :1], IGNORE_INDEX)], axis=-1)
     if pad is not None:
@@ -573,11 +665,13 @@ def check_tokens(tokens, m, source="tokens"):
 
 
 # --- generation: the same layers over a KV cache ---
-# A layer's keys and values (RoPE applied) sit in a ring of C slots (S, or the window), position p
-# in slot p % C: sizes differ, so no scan.
+# A layer's keys and values (RoPE applied) sit in a ring of C slots, position p in slot p % C: a
+# full layer's ring holds the longest sequence asked for (S), a sliding layer's only its window,
+# the keys it can still see. The sizes differ by layer, so no scan.
 
 def new_cache(m, B, S, dtype=jnp.float32):
-    """Empty caches for B sequences of up to S positions: per layer k, v (B, C, K, H)."""
+    """Empty caches for B sequences of up to S positions: per layer k, v (B, C, K, H), C = S on
+    a full layer, min(W, S) on a sliding one."""
     sizes = [min(int(w), S) if w else S for w in layer_arrays(m)[0]]
     return [{n: jnp.zeros((B, C, m.n_kv_heads, m.head_dim), dtype) for n in "kv"} for C in sizes]
 
@@ -622,118 +716,8 @@ def forward_step(params, tokens, pos, cache, m, dtype=jnp.float32):
             new.append(c)
             return y
 
-        x = block(p, x, attn, m)
+        x, _ = block(p, x, attn, m)  # (generation trains nothing: no auxiliary loss terms)
     return unembed(params, x, m), new
-
-
-# --- device attention kernels: what model.attention picks for JAX ---
-
-@lru_cache(maxsize=None)
-def splash_kernel(Tq, S, N, window, offset, interpret):
-    """Splash attention: q (N, Tq, H) at positions offset.., k, v (K, S, H) at 0..; 128 | Tq, S."""
-    if window:  # keys i + offset - (window - 1) .. i + offset
-        mask = splash_mask.LocalMask((Tq, S), (window - 1, 0), offset=offset)
-    else:
-        mask = splash_mask.CausalMask((Tq, S), offset=offset)
-    # Blocks as large as divide the sequence, up to 2048, and the fused backward (dq, dk, dv in
-    # one pass over the blocks): MaxText's tuned Llama-3.1-8B at T=8192 takes these
-    # (benchmarks/maxtext_trillium_model_configs.py: sa_block_* 2048, sa_use_fused_bwd_kernel).
-    # 512 everywhere, the kernel's own example, re-reads q and k four times as often.
-    b = next(b for b in (2048, 1024, 512, 256, 128) if Tq % b == 0 and S % b == 0)
-    names = ("block_q", "block_kv", "block_q_dkv", "block_kv_dkv")
-    sizes = splash.BlockSizes(**dict.fromkeys(names, b), use_fused_bwd_kernel=True)
-    # Concrete even inside a trace: a cached kernel holding tracers breaks later calls
-    with jax.ensure_compile_time_eval():
-        heads = splash_mask.MultiHeadMask([mask] * N)
-        return splash.make_splash_mha(heads, block_sizes=sizes, head_shards=1, q_seq_shards=1,
-                                      interpret=interpret)
-
-
-def splash_attend(q, k, v, window, scale, segments=None, offset=0):
-    """attend_in_blocks by Pallas splash attention: the kernel on TPUs, else interpreted (exact,
-    slow), chosen as the step is lowered."""
-    Tq, S = q.shape[1], k.shape[1]
-    # Padded to 128 lanes: causality hides the padded keys; padded rows are cut
-    Tqp, Sp = -(-Tq // 128) * 128, -(-S // 128) * 128
-    q = q * jnp.asarray(scale, q.dtype)  # (the kernel has no scale argument)
-    q = pad_t(q, Tqp - Tq)
-    k = pad_t(k, Sp - S)
-    v = pad_t(v, Sp - S)
-    seg = []
-    if segments is not None:  # (B, S) the keys' segment ids; q's segment ids: at its positions
-        q_seg = jax.lax.dynamic_slice_in_dim(segments, offset, Tq, axis=1)
-        seg = [pad_t(s.astype(jnp.int32), n - s.shape[1], mode="edge")
-               for s, n in ((q_seg, Tqp), (segments, Sp))]
-    heads_first = partial(jnp.swapaxes, axis1=1, axis2=2)  # (B, T, N, H) <-> (B, N, T, H)
-    traced = not isinstance(offset, int)
-    offsets = range(0, S, Tq) if traced else [offset]  # (a traced one: one of these)
-    # Built here, not in a branch: a cached kernel's masks would hold its tracers
-    kernels = [[splash_kernel(Tqp, Sp, q.shape[2], window, o, interpret) for o in offsets]
-               for interpret in (False, True)]
-
-    def run(interpret, q, k, v, *seg):
-        ids = splash.SegmentIds(q=seg[0], kv=seg[1]) if seg else None
-        calls = [partial(jax.vmap(kernel), segment_ids=ids) for kernel in kernels[interpret]]
-        return jax.lax.switch(offset // Tq, calls, q, k, v) if traced else calls[0](q, k, v)
-
-    y = jax.lax.platform_dependent(heads_first(q), heads_first(k), heads_first(v), *seg,
-                                   tpu=partial(run, False), default=partial(run, True))
-    return heads_first(y)[:, :Tq]  # (B, Tq, N, H)
-
-
-def cudnn_attend(q, k, v, window, scale):
-    """attend_in_blocks by cuDNN's flash kernel (NVIDIA GPUs; no segments or offset)."""
-    window = (window - 1, 0) if window else None
-    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
-                                        implementation="cudnn", local_window_size=window)
-
-
-# pick_attention's choice -> the JAX function
-ATTEND = {"xla": attend_in_blocks, "splash": splash_attend, "cudnn": cudnn_attend}
-
-
-def accelerator(device=None):
-    """(platform, CUDA capability (major, minor) or None) of `device` (or JAX's first)."""
-    d = device or jax.devices()[0]
-    capability = getattr(d, "compute_capability", None)
-    return d.platform, tuple(int(x) for x in capability.split(".")) if capability else None
-
-
-def cudnn_refusal(m, dtype, documents, context, platform, capability):
-    """Why JAX's cuDNN attention cannot run this case (jax 0.10.2's checks), or ""."""
-    if platform != "gpu" or capability is None:
-        return f"cuDNN needs an NVIDIA GPU, and JAX runs on {platform}"
-    if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
-        return (f"cuDNN takes bfloat16 or float16, not {jnp.dtype(dtype)}: set "
-                "train.compute_dtype=bfloat16")
-    cc = ".".join(map(str, capability))
-    most = 256 if capability >= (9, 0) else 128  # (Hopper on: wider heads)
-    if capability < (8, 0):
-        return f"cuDNN flash attention needs compute capability >= 8.0, not {cc}"
-    if m.head_dim > most or m.head_dim % 8:
-        return (f"cuDNN takes head_dim <= {most}, a multiple of 8, on compute capability {cc}; "
-                f"not {m.head_dim}")
-    if documents or context > 1:
-        why = "document ids (data.doc_mask)" if documents else "query offset (mesh.context > 1)"
-        return f"JAX's cuDNN call takes no {why}: use xla or splash"
-    return ""
-
-
-def pick_attention(m, dtype, documents=False, device=None, context=1):
-    """model.attention -> "xla", "splash" or "cudnn" for this dtype, device (default JAX's first),
-    documents, context split. auto: the device's kernel where it runs, else xla; a named one that
-    cannot run: refused."""
-    if m.attention in ("sdpa", "flex"):
-        raise ValueError(f"model.attention={m.attention!r} is a torch implementation: JAX takes "
-                         "auto, xla, splash, cudnn")
-    platform, capability = accelerator(device)
-    why = cudnn_refusal(m, dtype, documents, context, platform, capability)
-    if m.attention == "auto":
-        kernel = {"tpu": "splash", "gpu": "cudnn"}.get(platform, "xla")
-        return "xla" if kernel == "cudnn" and why else kernel
-    if m.attention == "cudnn" and why:
-        raise ValueError(f"model.attention='cudnn' cannot run here: {why}")
-    return m.attention  # (splash off a TPU runs interpreted)
 
 
 # === PyTorch ===
@@ -835,8 +819,9 @@ class Attention(nn.Module):
 
 
 def first_key(pos, window):
-    """The first position a query at `pos` can see: pos - W + 1 on a sliding layer, else 0."""
-    return max(0, pos - window + 1) if window else 0
+    """The first position a query at `pos` can see: keys_before(window) before it on a sliding
+    layer, else 0 (every earlier key)."""
+    return max(0, pos - keys_before(window)) if window else 0
 
 
 def attention_masks_torch(m, windows, T, segments, device, pos=0):
@@ -868,7 +853,8 @@ def attention_masks_torch(m, windows, T, segments, device, pos=0):
 
 @lru_cache(maxsize=16)
 def window_block_mask(T, w, device):
-    """Window w's BlockMask, made once: the same object each step (compiled guards want it)."""
+    """Window w's BlockMask, made once: the same object each step (compiled guards want it), and
+    built eagerly it takes seconds at T = 8192."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def visible(b, h, i, j):
@@ -877,7 +863,8 @@ def window_block_mask(T, w, device):
 
 
 def document_block_mask(segments, w, device):
-    """Window w's BlockMask within documents (B, T); compiled on GPUs only."""
+    """Window w's BlockMask within documents (B, T); compiled on GPUs only: a cold compile of
+    create_block_mask takes half a minute on a CPU."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def visible(b, h, i, j):  # and the same document
@@ -913,7 +900,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(hidden, D)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        """mlp: x (B, T, D) -> ((B, T, D), no auxiliary loss terms: {})."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)), {}
 
 
 class Block(nn.Module):
@@ -927,13 +915,21 @@ class Block(nn.Module):
 
     # exercise: rmsnorm
     def forward(self, x, cos, sin, mask, remat_mlp=False, cache=None, pos=0):
-        """block: x (B, T, D) -> (B, T, D)."""
+        """block: x (B, T, D) -> (x (B, T, D), the MLP's auxiliary loss terms). cos, sin (T, H):
+        RoPE at this layer's positions (rope_cos_sin_torch); mask: this layer's window's mask
+        (attention_masks_torch); remat_mlp: run the MLP under activation checkpointing, which
+        keeps only its input and reruns it in the backward (train.remat = "mlp"); cache: this
+        layer's keys and values in generation (OLMo.new_cache), None in training; pos: the
+        position of x's first token (0 but in generation, where x holds the new tokens only).
+        self_attn takes mask, cache and pos; the block only hands them on."""
         ffn = partial(checkpoint, self.mlp, use_reentrant=False) if remat_mlp else self.mlp
         if self.m.family == "olmo1":
             x = x + self.self_attn(layer_norm_torch(x, self.m.norm_eps), cos, sin, mask, cache, pos)
-            return x + ffn(layer_norm_torch(x, self.m.norm_eps))
+            y, terms = ffn(layer_norm_torch(x, self.m.norm_eps))
+            return x + y, terms
         x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, mask, cache, pos))
-        return x + self.post_feedforward_layernorm(ffn(x))
+        y, terms = ffn(x)
+        return x + self.post_feedforward_layernorm(y), terms
 
 
 ROPE_BUFFERS = ("inv_freq", "rope_scale")  # (L, H/2), (L,) of layer_arrays
@@ -968,23 +964,27 @@ class OLMo(nn.Module):
     def forward(self, tokens, dtype=torch.float32, remat="none", segments=None, cache=None, pos=0,
                 labels=None, chunks=1, temperature=1.0):
         """tokens (B, T) long -> logits (B, T, V) in dtype; remat, segments: as in JAX's forward;
-        with a cache (new_cache): at positions pos..; with labels (B, T): token_logps_torch's (log
-        p(label), logsumexp), the head in `chunks` passes (in forward: FSDP2 gathers the head
-        only for a forward call), logits divided by `temperature` (GRPO's sampling temperature)."""
+        with a cache (new_cache): at positions pos..; with labels (B, T), the training step's form:
+        token_logps_torch's (log p(label), logsumexp) and the MLPs' auxiliary loss terms summed
+        over the layers (JAX's forward with head=False), the head in `chunks` passes (in forward:
+        FSDP2 gathers the head only for a forward call), logits divided by `temperature` (GRPO's
+        sampling temperature)."""
         T = tokens.shape[1]
         x = self.embed_tokens(tokens).to(dtype)  # (B, T, D)
         positions = torch.arange(pos, pos + T, device=tokens.device)
         masks = attention_masks_torch(self.m, self.windows, T, segments, tokens.device, pos)
         caches = cache or [None] * len(self.layers)
         rope = zip(self.inv_freq, self.rope_scale)
+        terms = {}  # the layers' auxiliary loss terms, summed (add_terms)
         for layer, w, (f, s), c in zip(self.layers, self.windows, rope, caches):
             cos, sin = rope_cos_sin_torch(positions, f, s)
             run = partial(checkpoint, layer, use_reentrant=False) if remat == "block" else layer
             if remat == "dots":  # JAX's policy: the projections' outputs kept, the rest rerun
                 run = partial(checkpoint, layer, use_reentrant=False, context_fn=SAVE_MATMULS)
-            x = run(x, cos, sin, masks[w], remat == "mlp", c, pos)
+            x, layer_terms = run(x, cos, sin, masks[w], remat == "mlp", c, pos)
+            terms = add_terms(terms, layer_terms)
         if labels is not None:
-            return token_logps_torch(self, x, labels, chunks, temperature)
+            return (*token_logps_torch(self, x, labels, chunks, temperature), terms)
         return self.unembed(x, dtype)
 
     def new_cache(self, B, S, dtype):

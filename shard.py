@@ -1,6 +1,7 @@
 """Device meshes and shardings: how train.py lays out params, optimizer state and batch (GSPMD
-inserts the communication; the model sees no mesh). Also: torchrun + FSDP2, what a process
-checkpoints, what each device has, the ahead-of-time plan. Why: docs/sharding.md#notes-from-shardpy.
+inserts the communication; the model sees no mesh). Also: which attention kernel a device runs
+(model.py's attention is the plain XLA maths), torchrun + FSDP2, what a process checkpoints, what
+each device has, the ahead-of-time plan.
 
     python shard.py configs/olmo3-7b.toml --mesh.data=1 --mesh.fsdp=-1  # the mesh, param layouts
 """
@@ -21,25 +22,37 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from jax.experimental import multihost_utils, topologies
+from jax.experimental.pallas.ops.tpu.splash_attention import (
+    splash_attention_kernel as splash, splash_attention_mask as splash_mask)
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import convert
 import model
-from configs import ConfigError, load_config, run_cli
+from configs import ConfigError, MeshConfig, load_config, run_cli
 
 
 # --- the mesh, and how params, optimizer state and batches split over it ---
 
-# A parameter's logical axis -> the mesh axes it splits over: embed FSDP-style, the others
-# Megatron-style, layers not (the scan walks them)
+# The mesh's axes, in order: configs.MeshConfig's mesh_axis fields, ("data", "fsdp", "context",
+# "tensor"). A new axis is one field there and, for what splits over it, a rule below.
+AXES = MeshConfig.axes()
+# Axes that split one instance's work: its positions (context parallelism) or its heads (tensor
+# parallelism). Every other axis splits the instances themselves: BATCH, ("data", "fsdp").
+WITHIN_INSTANCE = ("context", "tensor")
+BATCH = tuple(a for a in AXES if a not in WITHIN_INSTANCE)
+
+# A parameter's logical axis -> the mesh axes it splits over: embed FSDP-style (FSDP/ZeRO-3: each
+# device keeps 1/fsdp of every weight, gathered for use), the others Megatron-style (tensor
+# parallelism), layers not (the scan walks them). embed splits over fsdp only, not also over
+# context as OLMo-core shards it: the embedding lookup's output would then be split on D over
+# every device, and XLA cannot move that to (instances, positions) without first gathering all of
+# it (`train.py plan`: 32 GiB more a device at 64 x 65536 tokens).
 RULES = {"embed": ("fsdp",), "heads": ("tensor",), "kv_heads": ("tensor",), "mlp": ("tensor",),
          "vocab": ("tensor",), "layers": ()}
-AXES = ("data", "fsdp", "context", "tensor")
-BATCH = ("data", "fsdp")  # instances split over these (positions: context)
 
 
 def mesh_shape(mesh_cfg, n_devices):
-    """(data, fsdp, context, tensor), the -1 filled, checked against n_devices."""
+    """The device count of each axis, in AXES order, the -1 filled, checked against n_devices."""
     sizes = [getattr(mesh_cfg, a) for a in AXES]
     asked = dict(zip(AXES, sizes))  # before the -1 is filled
     if sizes.count(-1) > 1:
@@ -58,7 +71,7 @@ def make_mesh(mesh_cfg, devices=None):
     devices = jax.devices() if devices is None else devices
     shape = mesh_shape(mesh_cfg, len(devices))
     # Auto axes (not Explicit): shardings go in through jit's arguments
-    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * 4, devices=devices)
+    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
 
 
 # exercise: fsdp_rules
@@ -86,7 +99,7 @@ def state_shardings(mesh, table):
 
 
 def instance_sharding(mesh, ndim=2):
-    """Rows (B, T) split over data × fsdp and context; (B,) over data × fsdp."""
+    """Rows (B, T) split over the BATCH axes (data × fsdp) and context; (B,) over BATCH."""
     return NamedSharding(mesh, P(BATCH, "context") if ndim == 2 else P(BATCH))
 
 
@@ -96,19 +109,149 @@ def batch_sharding(mesh, ndim=2):
 
 
 def residual_constraint(mesh):
-    """Pin the residual stream (B, T, D): instances over data x fsdp, positions over context (else
-    GSPMD may split it on D like the weights)."""
+    """Pin the residual stream (B, T, D): instances over data x fsdp, positions over context."""
+    # Unpinned, GSPMD meets weights split on D over fsdp and may split the activations the same
+    # way, keeping whole batches on every device: `train.py plan` found 3 TiB of temporaries a
+    # device for olmo3-7b at fsdp=256, 512 x 8192 tokens
     pinned = NamedSharding(mesh, P(BATCH, "context", None))
     return lambda x: jax.lax.with_sharding_constraint(x, pinned)
+
+
+# --- attention kernels: which one a device runs ---
+# model.attention runs the plain XLA maths (model.attend_in_blocks) on any device. A kernel runs
+# faster on its own device, and whether one can run depends on the device, the compute dtype, the
+# head size, documents and the context axis: so it is picked here, where the device is known.
+# `attention` below picks for a mesh; pick_attention and ATTEND pick for one device (eval.py).
+# Each kernel takes attend_in_blocks' arguments (cuDNN: no segments or offset) and gives its
+# numbers, to rounding.
+
+@functools.lru_cache(maxsize=None)
+def splash_kernel(Tq, S, N, window, offset, interpret):
+    """Splash attention: q (N, Tq, H) at positions offset.., k, v (K, S, H) at 0..; 128 | Tq, S.
+    Query head n reads kv head n // (N/K), and the backward sums each group into its kv head."""
+    if window:  # LocalMask's span: (keys to the left, keys to the right) of each query
+        mask = splash_mask.LocalMask((Tq, S), (model.keys_before(window), 0), offset=offset)
+    else:
+        mask = splash_mask.CausalMask((Tq, S), offset=offset)
+    # Blocks as large as divide the sequence, up to 2048, and the fused backward (dq, dk, dv in
+    # one pass over the blocks): MaxText's tuned Llama-3.1-8B at T=8192 takes these
+    # (benchmarks/maxtext_trillium_model_configs.py: sa_block_* 2048, sa_use_fused_bwd_kernel).
+    # 512 everywhere, the kernel's own example, re-reads q and k four times as often. The forward
+    # and the backward take the same size. 2048-wide blocks need TPU_FLAGS' scoped VMEM limit.
+    b = next(b for b in (2048, 1024, 512, 256, 128) if Tq % b == 0 and S % b == 0)
+    names = ("block_q", "block_kv", "block_q_dkv", "block_kv_dkv")
+    sizes = splash.BlockSizes(**dict.fromkeys(names, b), use_fused_bwd_kernel=True)
+    # Concrete even inside a trace: a cached kernel holding tracers breaks later calls
+    with jax.ensure_compile_time_eval():
+        heads = splash_mask.MultiHeadMask([mask] * N)
+        return splash.make_splash_mha(heads, block_sizes=sizes, head_shards=1, q_seq_shards=1,
+                                      interpret=interpret)
+
+
+def splash_attend(q, k, v, window, scale, segments=None, offset=0):
+    """attend_in_blocks by Pallas splash attention: the Mosaic kernel on TPUs, else interpreted
+    (exact, slow; the tests run it so). Chosen as the step is lowered, not as it is traced
+    (lax.platform_dependent): `train.py plan --topology` on a CPU host compiles the TPU kernel."""
+    Tq, S = q.shape[1], k.shape[1]
+    # Padded to 128 lanes: causality hides the padded keys; padded rows are cut
+    Tqp, Sp = -(-Tq // 128) * 128, -(-S // 128) * 128
+    q = q * jnp.asarray(scale, q.dtype)  # (the kernel has no scale argument)
+    q = model.pad_t(q, Tqp - Tq)
+    k = model.pad_t(k, Sp - S)
+    v = model.pad_t(v, Sp - S)
+    seg = []
+    if segments is not None:  # (B, S) the keys' segment ids; q's segment ids: at its positions
+        q_seg = jax.lax.dynamic_slice_in_dim(segments, offset, Tq, axis=1)
+        seg = [model.pad_t(s.astype(jnp.int32), n - s.shape[1], mode="edge")
+               for s, n in ((q_seg, Tqp), (segments, Sp))]
+    heads_first = functools.partial(jnp.swapaxes, axis1=1, axis2=2)  # (B, T, N, H) <-> (B, N, T, H)
+    # A traced offset (the offset of a context shard, under shard_map): one kernel for the offset
+    # of each shard, and lax.switch runs the one of this shard
+    traced = not isinstance(offset, int)
+    offsets = range(0, S, Tq) if traced else [offset]
+    # Built here, not in a branch: a cached kernel's masks would hold its tracers
+    kernels = [[splash_kernel(Tqp, Sp, q.shape[2], window, o, interpret) for o in offsets]
+               for interpret in (False, True)]
+
+    def run(interpret, q, k, v, *seg):
+        ids = splash.SegmentIds(q=seg[0], kv=seg[1]) if seg else None
+        calls = [functools.partial(jax.vmap(kernel), segment_ids=ids)
+                 for kernel in kernels[interpret]]
+        return jax.lax.switch(offset // Tq, calls, q, k, v) if traced else calls[0](q, k, v)
+
+    y = jax.lax.platform_dependent(heads_first(q), heads_first(k), heads_first(v), *seg,
+                                   tpu=functools.partial(run, False),
+                                   default=functools.partial(run, True))
+    return heads_first(y)[:, :Tq]  # (B, Tq, N, H)
+
+
+def cudnn_attend(q, k, v, window, scale):
+    """attend_in_blocks by cuDNN's flash kernel (NVIDIA GPUs; no segments or offset)."""
+    # local_window_size: (keys to the left, keys to the right) of each query; None: all before it
+    span = (model.keys_before(window), 0) if window else None
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
+                                        implementation="cudnn", local_window_size=span)
+
+
+# pick_attention's choice -> the JAX function
+ATTEND = {"xla": model.attend_in_blocks, "splash": splash_attend, "cudnn": cudnn_attend}
+
+
+def accelerator(device=None):
+    """(platform, CUDA capability (major, minor) or None) of `device` (or JAX's first). The one
+    device query in the choice: tests stub it (tests/lower_check.py, test_accelerators.py), as
+    JAX's own tests stub cuDNN's checks, to pick for an H100, an A100 or a TPU from a CPU."""
+    d = device or jax.devices()[0]
+    capability = getattr(d, "compute_capability", None)
+    return d.platform, tuple(int(x) for x in capability.split(".")) if capability else None
+
+
+def cudnn_refusal(m, dtype, documents, context, platform, capability):
+    """Why JAX's cuDNN attention cannot run this case (jax 0.10.2's checks, in
+    jax/_src/cudnn/fused_attention_stablehlo.py), or ""."""
+    if platform != "gpu" or capability is None:
+        return f"cuDNN needs an NVIDIA GPU, and JAX runs on {platform}"
+    if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):  # (fp32 raises NotImplementedError)
+        return (f"cuDNN takes bfloat16 or float16, not {jnp.dtype(dtype)}: set "
+                "train.compute_dtype=bfloat16")
+    cc = ".".join(map(str, capability))
+    most = 256 if capability >= (9, 0) else 128  # (Hopper on: wider heads)
+    if capability < (8, 0):
+        return f"cuDNN flash attention needs compute capability >= 8.0, not {cc}"
+    if m.head_dim > most or m.head_dim % 8:
+        return (f"cuDNN takes head_dim <= {most}, a multiple of 8, on compute capability {cc}; "
+                f"not {m.head_dim}")
+    if documents or context > 1:
+        why = "document ids (data.doc_mask)" if documents else "query offset (mesh.context > 1)"
+        return f"JAX's cuDNN call takes no {why}: use xla or splash"
+    return ""
+
+
+def pick_attention(m, dtype, documents=False, device=None, context=1):
+    """model.attention -> "xla", "splash" or "cudnn" for this dtype, device (default JAX's first),
+    documents, context split. auto: the device's kernel where it runs, else xla; a named one that
+    cannot run: refused, before anything compiles."""
+    if m.attention in ("sdpa", "flex"):
+        raise ValueError(f"model.attention={m.attention!r} is a torch implementation: JAX takes "
+                         "auto, xla, splash, cudnn")
+    platform, capability = accelerator(device)
+    why = cudnn_refusal(m, dtype, documents, context, platform, capability)
+    if m.attention == "auto":
+        kernel = {"tpu": "splash", "gpu": "cudnn"}.get(platform, "xla")
+        return "xla" if kernel == "cudnn" and why else kernel
+    if m.attention == "cudnn" and why:
+        raise ValueError(f"model.attention='cudnn' cannot run here: {why}")
+    return m.attention  # (splash off a TPU runs interpreted)
 
 
 # --- attention on a mesh: a kernel or context parallelism under shard_map ---
 
 def attention(mesh, m, dtype, documents):
-    """model.forward's attention on this mesh: XLA's split by GSPMD; a kernel (which GSPMD would
-    gather) or context parallelism under shard_map."""
+    """model.forward's attend_fn on this mesh: XLA's attention split by GSPMD; a kernel, or context
+    parallelism, under shard_map on each device's own instances and heads (a kernel is a custom
+    call the SPMD partitioner cannot split: it would gather every instance onto every device)."""
     context, impl = mesh.shape["context"], attention_impl(mesh, m, dtype, documents)
-    attend = model.ATTEND[impl]
+    attend = ATTEND[impl]
     if context == 1 and (impl == "xla" or mesh.devices.size == 1):
         return attend
     qkv, ids = P(BATCH, "context", "tensor", None), P(BATCH, "context")
@@ -130,8 +273,8 @@ def attention(mesh, m, dtype, documents):
 
 
 def attention_impl(mesh, m, dtype, documents):
-    """What `attention` runs (model.pick_attention on this mesh)."""
-    return model.pick_attention(m, dtype, documents, mesh.devices.flat[0], mesh.shape["context"])
+    """What `attention` runs (pick_attention on this mesh)."""
+    return pick_attention(m, dtype, documents, mesh.devices.flat[0], mesh.shape["context"])
 
 
 # --- what a mesh asks of the model and the batch ---
@@ -150,17 +293,21 @@ def check_mesh(sizes, m, seq_len):
 
 
 def mesh_where(mesh):
-    """Data-parallel axes, for check_batch's errors."""
-    return f"mesh data={mesh.shape['data']} x fsdp={mesh.shape['fsdp']}"
+    """The data-parallel axes and their sizes, for check_batch's errors ("mesh data=2 x fsdp=4")."""
+    sizes = " x ".join(f"{a}={mesh.shape[a]}" for a in BATCH)
+    return f"mesh {sizes}"
 
 
 def dp_size(mesh):
-    return mesh.shape["data"] * mesh.shape["fsdp"]
+    """Data-parallel ranks: groups of devices that each read instances of their own."""
+    return math.prod(mesh.shape[a] for a in BATCH)
 
 
 def local_ranks(mesh):
-    """Data-parallel ranks (data-major) with a device in this process."""
-    devs = mesh.devices.reshape(dp_size(mesh), -1)  # (ranks, tensor)
+    """Data-parallel ranks (in BATCH order, the first axis major, as the batch's split numbers
+    them) with a device in this process."""
+    batch_first = [mesh.axis_names.index(a) for a in (*BATCH, *WITHIN_INSTANCE)]
+    devs = mesh.devices.transpose(batch_first).reshape(dp_size(mesh), -1)  # (ranks, its devices)
     me = jax.process_index()
     return [r for r, row in enumerate(devs) if any(d.process_index == me for d in row)]
 
@@ -309,6 +456,10 @@ def start_distributed():
         args, kw = (address, n, me), {}
         source = f"JAX_COORDINATOR_ADDRESS={address}"
     else:
+        # SLURM, Open MPI and TPU pods set no JAX_* variables: without JAX's own detection each
+        # node of such a launch would train alone. Its SLURM detection (SlurmCluster) needs only
+        # SLURM_JOB_ID, SLURM_STEP_NODELIST, SLURM_NTASKS, SLURM_PROCID and SLURM_LOCALID, and
+        # counts SLURM_NTASKS: the step's own count (srun_tasks) is passed on instead
         from jax._src import clusters  # JAX's detection; private, but jax is pinned
         env = next((c for c in clusters.ClusterEnv._cluster_types
                     if not c.opt_in_only_method and c.is_env_present()), None)
@@ -331,7 +482,7 @@ def start_distributed():
     jax.distributed.initialize(*args, **kw)
 
 
-# --- checkpoints: the piece of each array a process writes (train.save_checkpoint), reads back ---
+# --- checkpoints: the piece of each array a process writes (convert.save_step), reads back ---
 
 def stored_slices(name, shape, prefix, idx):
     """[(stored name, index)] slice idx of a param covers, per layer if stacked; prefix "model.":
@@ -368,7 +519,10 @@ def jax_read(views, prefix, table, shardings):
 
 
 # --- what each device has, how XLA compiles for it, and the plan for a mesh we lack ---
-# A JAX device: a TPU v4/v5p chip, TPU7x TensorCore or GPU (docs/sharding.md#devices)
+# A JAX device is a TPU v4/v5p chip (its two TensorCores act as one), one TensorCore of a TPU7x
+# (Ironwood: two devices a chip), or one GPU. Peaks and memory per JAX device: Google's TPU pages,
+# NVIDIA's data sheets, the chip table in jax/_src/pallas/mosaic/tpu_info.py. A device not here
+# (a CPU) has no peak: the log says "MFU n/a" rather than guess.
 
 @dataclass(frozen=True)
 class Device:
@@ -401,8 +555,8 @@ def device_named(kind):
 
 
 def usable_gib(name):
-    """GiB per device a JAX run may use: a TPU's all, 75% of a GPU's (unless XLA_*MEM_FRACTION
-    moves it)."""
+    """GiB per device a JAX run may use: all of a TPU, 75% of a GPU, which JAX's allocator takes
+    and never exceeds, preallocated or not (unless XLA_*MEM_FRACTION moves it)."""
     device = DEVICES[name]
     if not device.kinds[0].startswith("NVIDIA"):
         return device.hbm
@@ -489,7 +643,7 @@ TPU_FLAGS = [  # MaxText benchmarks/xla_flags_library.py: CF_FOR_ALL_GATHER, DAT
     "--xla_enable_async_all_gather=true",
     "--xla_tpu_enable_data_parallel_all_reduce_opt=true",  # data-parallel reductions pipelined
     "--xla_tpu_data_parallel_opt_different_sized_ops=true",
-    # (DENSE_VMEM_LIMIT_FLAG) scoped VMEM for one op: splash's 2048-wide blocks (model.py) need
+    # (DENSE_VMEM_LIMIT_FLAG) scoped VMEM for one op: splash_kernel's 2048-wide blocks need
     # 29 MiB; at the default 16 MiB the v5p compile fails with CompileTimeScopedVmemOom
     "--xla_tpu_scoped_vmem_limit_kib=98304",
 ]
@@ -511,6 +665,11 @@ def set_accelerator_flags(device, environ=os.environ):
 def compiler_options(mesh, dtype):
     """XLA options for the train step: on one CPU in fp32, YNNPACK's fusions (XLA's transpose
     slowly)."""
+    # On one CPU, XLA's own code for an elementwise fusion that also transposes (the MLP's gate
+    # gradient, laid out for its weight's matmul) runs ~15x slower than the same fusion
+    # untransposed; YNNPACK's elementwise fusions avoid it: fp32 steps ~12% faster. bf16 steps
+    # ran slower with them, and on a mesh of CPU devices context parallelism's layouts make XLA
+    # refuse them ("unsupported layout in YNN fusion": they are experimental): one CPU, fp32 only
     if mesh.devices.size > 1 or mesh.devices.flat[0].platform != "cpu" or dtype != "float32":
         return None
     kinds = ("INDIVIDUAL_DOT", "ELTWISE", "REDUCE")  # (XLA's default: first, last)
@@ -586,9 +745,14 @@ def plan(cfg, names, topology, make_step, new_history):
 
 
 # --- PyTorch: a process per device (torchrun), FSDP2 over mesh.data x mesh.fsdp ---
+# The mesh config means what it means in JAX: data replicas x fsdp shards (HSDP when both are
+# > 1); FSDP2 has no tensor or context parallelism here, so those axes must be 1.
+TORCH_AXES = ("data", "fsdp")
+
 
 def torch_start():
-    """(rank, processes, device); under torchrun joined (nccl, or gloo on CPU)."""
+    """(rank, processes, device); under torchrun joined (nccl, or gloo on CPU). torchrun starts
+    one process per device and names it in RANK, WORLD_SIZE and LOCAL_RANK (its GPU)."""
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     gpu = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
     device = torch.device(gpu if torch.cuda.is_available() else "cpu")
@@ -600,30 +764,41 @@ def torch_start():
 
 
 def torch_shard(net, mesh_cfg, world, device, dtype):
-    """FSDP2 over a (data, fsdp) mesh; bf16 `dtype`: OLMo-core's mixed precision."""
-    data, fsdp, _, _ = mesh_shape(mesh_cfg, world)
+    """FSDP2 over a (data, fsdp) mesh; bf16 `dtype`: OLMo-core's mixed precision. fully_shard
+    splits each parameter's dim 0 over the fsdp ranks, gathers a block's weights just before it
+    runs and reduce-scatters its gradients after."""
+    sizes = dict(zip(AXES, mesh_shape(mesh_cfg, world)))
     if world == 1:
         return net
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     # HSDP: replicas over data, shards over fsdp
-    mesh = init_device_mesh(device.type, (data, fsdp), mesh_dim_names=("data", "fsdp"))
+    shape = tuple(sizes[a] for a in TORCH_AXES)
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=TORCH_AXES)
     policy = {}
-    if dtype == torch.bfloat16:  # else autograd keeps every weight's bf16 copy on each rank
+    # bf16: gather each block's weights in bf16 (half the bytes), reduce-scatter the gradients in
+    # fp32; the sharded weights and AdamW state stay fp32. The norm weights are rounded to bf16
+    # too, as OLMo-core's are; RoPE's cos and sin stay fp32 (cast_forward_inputs=False). Without
+    # the policy autograd keeps every weight's bf16 copy on each rank (the whole model at 7B)
+    if dtype == torch.bfloat16:
         policy["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32,
                                                    cast_forward_inputs=False)
-    for part in [*net.layers, net]:  # each block, then the root
+    # each block, then the root (the embedding, final norm and head): one gather per block
+    for part in [*net.layers, net]:
         fully_shard(part, mesh=mesh, **policy)
     return net
 
 
 def torch_layout(mesh_cfg, world, table):
     """layout_table for torch: FSDP2 splits each tensor's rows (a layer's rows, if stacked)."""
-    for axis in ("tensor", "context"):
+    for axis in reversed(AXES):  # (the last first: a tensor split is named before a context one)
+        if axis in TORCH_AXES:
+            continue
         if (size := getattr(mesh_cfg, axis)) != 1:
             raise ValueError(f"mesh.{axis}={size}: the torch backend shards with FSDP2 only "
                              "(mesh.data x mesh.fsdp): set it to 1 or use the JAX backend")
-    data, fsdp, _, _ = mesh_shape(mesh_cfg, world)
+    sizes = dict(zip(AXES, mesh_shape(mesh_cfg, world)))
+    data, fsdp = sizes["data"], sizes["fsdp"]
     splits = {}
     for name, p in table.items():
         stacked = name.startswith("layers.")
@@ -636,7 +811,8 @@ def torch_layout(mesh_cfg, world, table):
 
 
 def is_dtensor(t):
-    # imported here: slow, and JAX runs never need it
+    # imported here, not at the top: torch.distributed.tensor takes ~1 s to import, and JAX runs
+    # never need it
     from torch.distributed.tensor import DTensor
     return isinstance(t, DTensor)
 

@@ -34,6 +34,10 @@ import torch  # noqa: E402
 
 import convert  # noqa: E402
 import data  # noqa: E402
+# eval.py (named evaluate: `eval` is Python's builtin), used here for: the samplers
+# (sample: GRPO's rollouts; generate: the end's sample), checkpoint_tokenizer (GRPO's policy),
+# held-out bits per byte (token_bytes, bits_per_byte, unigram_bpb), the in-loop tasks
+# (prepare_tasks, Scorer, score_tasks, STYLES), the run's metrics and plot (read_metrics, plot)
 import eval as evaluate  # noqa: E402
 import model  # noqa: E402
 import shard  # noqa: E402
@@ -154,105 +158,73 @@ def push_history(history, loss, grad_norm):
                 n=h["n"] + 1)
 
 
-# --- checkpoints (both backends) ---
-# HF layout on any backend or mesh (a run resumes on another); no host holds a whole array, and
-# each process writes its own file (convert.py's "checkpoints in pieces": one process writes
-# model.safetensors whole; several write pieces, which `convert.py step_N OUT` joins).
+# --- the loss a step minimises (both backends) ---
+# model.py holds the maths (cross_entropy_of, dpo_of, grpo_loss); what a step divides by is the
+# training policy here. A step's loss is the mean over the global batch: each micro-batch's loss
+# is its sum divided by the global batch's count (global_count), so the shares of all micro-batches
+# on all ranks add up to that mean, however the batch is split. xp: jnp (the JAX step, inside jit)
+# or torch (the torch step): one definition for both, as GRPO samples with JAX and steps in either.
 
-def checkpoint_entries(m):
-    """{name: (shape, dtype)} of model.safetensors and optimizer.safetensors."""
-    shapes = convert.expected_tensors(m)  # unstacked names, as stored
-    model_e = {convert.hf_name(n): (s, np.float32) for n, s in shapes.items()}
-    opt_e = {}
-    for p in ("exp_avg.", "exp_avg_sq."):
-        opt_e.update({p + n: (s, np.float32) for n, s in shapes.items()})
-    opt_e["step"] = ((), np.int32)
-    return model_e, opt_e
-
-
-def save_checkpoint(step, backend, cfg, loader_state, log_window, extra):
-    """step_N.tmp/ -> fsync -> step_N/ -> `latest` -> drop those past `keep`: a crash leaves the
-    last whole. extra: {file: text}."""
-    run_dir = Path(cfg.train.run_dir)
-    lead = backend.lead
-    barrier = backend.barrier
-    final, tmp = run_dir / f"step_{step}", run_dir / f"step_{step}.tmp"
-    try:
-        if lead:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        barrier()
-        formats = dict(model="pt", optimizer="nanolmo")
-        for (kind, fmt), entries in zip(formats.items(), checkpoint_entries(cfg.model)):
-            # each process its own file (convert.py's "checkpoints in pieces" says why)
-            path = tmp / convert.pieces_file(kind, backend.rank, backend.processes)
-            convert.write_pieces(path, lambda kind=kind: backend.pieces(kind), entries,
-                                 {"format": fmt})
-        barrier()  # every file whole before the lead renames the folder
-        if lead:
-            meta = dict(step=step, config=to_dict(cfg), data=loader_state, log_window=log_window,
-                        history={k: np.asarray(v).tolist() for k, v in backend.history.items()})
-            texts = {"config.json": json.dumps(convert.config_to_hf(cfg.model), indent=2) + "\n",
-                     "nanolmo.json": json.dumps(meta, indent=1) + "\n", **extra}
-            for f, text in texts.items():
-                (tmp / f).write_text(text)
-                convert.fsync(tmp / f)
-    except BaseException as e:  # a full disk, or Ctrl-C: no half-written step_N.tmp stays behind
-        if lead:
-            shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError):
-            raise OSError(e.errno, f"checkpoint {final.name} not written ({e}); {tmp} removed, "
-                          f"{run_dir / 'latest'} unchanged") from None
-        raise
-    if lead:
-        if final.exists():  # left by a run that crashed before updating `latest`: redo it
-            discard(final)
-        convert.replace(tmp, final)
-        (run_dir / "latest.tmp").write_text(final.name + "\n")
-        convert.replace(run_dir / "latest.tmp", run_dir / "latest")
-        steps = sorted(int(p.name[5:]) for p in run_dir.glob("step_*") if p.name[5:].isdigit())
-        for old in steps[:-cfg.train.keep]:
-            discard(run_dir / f"step_{old}")
-    barrier()
-    return final
+def global_count(cfg, labels, batch=None):
+    """What the step's loss divides by, for labels (..., T) of the global batch (torch: of this
+    rank's rows, then summed over the ranks): ce and grpo its targets (labels != IGNORE_INDEX),
+    dpo and dpo_norm its pairs. batch: its "filtered" rows, if the loader filtered any."""
+    if cfg.train.loss.startswith("dpo"):
+        return math.prod(labels.shape[:-1]) // 2  # rows chosen_0, rejected_0, ...: two a pair
+    targets = (labels != model.IGNORE_INDEX).sum()
+    if batch is None or "filtered" not in batch:
+        return targets
+    # OLMo-core (train_module.py, train_batch: "we count those tokens for the loss anyways") keeps
+    # a filtered instance's T label positions in the denominator, as zero-loss tokens: each rank
+    # then divides by a count it knows without a collective
+    return targets + batch["filtered"].sum() * labels.shape[-1]
 
 
-def discard(path):
-    """Renamed, then deleted: a kill mid-delete leaves step_N.trash, not a half step_N."""
-    trash = path.with_name(path.name + ".trash")
-    os.replace(path, trash)
-    shutil.rmtree(trash)
+def ce_share(cfg, xp, logp, lse, labels, total):
+    """Cross-entropy plus z-loss (model.cross_entropy_of); total: the global batch's targets."""
+    loss, ce, _ = model.cross_entropy_of(logp, lse, labels, total, cfg.train.z_loss, xp)
+    return loss, dict(ce=ce)
 
 
-def latest_checkpoint(run_dir):
-    pointer = Path(run_dir) / "latest"
-    path = pointer.parent / pointer.read_text().strip() if pointer.is_file() else None
-    if path and not (path / "nanolmo.json").is_file():
-        raise FileNotFoundError(f"{pointer} names {path.name}, which has no nanolmo.json: point "
-                                "it at a whole checkpoint")
-    return path
+def dpo_share(cfg, xp, logp, labels, batch, total):
+    """DPO (model.dpo_of) on rows chosen_0, rejected_0, ..., batch["ref"] (2P,) the reference
+    model's scores; total: the global batch's pairs, which margin and accuracy are means over."""
+    lengths = (labels != model.IGNORE_INDEX).sum(-1)  # (2P,) each answer's tokens
+    losses, margins = model.dpo_of(logp.sum(-1), batch["ref"], lengths, cfg.train, xp)
+    accuracy = (margins > 0).sum() / total
+    return losses.sum() / total, dict(margin=margins.sum() / total, accuracy=accuracy)
 
 
-# What a new stage may change: the context (YaRN, docs/longctx.md), no parameter.
-STAGE_MAY_CHANGE = ("max_seq_len", "rope_theta", "yarn_factor", "yarn_original_max_seq_len",
-                    "yarn_beta_fast", "yarn_beta_slow", "yarn_attention_factor")
+def grpo_share(cfg, xp, logp, labels, batch, total):
+    """GRPO (model.grpo_loss) with π_old = π under a stop-gradient (one update per batch of
+    rollouts), batch["advantage"] (B,); total: the global batch's completion tokens. The logged
+    reward is the mean of batch["reward"] over the global batch's rollouts."""
+    stop_gradient = jax.lax.stop_gradient if xp is jnp else torch.Tensor.detach
+    per = model.grpo_loss(logp, stop_gradient(logp), batch["advantage"][:, None], xp=xp)
+    reward = batch["reward"].sum() / cfg.data.global_batch
+    return xp.where(labels != model.IGNORE_INDEX, per, 0.0).sum() / total, dict(reward=reward)
 
 
-def open_checkpoint(path, m, with_optimizer=True, new_stage=False):
-    """(model, optimizer or None, meta) memory maps of an HF OLMo dir of model `m`."""
-    path = Path(path)
-    saved_m, state = convert.open_hf(path)
-    fix = f"delete {path} (and fix {path.parent / 'latest'}) to resume the one before"
-    meta = read_json(path / "nanolmo.json", fix) if (path / "nanolmo.json").is_file() else {}
-    theirs = build({"model": meta["config"]["model"]}).model if meta else saved_m
-    if diff := theirs.differences(m, STAGE_MAY_CHANGE if new_stage else ()):
-        raise ConfigError(f"{path} holds a different model (there vs here: {'; '.join(diff)})")
-    opt, files = None, ["optimizer.safetensors", "optimizer.process*-of-*.safetensors"]
-    if with_optimizer and any(any(path.glob(f)) for f in files):
-        opt = convert.read_weights(path, files)
-        if missing := [f for f in checkpoint_entries(m)[1] if f not in opt]:
-            raise ValueError(f"{path}: its optimizer has no tensor {missing[0]}")
-    return state, opt, meta
+def step_loss(cfg, xp, logp, lse, labels, terms, batch, total):
+    """This micro-batch's share of the step's loss for train.loss, and the shares of its metrics:
+    summed over the micro-batches and ranks, they are the loss and metrics of the global batch.
+    logp, lse (B, T): what model.token_logps returns (torch: the net called with labels); labels
+    (B, T); terms: the feed-forward's auxiliary loss terms summed over the layers (model.mlp:
+    none for a dense MLP); batch: this micro-batch's rows (DPO's ref, GRPO's advantage and
+    reward); total: global_count of the global batch."""
+    kind = cfg.train.loss
+    if kind == "ce":
+        share, metrics = ce_share(cfg, xp, logp, lse, labels, total)
+    elif kind in ("dpo", "dpo_norm"):
+        share, metrics = dpo_share(cfg, xp, logp, labels, batch, total)
+    else:  # grpo
+        share, metrics = grpo_share(cfg, xp, logp, labels, batch, total)
+    # Each auxiliary term is a sum over this micro-batch's positions, divided as the loss's own
+    # sums are, and logged under its name; a dense MLP has none, so nothing is added
+    for name, term in terms.items():
+        share = share + term / total
+        metrics[name] = term / total
+    return share, metrics
 
 
 # --- the JAX backend: one jitted step over a mesh ---
@@ -262,15 +234,16 @@ def documents(cfg, tokens):  # model.segment_ids if data.doc_mask, else None
 
 
 def token_stats(cfg, mesh, params, batch, remat="none"):
-    """(log p(label), logsumexp, labels), each (B, T): the forward of step, eval and score."""
+    """(log p(label), logsumexp, labels), each (B, T), and the auxiliary loss terms that
+    model.forward returns: the forward of step, eval and score."""
     m, tokens = cfg.model, batch["tokens"]
     dtype, docs = jnp.dtype(cfg.train.compute_dtype), documents(cfg, tokens)
-    x = model.forward(params, tokens, m, dtype, remat, shard.residual_constraint(mesh), docs,
-                      attend_fn=shard.attention(mesh, m, dtype, docs is not None), head=False,
-                      scan_layers=cfg.train.scan_layers)
+    x, terms = model.forward(params, tokens, m, dtype, remat, shard.residual_constraint(mesh),
+                             docs, attend_fn=shard.attention(mesh, m, dtype, docs is not None),
+                             head=False, scan_layers=cfg.train.scan_layers)
     labels = model.shift_labels(tokens, m.pad_token_id, batch.get("mask"))
     stats = model.token_logps(params, x, labels, m, cfg.train.loss_chunks, temperature(cfg.train))
-    return (*stats, labels)
+    return (*stats, labels, terms)
 
 
 def temperature(tc):  # the loss's logit divisor: GRPO's sampling temperature, else 1
@@ -280,17 +253,17 @@ def temperature(tc):  # the loss's logit divisor: GRPO's sampling temperature, e
 def make_train_step(cfg, mesh):
     m, tc = cfg.model, cfg.train
     decay = {k: p.decay and tc.weight_decay > 0 for k, p in model.param_table(m).items()}
-    loss_of, total_of = model.make_loss(cfg, jnp)
 
     def step(params, opt, history, batch, lr):
         """batch: tokens (A, B, T) (A micro-batches of B rows, B split over the data axis), and per
         loss its mask (A, B, T), ref or advantage (A, B)."""
         labels = model.shift_labels(batch["tokens"], m.pad_token_id, batch.get("mask"))
-        total = jnp.maximum(total_of(labels, batch), 1)
+        total = jnp.maximum(global_count(cfg, labels, batch), 1)
 
         def accumulate(grads, micro):
             def loss_fn(p):
-                return loss_of(*token_stats(cfg, mesh, p, micro, tc.remat), micro, total)
+                stats = token_stats(cfg, mesh, p, micro, tc.remat)
+                return step_loss(cfg, jnp, *stats, micro, total)
             (loss, aux), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
             return jax.tree.map(jnp.add, grads, g), (loss, aux)
 
@@ -356,7 +329,7 @@ class JaxBackend:
         # rows a GPU, not all 64 at once: a head chunk's logits alone were 6 GiB bf16 + 12 fp32)
         def nats(params, batch):  # summed nats, and the targets they cover
             def one(micro):
-                logp, _, labels = token_stats(cfg, mesh, params, micro)
+                logp, _, labels, _ = token_stats(cfg, mesh, params, micro)
                 return -logp.sum(), (labels != model.IGNORE_INDEX).sum()
             return jax.tree.map(jnp.sum, jax.lax.map(one, batch))
         self.eval_step = jax.jit(nats)
@@ -425,8 +398,12 @@ class JaxBackend:
 
 # --- the PyTorch backend: model.py's nn.Module, FSDP2 under torchrun ---
 
-def stacked_name(n):  # "layers.3.X" -> "layers.X", param_table's name
-    return re.sub(r"^layers\.\d+\.", "layers.", n)
+def stacked_name(n):
+    """HF's name -> the param_table name, the index after each stacked axis dropped (the reverse
+    of model.layer_name): "layers.3.mlp.up_proj.weight" -> "layers.mlp.up_proj.weight"."""
+    for axis in model.STACKED_AXES:
+        n = re.sub(rf"\b{axis}\.\d+\.", f"{axis}.", n)
+    return n
 
 
 class TorchBackend:
@@ -468,7 +445,6 @@ class TorchBackend:
         self.optim = torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps,
                                        fused=self.device.type == "cuda")
         self.history = new_history()  # on the host
-        self.loss, self.total_of = model.make_loss(cfg, torch)
         kind = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         self.peak = peak_flops(kind)
         self.layout[-1] += f" on {kind}" + (", torch.compile" if tc.compile else "")
@@ -517,7 +493,7 @@ class TorchBackend:
         """batch: {tokens (B_rank, T), ...}: this rank's rows; sums as in JAX."""
         tc = self.cfg.train
         x, y, docs, rows = self._inputs(batch)  # rows: ref, advantage
-        mine = torch.as_tensor(self.total_of(y, rows), device=self.device)
+        mine = torch.as_tensor(global_count(self.cfg, y, rows), device=self.device)
         total = shard.torch_sum(mine).clamp(min=1)
         per, sums = len(x) // self.accum, {}  # rows per micro-batch (DPO: a pair's two together)
         for a in range(self.accum):
@@ -526,9 +502,10 @@ class TorchBackend:
                 self.net.set_requires_gradient_sync(a == self.accum - 1)
             segments = None if docs is None else docs[at]
             # the head in train.loss_chunks passes, each recomputed in the backward (JAX's too)
-            logp, lse = self.net(x[at], self.dtype, tc.remat, segments, labels=y[at],
-                                 chunks=tc.loss_chunks, temperature=temperature(tc))
-            share, aux = self.loss(logp, lse, y[at], {k: v[at] for k, v in rows.items()}, total)
+            logp, lse, terms = self.net(x[at], self.dtype, tc.remat, segments, labels=y[at],
+                                        chunks=tc.loss_chunks, temperature=temperature(tc))
+            micro = {k: v[at] for k, v in rows.items()}
+            share, aux = step_loss(self.cfg, torch, logp, lse, y[at], terms, micro, total)
             # FSDP2 averages over ranks; each loss is a share of the global mean: x world, summed
             (share * self.world).backward()
             for k, v in dict(loss=share, **aux).items():
@@ -609,7 +586,7 @@ def pair_scores(backend, pairs, rows):
     sums, counts = np.zeros((pairs.n, 2)), np.zeros((pairs.n, 2))
     for start in data.Progress(range(0, pairs.n, rows), desc="log-probs of pairs", leave=False):
         ids = np.arange(start, start + rows) % pairs.n  # the last wraps round (same values twice)
-        batch = {k: v for k, v in data.read_rows(pairs, ids).items() if k != "ref"}
+        batch = {k: v for k, v in pairs.batch(ids).items() if k != "ref"}
         sums[ids] = backend.score(batch).reshape(-1, 2)
         counts[ids] = batch["mask"][:, 1:].sum(-1).reshape(-1, 2)
     return sums, counts
@@ -644,8 +621,11 @@ def reference_logps(backend, cfg, splits):
 
 
 def rollouts(backend, cfg, batch, step, tok):
-    """GRPO's rows: train.grpo_group rewarded completions of each prompt (docs/training.md), a
-    seed per step (a resumed run samples what the first would have)."""
+    """GRPO's rows from a step's prompts (data.Prompts' batch): train.grpo_group completions of
+    each, sampled from the current policy with the KV cache, rewarded by data.reward; the mask
+    trains the completion's tokens only; advantages normalised within the prompt's group,
+    (r - mean) / (std + 1e-8), as open-instruct's grpo_fast. A seed per step: a resumed run
+    samples what the first would have."""
     tc, T, G = cfg.train, cfg.data.seq_len, cfg.train.grpo_group
     tokens = np.full((len(batch["prompts"]) * G, T), cfg.model.pad_token_id, np.int32)
     mask, reward = np.zeros_like(tokens, bool), np.zeros(len(tokens), np.float32)
@@ -657,7 +637,7 @@ def rollouts(backend, cfg, batch, step, tok):
             P, N = len(prompt), len(done)
             tokens[r, :P + N] = prompt + done
             mask[r, P:P + N] = True
-            reward[r] = evaluate.reward(tok, done, answer)
+            reward[r] = data.reward(tok, done, answer)
     groups = reward.reshape(-1, G)
     advantage = (groups - groups.mean(1, keepdims=True)) / (groups.std(1, keepdims=True) + 1e-8)
     return dict(tokens=tokens, mask=mask, advantage=advantage.ravel().astype(np.float32),
@@ -672,7 +652,9 @@ def open_data(cfg):
     dc, m, tc = cfg.data, cfg.model, cfg.train
     info = data.load_dataset_info(dc.path) if Path(dc.path).is_dir() else None
     kind = "prompts" if dc.path.endswith(".jsonl") else (info or {}).get("kind", "text")
-    fits = dict(ce="text chat", grpo="prompts").get(tc.loss, "pairs").split()
+    # the dataset kinds each loss trains on
+    trains_on = dict(ce=["text", "chat"], dpo=["pairs"], dpo_norm=["pairs"], grpo=["prompts"])
+    fits = trains_on[tc.loss]
     if kind not in fits:
         raise ConfigError(f"train.loss={tc.loss!r} does not train on {kind} (data.path="
                           f"{dc.path!r}): it takes {' or '.join(fits)}")
@@ -687,7 +669,7 @@ def open_data(cfg):
             raise ConfigError(f"data.global_batch={dc.global_batch} counts completions: a multiple "
                               f"of train.grpo_group={tc.grpo_group}")
         tok = evaluate.checkpoint_tokenizer(tc.init_from, m)
-        prompts = evaluate.Prompts(dc.path, tok, dc.chat_template)
+        prompts = data.Prompts(dc.path, tok, dc.chat_template)
         if (P := max(len(p) for p, _ in prompts.items)) + tc.grpo_max_new > dc.seq_len:
             raise ConfigError(f"data.seq_len={dc.seq_len} cannot hold {dc.path}'s longest prompt "
                               f"({P} tokens) and train.grpo_max_new={tc.grpo_max_new} more")
@@ -720,9 +702,9 @@ def open_data(cfg):
 def restore(backend, cfg):
     """Resume, start a stage or initialise -> (checkpoint, step, loader step, log window)."""
     tc = cfg.train
-    ckpt = latest_checkpoint(tc.run_dir)
+    ckpt = convert.latest_checkpoint(tc.run_dir)
     if ckpt:
-        state, views, meta = open_checkpoint(ckpt, cfg.model)
+        state, views, meta = convert.open_checkpoint(ckpt, cfg.model)
         if views is None:
             raise ValueError(f"{ckpt}: no optimizer.safetensors, cannot resume")
         was = {k: meta["config"]["data"].get(k, "fsl")  # (before data.packing: fsl)
@@ -737,7 +719,8 @@ def restore(backend, cfg):
         print(f"resuming {ckpt} at step {meta['step']} (written by the {by} backend)")
         return ckpt, meta["step"], meta["data"]["step"], meta.get("log_window", [])
     if tc.init_from:
-        start = open_checkpoint(tc.init_from, cfg.model, tc.load_optimizer, new_stage=True)
+        start = convert.open_checkpoint(tc.init_from, cfg.model, tc.load_optimizer,
+                                        new_stage=True)
         backend.load(*start[:2])
         moments = " and AdamW moments" if tc.load_optimizer else ""
         print(f"new stage from {tc.init_from}: its params{moments}, step 0")
@@ -760,7 +743,7 @@ def held_out_eval(backend, heldout, cfg, token_bytes, batches):
     rows = np.arange(B).reshape(backend.world, -1)[backend.ranks].ravel()  # this process's ranks'
     nats = count = n_bytes = 0
     for b in range(min(heldout.n // B, batches or heldout.n)):
-        batch = data.read_rows(heldout, b * B + np.arange(B))
+        batch = heldout.batch(b * B + np.arange(B))
         s, n = backend.eval({k: v[rows] for k, v in batch.items()})
         nats, count = nats + s, count + n
         if token_bytes is not None:  # chat: the assistant's tokens only, as in the loss
@@ -971,7 +954,7 @@ def main(argv):
         if record and lead:
             log(record, metrics_path, bar.write)
         if saving:  # every process writes its pieces
-            last_saved = save_checkpoint(step, backend, cfg, loader.state(), window, tok_files)
+            last_saved = convert.save_step(step, backend, cfg, loader.state(), window, tok_files)
             t_last, timed = time.perf_counter(), 0  # (a checkpoint's seconds: in no step)
         if stopping:
             bar.close()

@@ -1,7 +1,8 @@
 """The config schema and loader: dataclass defaults, then TOML files (what differs, under
 `[section]` headers) merged left to right, then `--section.key=value` overrides (e.g.
-`--model.n_layers=8`). Standard library only: everything imports it. The fields:
-docs/design.md#config-notes.
+`--model.n_layers=8`). Standard library only: everything imports it. Each field's comment says
+what it does, its choices, and which release sets it otherwise where the default is not theirs
+(the shipped configs/*.toml say it too).
 """
 
 import argparse
@@ -46,24 +47,26 @@ def _checks(cfg, positive="", nonneg="", unit="", devices="", **choices):
 @dataclass
 class ModelConfig:
     # Defaults: OLMo 2/3 at a laptop size
-    # The block: olmo1 (pre-norm LayerNorm without weights), olmo2 (RMSNorm on each
-    # sublayer's output, QK-norm) or olmo3 (olmo2, plus sliding-window layers and YaRN)
+    # The block, and the HF class its checkpoints load as: olmo1 (OlmoForCausalLM: pre-norm,
+    # LayerNorm without weights), olmo2 (Olmo2ForCausalLM: RMSNorm on each sublayer's output,
+    # QK-norm) or olmo3 (Olmo3ForCausalLM: olmo2, plus sliding-window layers and YaRN)
     family: str = "olmo3"         # olmo1 | olmo2 | olmo3
     d_model: int = 256            # D
     n_layers: int = 4             # L
     n_heads: int = 4              # N query heads
     n_kv_heads: int = 0           # K; 0 = n_heads (no GQA)
     head_dim: int = 0             # H; 0 = d_model // n_heads
+    # 0: OLMo-core's llama rule (TransformerConfig.llama_like), 256·ceil(int(8·d_model/3) / 256)
     mlp_hidden: int = 0           # F, per SwiGLU branch (HF intermediate_size); 0 = llama rule
     vocab_size: int = 100352      # V: dolma2's 100278 ids padded to a multiple of 128
-    tie_embeddings: bool = False  # lm_head reuses embed_tokens
+    tie_embeddings: bool = False  # lm_head reuses embed_tokens (true in OLMo-1B)
     norm_eps: float = 1e-6        # OLMo 1's LayerNorm: 1e-5 (HF hard-codes it)
     rope_theta: float = 500000.0
     max_seq_len: int = 4096       # HF max_position_embeddings; T in the FLOP count
-    clip_qkv: float = 0.0         # olmo1: clamp q, k, v to +-this; 0 = off
+    clip_qkv: float = 0.0         # olmo1: clamp q, k, v to +-this; 0 = off (8 in OLMo 1.7)
     sliding_window: int = 0       # W: a sliding layer's query sees W keys (its own too); 0 = none
     layer_pattern: str = "F"      # S = sliding, F = full; repeated to n_layers (OLMo 3: "SSSF")
-    yarn_factor: float = 0.0      # YaRN on full layers' RoPE; 0 = off
+    yarn_factor: float = 0.0      # YaRN on full layers' RoPE; 0 = off (OLMo 3 long context: 8)
     yarn_original_max_seq_len: int = 8192
     yarn_beta_fast: float = 32.0
     yarn_beta_slow: float = 1.0
@@ -72,9 +75,13 @@ class ModelConfig:
     init_std: float = 0.02
     eos_token_id: int = 100257    # dolma2's <|endoftext|> (HF config.json)
     pad_token_id: int = 100277    # dolma2's <|pad|>
-    # How attention is computed, never what: auto (the device's kernel where it can run, else
-    # xla), xla (plain einsums), splash (JAX's TPU kernel), cudnn (JAX's GPU kernel), sdpa or flex
-    # (torch's two); a kernel that cannot run for this shape or device is refused by name
+    # How attention is computed, never what: every choice gives the same numbers (to rounding).
+    # JAX: xla (query blocks under XLA that skip the keys the mask hides; any device), splash
+    # (JAX's Pallas kernel for TPUs), cudnn (JAX's cuDNN kernel for GPUs); torch: sdpa (its
+    # scaled_dot_product_attention: the flash kernel on full layers, a mask elsewhere) or flex
+    # (flex_attention's block masks, compiled on GPUs). auto picks by device: JAX splash on a TPU,
+    # cudnn on a GPU where cuDNN runs this shape, else xla; torch flex on a GPU, else sdpa. A
+    # kernel named that cannot run for this shape or device is refused by name
     attention: str = "auto"       # auto | xla | splash | cudnn | sdpa | flex
 
     def __post_init__(self):
@@ -135,16 +142,25 @@ class DataConfig:
     seq_len: int = 256            # T: tokens per instance
     global_batch: int = 16        # G: instances per optimizer step, over all devices
     seed: int = 0                 # epoch e shuffles with PCG64(seed + e), as OLMo-core
-    doc_mask: bool = False        # attention kept inside each document
+    doc_mask: bool = False        # attention kept inside each document (one ends at EOS)
+    # fsl: the token stream cut every seq_len tokens, documents running across instances (Olmo 3
+    # stages 1-2). packed: OLMo-core's NumpyPackedFSLDataset (Olmo 3 stage 3, SFT): whole
+    # documents best-fit into instances and padded; several documents share an instance, so it
+    # needs doc_mask
     packing: str = "fsl"          # fsl: the stream cut every seq_len | packed: whole docs, padded
-    source_group_size: int = 8          # packed: files packed together
-    source_permutation_seed: int = 123  # packed: files shuffled first
+    # packed: this many files packed together (8 in Olmo 3 stage 3, 1 for SFT)
+    source_group_size: int = 8
+    # packed: the files shuffled before packing, by Python's random.Random(seed).shuffle
+    source_permutation_seed: int = 123
     # packed: a document longer than seq_len is cut to its start (truncate, OLMo-core's way) or
     # cut into seq_len fragments that each become a document (fragment)
     long_docs: str = "truncate"   # truncate | fragment
-    # GRPO's prompts are rendered in this template: tulu (OLMo 1/2 Instruct) or olmo
-    # (Olmo 3's ChatML); data.CHAT_TEMPLATES holds both
+    # GRPO's prompts file (a data.path ending in .jsonl) is rendered in this template: tulu
+    # (OLMo 1/2 Instruct) or olmo (Olmo 3's ChatML); data.CHAT_TEMPLATES holds both
     chat_template: str = "tulu"   # tulu | olmo
+    # OLMo-core's InstanceFilterConfig (data.filtered), off as there: an instance in which a
+    # pattern of repetition_min_period..repetition_max_period tokens repeats
+    # repetition_max_count times back to back trains nothing (all its labels -100); ce only
     instance_filter: bool = False  # no loss on instances with a repeating pattern
     repetition_min_period: int = 1
     repetition_max_period: int = 13
@@ -161,18 +177,34 @@ class DataConfig:
               "packing='packed' puts several documents in an instance: set data.doc_mask=true")
 
 
+def _mesh_axis(size):
+    """A MeshConfig field that is an axis of the device mesh, `size` devices by default."""
+    return field(default=size, metadata={"mesh_axis": True})
+
+
 @dataclass
 class MeshConfig:
-    # Devices per mesh axis, one may be -1 (the rest); what splits over which: shard.py
-    data: int = -1
-    fsdp: int = 1
-    context: int = 1              # devices sharing each instance's tokens
-    tensor: int = 1
+    # Devices per mesh axis, one may be -1 (the rest). The axes are the _mesh_axis fields, in the
+    # mesh's order (MeshConfig.axes(), shard.AXES): a new axis is one field here, and a rule in
+    # shard.RULES for the weights that split over it
+    data: int = _mesh_axis(-1)    # splits instances, not weights (each replica has them all)
+    fsdp: int = _mesh_axis(1)     # splits instances and every weight (FSDP: gathered for use)
+    context: int = _mesh_axis(1)  # devices sharing each instance's tokens
+    tensor: int = _mesh_axis(1)   # devices sharing each layer's heads and MLP width (Megatron)
+    # device x devices: the target this config is made for; `python train.py plan CONFIG`
+    # compiles the step for it and says whether it fits. A run goes wherever it is started, on
+    # any device count the mesh divides. devices counts JAX devices: on TPUs chips (a v5p-512 is
+    # 256 chips)
     device: str = ""              # the target `train.py plan` fits (shard.DEVICES); "" = none
     devices: int = 0              # the target's JAX devices; 0 = none
 
     def __post_init__(self):
-        _checks(self, devices="data fsdp context tensor", nonneg="devices")
+        _checks(self, devices=" ".join(self.axes()), nonneg="devices")
+
+    @classmethod
+    def axes(cls):
+        """The mesh's axes in order: ("data", "fsdp", "context", "tensor")."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("mesh_axis"))
 
 
 @dataclass
@@ -190,13 +222,19 @@ class TrainConfig:
     compute_dtype: str = "float32"  # float32 | bfloat16
     # What the backward pass recomputes instead of storing: none; block (keeps each layer's input,
     # reruns the layer); mlp (reruns the feed-forward only); dots (keeps the matmuls' outputs,
-    # reruns norms, RoPE, SwiGLU and attention)
+    # reruns norms, RoPE, SwiGLU and attention). OLMo 3's mid-training: mlp
     remat: str = "none"           # none | block | mlp | dots
-    loss_chunks: int = 8          # the head and softmax in this many passes (both backends)
-    scan_layers: bool = True      # JAX: loop over layers; false unrolls
+    # The head and softmax over the positions in this many passes (both backends), each recomputed
+    # in the backward: the whole (B, T, V) logits never exist at once, and at V = 100352 they are
+    # most of a step's memory
+    loss_chunks: int = 8
+    # JAX runs the layers in a loop over repeats of model.layer_pattern, so compile time stays
+    # flat in L; false unrolls them, faster on a CPU (XLA's CPU loop keeps the saved activations
+    # stacked)
+    scan_layers: bool = True
     init_seed: int = 0
     init_from: str = ""           # a new stage from this checkpoint, at step 0
-    load_optimizer: bool = True   # init_from: its AdamW moments too
+    load_optimizer: bool = True   # init_from: its AdamW moments too (as OLMo 3's mid-training)
     # schedule
     lr: float = 4e-4
     # After a linear warmup: cosine, linear, half_cosine (the second half of a cosine:
@@ -205,7 +243,7 @@ class TrainConfig:
     schedule: str = "cosine"      # cosine | linear | half_cosine | constant | wsd | wsds
     units: str = "steps"          # what warmup, t_max and decay count: steps or tokens
     warmup: int = 100
-    warmup_min_lr: float = 0.0
+    warmup_min_lr: float = 0.0    # the lr the warmup starts from (OLMo 1, Feb 2024: 0.1·lr)
     t_max: int = 0                # schedule length; 0 = this stage's steps (or their tokens)
     alpha_f: float = 0.1          # the schedule ends at alpha_f·lr (wsd, wsds: decays to it)
     # wsd and wsds (warmup, stable at lr, linear decay): the decay's length in `units`; 0 = its
@@ -219,26 +257,28 @@ class TrainConfig:
     # optimizer
     beta1: float = 0.9
     beta2: float = 0.95
-    eps: float = 1e-8
+    eps: float = 1e-8             # AdamW's (OLMo 1: 1e-5)
     weight_decay: float = 0.1     # not on the embedding (Param.decay)
     clip: float = 1.0             # gradient-norm clipping; 0 = off
     # stability
-    z_loss: float = 1e-5
-    skip_step: bool = False       # skip updates whose loss or grad norm is a 6σ outlier
+    z_loss: float = 1e-5          # OLMo 2/3 use it; OLMo 1 had none (0)
+    skip_step: bool = False       # skip updates whose loss or grad norm is a 6σ outlier (OLMo 3)
     # logs and checkpoints
     log_every: int = 10
     checkpoint_every: int = 500
     keep: int = 2                 # checkpoints kept (the newest)
-    # post-training (docs/posttrain.md)
-    # ce: cross-entropy (pretraining, SFT); dpo or dpo_norm (length-normalised, OLMo 2/3): DPO on
-    # preference pairs; grpo: GRPO on prompts with answers (model.make_loss)
+    # post-training
+    # ce: next-token cross-entropy (pretraining, and SFT on chat data, whose label mask keeps the
+    # assistant's tokens only); dpo or dpo_norm (length-normalised, OLMo 2/3): DPO on preference
+    # pairs; grpo: GRPO on a prompts file with answers (train.step_loss)
     loss: str = "ce"              # ce | dpo | dpo_norm | grpo
     epochs: int = 0               # > 0: steps = epochs x the data's steps per epoch
-    warmup_fraction: float = 0.0  # > 0: warmup = this fraction of steps
-    dpo_beta: float = 0.1         # β
-    grpo_group: int = 8           # completions per prompt (global_batch counts them)
+    # > 0: warmup = this fraction of steps (OLMo-core's SFT: 0.03; open-instruct's DPO: 0.1)
+    warmup_fraction: float = 0.0
+    dpo_beta: float = 0.1         # β: 0.1 for sigmoid DPO (Tulu 2), 5 for dpo_norm (OLMo 2/3)
+    grpo_group: int = 8           # completions per prompt (global_batch counts them); as Olmo 3
     grpo_max_new: int = 8         # tokens per completion at most
-    grpo_temperature: float = 1.0  # sampling temperature
+    grpo_temperature: float = 1.0  # sampling temperature, as Olmo 3
 
     def __post_init__(self):
         _checks(self, positive="steps log_every checkpoint_every keep eps dpo_beta grpo_group "
@@ -275,10 +315,14 @@ class EvalConfig:
     # (OLMo-core's stage-2 runs evaluate on a fixed validation set, not on their mix).
     # "" = data.path's own held-out split and tokenizer
     data: str = ""
+    # sampled from at the end of training: sample_tokens tokens at this temperature
     prompt: str = "It is a truth universally acknowledged"  # "" = no sample at the end
     sample_tokens: int = 48
     temperature: float = 0.8
-    tasks: str = ""               # eval.TASKS run with it, e.g. "arc_easy,piqa"
+    # eval.TASKS (e.g. "arc_easy,hellaswag,piqa"), run as `eval.py tasks` does on the held-out
+    # eval's schedule and logged as <task>_acc; single-process runs only, as the JAX forward
+    # scores them on the gathered params
+    tasks: str = ""
     tasks_data: str = "../shared/evaldata"  # eval.py tasks --data
     tasks_limit: int = 100        # each task's first N documents; 0 = all
     # The prompts and normalisations of the tasks: olmes (OLMES v0.1), catwalk (the OLMo

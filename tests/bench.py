@@ -26,7 +26,7 @@ def bench_rows(cfg, platform, cuda):
     import importlib.util
     from functools import partial
 
-    import model
+    import shard
     import train
     from configs import build, to_dict
     m, tc = cfg.model, cfg.train
@@ -39,7 +39,7 @@ def bench_rows(cfg, platform, cuda):
     for dtype in dtypes:
         for attention in {"tpu": ["splash", "xla"], "gpu": ["cudnn", "xla"]}.get(platform, ["xla"]):
             try:
-                model.pick_attention(dataclasses.replace(m, attention=attention), dtype)
+                shard.pick_attention(dataclasses.replace(m, attention=attention), dtype)
             except ValueError:
                 continue  # (cudnn in fp32)
             run = changed(model=dict(attention=attention), train=dict(compute_dtype=dtype))
@@ -179,13 +179,13 @@ def attention_bench(argv):
     """Forward + backward time of sliding against full layers on this device's default attention:
     what a window saves. D 256, 4 heads of 64, 2 layers, W 512, B 1."""
     import time
-    from functools import partial
 
     import jax
     import jax.numpy as jnp
 
     from configs import ModelConfig
-    from model import init_params, loss_fn, pick_attention
+    from model import cross_entropy, forward, init_params
+    from shard import ATTEND, pick_attention
 
     W = 512
     print(f"{'T':>6} {'impl':>6} {'full ms':>9} {'sliding ms':>11} {'ratio':>6} {'ideal':>6}")
@@ -198,14 +198,17 @@ def attention_bench(argv):
                             eos_token_id=0, pad_token_id=1)
             params = init_params(m, jax.random.PRNGKey(0))
             toks = jnp.zeros((1, T), jnp.int32)  # (B, T)
-            step = jax.jit(jax.grad(partial(loss_fn, m=m)))
+            impl = pick_attention(m, jnp.float32)  # this device's kernel, as eval.py runs it
+
+            def loss(params, toks, labels, m=m, attend=ATTEND[impl]):  # model.loss_fn's maths
+                return cross_entropy(forward(params, toks, m, attend_fn=attend), labels)[0]
+            step = jax.jit(jax.grad(loss))
             jax.block_until_ready(step(params, toks, toks))  # compile
             t0 = time.perf_counter()
             for _ in range(3):
                 jax.block_until_ready(step(params, toks, toks))
             times[kind] = (time.perf_counter() - t0) / 3 * 1e3
         ideal = W / (T / 2)  # keys per query: W against T/2 on average under the causal mask
-        impl = pick_attention(m, jnp.float32)
         ratio = times["S"] / times["F"]
         print(f"{T:>6} {impl:>6} {times['F']:>9.0f} {times['S']:>11.0f} {ratio:>6.2f} "
               f"{ideal:>6.3f}")

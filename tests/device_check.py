@@ -208,6 +208,7 @@ def jax_attention_rows(args):
     import numpy as np
 
     import model
+    import shard
     B, T, N, K, H = SHAPES["tiny" if args.tiny else "full"]
     rng = np.random.default_rng(0)
     q, k, v, dy = (jnp.asarray(rng.standard_normal((B, T, n, H)), jnp.bfloat16)
@@ -219,7 +220,7 @@ def jax_attention_rows(args):
         for window in (0, T // 4):
             for docs in (None, segments):
                 try:
-                    model.pick_attention(dataclasses.replace(m, attention=impl), jnp.bfloat16,
+                    shard.pick_attention(dataclasses.replace(m, attention=impl), jnp.bfloat16,
                                          docs is not None)
                 except ValueError as e:
                     emit("kernels", ["JAX", impl, window, docs is not None, "refused",
@@ -230,7 +231,7 @@ def jax_attention_rows(args):
                 extra = () if docs is None else (docs,)
 
                 def attend(q, k, v, w=window, e=extra, i=impl):
-                    return model.ATTEND[i](q, k, v, w, H ** -0.5, *e)
+                    return shard.ATTEND[i](q, k, v, w, H ** -0.5, *e)
                 ours = jax.jit(functools.partial(forward_backward, attend))
                 ref = jax.jit(functools.partial(
                     forward_backward, lambda q, k, v, w=window, d=docs: dense(q, k, v, w, d)))
@@ -305,13 +306,14 @@ def training_rows(args, unit):
     import torch
 
     import model
+    import shard
     from bench import bench_rows
     cfg = bench_config(args.tiny)
     B, T = cfg.data.global_batch, cfg.data.seq_len
     tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (B, T)).astype(np.int32)
     flops = model.flops_per_token(cfg.model, T)
     cuda = torch.cuda.is_available()
-    auto = model.pick_attention(cfg.model, "bfloat16")
+    auto = shard.pick_attention(cfg.model, "bfloat16")
     torch_row = "torch sdpa compiled" if cuda else "torch sdpa eager"  # (a CPU: eager)
     wanted = {
         "train:jax": lambda label: label.startswith(f"nanolmo JAX {auto} "),

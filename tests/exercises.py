@@ -19,7 +19,9 @@ twin, which go together. The copy keeps the signature and the docstring and repl
 the body with `raise NotImplementedError("exercise: NAME (docs/exercises.md): FUNCTION is yours to
 write")`, so a failing test names the function (the JAX one or its twin) still to write. A student's
 run shows each failure as one line, where it was raised: pytest's usual report would print the
-test's source, which holds the answer. docs/exercises.md names, under each
+test's source, which holds the answer. Its verdict names what is left; for an exercise with a twin,
+whose tests check the JAX function first, it says when the JAX half passes and only the PyTorch
+half is left. docs/exercises.md names, under each
 `##` heading, the marker (**Marker** `NAME`) and the tests that check it (**Tests** `tests/...`).
 """
 
@@ -257,11 +259,35 @@ def student_test(name=None):
     # An exercise may hold a JAX function and its PyTorch twin: say which ones still raise
     messages = " ".join(message for _, message in not_passed.values())
     left = sorted(set(re.findall(r"\(docs/exercises.md\): (\S+) is yours to write", messages)))
-    if left:
+    jax_half, torch_half = halves(name)
+    only_stubs = all(raised_by(name, outcome) for outcome in not_passed.values())
+    if left and torch_half and only_stubs and set(left) <= set(torch_half):
+        # each test checks the JAX function before its twin: failing only on a twin's stub, it
+        # has passed the JAX half
+        print(f"  the JAX half passes: {', '.join(jax_half)} (every test checks it before the "
+              "twin)")
+        print(f"  still to write, the PyTorch half: {', '.join(left)}")
+    elif left:
         passed = len(tests) - len(not_passed)
         already = f" ({passed} of its tests pass already)" if passed else ""
         print(f"  still to write: {', '.join(left)}{already}")
     return False
+
+
+def halves(name):
+    """(JAX functions, PyTorch twins) of exercise `name`, by name: a twin stands below a file's
+    `# === PyTorch ===` line (model.py's)."""
+    jax_half, torch_half = [], []
+    for source in where([name]).values():
+        lines = source.splitlines()
+        twins_from = next((i for i, line in enumerate(lines, start=1)
+                           if line.startswith("# === PyTorch ===")), len(lines) + 1)
+        for first, _, _, function in marked(source)[name]:
+            if first > twins_from:
+                torch_half.append(function)
+            else:
+                jax_half.append(function)
+    return jax_half, torch_half
 
 
 def main(argv):

@@ -1,7 +1,7 @@
 """Run by test_accelerators.py in a subprocess with 8 fake CPU devices: the real train step of
 shipped configs (4 layers, B 8), and eval.py's forward and KV-cache step, lowered from this CPU for
 CUDA and for TPU (`.trace(...).lower(lowering_platforms=...)`), with `auto` attention as shipped.
-The device check that picks the attention is stubbed (model.accelerator: an H100's platform and
+The device check that picks the attention is stubbed (shard.accelerator: an H100's platform and
 compute capability, or an A100's, or a TPU's), and so are cuDNN's own version and capability
 checks, as JAX's tests stub them (jax._src.cudnn.fused_attention_stablehlo). Prints one JSON line:
 per case, the custom calls in the lowered step, whether every fp32 matmul asks for full
@@ -22,6 +22,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax._src.cudnn import fused_attention_stablehlo as cudnn  # noqa: E402
 
+import eval as evaluate  # noqa: E402
 import model  # noqa: E402
 import shard  # noqa: E402
 import train  # noqa: E402
@@ -95,7 +96,12 @@ def eval_paths(cfg, platform):
     params = {k: jax.ShapeDtypeStruct(p.shape, jnp.float32)
               for k, p in model.param_table(m).items()}
     tokens = jax.ShapeDtypeStruct((2, 1024), jnp.int32)
-    forward = jax.jit(lambda p, t: model.forward(p, t, m, dtype))
+    # eval._backend's own function (its logits as they are), caught as it is handed to jax.jit:
+    # it picks the device's attention kernel (shard.pick_attention), which model.forward does not
+    handed = []
+    with mock.patch.object(jax, "jit", lambda f: handed.append(f) or f):
+        evaluate._backend(m, "jax", dtype, lambda xp, logits, t: logits)
+    forward = jax.jit(handed[0])
     cache = jax.eval_shape(lambda: model.new_cache(m, 2, 1024, dtype))
     one = jax.ShapeDtypeStruct((2, 1), jnp.int32)
     step = jax.jit(lambda p, t, c: model.forward_step(p, t, 7, c, m, dtype))
@@ -107,7 +113,7 @@ def main():
     out = {}
     for accel, (platform, capability) in ACCELERATORS.items():
         stub = lambda device=None, p=platform, c=capability: (p, c)  # noqa: E731
-        with mock.patch.object(model, "accelerator", stub), \
+        with mock.patch.object(shard, "accelerator", stub), \
              mock.patch.object(cudnn, "check_cudnn_version", lambda: 91000), \
              mock.patch.object(cudnn, "check_compute_capability",
                                lambda cc, c=capability: c >= (9, 0)):
@@ -115,7 +121,7 @@ def main():
                 if accel == "a100" and name not in ("olmo3-7b", "olmo3-7b-h256"):
                     continue
                 text, cfg = train_step(files, flags, platform)
-                case = dict(step=summary(text), attention=model.pick_attention(
+                case = dict(step=summary(text), attention=shard.pick_attention(
                     cfg.model, cfg.train.compute_dtype, cfg.data.doc_mask, None, cfg.mesh.context))
                 if "stage3" not in name:
                     forward, cached = eval_paths(cfg, platform)

@@ -22,8 +22,9 @@ from configs import load_config
 ROOT = Path(__file__).resolve().parents[1]
 H100, A100, TPU, CPU = ("gpu", (9, 0)), ("gpu", (8, 0)), ("tpu", None), ("cpu", None)
 def pick(monkeypatch, accelerator, m, dtype, documents=False, context=1):
-    monkeypatch.setattr(model, "accelerator", lambda device=None: accelerator)
-    return model.pick_attention(m, dtype, documents, None, context)
+    """shard.pick_attention on `accelerator` (platform, capability): its device query stubbed."""
+    monkeypatch.setattr(shard, "accelerator", lambda device=None: accelerator)
+    return shard.pick_attention(m, dtype, documents, None, context)
 
 
 # --- 1, 12: attention that cannot crash --------------------------------------------------------
@@ -278,7 +279,7 @@ def test_bench_rows_on_a_gpu_are_valid_and_on_the_gpu(monkeypatch):
     """No cuDNN row in fp32 (it cannot run), torch and transformers on the GPU too, in both dtypes;
     on a TPU host no torch rows (they would run on its CPU)."""
     cfg = load_config(["configs/tiny.toml"])
-    monkeypatch.setattr(model, "accelerator", lambda device=None: H100)
+    monkeypatch.setattr(shard, "accelerator", lambda device=None: H100)
     rows = {label: (dtype, on) for label, dtype, on, _ in bench_rows(cfg, "gpu", cuda=True)}
     assert "nanolmo JAX cudnn (gpu, bfloat16)" in rows
     assert "nanolmo JAX cudnn (gpu, float32)" not in rows
@@ -286,10 +287,10 @@ def test_bench_rows_on_a_gpu_are_valid_and_on_the_gpu(monkeypatch):
     assert {"transformers (cuda, float32)", "transformers (cuda, bfloat16)",
             "nanolmo torch flex compiled (cuda, bfloat16)"} <= set(rows)
     assert all(on for _, on in rows.values())
-    monkeypatch.setattr(model, "accelerator", lambda device=None: TPU)
+    monkeypatch.setattr(shard, "accelerator", lambda device=None: TPU)
     labels = [label for label, *_ in bench_rows(cfg, "tpu", cuda=False)]
     assert labels and all(label.startswith("nanolmo JAX") for label in labels)
-    monkeypatch.setattr(model, "accelerator", lambda device=None: CPU)
+    monkeypatch.setattr(shard, "accelerator", lambda device=None: CPU)
     labels = [label for label, *_ in bench_rows(cfg, "cpu", cuda=False)]
     assert labels[-1] == "transformers (cpu, float32)"
     assert not any("cudnn" in label for label in labels)

@@ -2,6 +2,7 @@
 sliding layers, packed documents), packed documents kept apart in both backends, and the XLA path's work
 growing with the window. Splash (the TPU kernel) runs interpreted on this CPU; cuDNN needs a GPU."""
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 import model
+import shard
 from common import random_params, variant
 
 B, T, N, K, H = 2, 40, 4, 2, 16  # T = 40 crosses the blocks of 16 below and is no multiple of splash's 128
@@ -40,7 +42,7 @@ def test_implementations_equal_the_reference(monkeypatch, impl, dtype, window):
     tol = dict(float32=2e-5, bfloat16=5e-2)[dtype]  # bf16: ours keeps bf16 operands, the reference fp32
     for segments in (None, documents(rng)):
         seg = None if segments is None else jnp.asarray(segments)
-        ours, ours_vjp = jax.vjp(lambda *x: model.ATTEND[impl](*x, window, H ** -0.5, seg), q, k, v)
+        ours, ours_vjp = jax.vjp(lambda *x: shard.ATTEND[impl](*x, window, H ** -0.5, seg), q, k, v)
         ref, ref_vjp = jax.vjp(lambda *x: reference(*x, window, segments), q, k, v)
         assert ours.dtype == q.dtype
         for a, b in zip((ours, *ours_vjp(dy)), (ref, *ref_vjp(dy))):
@@ -65,14 +67,14 @@ def test_packed_documents_equal_each_document_alone(monkeypatch, impl):
     (Olmo 3 never restarted them): nothing leaks across an EOS, in either direction."""
     monkeypatch.setattr(model, "Q_BLOCK", 16)
     m, toks, starts = packed()
-    m = dataclasses.replace(m, attention=impl)
+    forward = functools.partial(model.forward, m=m, attend_fn=shard.ATTEND[impl])
     params = {k: jnp.asarray(v) for k, v in random_params(m, std=0.1).items()}
     segments = model.segment_ids(toks, m.eos_token_id)
     assert segments.tolist() == [[0] * 11 + [1] * 17 + [2] * 12]
-    together = np.asarray(model.forward(params, jnp.asarray(toks), m, segments=jnp.asarray(segments)))
-    plain = np.asarray(model.forward(params, jnp.asarray(toks), m))
+    together = np.asarray(forward(params, jnp.asarray(toks), segments=jnp.asarray(segments)))
+    plain = np.asarray(forward(params, jnp.asarray(toks)))
     for a, b in zip(starts[:-1], starts[1:]):
-        alone = np.asarray(model.forward(params, jnp.asarray(toks[:, a:b]), m, positions=jnp.arange(a, b)))
+        alone = np.asarray(forward(params, jnp.asarray(toks[:, a:b]), positions=jnp.arange(a, b)))
         np.testing.assert_allclose(together[:, a:b], alone, rtol=0, atol=2e-5 * np.abs(alone).max())
         if a:  # without the segment ids the later documents do see the earlier ones
             assert np.abs(plain[:, a:b] - alone).max() > 1e-2
@@ -120,7 +122,7 @@ def test_flex_traces_whole_and_builds_window_masks_once(monkeypatch):
 def test_wrong_backend_implementations_are_refused():
     m = variant("olmo3")
     with pytest.raises(ValueError, match="model.attention='flex' is a torch implementation"):
-        model.forward(random_params(m), jnp.zeros((1, 8), jnp.int32), dataclasses.replace(m, attention="flex"))
+        shard.pick_attention(dataclasses.replace(m, attention="flex"), jnp.float32)
     with pytest.raises(ValueError, match="model.attention='splash' is a JAX implementation"):
         model.torch_model(dataclasses.replace(m, attention="splash"))(torch.zeros((1, 8), dtype=torch.long))
 

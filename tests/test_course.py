@@ -158,11 +158,25 @@ def test_block_is_transformers_decoder_layer(family):
         hint = ("OLMo 2/3 'reordered norm': x = x + rms_norm(attn(x)); x = x + rms_norm(mlp(x)), "
                 "each with its own weight (post_attention_layernorm, post_feedforward_layernorm).")
     axes = ("batch", "position", "feature")
-    got = model.block(p, jnp.asarray(numpy(x)), lambda h: jnp.tanh(h @ jnp.asarray(A)) * 2, m)
+    out = model.block(p, jnp.asarray(numpy(x)), lambda h: jnp.tanh(h @ jnp.asarray(A)) * 2, m)
+    got = block_x(f"model.block ({family})", out)
     compare(f"model.block ({family})", got, want, axes, 1e-5, mistakes, hint)
     with torch.no_grad():
-        got = numpy(twin(x, None, None, None))
+        got = numpy(block_x(f"model.Block.forward (torch, {family})", twin(x, None, None, None)))
     compare(f"model.Block.forward (torch, {family})", got, want, axes, 1e-5, mistakes, hint)
+
+
+def block_x(name, out):
+    """x of a block's (x, terms), or a failure that says what a block returns."""
+    if not isinstance(out, tuple) or len(out) != 2:
+        fail(f"{name} returns {type(out).__name__}, not (x, terms): x after both sublayers, and "
+             "beside it the auxiliary loss terms the feed-forward returned with its output "
+             "(mlp's: {}).")
+    x, terms = out
+    if terms != {}:
+        fail(f"{name}'s terms are {terms!r}: hand on the feed-forward's own terms, the second "
+             "value mlp returns ({} for this dense MLP).")
+    return x
 
 
 # --- 2. rope: rope_cos_sin and rope (torch: rope_cos_sin_torch, rope_torch) ---------------------
@@ -265,6 +279,20 @@ def test_rope_is_transformers_rotate_half():
 
 # --- 3. qk_norm: project_qkv (torch: Attention.project) ------------------------------------------
 
+def each_head_by_transformers(norm, heads):
+    """heads (B, T, n, H) each normalised on its own by transformers' RMSNorm (norm's own class, H
+    wide, with that head's slice of norm's weight): Qwen 3's and Gemma's per-head QK-norm, the
+    mistake to recognise, computed by code the learner does not write."""
+    n, H = heads.shape[2], heads.shape[3]
+    weights = norm.weight.view(n, H)
+    out = []
+    for i in range(n):
+        one = type(norm)(H, eps=norm.variance_epsilon)
+        one.weight.data = weights[i]
+        out.append(one(heads[:, :, i]))
+    return torch.stack(out, dim=2)
+
+
 def captured_qkv(net, module, x, cos, sin, monkeypatch):
     """q, k, v (B, T, N|K, H) as transformers' layer-0 attention hands them to its attention
     function: projected, QK-normed or clamped, RoPE applied."""
@@ -320,9 +348,7 @@ def test_project_qkv_is_transformers_attention(family, monkeypatch):
                                    "clamp first, then RoPE.")]
                 continue
             norm = getattr(attn, f"{n}_norm")
-            per_head = proj.view(B, T, heads, -1)
-            per_head = per_head * torch.rsqrt(per_head.pow(2).mean(-1, keepdim=True) + m.norm_eps)
-            per_head = per_head * norm.weight.view(heads, -1)
+            per_head = each_head_by_transformers(norm, proj.view(B, T, heads, -1))
             after = rope(proj.view(B, T, heads, -1)).reshape(B, T, -1)
             alts[n] = [mistake("normalising per head (Qwen 3's and Gemma's QK-norm)",
                                numpy(rope(per_head)),

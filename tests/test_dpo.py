@@ -1,7 +1,7 @@
 """DPO and GRPO against a reference nobody here wrote: Hugging Face transformers' log-probs of a checkpoint that
 convert.save_hf writes, put through the losses as open-instruct's dpo_loss / _get_batch_logps and TRL's "sigmoid" /
 "sigmoid_norm" compute them (reference/longctx-posttrain-facts.md §2.7), with torch autograd for the gradients.
-Ours: the JAX step (JaxBackend.step), jax.grad of model.forward + model.make_loss, the torch backend, the reference
+Ours: the JAX step (JaxBackend.step), jax.grad of model.forward + train.step_loss, the torch backend, the reference
 pass (score); and GRPO's clipped loss against REINFORCE and PPO's clip."""
 import jax
 import jax.numpy as jnp
@@ -146,7 +146,7 @@ def check_metrics(out, value, margin, grads):
 
 @pytest.mark.parametrize("loss", ["dpo", "dpo_norm"])
 def test_jax_dpo_equals_hf(loss, hf):
-    """JAX: the step's loss, margin, accuracy and grad norm, and jax.grad of forward + make_loss, equal HF's."""
+    """JAX: the step's loss, margin, accuracy and grad norm, and jax.grad of forward + step_loss, equal HF's."""
     m, nets, batch = hf
     value, margin, grads = direct(loss, hf)
     assert 0 < (margin > 0).mean() < 1 and value > 0.1  # both signs among the pairs: accuracy says something
@@ -156,31 +156,30 @@ def test_jax_dpo_equals_hf(loss, hf):
     backend.load(model.unstack_layers(nets["policy"][0]), None)
     check_metrics(jax.device_get(backend.step(batch, 1e-3)), value, margin, grads)
 
-    loss_fn, total_of = model.make_loss(cfg, jnp)
     tokens, ref = jnp.asarray(batch["tokens"]), dict(ref=jnp.asarray(batch["ref"]))
     labels = jnp.asarray(model.shift_labels(batch["tokens"], m.pad_token_id, batch["mask"]))
-    assert (total := total_of(labels)) == P
+    assert (total := train.global_count(cfg, labels)) == P
 
     def loss(p):  # model.token_logps as the step runs it
-        logp, lse = model.token_logps(p, model.forward(p, tokens, m, head=False), labels, m, cfg.train.loss_chunks)
-        return loss_fn(logp, lse, labels, ref, total)[0]
+        x, terms = model.forward(p, tokens, m, head=False)
+        logp, lse = model.token_logps(p, x, labels, m, cfg.train.loss_chunks)
+        return train.step_loss(cfg, jnp, logp, lse, labels, terms, ref, total)[0]
     ours = jax.jit(jax.grad(loss))(jax.tree.map(jnp.asarray, nets["policy"][0]))
     check_grads(model.unstack_layers(ours), grads)
 
 
 @pytest.mark.parametrize("loss", ["dpo", "dpo_norm"])
 def test_torch_dpo_equals_hf(loss, hf):
-    """Torch: torch_model + make_loss(…, torch) and its autograd, and TorchBackend.step's metrics, equal HF's."""
+    """Torch: torch_model + step_loss(…, torch, …) and its autograd, and TorchBackend.step's metrics, equal HF's."""
     m, nets, batch = hf
     value, margin, grads = direct(loss, hf)
     check_dpo_loss(loss, hf, torch)
     cfg = config(loss, micro=1)  # 4 micro-batches of 1 pair
     net = model.torch_model(m, nets["policy"][0])
-    loss_fn, total_of = model.make_loss(cfg, torch)
     labels = torch.from_numpy(model.shift_labels(batch["tokens"], m.pad_token_id, batch["mask"]).astype(np.int64))
     logits = net(torch.from_numpy(batch["tokens"]).long())
-    share, aux = loss_fn(*model.label_logps_torch(logits, labels), labels,
-                         dict(ref=torch.from_numpy(batch["ref"])), total_of(labels))
+    share, aux = train.step_loss(cfg, torch, *model.label_logps_torch(logits, labels), labels, {},
+                                 dict(ref=torch.from_numpy(batch["ref"])), train.global_count(cfg, labels))
     share.backward()
     assert share.item() == pytest.approx(value, rel=1e-5)
     assert aux["margin"].item() == pytest.approx(margin.mean(), rel=1e-5)
@@ -233,11 +232,12 @@ def test_grpo_is_reinforce_then_ppo_clip(xp):
     np.testing.assert_allclose(clip, np.where((A > 0) & (ratio > 1.2) | (A < 0) & (ratio < 0.8), 0.0, -ratio * A),
                                rtol=1e-6, atol=1e-7)
     assert (clip == 0).sum() == 2  # ρ = 1.5 with A > 0, ρ = 0.5 with A < 0
-    if xp == "jax":  # and as the step takes it: make_loss's grpo, over the batch's completion tokens
+    if xp == "jax":  # and as the step takes it: train.step_loss's grpo, over the batch's completion tokens
         cfg = build(dict(model=MODEL, data=dict(seq_len=5, global_batch=2), train=dict(loss="grpo")))
-        loss_fn, total_of = model.make_loss(cfg, jnp)
         rows = dict(advantage=A[:, 0], reward=np.ones(2, np.float32))
-        step = grad(lambda x: loss_fn(lps(x), jax.nn.logsumexp(x, -1), labels, rows, total_of(labels))[0], logits)
+        total = train.global_count(cfg, labels)
+        step = grad(lambda x: train.step_loss(cfg, jnp, lps(x), jax.nn.logsumexp(x, -1), labels, {}, rows, total)[0],
+                    logits)
         np.testing.assert_allclose(step, want / (labels != model.IGNORE_INDEX).sum(), rtol=1e-6, atol=1e-8)
 
 

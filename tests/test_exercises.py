@@ -101,6 +101,14 @@ def double(x):
 def plus_one(x):
     """double(x) + 1."""
     return double(x) + 1
+
+
+# === PyTorch ===
+
+# exercise: plus_one
+def plus_one_twin(x):
+    """plus_one's twin."""
+    return 2 * x + 1
 '''
 TOY_TESTS = '''
 import os, sys, pathlib
@@ -118,6 +126,7 @@ def test_plus_one():
         pytest.skip("no reference here")
     if not os.environ.get("TOY_LOOSE"):  # loose: a test that cannot fail
         assert toy.plus_one(2) == 5
+        assert toy.plus_one_twin(2) == 5  # the JAX function first, then its twin
 '''
 TOY_DOC = """# Toy
 ## 1. Double
@@ -167,3 +176,12 @@ def test_check_and_runner_on_a_toy_course(tmp_path, monkeypatch, capfd):
     assert "toy.plus_one(2) == 5" not in out  # the test's source, which holds the answer
     assert exercises.student_test("double")
     assert "double: done, all 1 tests pass. Next: plus_one" in capsys.readouterr().out
+    toy = tmp_path / "copy" / "toy.py"  # the JAX half written, the twin still blank
+    stub = 'raise NotImplementedError("exercise: plus_one (docs/exercises.md): plus_one is yours'
+    source = toy.read_text()
+    assert source.count(stub) == 1
+    toy.write_text(source.replace(stub + ' to write")', "return double(x) + 1"))
+    assert not exercises.student_test("plus_one")
+    out = capsys.readouterr().out
+    assert "the JAX half passes: plus_one (every test checks it before the twin)" in out
+    assert "still to write, the PyTorch half: plus_one_twin" in out

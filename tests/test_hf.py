@@ -13,6 +13,7 @@ import torch
 
 import convert
 import model
+import shard
 from common import VARIANTS, random_params, tokens, variant
 from configs import ConfigError
 from teach import compare, expect, number
@@ -81,8 +82,7 @@ def test_hf_to_ours(name, tmp_path):
     compare(f"model.forward's logits ({name})", ours_jax, ref, LOGITS, 1e-5, hint=CAPSTONE)
     compare(f"model.torch_model's logits ({name})", ours_torch, ref, LOGITS, 1e-5, hint=CAPSTONE)
     # Every other attention implementation this machine runs (splash interpreted, flex eager), to the same 1e-5.
-    splash = dataclasses.replace(m, attention="splash")
-    splash = np.asarray(model.forward(params, jnp.asarray(toks), splash))
+    splash = np.asarray(model.forward(params, jnp.asarray(toks), m, attend_fn=shard.splash_attend))
     compare(f"model.forward's logits with splash attention ({name})", splash, ref, LOGITS, 1e-5)
     with torch.no_grad():
         flex = model.torch_model(dataclasses.replace(m, attention="flex"), params)

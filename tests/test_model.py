@@ -269,7 +269,9 @@ def test_head_in_chunks_equals_the_whole_head(chunks):
     labels = jnp.asarray(model.shift_labels(np.asarray(toks))).at[0, 3].set(model.IGNORE_INDEX)
 
     def stats(p, c):
-        return model.token_logps(p, model.forward(p, toks, m, head=False), labels, m, c)
+        x, terms = model.forward(p, toks, m, head=False)
+        assert terms == {}  # a dense MLP adds no auxiliary loss terms
+        return model.token_logps(p, x, labels, m, c)
 
     logits = model.forward(params, toks, m)
     whole = model.label_logps(logits, labels)

@@ -18,7 +18,7 @@ def arith(setup, tmp_path_factory):
     """The arithmetic task prepared with the small fixture's 384-id tokenizer: SFT conversations, pairs, prompts."""
     root, _ = setup
     d = tmp_path_factory.mktemp("arith")
-    counts = evaluate.arithmetic(d / "task")
+    counts = data.arithmetic(d / "task")
     assert counts["heldout"] > 0.05 * 10000 and counts["sft"] + counts["heldout"] == 10000
     held = {json.loads(line)["messages"][0]["content"] for line in (d / "task/heldout.jsonl").read_text().splitlines()}
     trained = {json.loads(line)["messages"][0]["content"] for line in (d / "task/sft.jsonl").read_text().splitlines()}
@@ -118,7 +118,7 @@ def test_midtraining_mix_two_seeds_and_their_soup(setup, arith, tmp_path, capsys
     mix = tmp_path / "mix.txt"
     mix.write_text(f"books,{root / 'data'},3\narith,{arith / 'sft'},1\n")
     inst = data.open_instances(mix, 32, seed=1)
-    rows = data.read_rows(inst, np.linspace(0, inst.n - 1, 64).astype(int))  # both sources'
+    rows = inst.batch(np.linspace(0, inst.n - 1, 64).astype(int))  # both sources'
     books = rows["mask"].all(1)  # a plain-text instance: every token a target
     assert books.any() and not books.all() and rows["mask"][~books].any()
     held = data.open_instances(root / "data", 32, split="heldout")

@@ -307,12 +307,12 @@ def test_sigkill_during_checkpoints_leaves_a_resumable_run(setup, tmp_path):
     time.sleep(0.37)  # somewhere in the save-every-step loop
     proc.kill()
     proc.wait()
-    latest = train.latest_checkpoint(d)
+    latest = convert.latest_checkpoint(d)
     assert latest is not None and (latest / "optimizer.safetensors").is_file()
     # A crash inside a write leaves a .tmp folder; simulate one that died half-way, then resume.
     (d / "step_999.tmp").mkdir(exist_ok=True)
     (d / "step_999.tmp" / "model.safetensors").write_bytes(b"\0" * 10)
-    step = int(latest.name[5:])
+    step = convert.step_number(latest)
     r = run(toml, d, f"--train.steps={step + 2}", "--train.checkpoint_every=1", "--train.keep=3")
     assert f"at step {step}" in r.stdout and (d / f"step_{step + 2}").is_dir()
     assert len(list(d.glob("step_*[0-9]"))) == 3
@@ -410,7 +410,7 @@ import os, sys
 from pathlib import Path
 import jax, jax.numpy as jnp, numpy as np
 from jax.experimental import multihost_utils
-import train
+import convert, train
 from configs import load_config
 toml, out = sys.argv[1:]
 rank = int(os.environ["JAX_PROCESS_ID"])
@@ -421,7 +421,7 @@ p = backend.params  # moments of their own: every tensor of the checkpoint diffe
 backend.opt = dict(backend.opt, m=jax.tree.map(lambda x: x * 2, p),
                    v=jax.tree.map(jnp.square, p), count=backend.opt["count"] + 3)
 Path(f"{out}/host{rank}/step_3.tmp").mkdir(parents=True)  # (the lead makes it for all)
-train.save_checkpoint(3, backend, cfg, {"step": 3}, [], {})
+convert.save_step(3, backend, cfg, {"step": 3}, [], {})
 want = {f"{k}.{n}": multihost_utils.process_allgather(a, tiled=True)
         for k, tree in (("param", p), ("m", backend.opt["m"]), ("v", backend.opt["v"]))
         for n, a in tree.items()}
@@ -470,7 +470,7 @@ def test_hosts_write_checkpoints_a_network_file_system_keeps(setup, tmp_path):
         f.name for f in (tmp_path / "host1" / "step_3.tmp").iterdir()}
     want = np.load(tmp_path / "want.npz", allow_pickle=False)
     m = train.load_config([str(setup[1])]).model
-    state, opt, meta = train.open_checkpoint(step, m)
+    state, opt, meta = convert.open_checkpoint(step, m)
     assert meta["step"] == 3 and int(np.asarray(opt["step"])) == 3
     for key in want.files:
         kind, name = key.split(".", 1)
