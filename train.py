@@ -6,7 +6,9 @@
     python train.py configs/tiny.toml configs/tiny-stage3.toml configs/tiny-sft.toml  # -dpo, -grpo
     python train.py plan configs/olmo3-32b.toml  # fits on its target?
 
-Both backends have the same methods: the loop has no `if backend`. Run dirs: docs/training.md.
+Both backends have the same methods: the loop has no `if backend`. A run directory holds
+config.json (the resolved config), metrics.jsonl (a line per logged step), final.json, loss.png
+and the checkpoints step_N/, whose format convert.py's "our checkpoint format" section describes.
 """
 
 import argparse

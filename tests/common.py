@@ -1,4 +1,9 @@
-"""Small configs covering every architectural feature, and weights far from the trivial init."""
+"""Small configs covering every architectural feature, weights far from the trivial init, and
+once_per_session for fixtures both test workers read."""
+import fcntl
+import os
+import shutil
+
 import numpy as np
 
 from configs import ModelConfig
@@ -49,3 +54,22 @@ SHIPPED = [["olmo1-1b"], ["olmo1-7b"], ["olmo2-1b"], ["olmo2-7b"], ["olmo2-13b"]
            ["olmo3-7b", "olmo3-7b-stage3", "olmo3-7b-sft"],
            ["olmo3-7b", "olmo3-7b-stage3", "olmo3-7b-dpo"],
            ["olmo3-7b", "olmo3-7b-stage3", "olmo3-7b-rl"]]
+
+
+def once_per_session(tmp_path_factory, name, make):
+    """A folder that make(folder) fills once for the whole test session, whichever pytest-xdist
+    worker asks first; the other waits on a file lock and then reads the same folder. For a module
+    fixture that tests on either worker read: each worker would otherwise run it again (an 8-device
+    training run: 10-20 s of CI's two cores). The tests must only read the folder."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker's basetemp is a sibling of the other's
+        root = root.parent
+    folder = root / f"once-{name}"
+    with open(root / f"once-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not (folder / "made").exists():  # (a folder a failed make left is made again)
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            make(folder)
+            (folder / "made").touch()
+    return folder

@@ -16,7 +16,7 @@ import convert
 import data
 import model
 import train
-from common import random_params, variant
+from common import once_per_session, random_params, variant
 from configs import ConfigError, load_config
 from test_train import losses
 
@@ -202,12 +202,14 @@ def run_together(*runs):
 
 @pytest.fixture(scope="module")
 def straight(setup, tmp_path_factory):
-    """12 steps in each backend, checkpointed at 6 and 12."""
+    """12 steps in each backend, checkpointed at 6 and 12 (run once for both test workers:
+    once_per_session)."""
     root, toml = setup
-    out = tmp_path_factory.mktemp("backends")
     args = ["--train.steps=12", "--train.checkpoint_every=6", "--train.keep=2"]
-    run_together(*[(out / b, [*args, f"--train.backend={b}"], toml) for b in ("jax", "torch")])
-    return out
+
+    def both(out):
+        run_together(*[(out / b, [*args, f"--train.backend={b}"], toml) for b in ("jax", "torch")])
+    return once_per_session(tmp_path_factory, "backends", both)
 
 
 def cut(run_dir, to, step):

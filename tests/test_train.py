@@ -21,6 +21,7 @@ import convert
 import model
 import shard
 import train
+from common import once_per_session
 from configs import ConfigError, build, load_config
 from teach import fail
 
@@ -338,37 +339,35 @@ def test_stage_from_a_checkpoint(setup, tmp_path):
     assert int(moments["step"]) == 4  # AdamW's own count continues; the stage's step restarted at 1
 
 
-def test_elastic_resume_on_other_meshes(setup, tmp_path):
-    """4 steps on 8 devices as fsdp=2 x context=4, resumed at step 4 on 4 devices as a 2 x 2 (fsdp x
-    tensor) mesh, then at step 6 on fsdp=2 x context=4 again: the same step and data position, losses
-    as an uninterrupted 8-device (fsdp=8) run. The checkpoint holds whole tensors: the mesh is a
-    launch setting, context parallelism included, both ways."""
-    root, toml = setup
-    fsdp8 = ["--mesh.data=1", "--mesh.fsdp=8", "--train.t_max=8"]
-    context = ["--mesh.data=1", "--mesh.fsdp=2", "--mesh.context=4", "--train.t_max=8"]
-    mixed = ["--mesh.data=1", "--mesh.fsdp=2", "--mesh.tensor=2"]
-    straight, d = tmp_path / "straight", tmp_path / "elastic"
-    run(toml, straight, "--train.steps=8", *fsdp8, env=devices(8))
-    run(toml, d, "--train.steps=4", *context, env=devices(8))
-    at = 4
-    for steps, n, mesh in [(6, 4, mixed), (8, 8, context)]:
-        r = run(toml, d, f"--train.steps={steps}", "--train.t_max=8", "--train.checkpoint_every=2",
-                *mesh, env=devices(n))
-        assert f"resuming {d}/step_{at} at step {at}" in r.stdout and f"over {n} device(s)" in r.stdout
-        at = steps
-    a, b = losses(straight), losses(d)
-    assert a.keys() == b.keys() and all(b[s] == pytest.approx(a[s], rel=1e-5) for s in a), (a, b)
-
-
 TWO_BY_FOUR = ["--mesh.data=2", "--mesh.fsdp=4", "--train.steps=4"]
 
 
 @pytest.fixture(scope="module")
 def one_process(setup, tmp_path_factory):
-    """The 1 process x 8 devices run that the multi-process runs must match (run once, shared)."""
-    d = tmp_path_factory.mktemp("one") / "one"
-    run(setup[1], d, *TWO_BY_FOUR, env=devices(8))
-    return d
+    """The 1 process x 8 devices run that the multi-process and elastic runs must match (run once
+    for both test workers: once_per_session)."""
+    return once_per_session(tmp_path_factory, "one_process",
+                            lambda d: run(setup[1], d, *TWO_BY_FOUR, env=devices(8)))
+
+
+def test_elastic_resume_on_other_meshes(setup, one_process, tmp_path):
+    """2 steps on 8 devices as fsdp=2 x context=4, resumed at step 2 on 4 devices as a 2 x 2 (fsdp x
+    tensor) mesh, then at step 3 on fsdp=2 x context=4 again: the same step and data position, losses
+    as the uninterrupted 8-device (data=2 x fsdp=4) run. The checkpoint holds whole tensors: the mesh
+    is a launch setting, context parallelism included, both ways."""
+    root, toml = setup
+    context = ["--mesh.data=1", "--mesh.fsdp=2", "--mesh.context=4"]
+    mixed = ["--mesh.data=1", "--mesh.fsdp=2", "--mesh.tensor=2"]
+    d = tmp_path / "elastic"
+    t_max = "--train.t_max=4"  # one_process's 4 steps: every leg on the same schedule
+    run(toml, d, "--train.steps=2", t_max, *context, env=devices(8))
+    at = 2
+    for steps, n, mesh in [(3, 4, mixed), (4, 8, context)]:
+        r = run(toml, d, f"--train.steps={steps}", t_max, *mesh, env=devices(n))
+        assert f"resuming {d}/step_{at} at step {at}" in r.stdout and f"over {n} device(s)" in r.stdout
+        at = steps
+    a, b = losses(one_process), losses(d)
+    assert a.keys() == b.keys() and all(b[s] == pytest.approx(a[s], rel=1e-5) for s in a), (a, b)
 
 
 def free_port():
