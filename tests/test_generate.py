@@ -1,8 +1,5 @@
 """Generation: the KV cache against the plain forward, both backends' decoding, the sampler, the command line."""
 import dataclasses
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -14,10 +11,8 @@ import data
 import eval as evaluate
 import model
 from common import random_params, variant
-from configs import load_config
+from configs import load_config, run_cli
 from teach import compare
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("name", ["olmo1", "olmo2", "olmo3"])
@@ -101,20 +96,23 @@ def test_batched_sample_cuts_like_pick():
     assert (np.take_along_axis(logits, drawn[..., None], -1)[..., 0] >= second - 1e-4).all()
 
 
-def test_generate_command(setup, tmp_path):
+def test_generate_command(setup, tmp_path, capsys):
+    """`eval.py generate` as its command line runs it (run_cli(main), in this process)."""
     root, toml = setup
     m = load_config([str(toml)]).model
     convert.save_hf(tmp_path / "ckpt", m, random_params(m, seed=3))
-    cmd = [sys.executable, "eval.py", "generate", str(tmp_path / "ckpt"), "--prompt", "Licensed under",
-           "--max-new", "12", "--tokenizer", str(root / "bpe.tiktoken")]
-    outs = [subprocess.run(cmd + extra, cwd=ROOT, capture_output=True, text=True) for extra in ([], ["--backend", "torch"])]
+    argv = ["generate", str(tmp_path / "ckpt"), "--prompt", "Licensed under", "--max-new", "12",
+            "--tokenizer", str(root / "bpe.tiktoken")]
+    outs = []
+    for extra in ([], ["--backend", "torch"]):
+        run_cli(evaluate.main, argv + extra)
+        outs.append(capsys.readouterr())
     for r in outs:
-        assert r.returncode == 0, r.stderr[-2000:]
-        assert r.stdout.startswith("Licensed under") and "tokens/s" in r.stderr
-    assert outs[0].stdout == outs[1].stdout  # greedy: the same text from both backends
-    r = subprocess.run(cmd[:4] + ["--prompt", "x" * 400, "--tokenizer", str(root / "bpe.tiktoken")], cwd=ROOT,
-                       capture_output=True, text=True)
-    assert r.returncode and "max_seq_len=32 leaves no room" in r.stderr
+        assert r.out.startswith("Licensed under") and "tokens/s" in r.err
+    assert outs[0].out == outs[1].out  # greedy: the same text from both backends
+    with pytest.raises(SystemExit) as exit:
+        run_cli(evaluate.main, argv[:2] + ["--prompt", "x" * 400, "--tokenizer", str(root / "bpe.tiktoken")])
+    assert exit.value.code and "max_seq_len=32 leaves no room" in capsys.readouterr().err
 
 
 def test_padding_ids_are_never_generated(setup, tmp_path, capsys):

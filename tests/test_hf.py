@@ -2,8 +2,6 @@
 in both directions, through the bridge in convert.py; and eval.py's logits command."""
 import dataclasses
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -15,7 +13,7 @@ import convert
 import model
 import shard
 from common import VARIANTS, random_params, tokens, variant
-from configs import ConfigError
+from configs import ConfigError, run_cli
 from teach import compare, expect, number
 
 tf = pytest.importorskip("transformers")
@@ -151,7 +149,10 @@ def test_yarn_frequencies_match_hf():
     assert hf_cfg.layer_types.count("full_attention") == 8
 
 
-def test_eval_logits_cli_backends_agree(tmp_path):
+def test_eval_logits_cli_backends_agree(tmp_path, capsys):
+    """`eval.py logits` in each backend and dtype, run as its command line runs it (run_cli(main),
+    in this process: four more interpreters would spend half the test importing jax and torch)."""
+    import eval as evaluate
     m = variant("olmo3")
     convert.save_hf(tmp_path / "ckpt", m, random_params(m, std=0.15))
     np.save(tmp_path / "in.npy", tokens(m, T=30).astype(np.int32))
@@ -159,18 +160,20 @@ def test_eval_logits_cli_backends_agree(tmp_path):
     for backend in ("jax", "torch"):
         for dtype in ("float32", "bfloat16"):
             out = tmp_path / f"{backend}-{dtype}.npy"
-            subprocess.run([sys.executable, "eval.py", "logits", str(tmp_path / "ckpt"), "--tokens",
-                            str(tmp_path / "in.npy"), "--out", str(out), "--backend", backend, "--dtype", dtype],
-                           cwd=ROOT, check=True, capture_output=True)
+            run_cli(evaluate.main, ["logits", str(tmp_path / "ckpt"), "--tokens", str(tmp_path / "in.npy"),
+                                    "--out", str(out), "--backend", backend, "--dtype", dtype])
             outs[backend, dtype] = np.load(out)
             assert outs[backend, dtype].dtype == np.float32 and outs[backend, dtype].shape == (2, 30, m.vocab_size)
     assert rel(outs["jax", "float32"], outs["torch", "float32"]) < 1e-5
     assert rel(outs["jax", "bfloat16"], outs["torch", "bfloat16"]) < 0.1
     bad = tmp_path / "bad.npy"
     np.save(bad, np.array([[1, m.vocab_size]]))
-    r = subprocess.run([sys.executable, "eval.py", "logits", str(tmp_path / "ckpt"), "--tokens", str(bad),
-                        "--out", str(tmp_path / "x.npy")], cwd=ROOT, capture_output=True, text=True)
-    assert r.returncode != 0 and "token id 300 is out of range for vocab_size=300" in r.stderr
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit:
+        run_cli(evaluate.main, ["logits", str(tmp_path / "ckpt"), "--tokens", str(bad), "--out",
+                                str(tmp_path / "x.npy")])
+    assert exit.value.code == 1
+    assert "token id 300 is out of range for vocab_size=300" in capsys.readouterr().err
 
 
 def test_bad_checkpoints(tmp_path):
