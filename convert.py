@@ -968,8 +968,8 @@ HF_WEIGHTS = HF_SAFETENSORS + [PIECES, "pytorch_model.bin.index.json", "pytorch_
 #   first, as ai2-olmo does; its names are pickles: trainer_store) or model.pt; the fused att_proj
 #   and ff_proj are split.
 # - olmo_core: OLMo-core (OLMo 2, 3): config.json ({"model": TransformerConfig, ...}) and model.pt
-#   or model.safetensors (its unshard_checkpoint), or model_and_optim/ (torch's DCP); window
-#   pattern and YaRN from block_overrides.
+#   or model.safetensors (its unshard_checkpoint), or model_and_optim/ (torch's DCP); the window
+#   pattern from the block's sliding_window, YaRN from block_overrides.
 # Names map one to one onto ours: a rename, a split of the fused tensors, never a transpose or a
 # RoPE permute.
 # kind -> (config reader, weight files by preference, its name tables' column)
@@ -1309,7 +1309,9 @@ def open_runner(spec, dtype="float32"):
         net = transformers.AutoModelForCausalLM.from_pretrained(
             path, dtype=dt, local_files_only=True).eval()
         m = None
-        fwd = lambda t: net(t).logits  # noqa: E731
+
+        def fwd(t):
+            return net(t).logits
         V = net.config.vocab_size
         label = f"hf:{path} (transformers {transformers.__version__}, {type(net).__name__})"
     else:

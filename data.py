@@ -25,7 +25,6 @@ import json
 import multiprocessing
 import os
 import random
-import re
 import shutil
 import sys
 import zlib
@@ -791,9 +790,9 @@ class Instances(Pieces):
             raise ValueError(f"seq_len {seq_len} must be positive")
         self.files, self.seq_len = mix_files(sources), seq_len
         per_file = [f.tokens // seq_len for f in self.files]
-        # offsets[f]: file f's first instance id (its own pieces(i) read them, not Pieces')
-        self.offsets = np.concatenate([[0], np.cumsum(per_file, dtype=np.int64)])
-        n = int(self.offsets[-1])
+        # file_starts[f]: the id of file f's first instance
+        self.file_starts = np.concatenate([[0], np.cumsum(per_file, dtype=np.int64)])
+        n = int(self.file_starts[-1])
         if n == 0:
             raise ValueError(f"no instance of {seq_len} tokens in any file: lower the seq_len")
         self.index, self.repeats = None, {}
@@ -803,7 +802,7 @@ class Instances(Pieces):
             parts = []
             i = 0
             for label, files, w in sources:
-                own = np.arange(self.offsets[i], self.offsets[i + len(files)])
+                own = np.arange(self.file_starts[i], self.file_starts[i + len(files)])
                 i += len(files)
                 if len(own) == 0:
                     raise ValueError(f"mix source {label}: no instance of {seq_len} tokens")
@@ -816,8 +815,8 @@ class Instances(Pieces):
 
     def pieces(self, i):
         j = int(i if self.index is None else self.index[i])
-        f = int(np.searchsorted(self.offsets, j, side="right") - 1)
-        k = j - int(self.offsets[f])  # the instance within file f
+        f = int(np.searchsorted(self.file_starts, j, side="right") - 1)
+        k = j - int(self.file_starts[f])  # the instance within file f
         return [(0, f, k * self.seq_len, (k + 1) * self.seq_len)]
 
     def where(self, i):
@@ -1001,7 +1000,6 @@ class PairInstances(Pieces):
         self.files = files
         self.seq_len = seq_len
         self.pad = pad
-        self.ref = None
         docs = []
         for f, tf in enumerate(files):
             docs += [(f, s, e) for s, e in zip(tf.docs[:, 0], tf.doc_ends())]
@@ -1049,7 +1047,7 @@ class Prompts:
 def reward(tok, completion, answer):
     """GRPO's verifiable reward (and eval.py exact's check): 1 when the completion's first integer
     is the answer, else 0."""
-    found = re.search(r"-?\d+", tok.decode(completion))
+    found = regex.search(r"-?\d+", tok.decode(completion))
     return float(found is not None and found.group() == answer)
 
 

@@ -37,12 +37,14 @@ def _backend(m, backend, dtype, fn):
 
         import shard
 
+        # this device's attention kernel (splash on TPUs, cuDNN on GPUs where it runs, else XLA),
+        # picked once, before any trace: model.forward alone runs the XLA maths everywhere
+        compute = jnp.dtype(dtype)
+        attend = shard.ATTEND[shard.pick_attention(m, compute)]
+
         def forward_fn(params, t, *a):
             """fn of the forward's float32 logits, on the device; *a: fn's own extra arguments."""
-            # this device's attention kernel (splash on TPUs, cuDNN on GPUs where it runs, else
-            # XLA): model.forward alone runs the XLA maths everywhere
-            attend = shard.ATTEND[shard.pick_attention(m, jnp.dtype(dtype))]
-            logits = model.forward(params, t, m, jnp.dtype(dtype), attend_fn=attend)
+            logits = model.forward(params, t, m, compute, attend_fn=attend)
             logits = logits.astype(jnp.float32)  # (B, T, V)
             return fn(jnp, logits, t, *a)
         jitted = jax.jit(forward_fn)

@@ -629,10 +629,11 @@ def dpo_of(scores, ref, n, tc, xp):
     return dpo_loss(scores, ref, tc.dpo_beta, xp)
 
 
-def loss_fn(params, tokens, labels, m, dtype=jnp.float32, z_loss=0.0, remat="none"):
-    """cross_entropy's loss of forward's whole logits: the plain form the tests take gradients of
-    (the step's own loss: train.step_loss, on token_logps)."""
-    return cross_entropy(forward(params, tokens, m, dtype, remat), labels, z_loss)[0]
+def loss_fn(params, tokens, labels, m, dtype=jnp.float32, z_loss=0.0, remat="none", attend_fn=None):
+    """cross_entropy's loss of forward's whole logits: the plain form the tests and benchmarks take
+    gradients of (the step's own loss: train.step_loss, on token_logps)."""
+    logits = forward(params, tokens, m, dtype, remat, attend_fn=attend_fn)
+    return cross_entropy(logits, labels, z_loss)[0]
 
 
 def shift_labels(tokens, pad=None, mask=None):
@@ -811,8 +812,8 @@ class Attention(nn.Module):
         if isinstance(mask, torch.Tensor) or mask is None:
             # no mask: causal at pos 0 (SDPA's flash kernel); later, every cached key is visible
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                                is_causal=mask is None and pos == 0,
-                                                scale=scale, enable_gqa=True)
+                                               is_causal=mask is None and pos == 0,
+                                               scale=scale, enable_gqa=True)
         else:
             y = flex_attention(q, k, v, mask, scale)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, m.n_heads * m.head_dim))  # (B, T, D)

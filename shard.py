@@ -34,7 +34,7 @@ from configs import ConfigError, MeshConfig, load_config, run_cli
 # --- the mesh, and how params, optimizer state and batches split over it ---
 
 # The mesh's axes, in order: configs.MeshConfig's mesh_axis fields, ("data", "fsdp", "context",
-# "tensor"). A new axis is one field there and, for what splits over it, a rule below.
+# "tensor"). What a new axis needs: MeshConfig's comment.
 AXES = MeshConfig.axes()
 # Axes that split one instance's work: its positions (context parallelism) or its heads (tensor
 # parallelism). Every other axis splits the instances themselves: BATCH, ("data", "fsdp").

@@ -56,7 +56,7 @@ class ModelConfig:
     n_heads: int = 4              # N query heads
     n_kv_heads: int = 0           # K; 0 = n_heads (no GQA)
     head_dim: int = 0             # H; 0 = d_model // n_heads
-    # 0: OLMo-core's llama rule (TransformerConfig.llama_like), 256·ceil(int(8·d_model/3) / 256)
+    # 0: OLMo-core's llama rule (TransformerConfig.llama_like; `derived` gives the formula)
     mlp_hidden: int = 0           # F, per SwiGLU branch (HF intermediate_size); 0 = llama rule
     vocab_size: int = 100352      # V: dolma2's 100278 ids padded to a multiple of 128
     tie_embeddings: bool = False  # lm_head reuses embed_tokens (true in OLMo-1B)
@@ -80,8 +80,9 @@ class ModelConfig:
     # (JAX's Pallas kernel for TPUs), cudnn (JAX's cuDNN kernel for GPUs); torch: sdpa (its
     # scaled_dot_product_attention: the flash kernel on full layers, a mask elsewhere) or flex
     # (flex_attention's block masks, compiled on GPUs). auto picks by device: JAX splash on a TPU,
-    # cudnn on a GPU where cuDNN runs this shape, else xla; torch flex on a GPU, else sdpa. A
-    # kernel named that cannot run for this shape or device is refused by name
+    # cudnn on a GPU where cuDNN runs this shape, else xla; torch flex on a GPU, else sdpa. Named:
+    # cudnn where cuDNN cannot run this shape or device, or a kernel of the other backend, is
+    # refused by name; splash off a TPU runs interpreted (exact, slow: for tests)
     attention: str = "auto"       # auto | xla | splash | cudnn | sdpa | flex
 
     def __post_init__(self):
@@ -185,12 +186,14 @@ def _mesh_axis(size):
 @dataclass
 class MeshConfig:
     # Devices per mesh axis, one may be -1 (the rest). The axes are the _mesh_axis fields, in the
-    # mesh's order (MeshConfig.axes(), shard.AXES): a new axis is one field here, and a rule in
-    # shard.RULES for the weights that split over it
+    # mesh's order (MeshConfig.axes(), shard.AXES). A new axis is one field here, a rule in
+    # shard.RULES for the weights that split over it, and, where it splits one instance's work
+    # (its positions or heads) rather than the instances, an entry in shard.WITHIN_INSTANCE;
+    # torch's FSDP2 takes only shard.TORCH_AXES
     data: int = _mesh_axis(-1)    # splits instances, not weights (each replica has them all)
     fsdp: int = _mesh_axis(1)     # splits instances and every weight (FSDP: gathered for use)
     context: int = _mesh_axis(1)  # devices sharing each instance's tokens
-    tensor: int = _mesh_axis(1)   # devices sharing each layer's heads and MLP width (Megatron)
+    tensor: int = _mesh_axis(1)   # devices sharing heads, MLP width, vocabulary (Megatron)
     # device x devices: the target this config is made for; `python train.py plan CONFIG`
     # compiles the step for it and says whether it fits. A run goes wherever it is started, on
     # any device count the mesh divides. devices counts JAX devices: on TPUs chips (a v5p-512 is

@@ -179,12 +179,13 @@ def attention_bench(argv):
     """Forward + backward time of sliding against full layers on this device's default attention:
     what a window saves. D 256, 4 heads of 64, 2 layers, W 512, B 1."""
     import time
+    from functools import partial
 
     import jax
     import jax.numpy as jnp
 
     from configs import ModelConfig
-    from model import cross_entropy, forward, init_params
+    from model import init_params, loss_fn
     from shard import ATTEND, pick_attention
 
     W = 512
@@ -199,10 +200,7 @@ def attention_bench(argv):
             params = init_params(m, jax.random.PRNGKey(0))
             toks = jnp.zeros((1, T), jnp.int32)  # (B, T)
             impl = pick_attention(m, jnp.float32)  # this device's kernel, as eval.py runs it
-
-            def loss(params, toks, labels, m=m, attend=ATTEND[impl]):  # model.loss_fn's maths
-                return cross_entropy(forward(params, toks, m, attend_fn=attend), labels)[0]
-            step = jax.jit(jax.grad(loss))
+            step = jax.jit(jax.grad(partial(loss_fn, m=m, attend_fn=ATTEND[impl])))
             jax.block_until_ready(step(params, toks, toks))  # compile
             t0 = time.perf_counter()
             for _ in range(3):

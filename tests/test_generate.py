@@ -96,8 +96,9 @@ def test_batched_sample_cuts_like_pick():
     assert (np.take_along_axis(logits, drawn[..., None], -1)[..., 0] >= second - 1e-4).all()
 
 
-def test_generate_command(setup, tmp_path, capsys):
+def test_generate_command(setup, tmp_path, capsys, monkeypatch):
     """`eval.py generate` as its command line runs it (run_cli(main), in this process)."""
+    monkeypatch.delenv("NANOLMO_TRACEBACK", raising=False)  # (with it, run_cli raises instead)
     root, toml = setup
     m = load_config([str(toml)]).model
     convert.save_hf(tmp_path / "ckpt", m, random_params(m, seed=3))
@@ -110,9 +111,9 @@ def test_generate_command(setup, tmp_path, capsys):
     for r in outs:
         assert r.out.startswith("Licensed under") and "tokens/s" in r.err
     assert outs[0].out == outs[1].out  # greedy: the same text from both backends
-    with pytest.raises(SystemExit) as exit:
+    with pytest.raises(SystemExit) as exited:
         run_cli(evaluate.main, argv[:2] + ["--prompt", "x" * 400, "--tokenizer", str(root / "bpe.tiktoken")])
-    assert exit.value.code and "max_seq_len=32 leaves no room" in capsys.readouterr().err
+    assert exited.value.code and "max_seq_len=32 leaves no room" in capsys.readouterr().err
 
 
 def test_padding_ids_are_never_generated(setup, tmp_path, capsys):

@@ -149,10 +149,11 @@ def test_yarn_frequencies_match_hf():
     assert hf_cfg.layer_types.count("full_attention") == 8
 
 
-def test_eval_logits_cli_backends_agree(tmp_path, capsys):
+def test_eval_logits_cli_backends_agree(tmp_path, capsys, monkeypatch):
     """`eval.py logits` in each backend and dtype, run as its command line runs it (run_cli(main),
     in this process: four more interpreters would spend half the test importing jax and torch)."""
     import eval as evaluate
+    monkeypatch.delenv("NANOLMO_TRACEBACK", raising=False)  # (with it, run_cli raises instead)
     m = variant("olmo3")
     convert.save_hf(tmp_path / "ckpt", m, random_params(m, std=0.15))
     np.save(tmp_path / "in.npy", tokens(m, T=30).astype(np.int32))
@@ -169,10 +170,10 @@ def test_eval_logits_cli_backends_agree(tmp_path, capsys):
     bad = tmp_path / "bad.npy"
     np.save(bad, np.array([[1, m.vocab_size]]))
     capsys.readouterr()
-    with pytest.raises(SystemExit) as exit:
+    with pytest.raises(SystemExit) as exited:
         run_cli(evaluate.main, ["logits", str(tmp_path / "ckpt"), "--tokens", str(bad), "--out",
                                 str(tmp_path / "x.npy")])
-    assert exit.value.code == 1
+    assert exited.value.code == 1
     assert "token id 300 is out of range for vocab_size=300" in capsys.readouterr().err
 
 

@@ -144,13 +144,26 @@ def test_truncated_gzip_names_the_file_and_line(setup, ckpt, tmp_path, capsys):
     assert f"{cut}: unreadable after line" in line
 
 
+class Hostile:
+    """Unpickled, it runs code: open(path, "w") creates the file `path` (what a hostile .npy could
+    do to anyone who loads it with allow_pickle=True)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (str(self.path), "w")
+
+
 def test_object_arrays_are_refused_by_name(ckpt, tmp_path, capsys):
-    bad = tmp_path / "tokens.npy"
-    # A hostile file: an object array is a pickle inside the .npy. Writing it needs allow_pickle;
-    # our reader loads with allow_pickle=False and must refuse it by name, never unpickle it.
-    np.save(bad, np.array([[1, 2], [3, None]], dtype=object), allow_pickle=True)
+    bad, ran = tmp_path / "tokens.npy", tmp_path / "pickle-ran"
+    # A hostile file: an object array is a pickle inside the .npy, here one whose unpickling
+    # creates `ran`. The test writes it (numpy writes a pickle only with allow_pickle=True, and
+    # writing runs nothing); our reader loads with allow_pickle=False and must refuse it by name.
+    np.save(bad, np.array([[1, 2], [3, Hostile(ran)]], dtype=object), allow_pickle=True)
     line = fails(capsys, convert.main, ["check", f"jax:{ckpt}", f"jax:{ckpt}", "--tokens", bad])
     assert f"{bad}: not a readable array of token ids" in line and "int32, int64, uint16, uint32" in line
+    assert not ran.exists()  # never unpickled
 
 
 def test_bad_runs(setup, tmp_path, capsys):
