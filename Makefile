@@ -57,7 +57,10 @@ $(VENV)/.installed-test: $(VENV)/.installed requirements-test.txt
 # texts still in copyright somewhere. The books keep their CRLF line ends; prepare reads .txt with them dropped.
 DATA := data
 PY := $(VENV)/bin/python
-PALOMA := $(wildcard ../shared/evaldata/paloma_sample/*.jsonl.gz)
+# Eval texts the demo's training data is decontaminated against: Paloma, where you have it (`make demo
+# PALOMA="$$(ls paloma/*/val/*.jsonl.gz)"`, from huggingface.co/datasets/allenai/paloma); by default the
+# sample in ../shared, where that folder exists.
+PALOMA ?= $(wildcard ../shared/evaldata/paloma_sample/*.jsonl.gz)
 BOOKS := "Austen, Jane - Pride and Prejudice" "Conrard, Joseph - Heart of Darkness" "Eliot, George - Brother Jacob" \
 	"Fairy Tales of Hans Christian Andersen" "Joyce, James - Dubliners" "Proust, Marcel - Swann's Way" \
 	"Wells, H. G. - The Island of Doctor Moreau" "Woolf, Virginia - The Voyage Out"

@@ -32,7 +32,6 @@ from typing import Callable, NamedTuple
 
 import ml_dtypes
 import numpy as np
-import tiktoken
 import yaml
 
 import data
@@ -1147,28 +1146,15 @@ def convert(src, out, to_hf=False, dtype=None, tokenizer=None, config=None, shar
 
 # --- tokenizers: tiktoken ranks <-> HF tokenizer.json ---
 
-# GPT-2's byte -> character map: printable bytes as themselves, the others as chr(256 + i)
-_KEPT = [*range(33, 127), *range(161, 173), *range(174, 256)]
-BYTE_CHARS = {**{b: chr(b) for b in _KEPT},
-              **{b: chr(256 + i) for i, b in enumerate(b for b in range(256) if b not in _KEPT)}}
-
-# tokenizer.json's model, its vocab and merges aside
-BPE = dict(type="BPE", dropout=None, unk_token=None, continuing_subword_prefix="",
-           end_of_word_suffix="", fuse_unk=False, byte_fallback=False)
-
-
-def _pre_tokenizer(pattern):  # tiktoken's split on `pattern`, then bytes as BPE characters
-    split = dict(type="Split", pattern={"Regex": pattern}, behavior="Removed", invert=True)
-    pre = dict(type="ByteLevel", add_prefix_space=False, trim_offsets=True, use_regex=False)
-    return dict(type="Sequence", pretokenizers=[split, pre])
-
+# (the tokenizer.json layouts we write and read: data.py's BYTE_CHARS, BPE_MODEL and
+# split_pre_tokenizer)
 
 def hf_tokenizer_files(tok, max_len):
     """HF tokenizer files (tokenizer.json as allenai_dolma2.json) that tokenize as data.py."""
     enc, ranks = tok.enc, tok.enc._mergeable_ranks
 
     def text(b):  # bytes -> BPE characters
-        return "".join(BYTE_CHARS[x] for x in b)
+        return "".join(data.BYTE_CHARS[x] for x in b)
 
     merges = []  # in rank order: tiktoken's priority
     for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
@@ -1184,16 +1170,25 @@ def hf_tokenizer_files(tok, max_len):
                              "BPE vocabulary")
         if len(parts) == 2:
             merges.append(" ".join(map(text, parts)))
-    added = [dict(id=i, content=s, single_word=False, lstrip=False, rstrip=False, normalized=False,
-                  special=not s.startswith(("<|extra_id_", "|||")))  # dolma2: 2 kinds non-special
+    # special: as allenai's files, "<|...|>" but dolma2's "<|extra_id_N|>" (OLMo 1's "|||...|||"
+    # and runs of spaces are not special either)
+    added = [dict(id=i, content=s, single_word=False, lstrip=False, rstrip=False,
+                  normalized=s in tok.normalized_added,
+                  special=s.startswith("<|") and not s.startswith("<|extra_id_"))
              for s, i in sorted(enc._special_tokens.items(), key=lambda kv: kv[1])]
+    vocab = {text(t): r for t, r in ranks.items()}
+    # HF gives an added token missing from the vocab the next id past it: right for ours and
+    # dolma2 (added tokens after the ranks), not for OLMo 1 (0 and 1 are added tokens), whose
+    # vocab lists them, as allenai's file does
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        vocab.update(enc._special_tokens)
     # ignore_merges: tiktoken's shortcut, a whole token stays one
-    bpe = dict(**BPE, ignore_merges=True, vocab={text(t): r for t, r in ranks.items()},
-               merges=merges)
+    bpe = dict(**data.BPE_MODEL, ignore_merges=True, vocab=vocab, merges=merges)
     to_text = dict(type="ByteLevel", add_prefix_space=True, trim_offsets=True, use_regex=True)
-    tj = dict(version="1.0", truncation=None, padding=None, added_tokens=added, normalizer=None,
-              pre_tokenizer=_pre_tokenizer(enc._pat_str), post_processor=None, decoder=to_text,
-              model=bpe)
+    normalizer = tok.normalizer and dict(type=tok.normalizer)  # (OLMo 1: NFC)
+    tj = dict(version="1.0", truncation=None, padding=None, added_tokens=added,
+              normalizer=normalizer, pre_tokenizer=data.split_pre_tokenizer(enc._pat_str),
+              post_processor=None, decoder=to_text, model=bpe)
     eos, pad = enc.decode([tok.eos_id]), enc.decode([tok.pad_id])
     decoder = {str(a["id"]): {k: v for k, v in a.items() if k != "id"} for a in added}
     specials = dict(bos_token=eos, eos_token=eos, pad_token=pad, unk_token=eos)
@@ -1211,42 +1206,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def read_hf_tokenizer(d):
-    """d's tokenizer.json (ours, or allenai's dolma2) -> data.Tokenizer (rank = id), or None;
-    another layout, or a damaged file, is a ValueError naming it."""
-    path, cfg_path = Path(d) / "tokenizer.json", Path(d) / "tokenizer_config.json"
+    """d's tokenizer.json (ours, dolma2 or OLMo 1) -> data.Tokenizer, with EOS and PAD
+    as d's tokenizer_config.json names them, or None; another layout, or a damaged file, is a
+    ValueError naming it (data.read_tokenizer_json)."""
+    path = Path(d) / "tokenizer.json"
     if not path.is_file():
         return None
-    tj, cfg = read_json(path), read_json(cfg_path) if cfg_path.is_file() else {}
-    try:
-        bpe, added = tj["model"], {a["content"]: a["id"] for a in tj["added_tokens"]}
-        pattern = tj["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"]
-        if ({k: bpe.get(k) for k in BPE} != BPE or tj["normalizer"] is not None
-                or tj["pre_tokenizer"] != _pre_tokenizer(pattern)):
-            raise ValueError("not byte-level BPE split as tiktoken splits")
-        byte_of, special = {c: b for b, c in BYTE_CHARS.items()}, set(added.values())
-        ranks = {bytes(byte_of[c] for c in text): i for text, i in bpe["vocab"].items()
-                 if i not in special}  # (allenai's lists added tokens too)
-        if sorted(ranks.values()) != list(range(len(ranks))):
-            raise ValueError("its vocabulary's ids are not 0..n-1 without gaps")
-        last = -1  # tiktoken merges by rank: each must make a higher-ranked token
-        for merge in bpe["merges"]:
-            a, b = merge.split(" ") if isinstance(merge, str) else merge
-            if bpe["vocab"].get(a + b, -1) <= last:
-                raise ValueError(f"merge {merge!r} is out of rank order, or makes no token")
-            last = bpe["vocab"][a + b]
-        if len(bpe["merges"]) != sum(len(t) > 1 for t in ranks):
-            raise ValueError("a token of several bytes has no merge")
-        eos, pad = (x["content"] if isinstance(x, dict) else x for x in
-                    (cfg.get("eos_token", "<|endoftext|>"), cfg.get("pad_token", "<|pad|>")))
-        enc = tiktoken.Encoding(Path(d).name, pat_str=pattern, mergeable_ranks=ranks,
-                                special_tokens=added)
-        ids = (added[eos], added.get(pad, added[eos]))
-    except (KeyError, TypeError, IndexError, AttributeError, ValueError) as e:
-        why = str(e) if type(e) is ValueError else f"{type(e).__name__}: {e}"
-        raise ValueError(f"{path}: not a tokenizer.json we read (byte-level BPE, tiktoken's "
-                         f"ranks): {why}") from None
-    return data.Tokenizer(enc, str(path), *ids, max(added.values(), default=len(ranks) - 1) + 1,
-                          data.sha256(path))
+    return data.load_tokenizer(str(path))
 
 
 # --- soups ---
@@ -1388,8 +1354,8 @@ def convert_command(arg, parse):
     arg("out")
     arg("--to-hf", action="store_true", help="release-style: shards, tokenizer, generation config")
     arg("--dtype", choices=DTYPE_NAMES, help="cast every tensor (default: keep their dtypes)")
-    arg("--tokenizer", help="with --to-hf: dolma2 or a ranks file (default: SRC's tokenizer.json, "
-        "else dolma2 if SRC's ids are)")
+    arg("--tokenizer", help="with --to-hf: dolma2, olmo1, a ranks file or a tokenizer.json "
+        "(default: SRC's tokenizer.json, else dolma2 if SRC's ids are)")
     arg("--shard-size", type=in_range(float, 0, open_lo=True), default=5.0,
         help="with --to-hf: GiB per shard")
     a = parse()

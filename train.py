@@ -771,7 +771,9 @@ def in_loop_tasks(cfg, tok, backend):
     tasks = evaluate.prepare_tasks(names, ec.tasks_data, tok, ec.tasks_norm, ec.tasks_limit)
     scorer = evaluate.Scorer(cfg.model, None, "jax", cfg.train.compute_dtype)  # params: per eval
     docs = ", ".join(f"{n} ({len(t['items'])} docs)" for n, t in tasks["tasks"].items())
-    print(f"in-loop tasks: {docs}; {ec.tasks_norm}: {evaluate.STYLES[ec.tasks_norm]}")
+    print(f"in-loop tasks: {docs}")
+    if any(name in evaluate.TASKS for name in tasks["tasks"]):  # (labels have their own)
+        print(f"  the paper's tasks as {ec.tasks_norm}: {evaluate.STYLES[ec.tasks_norm]}")
 
     def task_eval():
         scorer.params = backend.host_params()
@@ -995,7 +997,7 @@ def main(argv):
     if backend.processes > 1:  # (each process's pieces: transformers wants them joined)
         print(f"for transformers: python convert.py {last_saved} {last_saved}-hf")
     if ec.prompt and tok is not None and backend.processes == 1:  # (the sampler: all weights here)
-        ids = tok.enc.encode(ec.prompt, allowed_special="all")
+        ids = tok.encode(ec.prompt)
         new, _ = evaluate.generate(
             backend.host_params(), m, ids, ec.sample_tokens, temperature=ec.temperature,
             eos=m.eos_token_id, seed=tc.init_seed, tokenizer_size=tok.vocab_size)

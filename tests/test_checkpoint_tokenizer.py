@@ -84,15 +84,15 @@ def test_chat_on_a_moved_checkpoint(run, tmp_path, capsys):
 
 @pytest.mark.parametrize("damage,says", [
     ("{", "tokenizer.json: not valid JSON"),
-    ("gpt-neox", "tokenizer.json: not a tokenizer.json we read .*KeyError: 'pretokenizers'"),
+    ("prefix-space", "tokenizer.json: not a tokenizer.json we read .*its pre_tokenizer .*\"add_prefix_space\": true"),
     ("merge", "tokenizer.json: not a tokenizer.json we read .*merge .* out of rank order"),
     ("byte", "tokenizer.json: not a tokenizer.json we read .*KeyError: ' '")])
 def test_damaged_tokenizer_json_is_named(damage, says, run, tmp_path, capsys):
     ckpt = moved(run, tmp_path)
     path = ckpt / "tokenizer.json"
     tj = json.loads(path.read_text())
-    if damage == "gpt-neox":  # another tokenizer's layout: the old trainer's (pre-tokenized by ByteLevel alone)
-        tj["pre_tokenizer"] = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    if damage == "prefix-space":  # a layout we do not read: ByteLevel adding a space before the text
+        tj["pre_tokenizer"] = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}
     elif damage == "merge":
         tj["model"]["merges"][:2] = tj["model"]["merges"][1::-1]
     elif damage == "byte":  # a vocabulary in plain characters, not byte-level ones

