@@ -17,7 +17,7 @@ import shard
 import train
 from bench import bench_rows
 from common import SHIPPED, variant
-from configs import load_config
+from configs import load_config, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 H100, A100, TPU, CPU = ("gpu", (9, 0)), ("gpu", (8, 0)), ("tpu", None), ("cpu", None)
@@ -210,11 +210,15 @@ def test_usable_memory_is_what_jax_takes(monkeypatch):
     assert shard.usable_gib("h200") == pytest.approx(0.9 * 140.4)
 
 
-def test_plan_without_a_target_says_what_to_name():
-    r = subprocess.run([sys.executable, "train.py", "plan", "configs/tiny.toml"], cwd=ROOT,
-                       capture_output=True, text=True)
-    assert r.returncode == 1
-    assert "names no target to plan for: set mesh.device and mesh.devices" in r.stderr
+def test_plan_without_a_target_says_what_to_name(monkeypatch, capsys):
+    """`train.py plan` of a config with no mesh.device: one line and exit 1, before anything
+    compiles; run as the script runs it (run_cli), in this process (a fresh interpreter's
+    imports were all of its time)."""
+    monkeypatch.delenv("NANOLMO_TRACEBACK", raising=False)  # (with it, run_cli raises instead)
+    with pytest.raises(SystemExit) as exited:
+        run_cli(train.cli, ["plan", str(ROOT / "configs/tiny.toml")])
+    assert exited.value.code == 1
+    assert "names no target to plan for: set mesh.device and mesh.devices" in capsys.readouterr().err
 
 
 # --- 11: tensor parallelism splits whole heads ----------------------------------------------------

@@ -1,13 +1,12 @@
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import data
-from configs import ConfigError, ModelConfig, describe, load_config, load_json, save_json
+import model
+from configs import ConfigError, ModelConfig, describe, load_config, load_json, run_cli, save_json
 from model import count_params
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,9 +36,17 @@ def test_hf_vocab_counts():
     assert count_params(cfg.model) == 32_233_522_176
 
 
-def test_model_py_prints_total_params_last():
-    out = subprocess.run([sys.executable, "model.py", "configs/olmo2-1b.toml"], cwd=ROOT, capture_output=True,
-                         text=True, check=True).stdout
+def model_py(capsys, config):
+    """What `python model.py CONFIG` prints: its main as the script runs it (run_cli), in this process (a
+    fresh interpreter's imports were nearly all of the time)."""
+    capsys.readouterr()
+    run_cli(model.main, [str(config)])
+    return capsys.readouterr().out
+
+
+def test_model_py_prints_total_params_last(capsys):
+    """`python model.py CONFIG` lists the parameters and ends with their total, for scripts to read."""
+    out = model_py(capsys, ROOT / "configs/olmo2-1b.toml")
     assert out.strip().splitlines()[-1] == "total_params=1484916736"
     assert "FLOPs/token" in out and "layers.self_attn.q_norm.weight" in out
 
@@ -142,9 +149,9 @@ def test_bad_model_configs(overrides, match):
         ModelConfig(**overrides)
 
 
-def test_readme_table_is_current():
-    out = subprocess.run([sys.executable, "model.py", "configs/olmo3-7b.toml"], cwd=ROOT, capture_output=True,
-                         text=True, check=True).stdout
+def test_readme_table_is_current(capsys):
+    """README's parameter table is what `python model.py configs/olmo3-7b.toml` prints now."""
+    out = model_py(capsys, ROOT / "configs/olmo3-7b.toml")
     table = out[out.index("name "):].strip()
     assert table in (ROOT / "README.md").read_text(), "README's parameter table is stale: paste the new output"
 

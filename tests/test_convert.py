@@ -7,8 +7,6 @@ import dataclasses
 import json
 import os
 import pickle
-import subprocess
-import sys
 import time
 import weakref
 from pathlib import Path
@@ -22,7 +20,7 @@ import convert
 import data
 import model
 from common import random_params, tokens, variant
-from configs import ConfigError
+from configs import ConfigError, run_cli
 from test_hf import hf_logits, hf_model, rel
 
 tf = pytest.importorskip("transformers")
@@ -635,12 +633,18 @@ def test_bad_inputs(tmp_path):
         convert.convert(tmp_path / "good", tmp_path / "good")
 
 
-def test_command_line(tmp_path):
+def test_command_line(tmp_path, capsys):
+    """`convert.py SRC OUT`, then `convert.py check` of the two: each its main as the script runs it
+    (run_cli: an error would exit 1), in this process (a fresh interpreter's imports were most of the time)."""
     m = variant("olmo1")
     write_olmo_trainer(tmp_path / "src", m, random_params(m, seed=9, std=0.15))
     np.save(tmp_path / "toks.npy", tokens(m, B=1, T=64))
-    run = lambda *a: subprocess.run([sys.executable, "convert.py", *map(str, a)], cwd=ROOT, capture_output=True, text=True)  # noqa: E731
-    r = run(tmp_path / "src", tmp_path / "out")
-    assert r.returncode == 0 and "(olmo, olmo1," in r.stdout, r.stderr
-    r = run("check", f"torch:{tmp_path / 'src'}", f"hf:{tmp_path / 'out'}", "--tokens", tmp_path / "toks.npy", "--seq-len", 48)
-    assert r.returncode == 0 and "1 x 48 tokens" in r.stdout and "top-1 agreement 100.00%" in r.stdout, r.stderr
+
+    def run(*argv):  # its stdout
+        capsys.readouterr()
+        run_cli(convert.main, [str(a) for a in argv])
+        return capsys.readouterr().out
+    assert "(olmo, olmo1," in run(tmp_path / "src", tmp_path / "out")
+    out = run("check", f"torch:{tmp_path / 'src'}", f"hf:{tmp_path / 'out'}", "--tokens", tmp_path / "toks.npy",
+              "--seq-len", 48)
+    assert "1 x 48 tokens" in out and "top-1 agreement 100.00%" in out, out

@@ -264,25 +264,28 @@ def test_grpo_loss_takes_the_sampling_temperature():
     labels = model.shift_labels(tokens, m.pad_token_id, mask)
     valid, n = labels != model.IGNORE_INDEX, int((labels != model.IGNORE_INDEX).sum())
 
+    # The references jitted, t an argument: one compile each serves both temperatures (op by op,
+    # the forward and its gradient at two temperatures were 150 small compiles, half the test)
+    @jax.jit
     def policy(p, t):  # log π(drawn token) under categorical(logits / t), the sampler's draw
         logits = model.forward(p, jnp.asarray(tokens), m).astype(jnp.float32)
         lp = jax.nn.log_softmax(logits / t, axis=-1)
         index = jnp.asarray(np.maximum(labels, 0))[..., None]
         return jnp.where(valid, jnp.take_along_axis(lp, index, -1)[..., 0], 0)
 
+    # the REINFORCE gradient (GRPO's, with old = new), over the batch's completion tokens
+    reinforce = jax.jit(jax.grad(lambda p, t: -(A[:, None] * policy(p, t)).sum() / n))
+
     def norm_at(t):
-        # the REINFORCE gradient's norm (GRPO's, with old = new),
-        # over the batch's completion tokens
-        g = jax.grad(lambda p: -(A[:, None] * policy(p, t)).sum() / n)(
-            jax.tree.map(jnp.asarray, params))
+        g = reinforce(jax.tree.map(jnp.asarray, params), jnp.float32(t))
         squares = sum((np.asarray(v, np.float64) ** 2).sum() for v in jax.tree.leaves(g))
         return float(np.sqrt(squares))
     want, untempered = norm_at(0.7), norm_at(1.0)
     assert abs(untempered / want - 1) > 0.02  # the temperature matters at these logits
     jb = train.JaxBackend(cfg)
     jb.load(model.unstack_layers(params), None)
-    logp = train.token_stats(cfg, jb.mesh, jax.tree.map(jnp.asarray, params), batch)[0]
-    np.testing.assert_allclose(np.asarray(logp), np.asarray(policy(params, 0.7)),
+    logp = jax.jit(lambda p, b: train.token_stats(cfg, jb.mesh, p, b)[0])(params, batch)  # (as the step runs it)
+    np.testing.assert_allclose(np.asarray(logp), np.asarray(policy(params, jnp.float32(0.7))),
                                rtol=1e-5, atol=1e-5)
     tb = train.TorchBackend(cfg)
     tb.load(model.unstack_layers(params), None)

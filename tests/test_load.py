@@ -1,9 +1,6 @@
 """Released checkpoints at their size: a bf16 checkpoint is read once, stays bf16, and both backends use those
 arrays in place; greedy tokens equal transformers' in fp32 and bf16; a damaged file is one clean line."""
-import subprocess
-import sys
 import tracemalloc
-from pathlib import Path
 
 import jax
 import ml_dtypes
@@ -15,9 +12,9 @@ import convert
 import eval as evaluate
 import model
 from common import random_params, variant
+from configs import run_cli
 
 tf = pytest.importorskip("transformers")
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def bf16_checkpoint(d, name="olmo2", **changes):
@@ -86,11 +83,15 @@ def test_greedy_tokens_equal_transformers(tmp_path, name, dtype):
     assert evaluate.generate(params, m, prompt, 24, "jax", dtype)[0][:upto] == want[:upto]
 
 
-def test_a_damaged_checkpoint_is_one_line(tmp_path):
+def test_a_damaged_checkpoint_is_one_line(tmp_path, monkeypatch, capsys):
+    """`eval.py generate` of a truncated checkpoint: one line naming the file, exit 1; run as the script
+    runs it (run_cli: anything but that line would be an exception here), in this process."""
+    monkeypatch.delenv("NANOLMO_TRACEBACK", raising=False)  # (with it, run_cli raises instead)
     bf16_checkpoint(tmp_path)
     st = tmp_path / "model.safetensors"
     st.write_bytes(st.read_bytes()[:-64])
-    r = subprocess.run([sys.executable, "eval.py", "generate", str(tmp_path), "--prompt", "hi", "--tokenizer",
-                        "dolma2"], cwd=ROOT, capture_output=True, text=True)
-    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
-    assert f"{st}: tensor" in r.stderr and "the file is truncated or corrupt" in r.stderr
+    with pytest.raises(SystemExit) as exited:
+        run_cli(evaluate.main, ["generate", str(tmp_path), "--prompt", "hi", "--tokenizer", "dolma2"])
+    err = capsys.readouterr().err
+    assert exited.value.code != 0 and "Traceback" not in err, err
+    assert f"{st}: tensor" in err and "the file is truncated or corrupt" in err

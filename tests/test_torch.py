@@ -109,6 +109,12 @@ def test_a_masked_instance_trains_nothing(setup, tmp_path):
         batches.append(dict(batch, mask=batch.get("mask", np.ones(batch["tokens"].shape, bool))))
     first = batches[0]
     assert first["filtered"].sum() == 1 and first["tokens"].shape[1] == cfg.data.seq_len
+    labels = model.shift_labels(first["tokens"], cfg.model.pad_token_id, first["mask"])
+    olmo_core = (labels != model.IGNORE_INDEX).sum() + 1 * cfg.data.seq_len
+    # each backend's starting weights' log p(label), jitted: one compile serves both backends
+    # (op by op, the forward was a few seconds of each)
+    reference = jax.jit(lambda p: model.label_logps(
+        model.forward(p, jax.numpy.asarray(first["tokens"]), cfg.model), jax.numpy.asarray(labels))[0])
     for backend in (train.JaxBackend, train.TorchBackend):
         outs = []
         for batch in batches:
@@ -116,10 +122,7 @@ def test_a_masked_instance_trains_nothing(setup, tmp_path):
             b.init(cfg.train.init_seed)
             start = {k: np.array(v) for k, v in b.host_params().items()}  # (torch's: live memory)
             outs.append((jax.device_get(b.step(dict(batch), 1e-3)), b.host_params()))
-        labels = model.shift_labels(first["tokens"], cfg.model.pad_token_id, first["mask"])
-        logits = model.forward(start, jax.numpy.asarray(first["tokens"]), cfg.model)
-        logp = np.asarray(model.label_logps(logits, jax.numpy.asarray(labels))[0])
-        olmo_core = (labels != model.IGNORE_INDEX).sum() + 1 * cfg.data.seq_len
+        logp = np.asarray(reference(start))
         assert outs[0][0]["ce"] == pytest.approx(-logp.sum() / olmo_core, rel=1e-5), backend
         (a, pa), (b, pb), (c, pc) = outs
         assert (a["loss"] == pytest.approx(b["loss"], rel=1e-6)

@@ -1,4 +1,6 @@
 """train.py: AdamW and the schedules against references, exact resume, accumulation, devices, bad input."""
+import contextlib
+import io
 import json
 import math
 import os
@@ -9,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from unittest import mock
 
 import jax
@@ -22,7 +25,7 @@ import model
 import shard
 import train
 from common import once_per_session
-from configs import ConfigError, build, load_config
+from configs import ConfigError, build, load_config, run_cli
 from teach import fail
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,6 +36,17 @@ def run(toml, run_dir, *extra, env=None, check=True):
     if check and r.returncode:
         raise AssertionError(r.stdout[-3000:] + r.stderr[-3000:])
     return r
+
+
+def run_here(toml, run_dir, *extra):
+    """run, in this process: train.py's main as `python train.py` calls it (run_cli(train.cli)),
+    for a run that needs no process of its own (1 device, no signal from outside). The same
+    program on the same device, without the seconds a fresh interpreter takes to import jax and
+    torch and to load the compiled step. Its stdout, as run's result has it."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        run_cli(train.cli, [str(toml), f"--train.run_dir={run_dir}", *extra])
+    return SimpleNamespace(stdout=out.getvalue())
 
 
 def devices(n):
@@ -272,9 +286,12 @@ def test_skip_step_skips_outliers(setup):
 # --- whole runs ---
 
 def test_exact_resume_after_sigterm(setup, tmp_path):
+    """A train.py process SIGTERMed mid-run saves and exits 143; the rerun resumes there and ends
+    bit for bit where an uninterrupted run does. The signal goes to a process of its own; the
+    uninterrupted run and the resume run in this one (run_here)."""
     root, toml = setup
     straight = tmp_path / "straight"
-    run(toml, straight, "--train.steps=60")
+    run_here(toml, straight, "--train.steps=60")
     cut = tmp_path / "cut"
     proc = subprocess.Popen([sys.executable, "train.py", str(toml), f"--train.run_dir={cut}", "--train.steps=60"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -286,7 +303,7 @@ def test_exact_resume_after_sigterm(setup, tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM and "SIGTERM: saved" in out, out[-2000:]
     stopped = convert.step_number(cut / (cut / "latest").read_text().strip())
     assert 4 <= stopped < 60
-    r = run(toml, cut, "--train.steps=60")
+    r = run_here(toml, cut, "--train.steps=60")
     assert f"resuming {cut}/step_{stopped} at step {stopped}" in r.stdout
     assert losses(cut) == losses(straight)  # every step, bit for bit
     a, b = final_params(straight, 60), final_params(cut, 60)
@@ -298,6 +315,9 @@ def test_exact_resume_after_sigterm(setup, tmp_path):
 
 
 def test_sigkill_during_checkpoints_leaves_a_resumable_run(setup, tmp_path):
+    """A train.py process SIGKILLed while it checkpoints every step leaves a latest checkpoint that
+    resumes, past a half-written .tmp folder, keeping train.keep of them. The kill needs a process
+    of its own; the resume runs in this one (run_here)."""
     root, toml = setup
     d = tmp_path / "run"
     args = [sys.executable, "train.py", str(toml), f"--train.run_dir={d}", "--train.steps=400",
@@ -314,7 +334,7 @@ def test_sigkill_during_checkpoints_leaves_a_resumable_run(setup, tmp_path):
     (d / "step_999.tmp").mkdir(exist_ok=True)
     (d / "step_999.tmp" / "model.safetensors").write_bytes(b"\0" * 10)
     step = convert.step_number(latest)
-    r = run(toml, d, f"--train.steps={step + 2}", "--train.checkpoint_every=1", "--train.keep=3")
+    r = run_here(toml, d, f"--train.steps={step + 2}", "--train.checkpoint_every=1", "--train.keep=3")
     assert f"at step {step}" in r.stdout and (d / f"step_{step + 2}").is_dir()
     assert len(list(d.glob("step_*[0-9]"))) == 3
 
@@ -327,11 +347,14 @@ def test_batch_that_does_not_divide_the_devices(setup, tmp_path):
 
 
 def test_stage_from_a_checkpoint(setup, tmp_path):
+    """train.init_from starts a new stage from exactly a checkpoint's weights (lr 0: nothing moves),
+    its steps counted from 1 again and AdamW's own count continued. Both runs in this process
+    (run_here)."""
     root, toml = setup
     first = tmp_path / "first"
-    run(toml, first, "--train.steps=3")
-    r = run(toml, tmp_path / "second", "--train.steps=1", f"--train.init_from={first}/step_3",
-            "--train.schedule=constant", "--train.warmup=0", "--train.lr=0.0")
+    run_here(toml, first, "--train.steps=3")
+    r = run_here(toml, tmp_path / "second", "--train.steps=1", f"--train.init_from={first}/step_3",
+                 "--train.schedule=constant", "--train.warmup=0", "--train.lr=0.0")
     assert "new stage from" in r.stdout
     a, b = final_params(first, 3), final_params(tmp_path / "second", 1)
     assert all(np.array_equal(a[k], b[k]) for k in a)  # lr 0: the stage starts from exactly those params
