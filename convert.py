@@ -159,7 +159,8 @@ def write_safetensors(path, tensors, metadata=None, progress=lambda nbytes: None
 # --- HF config.json <-> ModelConfig ---
 
 HF_CLASS = {"olmo1": ("olmo", "OlmoForCausalLM"), "olmo2": ("olmo2", "Olmo2ForCausalLM"),
-            "olmo3": ("olmo3", "Olmo3ForCausalLM")}
+            "olmo3": ("olmo3", "Olmo3ForCausalLM"), "olmoe": ("olmoe", "OlmoeForCausalLM"),
+            "flex_olmo": ("flex_olmo", "FlexOlmoForCausalLM")}
 FAMILY_OF = {model_type: family for family, (model_type, _) in HF_CLASS.items()}
 
 
@@ -192,6 +193,29 @@ def _refuse(c, rules, who):
         if (bool(got) if isinstance(want, bool) else got) not in wants:
             ours = ", ".join([" or ".join(map(repr, wants)), *why])
             raise ConfigError(f"{key}={got!r} is not supported ({who}: {ours})")
+
+
+# The mixture of experts' settings in HF's OlmoeConfig and FlexOlmoConfig that change the function
+# and that no released model sets (a router bias, shared experts, capacity: other models' keys,
+# refused so that a config borrowing them cannot load as something else)
+HF_MOE_FLAGS = [("router_bias", False), ("num_shared_experts", (None, 0)),
+                ("moe_capacity_factor", None), ("router_jitter_noise", (None, 0, 0.0))]
+
+
+def _hf_experts(hf, family):
+    """ModelConfig's expert fields of an HF config; none for a dense family. HF's
+    router_aux_loss_coef becomes lb_loss, the weight of OLMo-core's load-balancing loss (the same
+    0.01 in OLMoE's release; the two losses differ by a normalisation: docs/moe.md); its configs
+    have no z-loss, so router_z_loss is ours (router_z_loss_coef, which transformers ignores), else
+    OLMoE's 0.001."""
+    if family not in ("olmoe", "flex_olmo"):
+        return {}
+    _refuse(hf, HF_MOE_FLAGS, "OLMoE and FlexOlmo")
+    return dict(n_experts=hf.get("num_experts") or hf["num_local_experts"],
+                experts_per_token=hf["num_experts_per_tok"],
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                lb_loss=float(hf.get("router_aux_loss_coef", 0.01)),
+                router_z_loss=float(hf.get("router_z_loss_coef", 0.001)))
 
 
 @_names_file
@@ -245,13 +269,15 @@ def config_from_hf(hf):
         rope_theta=float(theta), max_seq_len=hf.get("max_position_embeddings", 2048),
         clip_qkv=float(hf.get("clip_qkv") or 0), init_std=float(hf.get("initializer_range", 0.02)),
         eos_token_id=eos, pad_token_id=eos if pad is None else pad,
-        **_layer_pattern(kinds, hf.get("sliding_window")), **yarn)
+        **_layer_pattern(kinds, hf.get("sliding_window")), **yarn, **_hf_experts(hf, family))
 
 
 def config_to_hf(m: ModelConfig):
     model_type, arch = HF_CLASS[m.family]
     plain = {"rope_type": "default", "rope_theta": m.rope_theta}
     norm = {"clip_qkv": m.clip_qkv or None} if m.family == "olmo1" else {"rms_norm_eps": m.norm_eps}
+    if m.family == "olmoe":
+        norm["clip_qkv"] = m.clip_qkv or None
     hf = dict(
         architectures=[arch], model_type=model_type, vocab_size=m.vocab_size, hidden_size=m.d_model,
         intermediate_size=m.mlp_hidden, num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
@@ -260,6 +286,10 @@ def config_to_hf(m: ModelConfig):
         attention_dropout=0.0, tie_word_embeddings=m.tie_embeddings, bos_token_id=None,
         eos_token_id=m.eos_token_id, pad_token_id=m.pad_token_id, use_cache=True, dtype="float32",
         **norm, rope_parameters=plain)
+    if m.n_experts:
+        hf.update(num_experts=m.n_experts, num_experts_per_tok=m.experts_per_token,
+                  norm_topk_prob=m.norm_topk_prob, router_aux_loss_coef=m.lb_loss,
+                  router_z_loss_coef=m.router_z_loss, output_router_logits=False)
     if m.family == "olmo3":
         full = dict(plain, rope_type="yarn", factor=m.yarn_factor,
                     original_max_position_embeddings=m.yarn_original_max_seq_len,
@@ -314,12 +344,10 @@ def load_hf(d, dtype=None):
     total, params = sum(v.nbytes for v in state.values()), {}
     with data.Progress(total=total, unit="B", unit_scale=True, desc=f"load {d}",
               disable=total < 2**30) as bar:
-        for name in param_table(m):
-            stacked = name.startswith("layers.")
-            if stacked:
-                parts = [state[model.layer_name(name, i)] for i in range(m.n_layers)]
-            else:
-                parts = [state[name]]
+        for name, p in param_table(m).items():
+            # HF's tensors at every index of the stacked axes (layers; experts), in order
+            lead = p.shape[:len(model.stacked_axes(name))]
+            parts = [state[model.layer_name(name, *i)] for i in np.ndindex(*lead)]
             # on a 64-byte boundary: JAX's CPU client takes it without a copy
             dt = np.dtype(dtype or parts[0].dtype)
             raw = np.empty(len(parts) * parts[0].size * dt.itemsize + 64, np.uint8)
@@ -328,7 +356,7 @@ def load_hf(d, dtype=None):
             for part, src in zip(out, parts):
                 copy_out(part, src)
                 bar.update(src.nbytes)
-            params[name] = out if stacked else out[0]
+            params[name] = out.reshape(p.shape)
     return m, params
 
 
@@ -950,7 +978,12 @@ LAYER_NAMES = [
     ("mlp.down_proj", "ff_out", "feed_forward.w2"),
     *[(f"self_attn.{x}_norm", f"{x}_norm", f"attention.{x}_norm") for x in "qk"],
     ("post_attention_layernorm", "attn_norm", "attention_norm"),
-    ("post_feedforward_layernorm", "ff_norm", "feed_forward_norm")]
+    ("post_feedforward_layernorm", "ff_norm", "feed_forward_norm"),
+    # OLMoE and FlexOlmo: in HF files only (None: the old trainer and OLMo-core have other
+    # layouts, refused where their configs are read)
+    ("input_layernorm", None, None), ("mlp.gate", None, None)]
+# Per expert E of layer I: "layers.I.mlp.experts.E.up_proj.weight" (HF's files; ours)
+EXPERT_NAMES = [f"mlp.experts.{{}}.{x}_proj" for x in ("gate", "up", "down")]
 # Outside the layers; each column's layer prefix
 TOP_NAMES = [("embed_tokens", "transformer.wte", "embeddings"),
              ("norm", "transformer.ln_f", "lm_head.norm"),
@@ -1000,6 +1033,10 @@ def _bind(store, column, m, where, what):
     for i in range(m.n_layers):
         for row in LAYER_NAMES:
             plan[f"layers.{i}.{row[0]}.weight"] = f"{prefix.format(i)}{row[column]}.weight"
+        for e in range(m.n_experts):  # (HF's names only: column 0)
+            for name in EXPERT_NAMES:
+                expert = f"{name.format(e)}.weight"
+                plan[f"layers.{i}.{expert}"] = f"{prefix.format(i)}{expert}"
     plan.update({f"{row[0]}.weight": f"{row[column]}.weight" for row in TOP_NAMES})
     rows, shapes = {}, {}
     for ours, theirs in plan.items():

@@ -84,11 +84,29 @@ def param_table(m: ModelConfig):
     if m.family != "olmo1":
         t[a + "q_norm.weight"] = Param((L, N * H), ("layers", "heads"))
         t[a + "k_norm.weight"] = Param((L, K * H), ("layers", "kv_heads"))
-    t["layers.mlp.gate_proj.weight"] = Param((L, hidden, D), ("layers", "mlp", "embed"), std["up"])
-    t["layers.mlp.up_proj.weight"] = Param((L, hidden, D), ("layers", "mlp", "embed"), std["up"])
-    t["layers.mlp.down_proj.weight"] = Param((L, D, hidden), ("layers", "embed", "mlp"),
-                                             std["down"])
-    if m.family != "olmo1":  # OLMo 1's LayerNorms have no parameters
+    if m.n_experts:  # OLMoE, FlexOlmo: the router, then E experts stacked on an experts axis
+        E = m.n_experts
+        # the router's (E, D): small, every device keeps all of its rows (shard.RULES)
+        t["layers.mlp.gate.weight"] = Param((L, E, D), ("layers", "router", "embed"), std["up"])
+        e = "layers.mlp.experts."
+        t[e + "gate_proj.weight"] = Param((L, E, hidden, D), ("layers", "experts", "mlp", "embed"),
+                                          std["up"])
+        t[e + "up_proj.weight"] = Param((L, E, hidden, D), ("layers", "experts", "mlp", "embed"),
+                                        std["up"])
+        t[e + "down_proj.weight"] = Param((L, E, D, hidden), ("layers", "experts", "embed", "mlp"),
+                                          std["down"])
+    else:
+        t["layers.mlp.gate_proj.weight"] = Param((L, hidden, D), ("layers", "mlp", "embed"),
+                                                 std["up"])
+        t["layers.mlp.up_proj.weight"] = Param((L, hidden, D), ("layers", "mlp", "embed"),
+                                               std["up"])
+        t["layers.mlp.down_proj.weight"] = Param((L, D, hidden), ("layers", "embed", "mlp"),
+                                                 std["down"])
+    if m.family == "olmoe":  # Llama's names: each sublayer's input norm
+        t["layers.input_layernorm.weight"] = Param((L, D), ("layers", "embed"))
+        t["layers.post_attention_layernorm.weight"] = Param((L, D), ("layers", "embed"))
+        t["norm.weight"] = Param((D,), ("embed",))
+    elif m.family != "olmo1":  # OLMo 1's LayerNorms have no parameters
         t["layers.post_attention_layernorm.weight"] = Param((L, D), ("layers", "embed"))
         t["layers.post_feedforward_layernorm.weight"] = Param((L, D), ("layers", "embed"))
         t["norm.weight"] = Param((D,), ("embed",))
@@ -101,13 +119,21 @@ def count_params(m):
     return sum(math.prod(p.shape) for p in param_table(m).values())
 
 
+def active_params(m):
+    """The parameters one token is computed with: all but the experts the router did not choose
+    (E - k of them per layer, each 3·F·D); count_params for a dense model."""
+    unchosen = m.n_experts - m.experts_per_token if m.n_experts else 0
+    return count_params(m) - m.n_layers * unchosen * 3 * m.mlp_hidden * m.d_model
+
+
 def flops_per_token(m, T=None):
-    """Training FLOPs per token at length T, OLMo-core's count: 6 per matmul weight (2 forward, 4
-    backward) plus 12·N·H per attended key per layer, T keys on a full layer (the causal mask not
-    discounted) and min(W, T) on a sliding one."""
+    """Training FLOPs per token at length T, OLMo-core's count: 6 per matmul weight a token
+    passes (2 forward, 4 backward: the active parameters, the router's k experts of E) plus
+    12·N·H per attended key per layer, T keys on a full layer (the causal mask not discounted)
+    and min(W, T) on a sliding one."""
     T = T or m.max_seq_len
     # all but the embedding lookup (a tied head still does its V·D matmul)
-    matmul = count_params(m) - (0 if m.tie_embeddings else m.vocab_size * m.d_model)
+    matmul = active_params(m) - (0 if m.tie_embeddings else m.vocab_size * m.d_model)
     keys = sum(min(m.sliding_window, T) if kind == "S" else T for kind in m.layer_types())
     return 6 * matmul + 12 * m.n_heads * m.head_dim * keys
 
@@ -130,9 +156,10 @@ def init_params(m, key, names=None):
 # Stacked axes: a stacked name ("layers.mlp.up_proj.weight") holds HF's tensors for every index
 # of its leading axes, one leading axis per component of the name found in STACKED_AXES, in the
 # name's order; HF's name puts each index right after that component. The dense model stacks one
-# axis, its layers. An OLMoE's experts would be one more entry here, no new code:
-# "layers.mlp.experts.up_proj.weight" (L, E, F, D) <-> "layers.3.mlp.experts.5.up_proj.weight".
-STACKED_AXES = ("layers",)
+# axis, its layers; an OLMoE's experts a second: "layers.mlp.experts.up_proj.weight" (L, E, F, D)
+# <-> "layers.3.mlp.experts.5.up_proj.weight", the names its checkpoints store (transformers
+# fuses them in memory only, as gate_up_proj (E, 2F, D), and saves them one by one again).
+STACKED_AXES = ("layers", "experts")
 
 
 def stacked_axes(name):
@@ -430,11 +457,11 @@ def project_qkv(p, x, cos, sin, m):
     q = linear(x, p["self_attn.q_proj.weight"])  # (B, T, N*H)
     k = linear(x, p["self_attn.k_proj.weight"])  # (B, T, K*H)
     v = linear(x, p["self_attn.v_proj.weight"])  # (B, T, K*H)
-    if m.clip_qkv:  # OLMo 1.7: clamp right after the projections, before RoPE
-        q, k, v = (jnp.clip(t, -m.clip_qkv, m.clip_qkv) for t in (q, k, v))
     if "self_attn.q_norm.weight" in p:  # OLMo 2/3 QK-norm: over the whole width, before the split
         q = rms_norm(q, p["self_attn.q_norm.weight"], m.norm_eps)
         k = rms_norm(k, p["self_attn.k_norm.weight"], m.norm_eps)
+    if m.clip_qkv:  # OLMo 1.7 and OLMoE: clamped after the QK-norm (OLMo 1 has none), before RoPE
+        q, k, v = (jnp.clip(t, -m.clip_qkv, m.clip_qkv) for t in (q, k, v))
     q = rope(q.reshape(B, T, m.n_heads, m.head_dim), cos, sin)  # (B, T, N, H)
     k = rope(k.reshape(B, T, m.n_kv_heads, m.head_dim), cos, sin)  # (B, T, K, H)
     v = v.reshape(B, T, m.n_kv_heads, m.head_dim)  # (B, T, K, H)
@@ -458,14 +485,131 @@ def attention(p, x, cos, sin, window, m, segments=None, attend_fn=None):
 # The feed-forward, ffn(p, x) -> (y (B, T, D), terms): terms is a dict {name: scalar} of auxiliary
 # loss terms. forward sums each over the layers (add_terms) and the training step adds it to the
 # loss (train.step_loss), divided by the step's global count as the loss's own sums are. The dense
-# MLP has none: its {} adds no operation. A mixture of experts (OLMoE) would return the
-# load-balancing loss and the z-loss of its router, each times its coefficient and summed over the
-# positions of the batch, and would stand in for mlp where forward and OLMo pick the feed-forward.
+# MLP has none: its {} adds no operation. A mixture of experts (moe, below) returns the two
+# losses of its router, each times its weight and summed over the batch's positions, and the load
+# of its experts (the one term kept per layer, not summed: LOAD).
 def mlp(p, x):
     """SwiGLU: x (B, T, D) -> (down(silu(gate(x)) · up(x)) (B, T, D), no auxiliary loss terms)."""
     gate = linear(x, p["mlp.gate_proj.weight"])  # (B, T, F)
     up = linear(x, p["mlp.up_proj.weight"])  # (B, T, F)
     return linear(jax.nn.silu(gate) * up, p["mlp.down_proj.weight"]), {}  # (B, T, D)
+
+
+# --- the mixture of experts (OLMoE, FlexOlmo): a router and E SwiGLU experts for the MLP ---
+# Each token goes to the k experts its router likes best and leaves with their outputs' sum, each
+# weighted by the router's probability for it: E experts' parameters, k experts' work a token.
+
+LOAD = "expert load"  # (E,) per layer: the (token, expert) pairs each expert took in the batch
+
+
+# exercise: router
+def route(p, x, m):
+    """The router (HF's mlp.gate, OLMo-core's MoELinearRouter): x (B, T, D) -> (logits and their
+    softmax probs (B, T, E), weights (B, T, k), experts (B, T, k) int32), fp32. The softmax
+    runs over all E experts first, in fp32, and the k most probable are taken after it (a softmax over the k largest
+    logits alone would make every token's weights sum to 1); they are renormalised to sum 1 only
+    if norm_topk_prob, so OLMoE's and FlexOlmo's weights sum to less than 1."""
+    logits = linear(x, p["mlp.gate.weight"]).astype(jnp.float32)  # (B, T, E)
+    probs = jax.nn.softmax(logits, axis=-1)
+    weights, experts = jax.lax.top_k(probs, m.experts_per_token)  # (B, T, k) each
+    if m.norm_topk_prob:
+        weights = weights / weights.sum(-1, keepdims=True)
+    return logits, probs, weights, experts
+
+
+def experts_dense(p, x, weights, experts, m):
+    """Every expert on every token, each output times the token's weight for that expert, 0 where
+    the router did not choose it: x (B, T, D) -> (B, T, D). The sum in its plainest form, at E/k
+    times the work of the chosen experts alone: the reference experts_grouped is checked against
+    (moe_compute = "dense")."""
+    E, f32 = m.n_experts, jnp.float32
+    # each token's weight per expert, 0 for the E - k it was not sent to
+    share = (jax.nn.one_hot(experts, E, dtype=f32) * weights[..., None]).sum(-2)  # (B, T, E)
+
+    def w(name):  # (E, out, in), cast to the compute dtype where it is used (as linear)
+        return p[f"mlp.experts.{name}.weight"].astype(x.dtype)
+    with matmul_precision(x.dtype):
+        gate = jnp.einsum("btd,efd->btef", x, w("gate_proj"), preferred_element_type=f32)
+        up = jnp.einsum("btd,efd->btef", x, w("up_proj"), preferred_element_type=f32)
+        h = (jax.nn.silu(gate.astype(x.dtype)) * up.astype(x.dtype))  # (B, T, E, F)
+        y = jnp.einsum("btef,edf,bte->btd", h, w("down_proj"), share.astype(x.dtype),
+                       preferred_element_type=f32)  # (B, T, D)
+    return y.astype(x.dtype)
+
+
+# ragged_dot_general's layout for rows (M, in) in groups and weights (E, out, in), our (out, in)
+# layout: rows' dim 1 meets the weights' dim 2, rows are ragged on dim 0, the group is dim 0
+GROUPED = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[0])
+
+
+def grouped_linear(x, w, sizes):
+    """linear per group: rows x (M, in) in consecutive groups of sizes (E,) rows, group e through
+    w[e] (out, in) -> (M, out) in x's dtype, fp32 sums. One call for all E experts: the matmul
+    unit sees E problems of uneven sizes at once (XLA's grouped GEMM on GPUs, the MXU on TPUs),
+    not E small ones."""
+    with matmul_precision(x.dtype):
+        y = jax.lax.ragged_dot_general(x, w.astype(x.dtype), sizes, GROUPED,
+                                       preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)
+
+
+def experts_grouped(p, x, weights, experts, m):
+    """The chosen experts only: the B·T·k (token, expert) pairs sorted by expert, so that each
+    expert's rows sit together, one grouped_linear per projection, then each row times its
+    weight and added back to its token: x (B, T, D) -> (B, T, D), k experts' work a token."""
+    (B, T, D), k = x.shape, m.experts_per_token
+    chosen = experts.reshape(-1)  # (B·T·k,): pair i is token i // k's (i % k)-th choice
+    order = jnp.argsort(chosen, stable=True)  # the pairs, expert 0's first
+    token = order // k  # (B·T·k,): the token of each sorted pair
+    rows = x.reshape(B * T, D)[token]  # (B·T·k, D)
+    sizes = jnp.bincount(chosen, length=m.n_experts).astype(jnp.int32)  # (E,) rows per expert
+    gate = grouped_linear(rows, p["mlp.experts.gate_proj.weight"], sizes)  # (B·T·k, F)
+    up = grouped_linear(rows, p["mlp.experts.up_proj.weight"], sizes)  # (B·T·k, F)
+    out = grouped_linear(jax.nn.silu(gate) * up, p["mlp.experts.down_proj.weight"], sizes)
+    out = out * weights.reshape(-1)[order, None].astype(out.dtype)  # (B·T·k, D)
+    return jnp.zeros((B * T, D), out.dtype).at[token].add(out).reshape(B, T, D)
+
+
+def router_losses(probs, lse, load, m):
+    """OLMo-core's two router losses of one layer (nn/moe/loss.py, its default local_batch
+    granularity, over the batch the step computes), each times its weight and as a sum over the
+    batch's positions: train.step_loss divides them by the step's target count as OLMo-core
+    divides by loss_div_factor (the batch's target tokens). And LOAD. Both backends: probs
+    (B·T, E) the router's fp32 softmax, lse (B·T,) the logsumexp of its logits, load (E,) the
+    pairs each expert took (an integer count).
+    - load balancing: E/k · Σ_e load_e · mean over positions of p_e. Least (1 · positions) when
+      tokens and probabilities spread evenly; its gradient flows through p only (the load is a
+      count), lowering the probability of the experts that took the most tokens;
+    - router z-loss: Σ over positions of logsumexp(logits)², which keeps the logits small."""
+    E, k = m.n_experts, m.experts_per_token
+    terms = {LOAD: load}
+    if m.lb_loss:
+        terms["load balancing loss"] = m.lb_loss * E / k * (load * probs.mean(0)).sum()
+    if m.router_z_loss:
+        terms["router Z loss"] = m.router_z_loss * (lse ** 2).sum()
+    return terms
+
+
+def moe(p, x, m, experts_fn=None):
+    """The mixture of experts, the MLP of olmoe and flex_olmo: x (B, T, D) -> (Σ over the token's
+    k chosen experts e of weight_e · SwiGLU_e(x) (B, T, D), router_losses' terms). experts_fn(p,
+    x, weights, experts, m): how the chosen experts are computed, the function shard.experts
+    returns on a mesh (each device's own tokens under shard_map); default by moe_compute."""
+    logits, probs, weights, experts = route(p, x, m)
+    if experts_fn is None:
+        experts_fn = experts_dense if m.moe_compute == "dense" else experts_grouped
+    E = m.n_experts
+    load = jnp.bincount(experts.reshape(-1), length=E)  # (E,)
+    terms = router_losses(probs.reshape(-1, E), jax.nn.logsumexp(logits, -1).reshape(-1), load, m)
+    mine = {k: w for k, w in p.items() if k.startswith("mlp.experts.")}  # (E, ...) each
+    return experts_fn(mine, x, weights, experts, m), terms
+
+
+def feed_forward(m, experts_fn=None):
+    """The layer's feed-forward ffn(p, x) -> (y, terms): the MLP, or the mixture of experts."""
+    return partial(moe, m=m, experts_fn=experts_fn) if m.n_experts else mlp
 
 
 def add_terms(total, terms):
@@ -478,13 +622,19 @@ def add_terms(total, terms):
 
 
 # exercise: rmsnorm
-def block(p, x, attn, m, ffn=mlp):
+def block(p, x, attn, m, ffn=None):
     """One layer: x (B, T, D) -> (x (B, T, D), the feed-forward's auxiliary loss terms). attn(h) ->
     (B, T, D) is the attention sublayer: over the sequence itself in training, over a KV cache in
-    generation (forward_step); ffn(p, h) -> ((B, T, D), terms) the feed-forward (mlp)."""
+    generation (forward_step); ffn(p, h) -> ((B, T, D), terms) the feed-forward (default: the
+    one feed_forward picks)."""
+    ffn = ffn or feed_forward(m)
     if m.family == "olmo1":  # pre-norm
         x = x + attn(layer_norm(x, m.norm_eps))
         y, terms = ffn(p, layer_norm(x, m.norm_eps))
+        return x + y, terms
+    if m.family == "olmoe":  # pre-norm, Llama's order: RMSNorm on each sublayer's input
+        x = x + attn(rms_norm(x, p["input_layernorm.weight"], m.norm_eps))
+        y, terms = ffn(p, rms_norm(x, p["post_attention_layernorm.weight"], m.norm_eps))
         return x + y, terms
     # OLMo 2/3: RMSNorm on each sublayer's output, before the add (none on its input)
     x = x + rms_norm(attn(x), p["post_attention_layernorm.weight"], m.norm_eps)
@@ -500,14 +650,16 @@ REMAT_DOTS = jax.checkpoint_policies.save_only_these_names("linear")
 
 
 def forward(params, tokens, m, dtype=jnp.float32, remat="none", constrain=lambda x: x,
-            segments=None, positions=None, attend_fn=None, head=True, scan_layers=True):
+            segments=None, positions=None, attend_fn=None, head=True, scan_layers=True,
+            experts_fn=None):
     """tokens (B, T) int, each < V (else clamped: check_tokens) -> logits (B, T, V) in dtype. If
     not head, the training step's form: (the last layer's output (B, T, D), the feed-forward's
     auxiliary loss terms summed over the layers), the head left to token_logps, in chunks.
     constrain pins each layer's output; segments (B, T): document ids; positions (T,): RoPE's
     positions (default 0..T-1); attend_fn: the function shard.attention returns, which runs a
     kernel on each device's own instances and heads or gathers keys for context parallelism
-    (default: the one attention picks); the maths here does not change with it. remat: what the
+    (default: the one attention picks); the maths here does not change with it, nor with
+    experts_fn (the experts function of moe, from shard.experts on a mesh). remat: what the
     backward keeps of each layer: "none" all, "block" its input only (the backward reruns the
     layer), "mlp" all but the insides of the MLP (rerun), "dots" the projections (REMAT_DOTS)."""
     x = constrain(embed(params["embed_tokens.weight"], tokens, dtype))  # (B, T, D)
@@ -519,7 +671,8 @@ def forward(params, tokens, m, dtype=jnp.float32, remat="none", constrain=lambda
     groups = {name[len("layers."):]: w.reshape(-1, P, *w.shape[1:]) for name, w in params.items()
               if name.startswith("layers.")}
 
-    ffn = jax.checkpoint(mlp) if remat == "mlp" else mlp
+    ffn = feed_forward(m, experts_fn)
+    ffn = jax.checkpoint(ffn) if remat == "mlp" else ffn
 
     def layer(p, x, cos, sin, segments, w):  # -> (x, terms), as block
         return block(p, x, lambda h: attention(p, h, cos, sin, w, m, segments, attend_fn), m, ffn)
@@ -529,16 +682,22 @@ def forward(params, tokens, m, dtype=jnp.float32, remat="none", constrain=lambda
         layer = jax.checkpoint(layer, static_argnums=(5,), policy=REMAT_DOTS)
 
     def step(x, group):  # compile time grows with P, not L
-        terms = {}  # the P layers' auxiliary loss terms, summed
+        terms, loads = {}, []  # the P layers' auxiliary loss terms, summed; their LOADs
         for i in range(P):
             p = {name: w[i] for name, w in group.items()}
             x, layer_terms = layer(p, x, *ropes[i], segments, int(window[i]))
             x = constrain(x)
+            layer_terms = dict(layer_terms)
+            if LOAD in layer_terms:
+                loads.append(layer_terms.pop(LOAD))
             terms = add_terms(terms, layer_terms)
-        return x, terms
+        return x, (terms, loads)
 
-    x, stacked = jax.lax.scan(step, x, groups, unroll=not scan_layers)  # each term (L/P,)
+    # each term (L/P,), each load (L/P, E)
+    x, (stacked, loads) = jax.lax.scan(step, x, groups, unroll=not scan_layers)
     terms = {name: t.sum(0) for name, t in stacked.items()}
+    if loads:  # layer g·P + i's load at [g, i]: (L, E) in layer order
+        terms[LOAD] = jnp.stack(loads, 1).reshape(m.n_layers, m.n_experts)
     if not head:
         return x, terms
     return unembed(params, x, m)
@@ -786,10 +945,10 @@ class Attention(nn.Module):
         q = self.q_proj(x)  # (B, T, N*H)
         k = self.k_proj(x)  # (B, T, K*H)
         v = self.v_proj(x)  # (B, T, K*H)
-        if m.clip_qkv:
-            q, k, v = (t.clamp(-m.clip_qkv, m.clip_qkv) for t in (q, k, v))
         if m.family != "olmo1":
             q, k = self.q_norm(q), self.k_norm(k)
+        if m.clip_qkv:  # after the QK-norm (OLMoE; OLMo 1 has none)
+            q, k, v = (t.clamp(-m.clip_qkv, m.clip_qkv) for t in (q, k, v))
         q = q.view(B, T, m.n_heads, m.head_dim).transpose(1, 2)  # (B, N, T, H)
         k = k.view(B, T, m.n_kv_heads, m.head_dim).transpose(1, 2)  # (B, K, T, H)
         v = v.view(B, T, m.n_kv_heads, m.head_dim).transpose(1, 2)  # (B, K, T, H)
@@ -905,12 +1064,81 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)), {}
 
 
+class MoE(nn.Module):
+    """moe: the router (gate) and E experts, each an MLP, under HF's names
+    (mlp.experts.5.up_proj.weight). The chosen experts only: a loop over the experts on a CPU,
+    each on the rows sent to it (as transformers computes it); torch._grouped_mm on a GPU with
+    moe_compute auto or grouped, one grouped matmul for all (its CPU kernel has no backward)."""
+
+    def __init__(self, m):
+        super().__init__()
+        self.m = m
+        self.gate = Linear(m.d_model, m.n_experts)
+        self.experts = nn.ModuleList(MLP(m) for _ in range(m.n_experts))
+
+    # exercise: router
+    def route(self, x):
+        """route: x (B, T, D) -> (logits, probs (B, T, E), weights, experts (B, T, k)), fp32."""
+        logits = self.gate(x).float()  # (B, T, E)
+        probs = logits.softmax(-1)
+        weights, experts = probs.topk(self.m.experts_per_token, dim=-1)  # (B, T, k) each
+        if self.m.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return logits, probs, weights, experts
+
+    def forward(self, x):
+        """x (B, T, D) -> ((B, T, D), router_losses' terms)."""
+        m, (B, T, D) = self.m, x.shape
+        logits, probs, weights, experts = (t.reshape(B * T, -1) for t in self.route(x))
+        rows = x.reshape(B * T, D)  # logits, probs (B·T, E); weights, experts (B·T, k)
+        if x.is_cuda and m.moe_compute != "dense":
+            y = self.grouped(rows, weights, experts)
+        else:
+            y = self.loop(rows, weights, experts)
+        load = torch.bincount(experts.reshape(-1), minlength=m.n_experts)  # (E,)
+        terms = router_losses(probs, torch.logsumexp(logits, -1), load, m)
+        return y.reshape(B, T, D), terms
+
+    def loop(self, rows, weights, experts):
+        """Each expert on its own rows: (B·T, D) -> (B·T, D). moe_compute "dense" runs this
+        form too: it gives experts_dense's sum, without the work of the unchosen experts."""
+        y = torch.zeros_like(rows)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(experts == e)  # the rows sent to e, and which choice
+            out = expert(rows[token])[0] * weights[token, slot, None].to(rows.dtype)
+            y = y.index_add(0, token, out)
+        return y
+
+    def grouped(self, rows, weights, experts):
+        """experts_grouped with torch._grouped_mm (CUDA): the pairs sorted by expert, each
+        group's rows through its expert's weights, transposed to (E, in, out) views."""
+        k = self.m.experts_per_token
+        chosen = experts.reshape(-1)
+        order = torch.argsort(chosen, stable=True)
+        token = order // k
+        ends = torch.cumsum(torch.bincount(chosen, minlength=self.m.n_experts), 0).to(torch.int32)
+
+        def stacked(name):  # (E, in, out) in the compute dtype
+            w = torch.stack([getattr(e, name).weight for e in self.experts])
+            return w.to(rows.dtype).transpose(1, 2)
+        r = rows[token]  # (B·T·k, D)
+        gate = torch._grouped_mm(r, stacked("gate_proj"), offs=ends)
+        up = torch._grouped_mm(r, stacked("up_proj"), offs=ends)
+        out = torch._grouped_mm(F.silu(gate) * up, stacked("down_proj"), offs=ends)
+        out = out * weights.reshape(-1)[order, None].to(out.dtype)
+        return torch.zeros_like(rows).index_add(0, token, out)
+
+
 class Block(nn.Module):
     def __init__(self, m, window=0):
         super().__init__()
         self.m = m
-        self.self_attn, self.mlp = Attention(m, window), MLP(m)
-        if m.family != "olmo1":
+        self.self_attn = Attention(m, window)
+        self.mlp = MoE(m) if m.n_experts else MLP(m)
+        if m.family == "olmoe":  # Llama's names: each sublayer's input norm
+            self.input_layernorm = RMSNorm(m.d_model, m.norm_eps)
+            self.post_attention_layernorm = RMSNorm(m.d_model, m.norm_eps)
+        elif m.family != "olmo1":
             self.post_attention_layernorm = RMSNorm(m.d_model, m.norm_eps)
             self.post_feedforward_layernorm = RMSNorm(m.d_model, m.norm_eps)
 
@@ -927,6 +1155,10 @@ class Block(nn.Module):
         if self.m.family == "olmo1":
             x = x + self.self_attn(layer_norm_torch(x, self.m.norm_eps), cos, sin, mask, cache, pos)
             y, terms = ffn(layer_norm_torch(x, self.m.norm_eps))
+            return x + y, terms
+        if self.m.family == "olmoe":
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, pos)
+            y, terms = ffn(self.post_attention_layernorm(x))
             return x + y, terms
         x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, mask, cache, pos))
         y, terms = ffn(x)
@@ -976,14 +1208,19 @@ class OLMo(nn.Module):
         masks = attention_masks_torch(self.m, self.windows, T, segments, tokens.device, pos)
         caches = cache or [None] * len(self.layers)
         rope = zip(self.inv_freq, self.rope_scale)
-        terms = {}  # the layers' auxiliary loss terms, summed (add_terms)
+        terms, loads = {}, []  # the layers' auxiliary loss terms, summed (add_terms); LOADs
         for layer, w, (f, s), c in zip(self.layers, self.windows, rope, caches):
             cos, sin = rope_cos_sin_torch(positions, f, s)
             run = partial(checkpoint, layer, use_reentrant=False) if remat == "block" else layer
             if remat == "dots":  # JAX's policy: the projections' outputs kept, the rest rerun
                 run = partial(checkpoint, layer, use_reentrant=False, context_fn=SAVE_MATMULS)
             x, layer_terms = run(x, cos, sin, masks[w], remat == "mlp", c, pos)
+            layer_terms = dict(layer_terms)
+            if LOAD in layer_terms:
+                loads.append(layer_terms.pop(LOAD))
             terms = add_terms(terms, layer_terms)
+        if loads:
+            terms[LOAD] = torch.stack(loads)  # (L, E)
         if labels is not None:
             return (*token_logps_torch(self, x, labels, chunks, temperature), terms)
         return self.unembed(x, dtype)
@@ -1063,6 +1300,9 @@ def main(argv):
         print(f"{name:<42} {str(p.shape):<19} {count:>14,}  {axes:<26} {init}")
     flops = flops_per_token(m)
     print(f"FLOPs/token (train, T={m.max_seq_len}): {flops:,} ({flops / 1e9:.2f} GFLOP)")
+    if m.n_experts:  # what a token is computed with: k of the E experts
+        print(f"active params per token: {active_params(m):,} ({m.experts_per_token} of "
+              f"{m.n_experts} experts)")
     print(f"total_params={count_params(m)}")
 
 

@@ -9,6 +9,7 @@ each device has, the ahead-of-time plan.
 import functools
 import glob
 import hashlib
+import itertools
 import math
 import os
 import sys
@@ -48,7 +49,7 @@ BATCH = tuple(a for a in AXES if a not in WITHIN_INSTANCE)
 # every device, and XLA cannot move that to (instances, positions) without first gathering all of
 # it (`train.py plan`: 32 GiB more a device at 64 x 65536 tokens).
 RULES = {"embed": ("fsdp",), "heads": ("tensor",), "kv_heads": ("tensor",), "mlp": ("tensor",),
-         "vocab": ("tensor",), "layers": ()}
+         "vocab": ("tensor",), "layers": (), "experts": (), "router": ()}
 
 
 def mesh_shape(mesh_cfg, n_devices):
@@ -272,6 +273,25 @@ def attention(mesh, m, dtype, documents):
     return attend_fn
 
 
+def experts(mesh, m):
+    """model.moe's experts_fn on this mesh: each device sorts and computes its own tokens
+    (model.experts_grouped under shard_map over the instance axes), the expert weights gathered
+    whole for it as FSDP gathers every weight for use. Under GSPMD alone the sort by expert is one
+    sort of the whole global batch: XLA gathers every device's tokens onto every device (`train.py
+    plan`: terabytes a device at OLMoE's batch). Experts split over devices (expert parallelism:
+    each device keeps E / n experts and an all-to-all trades tokens) is not here: docs/moe.md."""
+    if not m.n_experts or m.moe_compute == "dense" or mesh.devices.size == 1:
+        return None  # model.moe's own choice
+    tokens, pairs = P(BATCH, "context", None), P(BATCH, "context", None)
+
+    def experts_fn(p, x, weights, chosen, m):
+        run = jax.shard_map(functools.partial(model.experts_grouped, m=m), mesh=mesh,
+                            in_specs=({k: P() for k in p}, tokens, pairs, pairs),
+                            out_specs=tokens, check_vma=False)
+        return run(p, x, weights, chosen)
+    return experts_fn
+
+
 def attention_impl(mesh, m, dtype, documents):
     """What `attention` runs (pick_attention on this mesh)."""
     return pick_attention(m, dtype, documents, mesh.devices.flat[0], mesh.shape["context"])
@@ -484,13 +504,20 @@ def start_distributed():
 
 # --- checkpoints: the piece of each array a process writes (convert.save_step), reads back ---
 
+def stacked_span(name, shape, idx):
+    """The index ranges slice idx of a param covers on its stacked axes (layers; experts)."""
+    return [range(*s.indices(n)) for s, n in zip(idx, shape[:len(model.stacked_axes(name))])]
+
+
 def stored_slices(name, shape, prefix, idx):
-    """[(stored name, index)] slice idx of a param covers, per layer if stacked; prefix "model.":
-    HF's names (convert.hf_name)."""
+    """[(stored name, index)] slice idx of a param covers, one per layer (and expert) if stacked,
+    in row-major order of those axes; prefix "model.": HF's names (convert.hf_name)."""
     rename = convert.hf_name if prefix == "model." else lambda n: prefix + n  # noqa: E731
-    if not name.startswith("layers."):
+    span = stacked_span(name, shape, idx)
+    if not span:
         return [(rename(name), idx)]
-    return [(rename(model.layer_name(name, i)), idx[1:]) for i in range(*idx[0].indices(shape[0]))]
+    return [(rename(model.layer_name(name, *i)), idx[len(span):])
+            for i in itertools.product(*span)]
 
 
 def jax_pieces(trees):
@@ -498,13 +525,17 @@ def jax_pieces(trees):
     read() copies it to the host then (a stacked shard once for all its layers)."""
     for prefix, tree in trees:
         for name, a in tree.items():
+            n = len(model.stacked_axes(name))  # one stored name per layer (and expert)
             for sh in a.addressable_shards:
                 if sh.replica_id:
                     continue  # another device writes the same values
-                host = functools.cache(lambda sh=sh: np.asarray(sh.data))
-                stacked = name.startswith("layers.")  # one stored name per layer
+
+                @functools.cache
+                def host(sh=sh):  # stacked: those axes flattened, so piece i is row i
+                    a = np.asarray(sh.data)
+                    return a.reshape(-1, *a.shape[n:]) if n else a
                 for i, (fname, idx) in enumerate(stored_slices(name, a.shape, prefix, sh.index)):
-                    yield fname, idx, (lambda i=i, host=host: host()[i]) if stacked else host
+                    yield fname, idx, (lambda i=i, host=host: host()[i]) if n else host
 
 
 def jax_read(views, prefix, table, shardings):
@@ -512,7 +543,8 @@ def jax_read(views, prefix, table, shardings):
     def read(name, idx):
         pieces = stored_slices(name, table[name].shape, prefix, idx)
         parts = [np.asarray(views[f][i], np.float32) for f, i in pieces]
-        return np.stack(parts) if name.startswith("layers.") else parts[0]
+        lead = [len(r) for r in stacked_span(name, table[name].shape, idx)]
+        return np.stack(parts).reshape(*lead, *parts[0].shape) if lead else parts[0]
 
     return {k: jax.make_array_from_callback(p.shape, shardings[k], lambda idx, k=k: read(k, idx))
             for k, p in table.items()}
@@ -802,7 +834,7 @@ def torch_layout(mesh_cfg, world, table):
     splits = {}
     for name, p in table.items():
         stacked = name.startswith("layers.")
-        rows = p.shape[1] if stacked else p.shape[0]
+        rows = p.shape[len(model.stacked_axes(name))]  # of the tensor of one layer (and expert)
         per = " per layer" if stacked else ""
         where = f"rows over fsdp={fsdp}{per}" if fsdp > 1 else "whole"
         splits[name] = where, -(-rows // fsdp) / rows  # torch.chunk: ceil(rows / fsdp) a rank

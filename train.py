@@ -49,6 +49,9 @@ SKIP_WINDOW = 128
 SKIP_MIN = 64
 SKIP_SIGMA = 6.0
 POSTTRAIN_METRICS = ("margin", "accuracy", "reward", "eval_accuracy")
+# A mixture of experts' (model.router_losses, expert_metrics), OLMo-core's names; also logged:
+# "block NN/load imbalance" per layer
+MOE_METRICS = ("load balancing loss", "router Z loss", "load imbalance")
 
 
 # --- learning rate and AdamW (pure functions) ---
@@ -222,11 +225,27 @@ def step_loss(cfg, xp, logp, lse, labels, terms, batch, total):
     else:  # grpo
         share, metrics = grpo_share(cfg, xp, logp, labels, batch, total)
     # Each auxiliary term is a sum over this micro-batch's positions, divided as the loss's own
-    # sums are, and logged under its name; a dense MLP has none, so nothing is added
+    # sums are, and logged under its name; a dense MLP has none, so nothing is added. The experts'
+    # load (L, E) is a count for expert_metrics, summed over micro-batches and ranks, not a loss
     for name, term in terms.items():
+        if name == model.LOAD:
+            metrics[name] = term
+            continue
         share = share + term / total
         metrics[name] = term / total
     return share, metrics
+
+
+def expert_metrics(load):
+    """OLMo-core's load imbalance (MoERouter.compute_metrics), of the step's whole batch: per
+    layer, the busiest expert's (token, expert) pairs over the mean expert's, 1 when perfectly
+    even and E/k when every token goes to the same k experts; "load imbalance" the largest over
+    the layers. load (L, E): the pairs each expert took (jnp or torch). OLMo-core logs these under
+    the same names, each rank's own maximum (here the whole batch's: equal on one device)."""
+    per_layer = load.max(-1) / load.mean(-1) if isinstance(load, jax.Array) else (
+        load.amax(-1) / load.mean(-1))  # (L,) (torch's max(dim) returns values and indices)
+    out = {f"block {i:02d}/load imbalance": per_layer[i] for i in range(load.shape[0])}
+    return dict(out, **{"load imbalance": per_layer.max()})
 
 
 # --- the JAX backend: one jitted step over a mesh ---
@@ -242,7 +261,8 @@ def token_stats(cfg, mesh, params, batch, remat="none"):
     dtype, docs = jnp.dtype(cfg.train.compute_dtype), documents(cfg, tokens)
     x, terms = model.forward(params, tokens, m, dtype, remat, shard.residual_constraint(mesh),
                              docs, attend_fn=shard.attention(mesh, m, dtype, docs is not None),
-                             head=False, scan_layers=cfg.train.scan_layers)
+                             head=False, scan_layers=cfg.train.scan_layers,
+                             experts_fn=shard.experts(mesh, m))
     labels = model.shift_labels(tokens, m.pad_token_id, batch.get("mask"))
     stats = model.token_logps(params, x, labels, m, cfg.train.loss_chunks, temperature(cfg.train))
     return (*stats, labels, terms)
@@ -270,7 +290,9 @@ def make_train_step(cfg, mesh):
             return jax.tree.map(jnp.add, grads, g), (loss, aux)
 
         grads, (losses, aux) = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), batch)
-        loss, aux = losses.sum(), jax.tree.map(jnp.sum, aux)
+        loss, aux = losses.sum(), jax.tree.map(lambda a: a.sum(0), aux)  # over the micro-batches
+        if model.LOAD in aux:
+            aux.update(expert_metrics(aux.pop(model.LOAD).astype(jnp.float32)))
         grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
         if tc.clip:  # torch.nn.utils.clip_grad_norm_: scale by min(1, clip / (norm + 1e-6))
             scale = jnp.minimum(1.0, tc.clip / (grad_norm + 1e-6))
@@ -408,6 +430,15 @@ def stacked_name(n):
     return n
 
 
+def stacked_index(n):
+    """HF's name -> its index on the stacked axes: "layers.3.mlp.experts.5.up_proj.weight" ->
+    (3, 5); () for a name outside the layers."""
+    indices = []
+    for axis in model.STACKED_AXES:
+        indices += [int(i) for i in re.findall(rf"\b{axis}\.(\d+)\.", n)]
+    return tuple(indices)
+
+
 class TorchBackend:
     """A process per device; fp32 master weights, cast by model.py to the compute dtype."""
 
@@ -473,8 +504,7 @@ class TorchBackend:
             return np.asarray(model.init_params(m, key, [name])[name])  # (L, ...) if stacked
 
         def draw(n, idx):
-            w = drawn(stacked_name(n))
-            return (w[int(n.split(".")[1])] if n.startswith("layers.") else w)[idx]
+            return drawn(stacked_name(n))[stacked_index(n)][idx]
         # by stacked name, layers.0.X, layers.1.X, ...: X is drawn once for all L layers, not
         # once per layer (minutes at 1B)
         self._fill(dict(sorted(self.named.items(), key=lambda t: stacked_name(t[0]))), draw)
@@ -498,6 +528,7 @@ class TorchBackend:
         mine = torch.as_tensor(global_count(self.cfg, y, rows), device=self.device)
         total = shard.torch_sum(mine).clamp(min=1)
         per, sums = len(x) // self.accum, {}  # rows per micro-batch (DPO: a pair's two together)
+        load = 0  # the experts' (L, E) load over the micro-batches (expert_metrics)
         for a in range(self.accum):
             at = slice(a * per, (a + 1) * per)
             if self.processes > 1:  # reduce-scatter once, after the last
@@ -510,9 +541,13 @@ class TorchBackend:
             share, aux = step_loss(self.cfg, torch, logp, lse, y[at], terms, micro, total)
             # FSDP2 averages over ranks; each loss is a share of the global mean: x world, summed
             (share * self.world).backward()
+            load = load + aux.pop(model.LOAD, 0)
             for k, v in dict(loss=share, **aux).items():
                 sums[k] = sums.get(k, 0.0) + v.detach().double()
         sums = dict(zip(sums, shard.torch_sum(torch.stack(list(sums.values()))).tolist()))
+        if torch.is_tensor(load):  # a mixture of experts: the load of the whole batch, all ranks
+            imbalance = expert_metrics(shard.torch_sum(load).double())
+            sums.update({k: float(v) for k, v in imbalance.items()})
         grads = [p.grad for p in self.named.values()]
         norm = shard.torch_full(torch.nn.utils.get_total_norm(grads))
         loss, grad_norm = sums["loss"], float(norm)
@@ -796,7 +831,8 @@ def log(r, metrics_path, write):
                  "SKIPPED" if r["skipped"] else "",
                  f"held-out bpb {r['eval_bpb']:.3f}" if r.get("eval_bpb") else "",
                  f"masked {r['masked']:.1%}" if "masked" in r else "",
-                 *(f"{k.replace('_', ' ')} {r[k]:.3f}" for k in POSTTRAIN_METRICS if k in r)]
+                 *(f"{k.replace('_', ' ')} {r[k]:.3f}" for k in POSTTRAIN_METRICS if k in r),
+                 *(f"{k} {r[k]:.3f}" for k in MOE_METRICS if k in r)]
         write(" | ".join(p for p in parts if p))
     accs = [f"{k.removeprefix('eval/downstream/').removesuffix('_acc')} {100 * v:.1f}%"
             for k, v in r.items() if k.endswith(("_acc", "accuracy)"))]  # "accuracy v2": the same
@@ -944,7 +980,8 @@ def main(argv):
             record = dict(step=step, loss=sum(window) / len(window), lr=lr,
                           grad_norm=out["grad_norm"], tokens_per_s=tps, skipped=out["skipped"],
                           mfu=mfu, tokens=step * tokens_per_step,
-                          **{k: out[k] for k in POSTTRAIN_METRICS + ("ce",) if k in out})
+                          **{k: out[k] for k in POSTTRAIN_METRICS + ("ce",) if k in out},
+                          **{k: out[k] for k in out if k in MOE_METRICS or k.startswith("block ")})
             if masked:  # over the steps since the last line
                 record["masked"] = sum(masked) / len(masked)
             if compile_s is not None:  # this start's first line: its first step (compile + run)

@@ -49,8 +49,10 @@ class ModelConfig:
     # Defaults: OLMo 2/3 at a laptop size
     # The block, and the HF class its checkpoints load as: olmo1 (OlmoForCausalLM: pre-norm,
     # LayerNorm without weights), olmo2 (Olmo2ForCausalLM: RMSNorm on each sublayer's output,
-    # QK-norm) or olmo3 (Olmo3ForCausalLM: olmo2, plus sliding-window layers and YaRN)
-    family: str = "olmo3"         # olmo1 | olmo2 | olmo3
+    # QK-norm), olmo3 (Olmo3ForCausalLM: olmo2, plus sliding-window layers and YaRN), olmoe
+    # (OlmoeForCausalLM: RMSNorm on each sublayer's input, Llama's order, QK-norm, a mixture of
+    # experts for the MLP) or flex_olmo (FlexOlmoForCausalLM: olmo2's block, olmoe's experts)
+    family: str = "olmo3"         # olmo1 | olmo2 | olmo3 | olmoe | flex_olmo
     d_model: int = 256            # D
     n_layers: int = 4             # L
     n_heads: int = 4              # N query heads
@@ -71,6 +73,25 @@ class ModelConfig:
     yarn_beta_fast: float = 32.0
     yarn_beta_slow: float = 1.0
     yarn_attention_factor: float = 0.0  # 0 = HF's 0.1·ln(factor) + 1
+    # A mixture of experts (olmoe, flex_olmo; every other family: 0): each layer's MLP becomes
+    # n_experts SwiGLU MLPs of width mlp_hidden and a router (HF's mlp.gate) that sends each token
+    # to experts_per_token of them, its output their sum weighted by the router's probabilities.
+    # Dropless: an expert takes every token sent to it (no capacity, nothing dropped)
+    n_experts: int = 0            # E (HF num_experts); OLMoE-1B-7B: 64, FlexOlmo-7x7B: 7
+    experts_per_token: int = 0    # k (HF num_experts_per_tok); OLMoE: 8, FlexOlmo: 5
+    # the k chosen probabilities divided by their sum (HF norm_topk_prob; in OLMo-core:
+    # normalize_expert_weights=1); OLMoE and FlexOlmo: false, a token's weights sum to < 1
+    norm_topk_prob: bool = False
+    # OLMo-core's router losses (nn/moe/loss.py), added to the training loss, each times its
+    # weight; OLMoE: 0.01 and 0.001. HF's router_aux_loss_coef is another normalisation of the
+    # first (docs/moe.md); 0 = off
+    lb_loss: float = 0.01         # load balancing: E/k · Σ_e (tokens to e) · mean p_e / count
+    router_z_loss: float = 0.001  # Σ over positions of logsumexp(router logits)² / count
+    # How the experts are computed, never what: dense (every expert on every token, weighted by
+    # the router's one-hot choice: E/k times the work, the readable reference) or grouped (the
+    # tokens sorted by expert, one grouped matmul: jax.lax.ragged_dot; torch._grouped_mm on a GPU,
+    # a loop over the experts on a CPU). auto: grouped
+    moe_compute: str = "auto"     # auto | dense | grouped
     init: str = "normal"          # normal: init_std cut at +-3σ (OLMo 2/3); mitchell: OLMo 1
     init_std: float = 0.02
     eos_token_id: int = 100257    # dolma2's <|endoftext|> (HF config.json)
@@ -103,9 +124,12 @@ class ModelConfig:
         # In order: a check may rely on those above (n_kv_heads > 0 before n_heads % it)
         _checks(self, positive="d_model n_layers n_heads n_kv_heads head_dim mlp_hidden vocab_size "
                                "max_seq_len",
-                nonneg="sliding_window clip_qkv", family=["olmo1", "olmo2", "olmo3"],
+                nonneg="sliding_window clip_qkv n_experts experts_per_token lb_loss "
+                       "router_z_loss",
+                family=["olmo1", "olmo2", "olmo3", "olmoe", "flex_olmo"],
                 init=["normal", "mitchell"],
-                attention=["auto", "xla", "splash", "cudnn", "sdpa", "flex"])
+                attention=["auto", "xla", "splash", "cudnn", "sdpa", "flex"],
+                moe_compute=["auto", "dense", "grouped"])
         need, pattern = functools.partial(_need, self), self.layer_pattern
         need(self.n_heads % self.n_kv_heads == 0, "n_kv_heads",
              f"n_heads={self.n_heads} must be a multiple of n_kv_heads")
@@ -118,7 +142,17 @@ class ModelConfig:
              f"layer_pattern={pattern!r} needs sliding_window > 0 exactly when it has an S layer")
         need(self.family == "olmo3" or not (self.sliding_window or self.yarn_factor), "family",
              "sliding windows and YaRN need family 'olmo3'")
-        need(not self.clip_qkv or self.family == "olmo1", "clip_qkv", "only OLMo 1 clamps q, k, v")
+        need(not self.clip_qkv or self.family in ("olmo1", "olmoe"), "clip_qkv",
+             "only OLMo 1 and OLMoE clamp q, k, v")
+        moe = self.family in ("olmoe", "flex_olmo")
+        need((self.n_experts > 0) == moe, "n_experts",
+             f"family {self.family!r} {'needs' if moe else 'has no'} experts (n_experts > 0 for "
+             "olmoe and flex_olmo only)")
+        need(not moe or 1 <= self.experts_per_token <= self.n_experts, "experts_per_token",
+             f"must be in 1..n_experts={self.n_experts}")
+        # OLMoE's QK-norms are over d_model and (d_model / n_heads)·n_kv_heads (HF's widths)
+        need(self.family != "olmoe" or self.head_dim * self.n_heads == self.d_model, "head_dim",
+             f"OLMoE needs head_dim = d_model / n_heads = {self.d_model // self.n_heads}")
         need(self.family != "olmo1" or self.norm_eps == 1e-5, "norm_eps",
              "OLMo 1's LayerNorm eps is 1e-5")
         need(not self.yarn_factor or self.yarn_factor > 1, "yarn_factor", "must be > 1, or 0")

@@ -5,6 +5,7 @@
     python tests/bench.py data                       # the data pipeline's throughput
     python tests/bench.py generate olmo2-1b|olmo3-7b # a released shape: nanolmo vs transformers
     python tests/bench.py fsdp configs/olmo2-1b.toml # bytes a sharded step moves; its MFU bound
+    python tests/bench.py moe [--dtype both]         # the experts: JAX dense vs grouped, torch
 
 They live here, not in the files a learner reads; `python tests/tables.py` runs them to regenerate
 the tables in docs/ (each table shows its command).
@@ -502,8 +503,184 @@ def fsdp_bench(argv):
         print(f"{eff:<20.0%}{hidden:>22.1%}{serial:>16.1%}{tps:>17,.0f}")
 
 
+# --- moe: the experts computed three ways, one MoE layer forward + backward ---------------------
+# name -> (D, F, E, k, B·T tokens): tiny-olmoe.toml's layer, OLMoE-1B-7B's E and k at a width that
+# a 2-core CPU runs in seconds, and FlexOlmo's few experts with most of them chosen
+MOE_SHAPES = {"tiny-olmoe": (64, 64, 8, 2, 2048), "olmoe-like": (512, 256, 64, 8, 1024),
+              "flexolmo-like": (256, 512, 7, 5, 1024)}
+
+
+def moe_layer(D, F, E, k, compute="auto"):
+    """A one-layer olmoe ModelConfig of this expert shape and its layer's moe params: init_params
+    at std 1/sqrt(D), router logits of order 1, so that rounding does not flip a token's top k
+    between the rows (tiny logits would leave near ties)."""
+    import jax
+
+    import model
+    from configs import ModelConfig
+    m = ModelConfig(family="olmoe", d_model=D, mlp_hidden=F, n_experts=E, experts_per_token=k,
+                    n_layers=1, vocab_size=256, eos_token_id=0, pad_token_id=1,
+                    init_std=D ** -0.5, moe_compute=compute)
+    names = [n for n in model.param_table(m) if n.startswith("layers.mlp.")]
+    stacked = model.init_params(m, jax.random.PRNGKey(0), names)
+    return m, {n.removeprefix("layers."): v[0] for n, v in stacked.items()}  # layer 0 of L = 1
+
+
+def moe_jax_step(m, p, x, ct):
+    """moe's forward + backward, jitted and compiled: (run() -> (y, ∂x) on the host, whether JAX
+    lowered ragged_dot to XLA's ragged-dot op: its own lowering for GPUs and TPUs; elsewhere
+    lax's _ragged_dot_general_impl, a dense dot over all E groups' masked rows). The scalar is
+    y's dot with ct, so that the backward starts from a random cotangent; the gradients are the
+    params' and x's, as in training."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import model
+
+    def loss(p, x):  # -> (the scalar, y as aux)
+        y = model.moe(p, x, m)[0]
+        return (y.astype(jnp.float32) * ct).sum(), y
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+    lowered = step.lower(p, x)
+    compiled = lowered.compile()  # (outside the timing)
+
+    def run():
+        (_, y), (_, dx) = compiled(p, x)
+        return np.asarray(y, np.float32), np.asarray(dx, np.float32)
+    return run, "ragged_dot" in lowered.as_text()
+
+
+def moe_torch_step(m, p, x, ct):
+    """The torch MoE module on p's weights (HF's per-expert names), x and ct as in moe_jax_step:
+    run() -> (y, ∂x) after .backward(); the params' gradients too."""
+    import numpy as np
+    import torch
+
+    import model
+    net = model.MoE(m)
+    state = {"gate.weight": np.asarray(p["mlp.gate.weight"])}
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        for e, w in enumerate(np.asarray(p[f"mlp.experts.{proj}.weight"])):
+            state[f"experts.{e}.{proj}.weight"] = w
+    net.load_state_dict({n: model.as_torch(w) for n, w in state.items()})
+    x, ct = torch.from_numpy(x).requires_grad_(), torch.from_numpy(ct)
+
+    def run():
+        net.zero_grad(set_to_none=True)
+        x.grad = None
+        y = net(x)[0]
+        (y * ct).sum().backward()
+        return y.detach().numpy(), x.grad.numpy()
+    return run
+
+
+def take_turns(runs, repeats, seconds):
+    """[(median ms, runs timed, last output)] of each run() in runs, timed in rounds, one call of
+    each a round, so that what else loads a shared CPU meanwhile slows them alike. First an
+    untimed warm-up call of each (compiled before), which sets its count: at most `repeats` and
+    about `seconds` of calls; a warm-up longer than `seconds` is itself the one sample, so that a
+    slow row costs one call's time, not repeats'."""
+    import statistics
+    import time
+
+    def timed(run):
+        t0 = time.perf_counter()
+        out = run()
+        return time.perf_counter() - t0, out
+    warm = [timed(run) for run in runs]
+    outs = [out for _, out in warm]
+    reps = [min(repeats, int(seconds / s)) for s, _ in warm]
+    times = [[] for _ in runs]
+    for r in range(max(reps)):
+        for i, run in enumerate(runs):
+            if r < reps[i]:
+                t, outs[i] = timed(run)
+                times[i].append(t)
+    return [(statistics.median(ts or [s]) * 1e3, len(ts) or 1, out)
+            for ts, (s, _), out in zip(times, warm, outs)]
+
+
+def moe_bench(argv):
+    """Forward + backward ms of one mixture-of-experts layer computed three ways, side by side:
+    JAX experts_dense (every expert on every token), JAX experts_grouped (the chosen pairs sorted
+    by expert, jax.lax.ragged_dot) through model.moe, and the torch MoE module (on a CPU its loop
+    over the experts; fp32, with the fp32 rows). The scalar: the output's dot with a fixed random
+    tensor; gradients of the params and the input. Each row's output y and input gradient ∂x
+    against JAX dense's in its dtype (the same routing). Shapes: MOE_SHAPES, one at a time, its
+    rows compiled, then timed taking turns (take_turns: the median of --repeats calls after a
+    warm-up, fewer past --seconds)."""
+    import argparse
+    import os
+    # libgomp's threads spin at their barriers: on a small CPU that other work shares, one that is
+    # descheduled stalls torch's loop for seconds (seen: 1-2.5 s on 2 cores, against 13 ms); passive
+    # waits sleep instead. Read when torch loads, so before the import
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+
+    from configs import in_range
+    ap = argparse.ArgumentParser(prog="bench.py moe", description=moe_bench.__doc__)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="float32",
+                    help="the JAX rows' compute dtype (torch's is float32); bfloat16 adds about "
+                         "a minute on 2 cores, most of it the olmoe-like grouped row")
+    ap.add_argument("--tokens", type=in_range(int, 1),
+                    help="B·T of every shape (default: its own)")
+    ap.add_argument("--repeats", type=in_range(int, 1), default=5)
+    ap.add_argument("--seconds", type=in_range(float, 0, open_lo=True), default=8.0,
+                    help="about how long a row's timed calls may take")
+    args = ap.parse_args(argv)
+    dtypes = ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]
+    print(f"{'shape':<22} {'path':<12} {'dtype':<9} {'ms':>8} {'vs dense':>9} {'ideal':>6} "
+          f"{'runs':>4} {'max|Δy|':>9} {'max|Δ∂x|':>9}")
+    native = {}  # dtype -> whether the grouped rows' ragged_dot became a ragged-dot op
+    for name, (D, F, E, k, N) in MOE_SHAPES.items():
+        N = args.tokens or N
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((1, N, D), np.float32)  # (B, T, D)
+        ct = rng.standard_normal((1, N, D), np.float32)
+        rows, runs = [], []  # (path, dtype), run() -> (y, ∂x)
+        for dtype in dtypes:
+            for compute in ("dense", "grouped"):
+                m, p = moe_layer(D, F, E, k, compute)
+                run, ragged = moe_jax_step(m, p, jnp.asarray(x, dtype), ct)
+                if compute == "grouped":
+                    native[dtype] = ragged
+                rows.append((f"JAX {compute}", dtype))
+                runs.append(run)
+        if "float32" in dtypes:
+            rows.append(("torch loop", "float32"))
+            runs.append(moe_torch_step(*moe_layer(D, F, E, k), x, ct))
+        timed = take_turns(runs, args.repeats, args.seconds)
+        dense = {dtype: t for (path, dtype), t in zip(rows, timed) if path == "JAX dense"}
+        shape = f"{name} E{E} k{k}"
+        for (path, dtype), (ms, n, out) in zip(rows, timed):
+            ref_ms, _, ref = dense[dtype]
+            dy, ddx = (np.abs(a - b).max() for a, b in zip(out, ref))
+            ideal = "1" if path == "JAX dense" else f"{k / E:.3f}"
+            print(f"{shape:<22} {path:<12} {dtype:<9} {ms:>8.1f} {ms / ref_ms:>8.2f}x "
+                  f"{ideal:>6} {n:>4} {dy:>9.2e} {ddx:>9.2e}")
+        del runs, timed  # this shape's buffers, before the next one's
+    tokens = args.tokens or "/".join(str(s[4]) for s in MOE_SHAPES.values())
+    print(f"(D F E k: {'; '.join(f'{n} {s[:4]}' for n, s in MOE_SHAPES.items())}; {tokens} "
+          f"tokens; JAX on {jax.default_backend()}; torch on cpu, {torch.get_num_threads()} "
+          f"threads, OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']})")
+    print("(ms: the median of `runs` calls; vs dense: the time over JAX dense's in its dtype; "
+          "ideal: k/E, the chosen experts' share of dense's expert work; Δ: against JAX dense "
+          "in the row's dtype)")
+    for dtype, op in native.items():
+        if not op:  # (why grouped can be slower than dense here)
+            print(f"(grouped, {dtype}: JAX has no ragged_dot lowering for "
+                  f"{jax.default_backend()}; it runs each ragged_dot as one dense dot of the "
+                  "B·T·k rows, each masked to zero outside its group, over all E groups' "
+                  "weights: k times dense's expert work, not k/E of it)")
+
+
 COMMANDS = {"train": train_bench, "attention": attention_bench, "data": data_bench,
-            "generate": generate_bench, "fsdp": fsdp_bench}
+            "generate": generate_bench, "fsdp": fsdp_bench, "moe": moe_bench}
 
 if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:

@@ -21,6 +21,15 @@ VARIANTS = {
     "olmo3": dict(family="olmo3", d_model=64, n_layers=4, n_heads=4, n_kv_heads=1, head_dim=32, mlp_hidden=96,
                   vocab_size=300, max_seq_len=64, sliding_window=5, layer_pattern="SSSF",
                   yarn_factor=4.0, yarn_original_max_seq_len=64, eos_token_id=2, pad_token_id=1),
+    # OLMoE: Llama's pre-norm order, QK-norm, clip_qkv small enough to clamp, GQA; 4 experts, top 2,
+    # weights not renormalised.
+    "olmoe": dict(family="olmoe", d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, mlp_hidden=32,
+                  vocab_size=300, max_seq_len=64, norm_eps=1e-5, clip_qkv=0.8, n_experts=4,
+                  experts_per_token=2, eos_token_id=2, pad_token_id=1),
+    # FlexOlmo: OLMo 2's block with 5 experts, top 3, renormalised (FlexOlmo's release does not).
+    "flex_olmo": dict(family="flex_olmo", d_model=64, n_layers=2, n_heads=4, head_dim=24, mlp_hidden=32,
+                      vocab_size=300, max_seq_len=64, n_experts=5, experts_per_token=3,
+                      norm_topk_prob=True, eos_token_id=2, pad_token_id=1),
 }
 
 

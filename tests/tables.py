@@ -45,7 +45,8 @@ BLOCK = re.compile(r"(<!-- table:([\w.-]+) -->\n)(.*?)(<!-- /table -->)", re.S)
 # An overlay file (a later stage) is shown stacked on the config it extends.
 # Stages that change the data, the schedule or the loss but not the model: not rows of the configs table
 SAME_MODEL = re.compile(r"-(pretrain-2|stage2|midtrain|sft|dpo|rl|grpo)$")
-OVERLAYS = {"olmo3-7b-stage3": "olmo3-7b", "olmo3-32b-stage3": "olmo3-32b", "tiny-stage3": "tiny"}
+OVERLAYS = {"olmo3-7b-stage3": "olmo3-7b", "olmo3-32b-stage3": "olmo3-32b", "tiny-stage3": "tiny",
+            "tiny-olmoe": "tiny"}
 TINY = load_config([str(ROOT / "configs/tiny.toml")])
 SHARED = ROOT.parent / "shared"
 

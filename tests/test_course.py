@@ -1,16 +1,18 @@
 """The course's focused tests (docs/exercises.md), in course order, for the exercises the whole
 model needs: each checks one exercise's functions, JAX and its PyTorch twin, against something real
-nobody here wrote (transformers' RMSNorm, decoder layer, rotary embedding, masks and attention;
-OLMo-core's skip-step rule as reference/olmo-facts.md states it), on tiny shapes, and calls only
-that exercise and earlier ones, so the course can be taken in order. A failure says what differs,
-where, and which usual mistake gives that pattern (teach.py). The whole model against transformers
-is the capstone: test_hf.py::test_hf_to_ours, under the last model exercise.
+nobody here wrote (transformers' RMSNorm, decoder layer, rotary embedding, masks and attention,
+MoE router and sparse MoE block; OLMo-core's skip-step rule as reference/olmo-facts.md states it),
+on tiny shapes, and calls only that exercise and earlier ones, so the course can be taken in order.
+A failure says what differs, where, and which usual mistake gives that pattern (teach.py). The
+whole model against transformers is the capstone: test_hf.py::test_hf_to_ours, under exercise 6
+for OLMo 1, 2 and 3 and under the router (7) for OLMoE and FlexOlmo.
 
     .venv/bin/python -m pytest -q tests/test_course.py
     python tests/exercises.py test rope   # in a student copy: one exercise's tests (a skip fails)
 """
 import importlib
 import types
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -516,7 +518,290 @@ def test_attend_is_transformers_attention(monkeypatch):
         monkeypatch.undo()
 
 
-# --- 9. skip_step: is_outlier ---------------------------------------------------------------------
+# --- 7. router: route (torch: MoE.route); moe and the experts are given -------------------------
+
+MOE_FAMILIES = ["olmoe", "flex_olmo"]  # norm_topk_prob false (OLMoE), true (common.VARIANTS')
+EXPERT_AXES = ("batch", "position", "expert")  # logits, probs (B, T, E)
+CHOICE_AXES = ("batch", "position", "choice")  # weights, experts (B, T, k)
+
+
+def hf_sparse_moe(family, seed=0):
+    """transformers' mixture-of-experts block for common.VARIANTS[family] (OlmoeSparseMoeBlock,
+    FlexOlmoSparseMoeBlock: its router `gate` and its fused experts), from transformers' own
+    config class, every weight random; and our config of the variant."""
+    pytest.importorskip("transformers")
+    m = variant(family)
+    if family == "olmoe":
+        from transformers import OlmoeConfig as Config
+        from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock as Block
+    else:
+        from transformers import FlexOlmoConfig as Config
+        from transformers.models.flex_olmo.modeling_flex_olmo import \
+            FlexOlmoSparseMoeBlock as Block
+    block = Block(Config(hidden_size=m.d_model, intermediate_size=m.mlp_hidden,
+                         num_experts=m.n_experts, num_experts_per_tok=m.experts_per_token,
+                         norm_topk_prob=m.norm_topk_prob, experts_implementation="eager"))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in block.parameters():  # logits of std ~1 on x ~ N(0, 1): no near ties among experts
+            p.copy_(0.15 * torch.randn_like(p))
+    return block.eval(), m
+
+
+def moe_weights(block, m):
+    """transformers' block's weights under our names: JAX's one-layer p and the torch MoE's state
+    dict. Its experts.gate_up_proj (E, 2F, D) holds gate_proj then up_proj along dim 1 (its
+    forward chunks the product in two, gate first); down_proj (E, D, F) is ours as it is."""
+    F = m.mlp_hidden
+    gate_up, down = block.experts.gate_up_proj.detach(), block.experts.down_proj.detach()
+    stacked = dict(gate_proj=gate_up[:, :F], up_proj=gate_up[:, F:], down_proj=down)
+    p = {"mlp.gate.weight": jnp.asarray(numpy(block.gate.weight))}
+    p.update({f"mlp.experts.{n}.weight": jnp.asarray(numpy(w)) for n, w in stacked.items()})
+    state = {"gate.weight": block.gate.weight.detach().clone()}
+    state.update({f"experts.{e}.{n}.weight": w[e].clone() for n, w in stacked.items()
+                  for e in range(m.n_experts)})
+    return p, state
+
+
+def host(a):
+    """A jax array or a torch tensor as numpy: floats as fp32 (bf16 too), integers as they are."""
+    if isinstance(a, torch.Tensor):
+        return a.detach().float().numpy() if a.is_floating_point() else a.numpy()
+    return np.asarray(a, np.float32) if jnp.issubdtype(a.dtype, jnp.floating) else np.asarray(a)
+
+
+def route_arrays(name, out):
+    """route's four outputs as numpy arrays, with their dtypes' names; or a failure that says
+    what route returns."""
+    if not isinstance(out, tuple) or len(out) != 4:
+        fail(f"{name} returns {type(out).__name__}, not the 4-tuple (logits, probs, weights, "
+             "experts): the router's logits and their softmax (B, T, E), then each token's k "
+             "weights and experts (B, T, k).")
+    dtypes = [str(a.dtype).replace("torch.", "") for a in out]
+    return [host(a) for a in out], dtypes
+
+
+def by_expert(weights, experts):
+    """Each token's k (weight, expert) pairs in the order of the expert's index: the mixture's
+    sum does not depend on the order of the k choices, so neither does the test."""
+    order = np.argsort(experts, -1, kind="stable")
+    return np.take_along_axis(weights, order, -1), np.take_along_axis(experts, order, -1)
+
+
+def chosen_message(name, got, want, probs, logits, k):
+    """None when every token goes to the k experts transformers' router sends it to (in any
+    order); else which tokens do not, and the usual mistake that picks the experts yours did."""
+    if got.shape != want.shape:
+        return (f"{name}'s experts: shape {got.shape}, transformers' {want.shape} (batch, "
+                f"position, choice): each token's k = {k} experts, the last axis.")
+    if not np.issubdtype(got.dtype, np.integer):
+        return (f"{name}'s experts are {got.dtype}: they are indices 0..E-1 (int32 from "
+                "jax.lax.top_k, int64 from torch.topk).")
+    mine, theirs = np.sort(got, -1), np.sort(want, -1)
+    bad = (mine != theirs).any(-1)  # (B, T)
+    if not bad.any():
+        return None
+    lines = [f"{name}: {bad.sum()} of {bad.size} tokens go to other experts than transformers' "
+             "router sends them to:"]
+    for b, t in list(zip(*np.nonzero(bad)))[:3]:
+        lines.append(f"  batch {b}, position {t}: yours {mine[b, t].tolist()}, transformers' "
+                     f"{theirs[b, t].tolist()} (the probabilities: {np.round(probs[b, t], 3)})")
+    least = np.sort(np.argsort(probs, -1, kind="stable")[..., :k], -1)
+    over_positions = torch.softmax(torch.tensor(logits), 1).topk(k).indices.numpy()
+    if np.array_equal(mine, least):
+        lines.append("Yours are the k LEAST probable experts: take the k largest (jax.lax.top_k "
+                     "and torch.topk give the largest first).")
+    elif np.array_equal(mine, np.sort(over_positions, -1)):
+        lines.append("Yours are what a softmax over the positions (axis 1) picks: the softmax "
+                     "runs over the E experts, the last axis.")
+    else:
+        lines.append("Each token goes to its k most probable experts (the k largest logits too: "
+                     "the softmax keeps their order).")
+    return "\n".join(lines)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_route_is_transformers_router(family):
+    """route and the torch MoE.route against transformers' router (OlmoeTopKRouter with
+    norm_topk_prob false, FlexOlmoTopKRouter with it true) on random weights and inputs: the
+    logits, the softmax over all E experts, the k experts each token goes to and their weights,
+    with the usual mistakes named (top-k before the softmax, renormalising or not, sigmoid)."""
+    block, m = hf_sparse_moe(family)
+    router, k, norm = block.gate, m.experts_per_token, m.norm_topk_prob
+    x = torch.from_numpy(np.random.default_rng(6).standard_normal((2, 9, m.d_model))
+                         .astype(np.float32))
+    B, T = x.shape[:2]
+    with torch.no_grad():
+        logits, weights, experts = (t.reshape(B, T, -1) for t in router(x))
+        probs = torch.softmax(logits, -1, dtype=torch.float)  # transformers' router's own line
+        top = probs.topk(k).values  # the k largest, in the order of transformers' experts
+    want_w = by_expert(numpy(weights), experts.numpy())[0]
+    # The wrong weights, for the same experts as transformers' (each ranks the experts as the
+    # probabilities do), in its order; then by expert as the learner's are
+    renorm = lambda w: w / w.sum(-1, keepdim=True)  # noqa: E731
+    maybe = renorm if norm else (lambda w: w)
+    wrong = [("taking the k largest logits as the weights (no softmax)",
+              maybe(logits.topk(k).values),
+              "the weights are probabilities: the softmax of the logits over all E experts, then "
+              "the k largest."),
+             ("a sigmoid of the logits in place of the softmax (DeepSeek-V3's router)",
+              maybe(torch.sigmoid(logits.topk(k).values)),
+              "OLMoE and FlexOlmo take the softmax of the logits over the E experts.")]
+    if norm:
+        wrong.insert(0, ("leaving the k probabilities as they are (norm_topk_prob is true here)",
+                         top, "when m.norm_topk_prob, divide each token's k weights by their "
+                         "sum, so that they add up to 1."))
+    else:
+        # the two usual mistakes give the same weights here: with norm_topk_prob false, a
+        # softmax over the k largest logits is the k largest probabilities renormalised
+        wrong.insert(0, ("top-k before the softmax (a softmax over the k largest logits), or "
+                         "renormalising the k weights where norm_topk_prob is false,",
+                         renorm(top), "both make each token's weights sum to 1. OLMoE's "
+                         "norm_topk_prob is false: the softmax over all E experts first, then "
+                         "the k largest probabilities as they are (they sum to less than 1)."))
+    mistakes = [mistake(what, by_expert(numpy(w), experts.numpy())[0], fix)
+                for what, w, fix in wrong]
+    sums = numpy(weights).sum(-1)
+    how = ("divided by their sum (norm_topk_prob)" if norm else
+           "kept as they are (norm_topk_prob false)")
+    twin = model.MoE(m)
+    twin.gate.weight.data = router.weight.detach().clone()
+    runs = [("model.route", lambda: model.route({"mlp.gate.weight": jnp.asarray(numpy(
+                router.weight))}, jnp.asarray(numpy(x)), m)),
+            ("model.MoE.route (torch)", lambda: twin.route(x))]
+    for name, run in runs:  # the JAX function first, then its twin
+        with torch.no_grad():
+            (got_l, got_p, got_w, got_e), _ = route_arrays(name, run())
+        what = f"{name} ({family}, E = {m.n_experts}, k = {k})"
+        compare(f"{what}: logits", got_l, numpy(logits), EXPERT_AXES, 1e-5,
+                hint="the logits: x @ mlp.gate.weight.T (E, D), no bias, as fp32.")
+        compare(f"{what}: probs", got_p, numpy(probs), EXPERT_AXES, 1e-5,
+                [mistake("a softmax over the positions (axis 1)",
+                         numpy(torch.softmax(logits, 1)), "the softmax runs over the E "
+                         "experts, the last axis.")],
+                "probs (B, T, E): the softmax of the logits over all E experts, in fp32 "
+                "(router_losses reads it).")
+        message = chosen_message(f"{what}: experts", got_e, experts.numpy(), numpy(probs),
+                                 numpy(logits), k)
+        if message:
+            fail(message)
+        if got_w.shape != want_w.shape:
+            fail(f"{what}: weights of shape {got_w.shape}, experts of shape {got_e.shape}: one "
+                 f"weight for each of a token's k choices, (B, T, k) = {want_w.shape}.")
+        mine = by_expert(got_w, got_e)[0]
+        compare(f"{what}: weights", mine, want_w, CHOICE_AXES, 1e-5, mistakes,
+                f"The weights are the k largest of the softmax over all E experts (fp32), {how}: "
+                f"transformers' sum to {sums.min():.3f}-{sums.max():.3f} a token, yours to "
+                f"{mine.sum(-1).min():.3f}-{mine.sum(-1).max():.3f}.")
+
+
+def test_route_keeps_the_softmax_in_fp32():
+    """route and MoE.route on bf16 activations, training's compute dtype, against transformers'
+    bf16 router: the logits are the bf16 product (to bf16 rounding), and the softmax and the
+    weights are fp32, as transformers' softmax(dtype=torch.float) (a bf16 softmax is named)."""
+    block, m = hf_sparse_moe("olmoe")
+    router, k = block.gate.to(torch.bfloat16), m.experts_per_token
+    x = torch.from_numpy(np.random.default_rng(7).standard_normal((2, 9, m.d_model))
+                         .astype(np.float32)).bfloat16()
+    B, T = x.shape[:2]
+    with torch.no_grad():
+        logits, _, experts = (t.reshape(B, T, -1) for t in router(x))
+    w = router.weight.detach().float()  # bf16 values, held in fp32 as our parameters are
+    twin = model.MoE(m)
+    twin.gate.weight.data = w.clone()
+    runs = [("model.route", lambda: model.route({"mlp.gate.weight": jnp.asarray(numpy(w))},
+                                                jnp.asarray(numpy(x), jnp.bfloat16), m)),
+            ("model.MoE.route (torch)", lambda: twin.route(x))]
+    for name, run in runs:  # the JAX function first, then its twin
+        with torch.no_grad():
+            (got_l, got_p, got_w, got_e), dtypes = route_arrays(name, run())
+        what = f"{name} of a bf16 x (olmoe)"
+        for part, dtype in zip(("logits", "probs", "weights"), dtypes):
+            if dtype != "float32":
+                fail(f"{what} returns its {part} in {dtype}: the router works in fp32. Cast the "
+                     "logits (the bf16 product) to fp32 before the softmax, as transformers' "
+                     "router does (softmax(dtype=torch.float)); the top-k and the weights follow "
+                     "in fp32.")
+        compare(f"{what}: logits", got_l, numpy(logits), EXPERT_AXES, 1e-2,
+                hint="the logits: the bf16 product x @ W.T (W cast to x's dtype, as linear and "
+                     "Linear do), then cast to fp32.")
+        own = numpy(torch.softmax(torch.tensor(got_l), -1))  # fp32, of the learner's logits
+        message = report(f"{what}: probs, against the fp32 softmax of your own logits", got_p,
+                         own, EXPERT_AXES, 1e-6,
+                         [mistake("a softmax over the positions (axis 1)",
+                                  numpy(torch.softmax(torch.tensor(got_l), 1)),
+                                  "the softmax runs over the E experts, the last axis.")])
+        if message:
+            as_bf16 = numpy(torch.tensor(got_p).bfloat16())
+            fail(message, "Every one of your probabilities is a bf16 number: the softmax ran in "
+                 "bf16 and was cast up after it. Cast the logits to fp32 first."
+                 if np.array_equal(got_p, as_bf16) else "", "probs: the softmax of the "
+                 "logits over the E experts in fp32.")
+        message = chosen_message(f"{what}: experts", got_e, experts.numpy(), own, got_l, k)
+        if message:
+            fail(message)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_moe_is_transformers_sparse_moe_block(family):
+    """moe (experts_dense and experts_grouped) and the torch MoE.forward, on route's weights and
+    experts, against transformers' sparse MoE block (OlmoeSparseMoeBlock, FlexOlmoSparseMoeBlock)
+    with the same weights; and the expert load each counts from route's experts."""
+    block, m = hf_sparse_moe(family, seed=1)
+    k, E, norm = m.experts_per_token, m.n_experts, m.norm_topk_prob
+    x = torch.from_numpy(np.random.default_rng(8).standard_normal((2, 9, m.d_model))
+                         .astype(np.float32))
+    B, T, D = x.shape
+    with torch.no_grad():
+        want = numpy(block(x))
+        logits, _, experts = block.gate(x)  # logits (B·T, E), experts (B·T, k)
+        top = torch.softmax(logits, -1, dtype=torch.float).topk(k).values
+
+        def combined(w):  # transformers' experts, summed with other weights than its router's
+            return numpy(block.experts(x.reshape(-1, D), experts, w).reshape(B, T, D))
+        if norm:
+            weighting = mistake("leaving the k probabilities as they are (norm_topk_prob is true "
+                                "here)", combined(top), "when m.norm_topk_prob, route divides "
+                                "each token's k weights by their sum.")
+        else:
+            weighting = mistake("top-k before the softmax, or renormalising the k weights "
+                                "where norm_topk_prob is false,",
+                                combined(top / top.sum(-1, keepdim=True)),
+                                "route keeps the k largest probabilities of the softmax over all "
+                                "E experts as they are.")
+        mistakes = [weighting,
+                    mistake("adding the chosen experts' outputs unweighted",
+                            combined(torch.ones_like(top)),
+                            "each expert's output is multiplied by route's weight for it.")]
+    load = np.bincount(experts.numpy().reshape(-1), minlength=E)
+    p, state = moe_weights(block, m)
+    twin = model.MoE(m)
+    twin.load_state_dict(state)
+    hint = ("moe: each token leaves with the sum over its k chosen experts of weight · "
+            "SwiGLU_e(x) (experts_dense: every expert on every token times the token's share "
+            "of it, 0 for the experts route did not choose). moe, the experts and the loop are "
+            "given: route's weights and experts are what this checks; "
+            "test_route_is_transformers_router places a difference more closely.")
+    # jitted, as the training step runs it (and one compile is faster than op by op)
+    runs = [(f"model.moe (moe_compute {c})",
+             lambda c=c: jax.jit(partial(model.moe, m=variant(family, moe_compute=c)))(
+                 p, jnp.asarray(numpy(x))))
+            for c in ("dense", "grouped")]
+    runs.append(("model.MoE.forward (torch)", lambda: twin(x)))
+    for name, run in runs:  # the JAX function first, then its twin
+        with torch.no_grad():
+            y, terms = run()
+        what = f"{name} ({family}, E = {E}, k = {k})"
+        compare(what, host(y), want, ("batch", "position", "feature"), 1e-5, mistakes, hint)
+        counted = host(terms[model.LOAD])
+        if not np.array_equal(counted, load):
+            fail(f"{what}: the expert load (terms[model.LOAD]) is {counted.tolist()}; "
+                 f"transformers' router sends {load.tolist()} (token, expert) pairs to experts "
+                 f"0..{E - 1}. moe counts route's experts: each token's k different indices, "
+                 "0 <= e < E.")
+
+
+# --- 10. skip_step: is_outlier --------------------------------------------------------------------
 
 def skip_cases():
     """(what, n, losses, grad norms, loss, grad_norm, hint): histories laid out as push_history

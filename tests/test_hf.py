@@ -35,6 +35,15 @@ def hf_model(name):
     elif name == "olmo2":
         net = tf.Olmo2ForCausalLM(tf.Olmo2Config(**common, head_dim=v["head_dim"], rms_norm_eps=1e-6,
                                                  rope_parameters={"rope_type": "default", "rope_theta": 500000.0}))
+    elif name in ("olmoe", "flex_olmo"):
+        experts = dict(num_experts=v["n_experts"], num_experts_per_tok=v["experts_per_token"],
+                       norm_topk_prob=v.get("norm_topk_prob", False),
+                       rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+        if name == "olmoe":
+            net = tf.OlmoeForCausalLM(tf.OlmoeConfig(**common, **experts, clip_qkv=v["clip_qkv"], rms_norm_eps=1e-5))
+        else:
+            net = tf.FlexOlmoForCausalLM(tf.FlexOlmoConfig(**common, **experts, head_dim=v["head_dim"],
+                                                           rms_norm_eps=1e-6))
     else:
         # Legacy (transformers 4.x) RoPE keys, as in the older hub files: our reader must handle them.
         net = tf.Olmo3ForCausalLM(tf.Olmo3Config(

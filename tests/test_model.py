@@ -138,7 +138,13 @@ def test_causal(name):
     b = a.copy()
     b[:, 12:] = (b[:, 12:] + 7) % m.vocab_size
     for la, lb in zip(both_logits(m, params, a), both_logits(m, params, b)):
-        np.testing.assert_array_equal(la[:, :12], lb[:, :12])
+        if m.n_experts:
+            # Equal to rounding: an expert's rows are the batch's tokens routed to it, so later
+            # tokens change how many rows its matmul blocks over and its sums' order (transformers'
+            # too); a later token leaking in would move the logits by far more than 1e-5
+            np.testing.assert_allclose(la[:, :12], lb[:, :12], rtol=0, atol=1e-5)
+        else:
+            np.testing.assert_array_equal(la[:, :12], lb[:, :12])
         assert np.abs(la[:, 12:] - lb[:, 12:]).max() > 1e-3
 
 
