@@ -572,6 +572,20 @@ def experts_grouped(p, x, weights, experts, m):
     return jnp.zeros((B * T, D), out.dtype).at[token].add(out).reshape(B, T, D)
 
 
+def experts_function(m):
+    """The experts_fn moe_compute names. auto: grouped where ragged_dot has a kernel of its own
+    (GPUs, TPUs), dense on a CPU, where XLA runs a ragged_dot as one dense dot of every pair
+    against all E experts' weights, masked: k times experts_dense's work (`python tests/bench.py
+    moe`). platform_dependent picks when the step is lowered, for the platform it is lowered for."""
+    dense, grouped = partial(experts_dense, m=m), partial(experts_grouped, m=m)
+    if m.moe_compute != "auto":
+        return experts_dense if m.moe_compute == "dense" else experts_grouped
+
+    def auto(p, x, weights, experts, m):
+        return jax.lax.platform_dependent(p, x, weights, experts, cpu=dense, default=grouped)
+    return auto
+
+
 def router_losses(probs, lse, load, m):
     """OLMo-core's two router losses of one layer (nn/moe/loss.py, its default local_batch
     granularity, over the batch the step computes), each times its weight and as a sum over the
@@ -596,10 +610,9 @@ def moe(p, x, m, experts_fn=None):
     """The mixture of experts, the MLP of olmoe and flex_olmo: x (B, T, D) -> (Σ over the token's
     k chosen experts e of weight_e · SwiGLU_e(x) (B, T, D), router_losses' terms). experts_fn(p,
     x, weights, experts, m): how the chosen experts are computed, the function shard.experts
-    returns on a mesh (each device's own tokens under shard_map); default by moe_compute."""
+    returns on a mesh (each device's own tokens under shard_map); default experts_function's."""
     logits, probs, weights, experts = route(p, x, m)
-    if experts_fn is None:
-        experts_fn = experts_dense if m.moe_compute == "dense" else experts_grouped
+    experts_fn = experts_fn or experts_function(m)
     E = m.n_experts
     load = jnp.bincount(experts.reshape(-1), length=E)  # (E,)
     terms = router_losses(probs.reshape(-1, E), jax.nn.logsumexp(logits, -1).reshape(-1), load, m)

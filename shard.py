@@ -14,6 +14,7 @@ import math
 import os
 import sys
 import time
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,7 +50,7 @@ BATCH = tuple(a for a in AXES if a not in WITHIN_INSTANCE)
 # every device, and XLA cannot move that to (instances, positions) without first gathering all of
 # it (`train.py plan`: 32 GiB more a device at 64 x 65536 tokens).
 RULES = {"embed": ("fsdp",), "heads": ("tensor",), "kv_heads": ("tensor",), "mlp": ("tensor",),
-         "vocab": ("tensor",), "layers": (), "experts": (), "router": ()}
+         "vocab": ("tensor",), "layers": (), "experts": ("expert",), "router": ()}
 
 
 def mesh_shape(mesh_cfg, n_devices):
@@ -274,22 +275,67 @@ def attention(mesh, m, dtype, documents):
 
 
 def experts(mesh, m):
-    """model.moe's experts_fn on this mesh: each device sorts and computes its own tokens
-    (model.experts_grouped under shard_map over the instance axes), the expert weights gathered
-    whole for it as FSDP gathers every weight for use. Under GSPMD alone the sort by expert is one
-    sort of the whole global batch: XLA gathers every device's tokens onto every device (`train.py
-    plan`: terabytes a device at OLMoE's batch). Experts split over devices (expert parallelism:
-    each device keeps E / n experts and an all-to-all trades tokens) is not here: docs/moe.md."""
-    if not m.n_experts or m.moe_compute == "dense" or mesh.devices.size == 1:
+    """model.moe's experts_fn on this mesh, under shard_map over every axis: each device routes its
+    own tokens (GSPMD alone would sort the whole global batch as one and gather every device's
+    tokens onto every device: `train.py plan configs/olmoe-1b-7b.toml` counted 2,128 GiB a device).
+    mesh.expert = 1: each device runs every expert on its own pairs (model.experts_grouped), the
+    expert weights gathered whole for it as FSDP gathers every weight. mesh.expert = n > 1: expert
+    parallelism, each device keeping E / n experts (RULES), its pairs sent to their experts' devices
+    by an all-to-all and their outputs sent back by another (dispatch_to_experts)."""
+    if not m.n_experts or mesh.devices.size == 1:
         return None  # model.moe's own choice
-    tokens, pairs = P(BATCH, "context", None), P(BATCH, "context", None)
+    rows = P(BATCH, "context", None)  # x (B, T, D); weights and chosen experts (B, T, k)
+    ep = mesh.shape["expert"]
 
     def experts_fn(p, x, weights, chosen, m):
-        run = jax.shard_map(functools.partial(model.experts_grouped, m=m), mesh=mesh,
-                            in_specs=({k: P() for k in p}, tokens, pairs, pairs),
-                            out_specs=tokens, check_vma=False)
+        if ep == 1:
+            local = functools.partial(model.experts_function(m), m=m)
+        else:
+            local = functools.partial(dispatch_to_experts, m=m, ep=ep)
+        # each device's experts (all of them where mesh.expert = 1), gathered over the other axes
+        specs = {k: P("expert" if ep > 1 else None) for k in p}
+        run = jax.shard_map(local, mesh=mesh, in_specs=(specs, rows, rows, rows),
+                            out_specs=rows, check_vma=False)
         return run(p, x, weights, chosen)
     return experts_fn
+
+
+def dispatch_to_experts(p, x, weights, chosen, m, ep):
+    """Expert parallelism on one device of the "expert" axis (n = ep devices, each holding E/n
+    experts, device j experts j·E/n..): x (b, t, D), weights and chosen (b, t, k) this device's
+    -> (b, t, D). Its b·t·k (token, expert) pairs go to the device of their expert by an all-to-all,
+    each device runs its experts on what it received (model.experts_grouped's grouped_linear), and
+    a second all-to-all returns the outputs, which are weighted and added to their tokens here.
+    The send buffer holds, for each device, room for all b·t·k pairs (all may choose its experts):
+    n times the pairs, mostly zeros, because XLA's CPU backend has no ragged all-to-all
+    (jax.lax.ragged_all_to_all: UNIMPLEMENTED there), which sends only the rows."""
+    (b, t, D), k = x.shape, m.experts_per_token
+    per = m.n_experts // ep  # experts a device holds
+    n = b * t * k
+    flat = chosen.reshape(-1)  # (n,): pair i is token i // k's choice
+    dest = flat // per  # the device holding the pair's expert
+    order = jnp.argsort(dest, stable=True)  # the pairs by destination
+    counts = jnp.bincount(dest, length=ep)  # (ep,) pairs for each device
+    starts = jnp.cumsum(counts) - counts
+    slot = jnp.arange(n) - starts[dest[order]]  # each sorted pair's row in its device's block
+    token = order // k
+    send = jnp.zeros((ep, n, D), x.dtype).at[dest[order], slot].set(x.reshape(b * t, D)[token])
+    ids = jnp.full((ep, n), per, jnp.int32).at[dest[order], slot].set(flat[order] % per)
+    # (ep, n, D): block i is what device i sent here; ids: its local expert, `per` for padding
+    got = jax.lax.all_to_all(send, "expert", 0, 0, tiled=True)
+    got_ids = jax.lax.all_to_all(ids, "expert", 0, 0, tiled=True).reshape(-1)
+    # this device's experts on the rows received: sorted by local expert, padding last
+    within = jnp.argsort(got_ids, stable=True)
+    sizes = jnp.bincount(got_ids, length=per + 1)[:per].astype(jnp.int32)  # (padding: no group)
+    rows = got.reshape(ep * n, D)[within]
+    gate = model.grouped_linear(rows, p["mlp.experts.gate_proj.weight"], sizes)
+    up = model.grouped_linear(rows, p["mlp.experts.up_proj.weight"], sizes)
+    out = model.grouped_linear(jax.nn.silu(gate) * up, p["mlp.experts.down_proj.weight"], sizes)
+    out = jnp.zeros_like(out).at[within].set(out)  # back in received order
+    back = jax.lax.all_to_all(out.reshape(ep, n, D), "expert", 0, 0, tiled=True)
+    mine = back[dest[order], slot]  # (n, D): each sorted pair's output
+    mine = mine * weights.reshape(-1)[order, None].astype(mine.dtype)
+    return jnp.zeros((b * t, D), mine.dtype).at[token].add(mine).reshape(b, t, D)
 
 
 def attention_impl(mesh, m, dtype, documents):
@@ -731,6 +777,8 @@ def plan(cfg, names, topology, make_step, new_history):
     if len(devices) < n:
         raise ValueError(f"--topology {topology} has {len(devices)} devices, the target {n}")
     mesh = make_mesh(target, devices[:n])
+    if m.moe_compute == "auto" and not topology:  # the target runs grouped experts (not a CPU's)
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(m, moe_compute="grouped"))
     _, micro, accum = check_batch(dc.global_batch, tc.micro_batch, dp_size(mesh), mesh_where(mesh))
     check_mesh(mesh.shape, m, dc.seq_len)
     table = model.param_table(m)

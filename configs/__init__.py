@@ -90,7 +90,8 @@ class ModelConfig:
     # How the experts are computed, never what: dense (every expert on every token, weighted by
     # the router's one-hot choice: E/k times the work, the readable reference) or grouped (the
     # tokens sorted by expert, one grouped matmul: jax.lax.ragged_dot; torch._grouped_mm on a GPU,
-    # a loop over the experts on a CPU). auto: grouped
+    # a loop over the experts on a CPU). auto: JAX grouped on GPUs and TPUs, dense on a CPU (XLA's
+    # CPU ragged_dot does k times dense's work: model.experts_function); torch as grouped
     moe_compute: str = "auto"     # auto | dense | grouped
     init: str = "normal"          # normal: init_std cut at +-3σ (OLMo 2/3); mitchell: OLMo 1
     init_std: float = 0.02
@@ -226,6 +227,10 @@ class MeshConfig:
     # torch's FSDP2 takes only shard.TORCH_AXES
     data: int = _mesh_axis(-1)    # splits instances, not weights (each replica has them all)
     fsdp: int = _mesh_axis(1)     # splits instances and every weight (FSDP: gathered for use)
+    # splits instances and a mixture's experts (expert parallelism: each device keeps E / expert
+    # of them, and tokens travel to their experts' devices and back: shard.experts); on a dense
+    # model a second data axis
+    expert: int = _mesh_axis(1)
     context: int = _mesh_axis(1)  # devices sharing each instance's tokens
     tensor: int = _mesh_axis(1)   # devices sharing heads, MLP width, vocabulary (Megatron)
     # device x devices: the target this config is made for; `python train.py plan CONFIG`

@@ -3,6 +3,7 @@ lowered for CUDA and TPU (tests/lower_check.py), full fp32 matmuls, the shipped 
 their targets, device tables, the memory JAX may use, a mesh that splits heads it cannot, an
 accelerator JAX does not see, the train bench's rows (tests/bench.py)."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -148,7 +149,8 @@ def test_shipped_configs_fit_their_targets(files):
     assert mc.device in shard.DEVICES and mc.devices > 0, "no target"
     sizes = dict(zip(shard.AXES, shard.mesh_shape(mc, mc.devices)))
     shard.check_mesh(sizes, m, dc.seq_len)
-    shard.check_batch(dc.global_batch, tc.micro_batch, sizes["data"] * sizes["fsdp"], "its target")
+    ranks = math.prod(sizes[a] for a in shard.BATCH)  # (data x fsdp x expert)
+    shard.check_batch(dc.global_batch, tc.micro_batch, ranks, "its target")
     assert tc.compute_dtype == "bfloat16"
     state = shard.state_gib(model.param_table(m), sizes)
     message = f"{state:.1f} GiB of weights and AdamW state per device"

@@ -137,7 +137,7 @@ def test_bad_head_counts(tmp_path):
     (dict(layer_pattern="SSSF"), "needs sliding_window > 0 exactly when it has an S layer"),
     (dict(layer_pattern="F", sliding_window=8), "needs sliding_window > 0"),
     (dict(family="olmo2", layer_pattern="SSSF", sliding_window=8), "need family 'olmo3'"),
-    (dict(family="olmo2", clip_qkv=8.0), "only OLMo 1 clamps"),
+    (dict(family="olmo2", clip_qkv=8.0), "only OLMo 1 and OLMoE clamp"),
     (dict(family="olmo1"), "OLMo 1's LayerNorm eps is 1e-5"),
     (dict(family="olmo4"), "must be one of"),
     (dict(head_dim=33), "must be even"),

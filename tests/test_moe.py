@@ -49,6 +49,18 @@ def test_dense_and_grouped_experts_are_equal():
     np.testing.assert_allclose(t, np.asarray(model.forward(params, toks, grouped)), rtol=0, atol=2e-5)
 
 
+def test_auto_is_dense_on_a_cpu_and_grouped_on_gpus_and_tpus():
+    """moe_compute auto lowers to ragged_dot for CUDA and TPUs, where it has a kernel, and to
+    experts_dense for a CPU, where XLA's ragged_dot is a masked dense dot over every expert."""
+    m = variant("olmoe", n_layers=1)
+    params = {k: jnp.asarray(v) for k, v in random_params(m).items()}
+    toks = jnp.asarray(tokens(m, T=8))
+    traced = jax.jit(lambda p, t: model.forward(p, t, m)).trace(params, toks)
+    for platform, ragged in [("cpu", False), ("cuda", True), ("tpu", True)]:
+        text = traced.lower(lowering_platforms=(platform,)).as_text()
+        assert ("ragged_dot" in text) == ragged, platform
+
+
 def olmo_core_losses(logits, top_k, loss_div_factor):
     """A transcription of OLMo-core's src/olmo_core/nn/moe/loss.py (load_balancing_loss with its
     default local_batch granularity, router_z_loss; no TP or CP mesh) and of MoERouter.forward's
@@ -151,36 +163,39 @@ def test_tiny_moe_trains_and_uses_every_expert(setup, tmp_path):
     assert (np.asarray(terms[model.LOAD]) > 0).all(), np.asarray(terms[model.LOAD])
 
 
-def test_the_sharded_step_equals_one_device(tmp_path):
-    """A step of a small OLMoE on 8 fake CPU devices (fsdp 4 x tensor 2; the experts computed per
-    device under shard_map by shard.experts) gives one device's loss and gradients."""
+def test_the_sharded_step_equals_one_device():
+    """A small OLMoE's loss and gradients on 8 fake CPU devices, the experts computed under
+    shard_map by shard.experts, equal one device's: each device on its own tokens with every
+    expert (fsdp 4 x tensor 2), and expert parallelism (expert 4 x fsdp 2: each device keeps 2 of
+    the 8 experts; pairs travel by all-to-all)."""
     code = r"""
-import sys, dataclasses, json
+import sys, json
 sys.path.insert(0, "tests")
-import jax, jax.numpy as jnp, numpy as np
+import jax, jax.numpy as jnp
 import model, shard
 from common import variant, random_params, tokens
 from configs import MeshConfig
-m = variant("olmoe", n_heads=4, n_kv_heads=2)
+m = variant("olmoe", n_experts=8, experts_per_token=3)
 params = {k: jnp.asarray(v) for k, v in random_params(m, seed=4).items()}
 toks = jnp.asarray(tokens(m, B=8, T=16, seed=5))
-def loss(p, mesh):
+def loss(p, toks, mesh):
     x, terms = model.forward(p, toks, m, head=False,
                              experts_fn=None if mesh is None else shard.experts(mesh, m))
     return (x ** 2).mean() + terms["load balancing loss"] + terms["router Z loss"]
-one = jax.value_and_grad(loss)(params, None)
-mesh = shard.make_mesh(MeshConfig(data=1, fsdp=4, tensor=2))
-table = model.param_table(m)
-sh = {k: jax.sharding.NamedSharding(mesh, shard.spec_for(k, p, dict(mesh.shape))) for k, p in table.items()}
-placed = {k: jax.device_put(v, sh[k]) for k, v in params.items()}
-f = jax.jit(lambda p: jax.value_and_grad(loss)(p, mesh))
-many = f(placed)
-diff = max(float(jnp.abs(one[1][k] - many[1][k]).max()) for k in params)
-print(json.dumps({"loss": [float(one[0]), float(many[0])], "grad": diff}))
+one = jax.value_and_grad(loss)(params, toks, None)
+for axes in [dict(fsdp=4, tensor=2), dict(expert=4, fsdp=2)]:
+    mesh = shard.make_mesh(MeshConfig(data=1, **axes))
+    shardings = shard.state_shardings(mesh, model.param_table(m))[0]
+    placed = {k: jax.device_put(v, shardings[k]) for k, v in params.items()}
+    rows = jax.device_put(toks, shard.instance_sharding(mesh))
+    many = jax.jit(lambda p, t: jax.value_and_grad(loss)(p, t, mesh))(placed, rows)
+    diff = max(float(jnp.abs(one[1][k] - many[1][k]).max()) for k in params)
+    print(json.dumps({"mesh": axes, "loss": [float(one[0]), float(many[0])], "grad": diff}))
 """
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert abs(out["loss"][0] - out["loss"][1]) < 1e-5 and out["grad"] < 1e-5, out
+    for line in r.stdout.strip().splitlines()[-2:]:
+        out = json.loads(line)
+        assert abs(out["loss"][0] - out["loss"][1]) < 1e-5 and out["grad"] < 1e-5, out
