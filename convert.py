@@ -728,7 +728,7 @@ RMS = ("rms", "fused_rms", "cute_rms", "qwen_rms", "nemotron_rms")  # kernels / 
 OLMO_CORE_FLAGS = [
     ("model.name", "default"), ("model.embedding_norm", None), ("model.embed_scale", (None, 1)),
     ("model.block_pattern", None),
-    (f"{_BLOCK}.name", "reordered_norm"), (f"{_BLOCK}.feed_forward_moe", None),
+    (f"{_BLOCK}.name", "reordered_norm"),
     (f"{_BLOCK}.attention_residual_alpha", (None, 1)),
     (f"{_BLOCK}.feed_forward_residual_alpha", (None, 1)),
     (f"{_BLOCK}.feed_forward.name", "default"), (f"{_BLOCK}.feed_forward.activation", "silu"),
@@ -743,6 +743,38 @@ for _norm in _NORMS:  # each an RMSNorm with a weight
     OLMO_CORE_FLAGS += [(f"{_norm}.name", RMS), (f"{_norm}.elementwise_affine", True)]
 YARN_KEYS = {"_CLASS_", "factor", "beta_fast", "beta_slow", "old_context_len",
              "attention_rescale_factor"}  # the last: legacy, OLMo-core ignores it
+
+
+# OLMo-core's mixture of experts (nn/moe: MoEConfig, MoERouterConfig), by dotted path under the
+# block: defaults for unset keys, then the settings we implement. Its "moe" block is the OLMoE
+# block (a norm on each sublayer's input), "moe_reordered_norm" the FlexOlmo one (OLMo 2's). Read
+# nowhere: dtypes, capacity_factor (a dropless MoE has no capacity)
+_MOE = f"{_BLOCK}.feed_forward_moe"
+OLMO_CORE_MOE_DEFAULTS = {
+    f"{_MOE}.name": "default", f"{_MOE}.router.name": "default", f"{_MOE}.router.top_k": 1,
+    f"{_MOE}.router.gating_function": "softmax", f"{_MOE}.lb_loss_weight": 0.01,
+    f"{_MOE}.lb_loss_granularity": "local_batch", f"{_MOE}.scale_loss_by_num_layers": True}
+OLMO_CORE_MOE_FLAGS = [
+    ("model.name", "moe"), (f"{_BLOCK}.name", ("moe", "moe_reordered_norm")),
+    (f"{_MOE}.name", "dropless", "every token reaches its experts"),
+    (f"{_MOE}.router.name", "default"), (f"{_MOE}.router.gating_function", "softmax"),
+    (f"{_MOE}.router.normalize_expert_weights", (None, 1, 1.0), "none, or 1: norm_topk_prob"),
+    (f"{_MOE}.router.jitter_eps", None), (f"{_MOE}.router.uniform_expert_assignment", False),
+    (f"{_MOE}.router.bias_gamma", None, "no auxiliary-loss-free bias"),
+    (f"{_MOE}.shared_mlp", None), (f"{_MOE}.lb_loss_granularity", "local_batch"),
+    (f"{_MOE}.scale_loss_by_num_layers", True)]
+
+
+def _olmo_core_experts(f, L):
+    """ModelConfig's expert fields (and family, mlp_hidden) of an OLMo-core MoE config, flat."""
+    f = {**OLMO_CORE_MOE_DEFAULTS, **f}
+    _refuse(f, OLMO_CORE_MOE_FLAGS, "OLMoE and FlexOlmo")
+    return dict(family="olmoe" if f[f"{_BLOCK}.name"] == "moe" else "flex_olmo",
+                mlp_hidden=f[f"{_MOE}.hidden_size"], n_experts=f[f"{_MOE}.num_experts"],
+                experts_per_token=f[f"{_MOE}.router.top_k"],
+                norm_topk_prob=f.get(f"{_MOE}.router.normalize_expert_weights") == 1,
+                lb_loss=float(f.get(f"{_MOE}.lb_loss_weight") or 0.0),
+                router_z_loss=float(f.get(f"{_MOE}.z_loss_weight") or 0.0))
 
 
 @_names_file
@@ -767,6 +799,12 @@ def config_from_olmo_core(cfg):
     for key in (f"{_MIXER}.rope", *_NORMS[1:]):
         if key not in f:
             bad(f"{key}=None is not supported (OLMo 2/3 have one)")
+    experts = {}
+    if f.get(f"{_BLOCK}.feed_forward_moe") is not None:  # a mixture of experts: its own rules
+        experts = _olmo_core_experts(f, L)
+        # (no dense feed_forward: its defaults checked below do not apply)
+        f = {**f, "model.name": "default", f"{_BLOCK}.name": "reordered_norm",
+             f"{_BLOCK}.feed_forward_moe": None, f"{_BLOCK}.feed_forward.bias": False}
     _refuse(f, OLMO_CORE_FLAGS, "OLMo 2/3")
     eps = f[f"{_BLOCK}.layer_norm.eps"]
     _refuse(f, [(k + ".eps", eps, "one eps for all norms") for k in _NORMS[1:]], "OLMo 2/3")
@@ -808,10 +846,12 @@ def config_from_olmo_core(cfg):
     tok = ds.get("tokenizer") or {}
     seq = ds.get("sequence_length") or (cfg.get("train_module") or {}).get("max_sequence_length")
     D, N = t["d_model"], a["n_heads"]
+    family = "olmo3" if "S" in kinds or yarn else "olmo2"
     return ModelConfig(
-        family="olmo3" if "S" in kinds or yarn else "olmo2", d_model=D, n_layers=L, n_heads=N,
+        family=experts.pop("family", family), d_model=D, n_layers=L, n_heads=N,
         n_kv_heads=a.get("n_kv_heads") or N, head_dim=a.get("head_dim") or D // N,
-        mlp_hidden=base["feed_forward"]["hidden_size"], vocab_size=t["vocab_size"],
+        mlp_hidden=experts.pop("mlp_hidden", None) or base["feed_forward"]["hidden_size"],
+        vocab_size=t["vocab_size"], **experts,
         tie_embeddings=bool(t.get("tie_word_embeddings")), norm_eps=float(eps),
         rope_theta=float(f[f"{_MIXER}.rope.theta"]), max_seq_len=seq or 8192,
         init_std=float(t.get("init_std", 0.02)),
@@ -999,11 +1039,12 @@ HF_WEIGHTS = HF_SAFETENSORS + [PIECES, "pytorch_model.bin.index.json", "pytorch_
 # - olmo: the old OLMo trainer (OLMo 1 and 2), unsharded: config.yaml and model.safetensors (read
 #   first, as ai2-olmo does; its names are pickles: trainer_store) or model.pt; the fused att_proj
 #   and ff_proj are split.
-# - olmo_core: OLMo-core (OLMo 2, 3): config.json ({"model": TransformerConfig, ...}) and model.pt
-#   or model.safetensors (its unshard_checkpoint), or model_and_optim/ (torch's DCP); the window
-#   pattern from the block's sliding_window, YaRN from block_overrides.
-# Names map one to one onto ours: a rename, a split of the fused tensors, never a transpose or a
-# RoPE permute.
+# - olmo_core: OLMo-core (OLMo 2, 3; its MoEs, as OLMoE or FlexOlmo): config.json ({"model":
+#   TransformerConfig, ...}) and model.pt or model.safetensors (its unshard_checkpoint), or
+#   model_and_optim/ (torch's DCP); the window pattern from the block's sliding_window, YaRN from
+#   block_overrides; its experts' fused tensors sliced per expert, w2 transposed (_bind).
+# Names map one to one onto ours: a rename, a split of the fused tensors, never a RoPE permute,
+# and a transpose only for OLMo-core's experts' w2.
 # kind -> (config reader, weight files by preference, its name tables' column)
 FORMATS = {
     "hf": (config_from_hf, HF_WEIGHTS, 0),
@@ -1029,21 +1070,39 @@ def _bind(store, column, m, where, what):
     if m.tie_embeddings:  # some tied files hold a copy of the head (OLMo-core and HF write one)
         store.pop(f"{TOP_NAMES[-1][column]}.weight", None)
     want, prefix = expected_tensors(m), LAYER_PREFIX[column]
+    # OLMo-core's experts: w1, w3 (E·F, D) hold each expert's gate and up rows, w2 (E·F, D) its
+    # down_proj transposed; the router is flat, (E·D,)
+    core = column == 2 and m.n_experts > 0
     plan = {}  # ours -> theirs
     for i in range(m.n_layers):
+        at = prefix.format(i)
         for row in LAYER_NAMES:
-            plan[f"layers.{i}.{row[0]}.weight"] = f"{prefix.format(i)}{row[column]}.weight"
-        for e in range(m.n_experts):  # (HF's names only: column 0)
-            for name in EXPERT_NAMES:
+            plan[f"layers.{i}.{row[0]}.weight"] = f"{at}{row[column]}.weight"
+        for e in range(m.n_experts):  # HF names; in OLMo-core: rows of one tensor each
+            for name, w in zip(EXPERT_NAMES, ("w1", "w3", "w2")):
                 expert = f"{name.format(e)}.weight"
-                plan[f"layers.{i}.{expert}"] = f"{prefix.format(i)}{expert}"
+                plan[f"layers.{i}.{expert}"] = at + (f"feed_forward_moe.experts.mlp.{w}" if core
+                                                     else expert)
+        if core:
+            plan[f"layers.{i}.mlp.gate.weight"] = f"{at}feed_forward_moe.router.weight"
+        if core and m.family == "olmoe":  # OLMo-core's "moe" block: a norm before each sublayer
+            plan[f"layers.{i}.input_layernorm.weight"] = f"{at}attention_norm.weight"
+            plan[f"layers.{i}.post_attention_layernorm.weight"] = f"{at}feed_forward_norm.weight"
     plan.update({f"{row[0]}.weight": f"{row[column]}.weight" for row in TOP_NAMES})
+
+    def stored(ours):  # (its shape as stored, transposed?)
+        if core and ours.endswith("down_proj.weight"):
+            return want[ours][::-1], True
+        if core and ours.endswith("mlp.gate.weight"):
+            return (math.prod(want[ours]),), False
+        return want[ours], False
     rows, shapes = {}, {}
     for ours, theirs in plan.items():
         if ours in want:
+            shape = stored(ours)[0]
             start = shapes.get(theirs, [0])[0]
-            rows[ours] = slice(start, start + want[ours][0])
-            shapes[theirs] = (rows[ours].stop, *want[ours][1:])
+            rows[ours] = slice(start, start + shape[0])
+            shapes[theirs] = (rows[ours].stop, *shape[1:])
     missing, unexpected = sorted(set(shapes) - set(store)), sorted(set(store) - set(shapes))
     if missing or unexpected:
         raise ValueError(f"{where}: tensors do not match {what}: missing {missing[:6]}, "
@@ -1053,9 +1112,14 @@ def _bind(store, column, m, where, what):
             raise ValueError(f"{where}: tensor {theirs} has shape {got}, {what} implies {shape}")
     out = {ours: store[plan[ours]] for ours in want}
     for ours, r in rows.items():
-        if r != slice(0, shapes[plan[ours]][0]):  # a part of a fused tensor
+        shape, transposed = stored(ours)
+        if r != slice(0, shapes[plan[ours]][0]) or shape != want[ours]:  # a part, or another shape
             t = Lazy.of(out[ours])
-            out[ours] = Lazy(want[ours], t.dtype, lambda t=t, r=r: t.load()[r])
+
+            def load(t=t, r=r, transposed=transposed, shape=want[ours]):
+                part = t.load()[r]
+                return np.ascontiguousarray(part.T) if transposed else part.reshape(shape)
+            out[ours] = Lazy(want[ours], t.dtype, load)
     return out
 
 

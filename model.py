@@ -506,9 +506,10 @@ LOAD = "expert load"  # (E,) per layer: the (token, expert) pairs each expert to
 def route(p, x, m):
     """The router (HF's mlp.gate, OLMo-core's MoELinearRouter): x (B, T, D) -> (logits and their
     softmax probs (B, T, E), weights (B, T, k), experts (B, T, k) int32), fp32. The softmax
-    runs over all E experts first, in fp32, and the k most probable are taken after it (a softmax over the k largest
-    logits alone would make every token's weights sum to 1); they are renormalised to sum 1 only
-    if norm_topk_prob, so OLMoE's and FlexOlmo's weights sum to less than 1."""
+    runs over all E experts first, in fp32, and the k most probable are taken after it (a
+    softmax over the k largest logits alone would make every token's weights sum to 1); they
+    are renormalised to sum 1 only if norm_topk_prob, so OLMoE's and FlexOlmo's weights sum to
+    less than 1."""
     logits = linear(x, p["mlp.gate.weight"]).astype(jnp.float32)  # (B, T, E)
     probs = jax.nn.softmax(logits, axis=-1)
     weights, experts = jax.lax.top_k(probs, m.experts_per_token)  # (B, T, k) each
@@ -531,7 +532,7 @@ def experts_dense(p, x, weights, experts, m):
     with matmul_precision(x.dtype):
         gate = jnp.einsum("btd,efd->btef", x, w("gate_proj"), preferred_element_type=f32)
         up = jnp.einsum("btd,efd->btef", x, w("up_proj"), preferred_element_type=f32)
-        h = (jax.nn.silu(gate.astype(x.dtype)) * up.astype(x.dtype))  # (B, T, E, F)
+        h = jax.nn.silu(gate.astype(x.dtype)) * up.astype(x.dtype)  # (B, T, E, F)
         y = jnp.einsum("btef,edf,bte->btd", h, w("down_proj"), share.astype(x.dtype),
                        preferred_element_type=f32)  # (B, T, D)
     return y.astype(x.dtype)
@@ -587,22 +588,21 @@ def experts_function(m):
 
 
 def router_losses(probs, lse, load, m):
-    """OLMo-core's two router losses of one layer (nn/moe/loss.py, its default local_batch
-    granularity, over the batch the step computes), each times its weight and as a sum over the
-    batch's positions: train.step_loss divides them by the step's target count as OLMo-core
-    divides by loss_div_factor (the batch's target tokens). And LOAD. Both backends: probs
-    (B·T, E) the router's fp32 softmax, lse (B·T,) the logsumexp of its logits, load (E,) the
-    pairs each expert took (an integer count).
+    """OLMo-core's two router losses of one layer (nn/moe/loss.py, local_batch granularity),
+    each times its weight / L (MoEConfig's scale_loss_by_num_layers: summed over the layers, the
+    weight times the mean layer's loss), as a sum over positions that train.step_loss divides by
+    the step's target count (OLMo-core's loss_div_factor); and LOAD. probs (B·T, E) fp32, lse
+    (B·T,) the logits' logsumexp, load (E,) the pairs each expert took; jnp or torch.
     - load balancing: E/k · Σ_e load_e · mean over positions of p_e. Least (1 · positions) when
       tokens and probabilities spread evenly; its gradient flows through p only (the load is a
       count), lowering the probability of the experts that took the most tokens;
     - router z-loss: Σ over positions of logsumexp(logits)², which keeps the logits small."""
-    E, k = m.n_experts, m.experts_per_token
+    E, k, L = m.n_experts, m.experts_per_token, m.n_layers
     terms = {LOAD: load}
     if m.lb_loss:
-        terms["load balancing loss"] = m.lb_loss * E / k * (load * probs.mean(0)).sum()
+        terms["load balancing loss"] = m.lb_loss / L * E / k * (load * probs.mean(0)).sum()
     if m.router_z_loss:
-        terms["router Z loss"] = m.router_z_loss * (lse ** 2).sum()
+        terms["router Z loss"] = m.router_z_loss / L * (lse ** 2).sum()
     return terms
 
 
@@ -610,7 +610,8 @@ def moe(p, x, m, experts_fn=None):
     """The mixture of experts, the MLP of olmoe and flex_olmo: x (B, T, D) -> (Σ over the token's
     k chosen experts e of weight_e · SwiGLU_e(x) (B, T, D), router_losses' terms). experts_fn(p,
     x, weights, experts, m): how the chosen experts are computed, the function shard.experts
-    returns on a mesh (each device's own tokens under shard_map); default experts_function's."""
+    returns on a mesh (each device's own tokens under shard_map); default: the function that
+    experts_function picks."""
     logits, probs, weights, experts = route(p, x, m)
     experts_fn = experts_fn or experts_function(m)
     E = m.n_experts

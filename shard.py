@@ -303,7 +303,7 @@ def experts(mesh, m):
 def dispatch_to_experts(p, x, weights, chosen, m, ep):
     """Expert parallelism on one device of the "expert" axis (n = ep devices, each holding E/n
     experts, device j experts j·E/n..): x (b, t, D), weights and chosen (b, t, k) this device's
-    -> (b, t, D). Its b·t·k (token, expert) pairs go to the device of their expert by an all-to-all,
+    -> (b, t, D). Its b·t·k (token, expert) pairs go to their expert's device by an all-to-all,
     each device runs its experts on what it received (model.experts_grouped's grouped_linear), and
     a second all-to-all returns the outputs, which are weighted and added to their tokens here.
     The send buffer holds, for each device, room for all b·t·k pairs (all may choose its experts):
@@ -777,7 +777,7 @@ def plan(cfg, names, topology, make_step, new_history):
     if len(devices) < n:
         raise ValueError(f"--topology {topology} has {len(devices)} devices, the target {n}")
     mesh = make_mesh(target, devices[:n])
-    if m.moe_compute == "auto" and not topology:  # the target runs grouped experts (not a CPU's)
+    if m.moe_compute == "auto" and not topology:  # the target runs grouped experts (a CPU: dense)
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(m, moe_compute="grouped"))
     _, micro, accum = check_batch(dc.global_batch, tc.micro_batch, dp_size(mesh), mesh_where(mesh))
     check_mesh(mesh.shape, m, dc.seq_len)

@@ -237,8 +237,8 @@ def step_loss(cfg, xp, logp, lse, labels, terms, batch, total):
 
 
 def expert_metrics(load):
-    """OLMo-core's load imbalance (MoERouter.compute_metrics), of the step's whole batch: per
-    layer, the busiest expert's (token, expert) pairs over the mean expert's, 1 when perfectly
+    """OLMo-core's load imbalance (MoERouter.compute_metrics), of the whole batch of the step: per
+    layer, the pairs of the busiest expert over those of the mean expert, 1 when perfectly
     even and E/k when every token goes to the same k experts; "load imbalance" the largest over
     the layers. load (L, E): the pairs each expert took (jnp or torch). OLMo-core logs these under
     the same names, each rank's own maximum (here the whole batch's: equal on one device)."""

@@ -83,15 +83,16 @@ class ModelConfig:
     # normalize_expert_weights=1); OLMoE and FlexOlmo: false, a token's weights sum to < 1
     norm_topk_prob: bool = False
     # OLMo-core's router losses (nn/moe/loss.py), added to the training loss, each times its
-    # weight; OLMoE: 0.01 and 0.001. HF's router_aux_loss_coef is another normalisation of the
-    # first (docs/moe.md); 0 = off
+    # weight / n_layers per layer (OLMo-core's scale_loss_by_num_layers, its default); OLMoE: 0.01
+    # and 0.001. HF's router_aux_loss_coef is another normalisation of the first (docs/moe.md);
+    # 0 = off
     lb_loss: float = 0.01         # load balancing: E/k · Σ_e (tokens to e) · mean p_e / count
     router_z_loss: float = 0.001  # Σ over positions of logsumexp(router logits)² / count
     # How the experts are computed, never what: dense (every expert on every token, weighted by
     # the router's one-hot choice: E/k times the work, the readable reference) or grouped (the
     # tokens sorted by expert, one grouped matmul: jax.lax.ragged_dot; torch._grouped_mm on a GPU,
-    # a loop over the experts on a CPU). auto: JAX grouped on GPUs and TPUs, dense on a CPU (XLA's
-    # CPU ragged_dot does k times dense's work: model.experts_function); torch as grouped
+    # a loop over the experts on a CPU). auto: JAX grouped on GPUs and TPUs, dense on a CPU (the
+    # CPU ragged_dot of XLA does k times the dense work: model.experts_function); torch as grouped
     moe_compute: str = "auto"     # auto | dense | grouped
     init: str = "normal"          # normal: init_std cut at +-3σ (OLMo 2/3); mitchell: OLMo 1
     init_std: float = 0.02

@@ -39,6 +39,8 @@ CASES = {  # name: (config files, flags): shipped configs at 4 layers, on 8 devi
     "olmo3-7b-stage3": (["olmo3-7b", "olmo3-7b-stage3"],
                         ["--mesh.fsdp=4", "--mesh.context=2", "--data.seq_len=16384"]),
     "olmo2-1b-fp32": (["olmo2-1b"], TP + ["--train.compute_dtype=float32"]),
+    # a mixture of experts, expert parallel: grouped experts, pairs sent by all-to-all
+    "olmoe-1b-7b": (["olmoe-1b-7b"], ["--mesh.fsdp=2", "--mesh.expert=4"]),
 }
 
 
@@ -67,6 +69,7 @@ def summary(text):
     return dict(cudnn_forward=text.count("@__cudnn$fmhaSoftmax("),
                 cudnn_backward=text.count("fmhaSoftmaxBackward"),
                 mosaic=text.count("tpu_custom_call"), dots=len(dots),
+                ragged_dot=text.count("ragged_dot"), all_to_all=text.count("all_to_all"),
                 highest=sum("precision = [HIGHEST, HIGHEST]" in d for d in dots),
                 types=dict(Counter(map(operand_types, dots))))
 

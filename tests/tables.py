@@ -206,7 +206,10 @@ def parity():
         feats = [f for f, on in [("tied", v.get("tie_embeddings")), ("clip_qkv", v.get("clip_qkv")),
                                  ("GQA", v.get("n_kv_heads", v["n_heads"]) < v["n_heads"]),
                                  (f"head_dim {v.get('head_dim')}", v.get("head_dim")),
-                                 ("SWA", v.get("sliding_window")), ("YaRN", v.get("yarn_factor"))] if on]
+                                 ("SWA", v.get("sliding_window")), ("YaRN", v.get("yarn_factor")),
+                                 (f"top {v.get('experts_per_token')} of {v.get('n_experts')} experts"
+                                  + (", renormalised" if v.get("norm_topk_prob") else ""),
+                                  v.get("n_experts"))] if on]
         cells = [f"{rel[name, d, p]:.1e}" if rel[name, d, p] else "0" for d, p in pairs]
         lines.append(f"| {name} ({', '.join(feats)}) | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -104,6 +104,17 @@ def test_long_context_lowers_with_the_kernel_it_can_use(lowered):
     assert tpu["step"]["mosaic"] >= 2 * lowered["olmo3-7b tpu"]["step"]["mosaic"]
 
 
+def test_moe_steps_lower_with_grouped_experts_and_all_to_all(lowered):
+    """olmoe-1b-7b on fsdp 2 x expert 4, for an H100 and a TPU: the step's experts are ragged_dots
+    (moe_compute auto: a grouped GEMM there, not the CPU's dense form), its (token, expert) pairs
+    travel by all-to-all (shard.dispatch_to_experts), beside the device's attention kernel; eval's
+    forward and generation run grouped experts too."""
+    for accel, kernel in [("h100", "cudnn_forward"), ("tpu", "mosaic")]:
+        case = lowered[f"olmoe-1b-7b {accel}"]
+        assert case["step"]["ragged_dot"] and case["step"]["all_to_all"] and case["step"][kernel]
+        assert case["forward"]["ragged_dot"] and case["generate"]["ragged_dot"]
+
+
 # --- 8: float32 means float32 ------------------------------------------------------------------
 
 def test_float32_matmuls_are_full_precision_on_a_gpu(lowered):

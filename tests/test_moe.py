@@ -1,13 +1,12 @@
 """The mixture of experts (OLMoE, FlexOlmo): the two ways of computing it against each other and
 the torch loop, OLMo-core's router losses against a transcription of its nn/moe/loss.py, the
-released shapes' counts, HF's MoE settings refused, the shard_map form on 8 fake devices, and a
-tiny MoE run that learns and uses every expert. (Logits against transformers: test_hf.py's
+released shapes' counts, HF's and OLMo-core's MoE settings refused, OLMo-core's MoE checkpoints,
+and a tiny MoE run that learns and uses every expert. (8 fake devices with an expert axis train
+like one: tests/mesh_check.py, run by test_shard.py.) (Logits against transformers: test_hf.py's
 olmoe and flex_olmo variants; the router exercise: test_course.py.)"""
 import dataclasses
 import json
-import os
-import subprocess
-import sys
+import re
 from pathlib import Path
 
 import jax
@@ -25,28 +24,28 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_dense_and_grouped_experts_are_equal():
-    """experts_grouped (sorted pairs, ragged_dot) gives experts_dense's sum (every expert on every
-    token, one-hot weighted), forward and gradients, and torch's loop gives the same logits.
-    (flex_olmo's experts are the same functions: test_hf.py runs both families.)"""
+    """One MoE layer (model.moe): experts_grouped (sorted pairs, ragged_dot) gives experts_dense's
+    sum (every expert on every token, one-hot weighted), its gradients too, and torch's MoE (the
+    loop) the same output. (flex_olmo's experts are the same functions; test_hf.py runs both.)"""
     m = variant("olmoe", n_layers=1)
-    params = {k: jnp.asarray(v) for k, v in random_params(m, seed=1).items()}
-    toks = jnp.asarray(tokens(m, T=16))
-    dense = dataclasses.replace(m, moe_compute="dense")
-    grouped = dataclasses.replace(m, moe_compute="grouped")
+    params = random_params(m, seed=1)
+    p = {k.removeprefix("layers."): jnp.asarray(v[0]) for k, v in params.items()
+         if k.startswith("layers.mlp.")}
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 16, m.d_model)), jnp.float32)
+    r = jnp.asarray(np.random.default_rng(2).standard_normal(x.shape), jnp.float32)
 
-    def loss(p, mm):
-        x, terms = model.forward(p, toks, mm, head=False)
-        return (x ** 2).mean() + sum(v for k, v in terms.items() if k != model.LOAD)
-    for a, b in [(model.forward(params, toks, dense), model.forward(params, toks, grouped))]:
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=2e-5)
-    ga, gb = jax.grad(loss)(params, dense), jax.grad(loss)(params, grouped)
-    for k in ga:
-        np.testing.assert_allclose(np.asarray(ga[k]), np.asarray(gb[k]), rtol=1e-4, atol=1e-6,
-                                   err_msg=k)
+    def loss(p, x, how):
+        y, terms = model.moe(p, x, dataclasses.replace(m, moe_compute=how))
+        return (y * r).sum() + terms["load balancing loss"] + terms["router Z loss"], y
+    (_, dense), g_dense = jax.value_and_grad(loss, (0, 1), has_aux=True)(p, x, "dense")
+    (_, grouped), g_grouped = jax.value_and_grad(loss, (0, 1), has_aux=True)(p, x, "grouped")
+    np.testing.assert_allclose(np.asarray(grouped), np.asarray(dense), rtol=0, atol=2e-5)
+    for a, b in zip(jax.tree.leaves(g_dense), jax.tree.leaves(g_grouped)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-5)
+    net = model.torch_model(m, params).layers[0].mlp
     with torch.no_grad():
-        t = model.torch_model(m, {k: np.asarray(v) for k, v in params.items()})
-        t = t(torch.from_numpy(np.array(toks))).numpy()
-    np.testing.assert_allclose(t, np.asarray(model.forward(params, toks, grouped)), rtol=0, atol=2e-5)
+        t = net(torch.from_numpy(np.array(x)))[0].numpy()
+    np.testing.assert_allclose(t, np.asarray(dense), rtol=0, atol=2e-5)
 
 
 def test_auto_is_dense_on_a_cpu_and_grouped_on_gpus_and_tpus():
@@ -65,7 +64,8 @@ def olmo_core_losses(logits, top_k, loss_div_factor):
     """A transcription of OLMo-core's src/olmo_core/nn/moe/loss.py (load_balancing_loss with its
     default local_batch granularity, router_z_loss; no TP or CP mesh) and of MoERouter.forward's
     inputs to them (router.py: scores = logits.softmax, top-k of the scores, the histogram of the
-    chosen experts), written apart from model.py. logits (B, S, E) torch fp32."""
+    chosen experts), written apart from model.py. logits (B, S, E) torch fp32. Unweighted: the
+    router multiplies each by its weight, which MoEBase divided by n_layers."""
     B, S, E = logits.shape
     scores = logits.softmax(dim=-1)
     _, expert_indices = torch.topk(scores, top_k, dim=-1)
@@ -85,6 +85,7 @@ def test_router_losses_are_olmo_cores(backend):
     target count, times the weight), equal OLMo-core's with loss_div_factor = that count; the
     logged load is each expert's pairs."""
     m = variant("olmoe", lb_loss=0.01, router_z_loss=0.001)
+    L = m.n_layers  # MoEBase: lb_loss_weight / n_layers (scale_loss_by_num_layers, its default)
     p = {k.removeprefix("layers."): np.asarray(v)[0] for k, v in random_params(m, seed=2).items()
          if k.startswith("layers.")}
     x = np.random.default_rng(0).standard_normal((3, 10, m.d_model)).astype(np.float32)
@@ -98,9 +99,10 @@ def test_router_losses_are_olmo_cores(backend):
             _, terms = net(torch.from_numpy(x))
             logits = net.gate(torch.from_numpy(x)).numpy()
     lb, z = olmo_core_losses(torch.from_numpy(logits).double(), m.experts_per_token, count)
-    np.testing.assert_allclose(float(terms["load balancing loss"]) / count, 0.01 * lb.item(),
+    np.testing.assert_allclose(float(terms["load balancing loss"]) / count, 0.01 / L * lb.item(),
                                rtol=1e-5)
-    np.testing.assert_allclose(float(terms["router Z loss"]) / count, 0.001 * z.item(), rtol=1e-5)
+    np.testing.assert_allclose(float(terms["router Z loss"]) / count, 0.001 / L * z.item(),
+                               rtol=1e-5)
     chosen = np.argsort(-logits, -1)[..., :m.experts_per_token]
     want = np.bincount(chosen.reshape(-1), minlength=m.n_experts)
     assert np.array_equal(np.asarray(terms[model.LOAD]), want)
@@ -139,7 +141,7 @@ def test_dense_family_with_experts_is_refused():
 
 
 def test_tiny_moe_trains_and_uses_every_expert(setup, tmp_path):
-    """configs/tiny-olmoe.toml stacked on tiny.toml, on the test corpus (conftest's setup), 40
+    """configs/tiny-olmoe.toml stacked on tiny.toml, on the test corpus (conftest's setup), 30
     steps in this process: the loss falls, the router losses and each layer's load imbalance are
     logged under OLMo-core's names, and every expert of every layer takes tokens."""
     import train
@@ -148,8 +150,9 @@ def test_tiny_moe_trains_and_uses_every_expert(setup, tmp_path):
     run_cli(train.cli, [str(ROOT / "configs/tiny.toml"), str(ROOT / "configs/tiny-olmoe.toml"),
                         f"--data.path={root / 'data'}", "--model.vocab_size=384",
                         "--model.eos_token_id=382", "--model.pad_token_id=383",
-                        "--data.seq_len=32", "--data.global_batch=8", "--train.steps=40",
-                        "--train.log_every=10", "--train.warmup=5", "--train.checkpoint_every=40",
+                        "--data.seq_len=32", "--data.global_batch=8", "--train.steps=30",
+                        "--train.log_every=10", "--train.warmup=5", "--train.checkpoint_every=30",
+                        "--eval.prompt=",
                         "--eval.every=0", f"--train.run_dir={run}"])
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "loss" in r]
@@ -158,44 +161,99 @@ def test_tiny_moe_trains_and_uses_every_expert(setup, tmp_path):
                 "block 00/load imbalance", "block 01/load imbalance"):
         assert key in rows[-1], key
     assert 1.0 <= rows[-1]["load imbalance"] < 4.0  # (4 = E/k: two experts take every token)
-    m, params = convert.load_hf(run / "step_40")
+    m, params = convert.load_hf(run / "step_30")
     _, terms = model.forward(params, jnp.asarray(tokens(m, B=8, T=64)), m, head=False)
     assert (np.asarray(terms[model.LOAD]) > 0).all(), np.asarray(terms[model.LOAD])
 
 
-def test_the_sharded_step_equals_one_device():
-    """A small OLMoE's loss and gradients on 8 fake CPU devices, the experts computed under
-    shard_map by shard.experts, equal one device's: each device on its own tokens with every
-    expert (fsdp 4 x tensor 2), and expert parallelism (expert 4 x fsdp 2: each device keeps 2 of
-    the 8 experts; pairs travel by all-to-all)."""
-    code = r"""
-import sys, json
-sys.path.insert(0, "tests")
-import jax, jax.numpy as jnp
-import model, shard
-from common import variant, random_params, tokens
-from configs import MeshConfig
-m = variant("olmoe", n_experts=8, experts_per_token=3)
-params = {k: jnp.asarray(v) for k, v in random_params(m, seed=4).items()}
-toks = jnp.asarray(tokens(m, B=8, T=16, seed=5))
-def loss(p, toks, mesh):
-    x, terms = model.forward(p, toks, m, head=False,
-                             experts_fn=None if mesh is None else shard.experts(mesh, m))
-    return (x ** 2).mean() + terms["load balancing loss"] + terms["router Z loss"]
-one = jax.value_and_grad(loss)(params, toks, None)
-for axes in [dict(fsdp=4, tensor=2), dict(expert=4, fsdp=2)]:
-    mesh = shard.make_mesh(MeshConfig(data=1, **axes))
-    shardings = shard.state_shardings(mesh, model.param_table(m))[0]
-    placed = {k: jax.device_put(v, shardings[k]) for k, v in params.items()}
-    rows = jax.device_put(toks, shard.instance_sharding(mesh))
-    many = jax.jit(lambda p, t: jax.value_and_grad(loss)(p, t, mesh))(placed, rows)
-    diff = max(float(jnp.abs(one[1][k] - many[1][k]).max()) for k in params)
-    print(json.dumps({"mesh": axes, "loss": [float(one[0]), float(many[0])], "grad": diff}))
-"""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    for line in r.stdout.strip().splitlines()[-2:]:
-        out = json.loads(line)
-        assert abs(out["loss"][0] - out["loss"][1]) < 1e-5 and out["grad"] < 1e-5, out
+def olmo_core_moe(m, params):
+    """An OLMo-core MoE checkpoint of (m, params) as its trainer writes one (config.json with
+    model.block.feed_forward_moe; model.safetensors under OLMo-core's names: the router flat, each
+    layer's experts as w1, w3 (E·F, D) and w2 (E·F, D), the down projections transposed)."""
+    ln = {"name": "rms", "eps": m.norm_eps, "bias": False}
+    attn = {"name": "default", "n_heads": m.n_heads, "n_kv_heads": m.n_kv_heads, "head_dim": m.head_dim, "bias": False,
+            "qk_norm": ln, "rope": {"name": "default", "theta": int(m.rope_theta)}}
+    router = {"top_k": m.experts_per_token, "normalize_expert_weights": 1.0 if m.norm_topk_prob else None}
+    moe = {"name": "dropless", "num_experts": m.n_experts, "hidden_size": m.mlp_hidden, "router": router,
+           "lb_loss_weight": m.lb_loss, "z_loss_weight": m.router_z_loss}
+    block = {"name": "moe" if m.family == "olmoe" else "moe_reordered_norm", "attention": attn,
+             "layer_norm": ln, "feed_forward_moe": moe}
+    t = {"name": "moe", "d_model": m.d_model, "vocab_size": m.vocab_size, "n_layers": m.n_layers,
+         "block": block, "init_std": m.init_std, "lm_head": {"name": "default", "layer_norm": ln, "bias": False}}
+    tok = {"eos_token_id": m.eos_token_id, "pad_token_id": m.pad_token_id, "identifier": "test"}
+    config = {"model": t, "dataset": {"sequence_length": m.max_seq_len, "tokenizer": tok}}
+    norms = ({"input_layernorm": "attention_norm", "post_attention_layernorm": "feed_forward_norm"}
+             if m.family == "olmoe" else
+             {"post_attention_layernorm": "attention_norm", "post_feedforward_layernorm": "feed_forward_norm"})
+    sd = {"embeddings.weight": params["embed_tokens.weight"], "lm_head.norm.weight": params["norm.weight"],
+          "lm_head.w_out.weight": params["lm_head.weight"]}
+    for i in range(m.n_layers):
+        b = f"blocks.{i}."
+        for x in "qkv":
+            sd[f"{b}attention.w_{x}.weight"] = params[f"layers.self_attn.{x}_proj.weight"][i]
+            if x != "v":
+                sd[f"{b}attention.{x}_norm.weight"] = params[f"layers.self_attn.{x}_norm.weight"][i]
+        sd[f"{b}attention.w_out.weight"] = params["layers.self_attn.o_proj.weight"][i]
+        for ours, theirs in norms.items():
+            sd[f"{b}{theirs}.weight"] = params[f"layers.{ours}.weight"][i]
+        sd[f"{b}feed_forward_moe.router.weight"] = params["layers.mlp.gate.weight"][i].reshape(-1)
+        e = "layers.mlp.experts."
+        sd[f"{b}feed_forward_moe.experts.mlp.w1"] = params[e + "gate_proj.weight"][i].reshape(-1, m.d_model)
+        sd[f"{b}feed_forward_moe.experts.mlp.w3"] = params[e + "up_proj.weight"][i].reshape(-1, m.d_model)
+        sd[f"{b}feed_forward_moe.experts.mlp.w2"] = np.swapaxes(params[e + "down_proj.weight"][i], 1, 2).reshape(
+            -1, m.d_model)
+    return config, {k: np.ascontiguousarray(v) for k, v in sd.items()}
+
+
+@pytest.mark.parametrize("name", ["olmoe", "flex_olmo"])
+def test_olmo_core_moe_checkpoints_convert(name, tmp_path):
+    """OLMo-core's MoE checkpoints (its "moe" block: OLMoE's; "moe_reordered_norm": FlexOlmo's)
+    read as ours, tensor for tensor, and convert to a directory transformers loads as the right
+    class; a router setting we do not implement is refused by name."""
+    m = variant(name, clip_qkv=0.0)  # (OLMo-core clamps before the QK-norm, HF's OLMoE after)
+    params = random_params(m, seed=6)
+    config, sd = olmo_core_moe(m, params)
+    src = tmp_path / "core"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps(config))
+    convert.write_safetensors(src / "model.safetensors", sd)
+    s = convert.open_source(src)
+    assert s.kind == "olmo_core" and s.m.differences(m, ignore=("max_seq_len",)) == []
+    got = {k: t.load() for k, t in s.tensors.items()}
+    want = model.unstack_layers(params)
+    assert set(got) == set(want) and all(np.array_equal(got[k], want[k]) for k in want)
+    convert.convert(src, tmp_path / "ours")
+    convert.convert(tmp_path / "ours", tmp_path / "release", to_hf=True)
+    tf = pytest.importorskip("transformers")
+    net = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "release").eval()
+    assert type(net).__name__ == convert.HF_CLASS[name][1]
+    toks = tokens(m, T=16)
+    with torch.no_grad():
+        ref = net(torch.from_numpy(toks)).logits.numpy()
+    ours = np.asarray(model.forward(params, jnp.asarray(toks), s.m))
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-4 * np.abs(ref).max())
+    bad = json.loads(json.dumps(config))
+    bad["model"]["block"]["feed_forward_moe"]["router"]["bias_gamma"] = 1e-4
+    (src / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(ConfigError, match="bias_gamma=0.0001 is not supported"):
+        convert.open_source(src)
+
+
+@pytest.mark.parametrize("key,want", [rule[:2] for rule in convert.OLMO_CORE_MOE_FLAGS])
+def test_olmo_core_moe_settings_refused_in_one_line(key, want):
+    """Each OLMo-core MoE setting we do not implement, set otherwise in an OLMo-core MoE config."""
+    m = variant("olmoe", clip_qkv=0.0)
+    config, _ = olmo_core_moe(m, random_params(m))
+    assert convert.config_from_olmo_core(config).differences(m, ignore=("max_seq_len",)) == []
+    bad = {"dropless": "default", "softmax": "sigmoid", "default": "other", "moe": "default",
+           "local_batch": "instance"}
+    wants = want if isinstance(want, tuple) else (want,)
+    value = (False if wants[0] is True else 0.5 if wants[0] is None or wants[0] is False
+             else bad.get(wants[0], "other"))
+    node = config["model"]
+    *path, last = key.removeprefix("model.").split(".")
+    for part in path:
+        node = node.setdefault(part, {})
+    node[last] = value
+    with pytest.raises(ConfigError, match=re.escape(f"{key}={value!r} is not supported (")):
+        convert.config_from_olmo_core(config, "config.json")

@@ -29,6 +29,12 @@ def test_meshes_train_like_one_device():
                  "splash_context"):
         np.testing.assert_allclose(out[name]["losses"], one, rtol=1e-5, err_msg=name)
         assert out[name]["shardings_kept"], name
+    # the tiny OLMoE with expert parallelism (each device 4 of the 8 experts, their width split
+    # over tensor; pairs by all-to-all) trains like one device, router losses included
+    for key in ("losses", "router_losses"):
+        np.testing.assert_allclose(out["moe_expert"][key], out["moe_one"][key], rtol=1e-5, err_msg=key)
+    assert out["moe_expert"]["shardings_kept"]
+    assert out["moe_expert"]["param_fraction_per_device"] < 0.5  # (the experts: 1/8 a device)
     assert out["fsdp"]["q_spec"] == "P(None, None, 'fsdp')" and out["mixed"]["q_spec"] == "P(None, 'tensor', 'fsdp')"
     assert out["fsdp"]["param_fraction_per_device"] < 0.2  # each device keeps about 1/8 of the weights
     assert out["mixed"]["param_fraction_per_device"] < 0.3
@@ -72,7 +78,8 @@ def test_bad_meshes_fail_before_compiling():
         shard.mesh_shape(mesh(data=-1, fsdp=3), 8)
     with pytest.raises(ValueError, match="at most one axis may be -1"):
         shard.mesh_shape(mesh(data=-1, fsdp=-1), 8)
-    assert shard.mesh_shape(mesh(data=-1, fsdp=2, tensor=2), 8) == (2, 2, 1, 2)
+    shape = shard.mesh_shape(mesh(data=-1, fsdp=2, tensor=2), 8)
+    assert dict(zip(shard.AXES, shape)) == dict(data=2, fsdp=2, expert=1, context=1, tensor=2)
     m = build({"model": dict(d_model=96, n_heads=4, vocab_size=1000, eos_token_id=0, pad_token_id=1)}).model
     p = model.param_table(m)["lm_head.weight"]
     want = ("lm_head.weight: dimension 'vocab' of size 1000 does not divide over mesh axis "
