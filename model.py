@@ -1,22 +1,29 @@
-"""The OLMo architecture (OLMo 1, 2 and 3) twice, in the same order and names: JAX (pure functions
-over a flat params dict), then PyTorch (nn.Module). The parameter table, init, counts and losses
-(xp: jnp or torch) serve both. The device attention kernels (splash, cuDNN) and the choice
-between them live in shard.py, where the device is known.
+"""The OLMo architecture (OLMo 1, 2 and 3; the mixtures of experts OLMoE and FlexOlmo) twice, in
+the same order and names: JAX (pure functions over a flat params dict), then PyTorch (nn.Module).
+The parameter table, init, counts and losses (xp: jnp or torch) serve both. The device attention
+kernels (splash, cuDNN) and the choice between them live in shard.py, where the device is known;
+so does the experts' placement on a mesh (shard.experts).
 
     python model.py configs/olmo2-7b.toml    # parameter table, FLOPs/token, total_params=...
 
 Notation, in names and shape comments alike (`# (B, T, N, H)` where a shape changes): B batch,
-T sequence (queries), S keys, D d_model, F MLP width (each SwiGLU branch), V vocabulary, L layers,
-N query heads, K kv heads, H head dim. The three families (HF names):
+T sequence (queries), S keys, D d_model, F MLP width (each SwiGLU branch; an expert's, in a
+mixture), V vocabulary, L layers, N query heads, K kv heads, H head dim, E experts, k of them
+a token. The families (HF names):
     OLMo 1:   x = x + o_proj(attn(LN(x)))
               x = x + down(silu(gate(LN(x))) * up(LN(x)))
     OLMo 2/3: x = x + post_attention_layernorm(o_proj(attn(x)))
               x = x + post_feedforward_layernorm(mlp(x))
-LN: LayerNorm with no weight or bias; OLMo 2/3: RMSNorm with a weight, QK-norm over the projected
-width. OLMo 3 adds sliding-window layers (3 sliding : 1 full) and YaRN on full layers. Every
-family: RoPE in the half-split convention, SwiGLU, no biases, GQA where K < N, and H independent of
-D / N. `family` decides the block, and sliding windows and YaRN need olmo3, clip_qkv olmo1: every
-config we accept has an HF class computing the same function, which the parity tests compare with.
+    OLMoE:    x = x + o_proj(attn(input_layernorm(x)))
+              x = x + moe(post_attention_layernorm(x))
+    FlexOlmo: OLMo 2's block, moe for mlp
+LN: LayerNorm with no weight or bias; the others: RMSNorm with a weight, QK-norm over the
+projected width. OLMo 3 adds sliding-window layers (3 sliding : 1 full) and YaRN on full layers.
+moe: a router picks k of E SwiGLU experts for each token and sums their outputs, each weighted
+by its probability. Every family: RoPE in the half-split convention, SwiGLU, no biases, GQA where
+K < N, and H independent of D / N. `family` decides the block, and sliding windows and YaRN need
+olmo3, clip_qkv olmo1 or olmoe, experts olmoe or flex_olmo: every config we accept has an HF class
+computing the same function, which the parity tests compare with.
 
 Params are fp32 (an AdamW update is often smaller than one bf16 step of its weight, and would round
 away) and `dtype` is the compute dtype: each matmul casts its fp32 weight to it where it is used.

@@ -305,8 +305,8 @@ def generate_bench(shape):
 
 PLAN_CELLS = {  # cell: what `train.py plan` prints it as (a regex per number, joined by the format)
     "target": (r"\((\d+) x ", r" x ([\w-]+)\), batch", "{} × {}"),
-    "mesh": (r"'data': (\d+)", r"'fsdp': (\d+)", r"'context': (\d+)", r"'tensor': (\d+)",
-             "{} × {} × {} × {}"),
+    "mesh": (r"'data': (\d+)", r"'fsdp': (\d+)", r"'expert': (\d+)", r"'context': (\d+)",
+             r"'tensor': (\d+)", "{} × {} × {} × {} × {}"),
     "batch": (r"batch (\d+) x", r"x (\d+) tokens", "{} × {}"),
     "micro": (r"of (\d+) per rank", r"(\d+) micro-batch", "{} ({})"),
     "remat": (r"remat=(\w+)", "{}"), "attention": (r"attention (\w+)", "{}"),
@@ -332,7 +332,7 @@ def plan_row(cmd):
     return cells
 
 
-PLAN_COLUMNS = [("target", "target"), ("mesh", "mesh (data × fsdp × context × tensor)"),
+PLAN_COLUMNS = [("target", "target"), ("mesh", "mesh (data × fsdp × expert × context × tensor)"),
                 ("batch", "batch × tokens"), ("micro", "micro-batch (steps)"), ("remat", "remat"),
                 ("attention", "attention"), ("state", "params + AdamW / device"),
                 ("temp", "XLA temporaries / device"), ("total", "total"),

@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_dense_and_grouped_experts_are_equal():
     """One MoE layer (model.moe): experts_grouped (sorted pairs, ragged_dot) gives experts_dense's
-    sum (every expert on every token, one-hot weighted), its gradients too, and torch's MoE (the
-    loop) the same output. (flex_olmo's experts are the same functions; test_hf.py runs both.)"""
+    sum (every expert on every token, one-hot weighted), its gradients too, and torch's MoE the
+    same output, by its loop (CPUs) and by torch._grouped_mm (GPUs; its forward runs on a CPU). (flex_olmo's experts are the same functions; test_hf.py runs both.)"""
     m = variant("olmoe", n_layers=1)
     params = random_params(m, seed=1)
     p = {k.removeprefix("layers."): jnp.asarray(v[0]) for k, v in params.items()
@@ -45,7 +45,12 @@ def test_dense_and_grouped_experts_are_equal():
     net = model.torch_model(m, params).layers[0].mlp
     with torch.no_grad():
         t = net(torch.from_numpy(np.array(x)))[0].numpy()
+        # the GPU's form (torch._grouped_mm), whose CPU kernel runs forward only
+        rows = torch.from_numpy(np.array(x)).reshape(-1, m.d_model)
+        _, _, weights, chosen = (a.reshape(rows.shape[0], -1) for a in net.route(rows[None]))
+        grouped_torch = net.grouped(rows, weights, chosen).reshape(x.shape).numpy()
     np.testing.assert_allclose(t, np.asarray(dense), rtol=0, atol=2e-5)
+    np.testing.assert_allclose(grouped_torch, np.asarray(dense), rtol=0, atol=2e-5)
 
 
 def test_auto_is_dense_on_a_cpu_and_grouped_on_gpus_and_tpus():
