@@ -663,6 +663,90 @@ def block(p, x, attn, m, ffn=None):
     return x + rms_norm(y, p["post_feedforward_layernorm.weight"], m.norm_eps), terms
 
 
+# --- the gated delta rule: OLMo Hybrid's linear attention (its layers are not here yet) ---
+# A linear-attention layer keeps, per value head, a state S (Hk, Hv): a map from keys to values
+# that each token first decays, by exp(g_t) (g_t <= 0), then corrects where it mispredicts the
+# token's value (the delta rule, a step of learning rate β_t on ||S^T k_t - v_t||²):
+#     S_t = S_{t-1} exp(g_t) + β_t k_t (v_t - S_{t-1}^T k_t exp(g_t))^T
+#     o_t = S_t^T q_t / sqrt(Hk)
+# (Hk: key head dim, Hv: value head dim; q and k L2-normalised by the caller). Written twice:
+# token by token (the definition, which generation will step) and in chunks of tokens (matmuls, for
+# training), equal to rounding (tests/test_hybrid.py, against transformers' torch references).
+
+
+def value_heads(x, n):
+    """(B, T, heads, ...) -> (B, T, n, ...): each key head serves n // heads consecutive value
+    heads (grouped value heads, as GQA's kv heads serve query heads)."""
+    return jnp.repeat(x, n // x.shape[2], axis=2)
+
+
+def delta_rule_recurrent(q, k, v, g, beta, state=None):
+    """The definition, one token at a time: q, k (B, T, K, Hk), v (B, T, N, Hv), g and beta
+    (B, T, N) -> (o (B, T, N, Hv), the final state (B, N, Hk, Hv)), fp32; N value heads, K key
+    heads (N a multiple of K). state: the state before the first token (default zeros)."""
+    B, T, N, Hv = v.shape
+    q, k = value_heads(q, N), value_heads(k, N)  # (B, T, N, Hk)
+    q = q * q.shape[-1] ** -0.5
+    f32 = [a.astype(jnp.float32) for a in (q, k, v, g, beta)]
+    state = jnp.zeros((B, N, k.shape[-1], Hv), jnp.float32) if state is None else state
+
+    def step(S, t):  # S (B, N, Hk, Hv); t: this token's q, k (B, N, Hk), v (B, N, Hv), g, beta
+        q_t, k_t, v_t, g_t, b_t = t
+        S = S * jnp.exp(g_t)[..., None, None]  # decay first
+        predicted = jnp.einsum("bnkv,bnk->bnv", S, k_t)  # what S says k_t's value is
+        S = S + jnp.einsum("bnk,bnv->bnkv", k_t, b_t[..., None] * (v_t - predicted))
+        return S, jnp.einsum("bnkv,bnk->bnv", S, q_t)
+    tokens = [jnp.moveaxis(a, 1, 0) for a in f32]  # time first, for the scan
+    state, o = jax.lax.scan(step, state, tokens)
+    return jnp.moveaxis(o, 0, 1), state  # (B, T, N, Hv)
+
+
+def delta_rule_chunked(q, k, v, g, beta, chunk=64, state=None):
+    """delta_rule_recurrent's output and final state, C = chunk tokens at a time: within a chunk
+    the C corrections depend on each other only through a unit lower-triangular system (the "UT
+    transform" of DeltaNet), solved once; between chunks the state is carried as in the
+    recurrent form. Work linear in T, in (C, C) and (C, Hk) matmuls."""
+    B, T, N, Hv = v.shape
+    q, k = value_heads(q, N), value_heads(k, N)
+    Hk = k.shape[-1]
+    q = q * Hk ** -0.5
+    pad = -T % chunk  # (padded tokens: g = 0, beta = 0, no update; their outputs cut)
+
+    def chunks(a):  # (B, T, N, ...) -> (T/C, B, N, C, ...), fp32
+        a = jnp.pad(a.astype(jnp.float32), [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+        a = a.reshape(B, -1, chunk, *a.shape[2:])  # (B, T/C, C, N, ...)
+        return jnp.moveaxis(jnp.moveaxis(a, 3, 2), 1, 0)
+    q, k, v, g, beta = map(chunks, (q, k, v, g, beta))  # (T/C, B, N, C[, H])
+    decay = jnp.cumsum(g, -1)  # (T/C, B, N, C): log of the decay from the chunk's start to i
+    causal = jnp.tril(jnp.ones((chunk, chunk), bool))
+    # exp(decay_i - decay_j): the decay between positions j <= i of a chunk, 0 above the diagonal;
+    # the exponent there is set to 0 before the exp: positive, it could overflow to inf (and inf
+    # times 0 is NaN, in the gradient too)
+    gap = jnp.where(causal, decay[..., :, None] - decay[..., None, :], 0.0)
+    between = jnp.where(causal, jnp.exp(gap), 0.0)  # (T/C, B, N, C, C)
+    kb, vb = k * beta[..., None], v * beta[..., None]
+    # Unit lower-triangular A: A_ij = β_i k_i·k_j exp(decay_i - decay_j) below the diagonal; the
+    # corrections u (and the decayed keys w) solve (I + A) u = β v, (I + A) w = β k exp(decay)
+    A = jnp.einsum("...ik,...jk->...ij", kb, k) * between * ~jnp.eye(chunk, dtype=bool)
+    solve = partial(jax.scipy.linalg.solve_triangular, lower=True, unit_diagonal=True)
+    u = solve(A, vb)  # (T/C, B, N, C, Hv)
+    w = solve(A, kb * jnp.exp(decay)[..., None])  # (T/C, B, N, C, Hk)
+    within = jnp.einsum("...ik,...jk->...ij", q, k) * between  # (T/C, B, N, C, C)
+    state = jnp.zeros((B, N, Hk, Hv), jnp.float32) if state is None else state
+
+    def step(S, c):  # S (B, N, Hk, Hv) before the chunk
+        q, k, u, w, within, decay = c
+        new = u - w @ S  # the chunk's corrections, the old state's predictions removed
+        o = (q * jnp.exp(decay)[..., None]) @ S + within @ new  # (B, N, C, Hv)
+        last = decay[..., -1:]  # (B, N, 1): the whole chunk's decay
+        S = S * jnp.exp(last)[..., None] + jnp.einsum(
+            "bnck,bncv->bnkv", k * jnp.exp(last - decay)[..., None], new)
+        return S, o
+    state, o = jax.lax.scan(step, state, (q, k, u, w, within, decay))  # o (T/C, B, N, C, Hv)
+    o = jnp.moveaxis(o, 0, 1).swapaxes(2, 3).reshape(B, -1, N, Hv)  # (B, T + pad, N, Hv)
+    return o[:, :T], state
+
+
 # --- forward, head and losses ---
 
 # remat="dots": MaxText's "minimal" (dots_with_no_batch_dims_saveable), by name: linear's bf16
