@@ -765,7 +765,7 @@ OLMO_CORE_MOE_FLAGS = [
     (f"{_MOE}.scale_loss_by_num_layers", True)]
 
 
-def _olmo_core_experts(f, L):
+def _olmo_core_experts(f):
     """ModelConfig's expert fields (and family, mlp_hidden) of an OLMo-core MoE config, flat."""
     f = {**OLMO_CORE_MOE_DEFAULTS, **f}
     _refuse(f, OLMO_CORE_MOE_FLAGS, "OLMoE and FlexOlmo")
@@ -801,7 +801,7 @@ def config_from_olmo_core(cfg):
             bad(f"{key}=None is not supported (OLMo 2/3 have one)")
     experts = {}
     if f.get(f"{_BLOCK}.feed_forward_moe") is not None:  # a mixture of experts: its own rules
-        experts = _olmo_core_experts(f, L)
+        experts = _olmo_core_experts(f)
         # (no dense feed_forward: its defaults checked below do not apply)
         f = {**f, "model.name": "default", f"{_BLOCK}.name": "reordered_norm",
              f"{_BLOCK}.feed_forward_moe": None, f"{_BLOCK}.feed_forward.bias": False}
@@ -1019,8 +1019,8 @@ LAYER_NAMES = [
     *[(f"self_attn.{x}_norm", f"{x}_norm", f"attention.{x}_norm") for x in "qk"],
     ("post_attention_layernorm", "attn_norm", "attention_norm"),
     ("post_feedforward_layernorm", "ff_norm", "feed_forward_norm"),
-    # OLMoE and FlexOlmo: in HF files only (None: the old trainer and OLMo-core have other
-    # layouts, refused where their configs are read)
+    # OLMoE and FlexOlmo (None: the old trainer has no mixture of experts; OLMo-core's names for
+    # them, its router flat and its norms by block type, are planned in _bind)
     ("input_layernorm", None, None), ("mlp.gate", None, None)]
 # Per expert E of layer I: "layers.I.mlp.experts.E.up_proj.weight" (HF's files; ours)
 EXPERT_NAMES = [f"mlp.experts.{{}}.{x}_proj" for x in ("gate", "up", "down")]
@@ -1111,15 +1111,20 @@ def _bind(store, column, m, where, what):
         if (got := tuple(store[theirs].shape)) != shape:
             raise ValueError(f"{where}: tensor {theirs} has shape {got}, {what} implies {shape}")
     out = {ours: store[plan[ours]] for ours in want}
+
+    # A stored tensor read whole once for all its parts, which are read one after another (want's
+    # order: an expert tensor's E parts in a row): a Lazy (DCP) would read it again for each part,
+    # E times over for OLMo-core's (E·F, D) experts. One tensor held at a time.
+    @functools.lru_cache(maxsize=1)
+    def whole(theirs):
+        return Lazy.of(store[theirs]).load()
     for ours, r in rows.items():
         shape, transposed = stored(ours)
         if r != slice(0, shapes[plan[ours]][0]) or shape != want[ours]:  # a part, or another shape
-            t = Lazy.of(out[ours])
-
-            def load(t=t, r=r, transposed=transposed, shape=want[ours]):
-                part = t.load()[r]
+            def load(theirs=plan[ours], r=r, transposed=transposed, shape=want[ours]):
+                part = whole(theirs)[r]
                 return np.ascontiguousarray(part.T) if transposed else part.reshape(shape)
-            out[ours] = Lazy(want[ours], t.dtype, load)
+            out[ours] = Lazy(want[ours], Lazy.of(out[ours]).dtype, load)
     return out
 
 

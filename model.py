@@ -563,6 +563,15 @@ def grouped_linear(x, w, sizes):
     return y.astype(x.dtype)
 
 
+def grouped_swiglu(p, rows, sizes):
+    """Each expert's SwiGLU on its own rows: rows (M, D) sorted into consecutive groups, sizes
+    (E,) rows for each expert in turn -> (M, D). Rows past sum(sizes) belong to no expert (the
+    padding of shard.dispatch_to_experts); nothing reads their outputs."""
+    gate = grouped_linear(rows, p["mlp.experts.gate_proj.weight"], sizes)  # (M, F)
+    up = grouped_linear(rows, p["mlp.experts.up_proj.weight"], sizes)  # (M, F)
+    return grouped_linear(jax.nn.silu(gate) * up, p["mlp.experts.down_proj.weight"], sizes)
+
+
 def experts_grouped(p, x, weights, experts, m):
     """The chosen experts only: the B·T·k (token, expert) pairs sorted by expert, so that each
     expert's rows sit together, one grouped_linear per projection, then each row times its
@@ -573,10 +582,8 @@ def experts_grouped(p, x, weights, experts, m):
     token = order // k  # (B·T·k,): the token of each sorted pair
     rows = x.reshape(B * T, D)[token]  # (B·T·k, D)
     sizes = jnp.bincount(chosen, length=m.n_experts).astype(jnp.int32)  # (E,) rows per expert
-    gate = grouped_linear(rows, p["mlp.experts.gate_proj.weight"], sizes)  # (B·T·k, F)
-    up = grouped_linear(rows, p["mlp.experts.up_proj.weight"], sizes)  # (B·T·k, F)
-    out = grouped_linear(jax.nn.silu(gate) * up, p["mlp.experts.down_proj.weight"], sizes)
-    out = out * weights.reshape(-1)[order, None].astype(out.dtype)  # (B·T·k, D)
+    out = grouped_swiglu(p, rows, sizes)  # (B·T·k, D)
+    out = out * weights.reshape(-1)[order, None].astype(out.dtype)
     return jnp.zeros((B * T, D), out.dtype).at[token].add(out).reshape(B, T, D)
 
 
@@ -585,12 +592,12 @@ def experts_function(m):
     (GPUs, TPUs), dense on a CPU, where XLA runs a ragged_dot as one dense dot of every pair
     against all E experts' weights, masked: k times experts_dense's work (`python tests/bench.py
     moe`). platform_dependent picks when the step is lowered, for the platform it is lowered for."""
-    dense, grouped = partial(experts_dense, m=m), partial(experts_grouped, m=m)
     if m.moe_compute != "auto":
         return experts_dense if m.moe_compute == "dense" else experts_grouped
 
     def auto(p, x, weights, experts, m):
-        return jax.lax.platform_dependent(p, x, weights, experts, cpu=dense, default=grouped)
+        return jax.lax.platform_dependent(p, x, weights, experts, cpu=partial(experts_dense, m=m),
+                                          default=partial(experts_grouped, m=m))
     return auto
 
 
@@ -635,10 +642,14 @@ def feed_forward(m, experts_fn=None):
 
 def add_terms(total, terms):
     """Two dicts of auxiliary loss terms summed name by name (jnp or torch); a name not yet in
-    total is taken as it is, so nothing is added to a zero."""
+    total is taken as it is, so nothing is added to a zero. LOAD is not summed: total holds a
+    list of the layers' loads, in order, which forward stacks to (L, E)."""
     out = dict(total)
     for name, value in terms.items():
-        out[name] = out[name] + value if name in out else value
+        if name == LOAD:
+            out[name] = out.get(name, []) + [value]
+        else:
+            out[name] = out[name] + value if name in out else value
     return out
 
 
@@ -787,22 +798,18 @@ def forward(params, tokens, m, dtype=jnp.float32, remat="none", constrain=lambda
         layer = jax.checkpoint(layer, static_argnums=(5,), policy=REMAT_DOTS)
 
     def step(x, group):  # compile time grows with P, not L
-        terms, loads = {}, []  # the P layers' auxiliary loss terms, summed; their LOADs
+        terms = {}  # the P layers' auxiliary loss terms, summed (their LOADs: a list of P)
         for i in range(P):
             p = {name: w[i] for name, w in group.items()}
             x, layer_terms = layer(p, x, *ropes[i], segments, int(window[i]))
             x = constrain(x)
-            layer_terms = dict(layer_terms)
-            if LOAD in layer_terms:
-                loads.append(layer_terms.pop(LOAD))
             terms = add_terms(terms, layer_terms)
-        return x, (terms, loads)
+        return x, terms
 
-    # each term (L/P,), each load (L/P, E)
-    x, (stacked, loads) = jax.lax.scan(step, x, groups, unroll=not scan_layers)
-    terms = {name: t.sum(0) for name, t in stacked.items()}
-    if loads:  # layer g·P + i's load at [g, i]: (L, E) in layer order
-        terms[LOAD] = jnp.stack(loads, 1).reshape(m.n_layers, m.n_experts)
+    x, stacked = jax.lax.scan(step, x, groups, unroll=not scan_layers)  # each term (L/P,)
+    terms = {name: t.sum(0) for name, t in stacked.items() if name != LOAD}
+    if LOAD in stacked:  # P of (L/P, E): layer g·P + i's load at [i][g]
+        terms[LOAD] = jnp.stack(stacked[LOAD], 1).reshape(m.n_layers, m.n_experts)  # (L, E)
     if not head:
         return x, terms
     return unembed(params, x, m)
@@ -1313,19 +1320,16 @@ class OLMo(nn.Module):
         masks = attention_masks_torch(self.m, self.windows, T, segments, tokens.device, pos)
         caches = cache or [None] * len(self.layers)
         rope = zip(self.inv_freq, self.rope_scale)
-        terms, loads = {}, []  # the layers' auxiliary loss terms, summed (add_terms); LOADs
+        terms = {}  # the layers' auxiliary loss terms, summed (add_terms; LOAD: a list)
         for layer, w, (f, s), c in zip(self.layers, self.windows, rope, caches):
             cos, sin = rope_cos_sin_torch(positions, f, s)
             run = partial(checkpoint, layer, use_reentrant=False) if remat == "block" else layer
             if remat == "dots":  # JAX's policy: the projections' outputs kept, the rest rerun
                 run = partial(checkpoint, layer, use_reentrant=False, context_fn=SAVE_MATMULS)
             x, layer_terms = run(x, cos, sin, masks[w], remat == "mlp", c, pos)
-            layer_terms = dict(layer_terms)
-            if LOAD in layer_terms:
-                loads.append(layer_terms.pop(LOAD))
             terms = add_terms(terms, layer_terms)
-        if loads:
-            terms[LOAD] = torch.stack(loads)  # (L, E)
+        if LOAD in terms:
+            terms[LOAD] = torch.stack(terms[LOAD])  # (L, E)
         if labels is not None:
             return (*token_logps_torch(self, x, labels, chunks, temperature), terms)
         return self.unembed(x, dtype)

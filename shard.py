@@ -6,6 +6,7 @@ each device has, the ahead-of-time plan.
     python shard.py configs/olmo3-7b.toml --mesh.data=1 --mesh.fsdp=-1  # the mesh, param layouts
 """
 
+import dataclasses
 import functools
 import glob
 import hashlib
@@ -14,7 +15,6 @@ import math
 import os
 import sys
 import time
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -304,7 +304,7 @@ def dispatch_to_experts(p, x, weights, chosen, m, ep):
     """Expert parallelism on one device of the "expert" axis (n = ep devices, each holding E/n
     experts, device j experts j·E/n..): x (b, t, D), weights and chosen (b, t, k) this device's
     -> (b, t, D). Its b·t·k (token, expert) pairs go to their expert's device by an all-to-all,
-    each device runs its experts on what it received (model.experts_grouped's grouped_linear), and
+    each device runs its experts on what it received (model.grouped_swiglu), and
     a second all-to-all returns the outputs, which are weighted and added to their tokens here.
     The send buffer holds, for each device, room for all b·t·k pairs (all may choose its experts):
     n times the pairs, mostly zeros, because XLA's CPU backend has no ragged all-to-all
@@ -327,10 +327,7 @@ def dispatch_to_experts(p, x, weights, chosen, m, ep):
     # this device's experts on the rows received: sorted by local expert, padding last
     within = jnp.argsort(got_ids, stable=True)
     sizes = jnp.bincount(got_ids, length=per + 1)[:per].astype(jnp.int32)  # (padding: no group)
-    rows = got.reshape(ep * n, D)[within]
-    gate = model.grouped_linear(rows, p["mlp.experts.gate_proj.weight"], sizes)
-    up = model.grouped_linear(rows, p["mlp.experts.up_proj.weight"], sizes)
-    out = model.grouped_linear(jax.nn.silu(gate) * up, p["mlp.experts.down_proj.weight"], sizes)
+    out = model.grouped_swiglu(p, got.reshape(ep * n, D)[within], sizes)  # (ep·n, D)
     out = jnp.zeros_like(out).at[within].set(out)  # back in received order
     back = jax.lax.all_to_all(out.reshape(ep, n, D), "expert", 0, 0, tiled=True)
     mine = back[dest[order], slot]  # (n, D): each sorted pair's output
