@@ -160,7 +160,8 @@ def write_safetensors(path, tensors, metadata=None, progress=lambda nbytes: None
 
 HF_CLASS = {"olmo1": ("olmo", "OlmoForCausalLM"), "olmo2": ("olmo2", "Olmo2ForCausalLM"),
             "olmo3": ("olmo3", "Olmo3ForCausalLM"), "olmoe": ("olmoe", "OlmoeForCausalLM"),
-            "flex_olmo": ("flex_olmo", "FlexOlmoForCausalLM")}
+            "flex_olmo": ("flex_olmo", "FlexOlmoForCausalLM"),
+            "olmo_hybrid": ("olmo_hybrid", "OlmoHybridForCausalLM")}
 FAMILY_OF = {model_type: family for family, (model_type, _) in HF_CLASS.items()}
 
 
@@ -178,11 +179,26 @@ def _names_file(read):
 
 
 def _layer_pattern(kinds, window):
-    """Per layer "S" (sliding) or "F" (full) -> ModelConfig's pattern and window."""
-    if "S" not in kinds:
+    """Per layer "S" (sliding), "F" (full) or "G" (Gated DeltaNet) -> ModelConfig's pattern (the
+    shortest that repeats to them) and window."""
+    if set(kinds) == {"F"}:
         return dict(layer_pattern="F", sliding_window=0)
     n = next(n for n in range(1, len(kinds) + 1) if kinds[:n] * (len(kinds) // n) == kinds)
-    return dict(layer_pattern=kinds[:n], sliding_window=window or 0)
+    return dict(layer_pattern=kinds[:n], sliding_window=(window or 0) if "S" in kinds else 0)
+
+
+def _hf_linear(hf, family):
+    """ModelConfig's Gated DeltaNet fields of an OlmoHybridConfig (its linear_* keys; HF's
+    defaults where absent, as ModelConfig derives them); none for the other families. Its
+    linear_a_log_* and linear_dt_* keys are init ranges, which a checkpoint's weights make moot."""
+    if family != "olmo_hybrid":
+        return {}
+    return dict(linear_key_heads=hf.get("linear_num_key_heads") or 0,
+                linear_value_heads=hf.get("linear_num_value_heads") or 0,
+                linear_key_head_dim=hf.get("linear_key_head_dim") or 0,
+                linear_value_head_dim=hf.get("linear_value_head_dim") or 0,
+                linear_conv_kernel=hf.get("linear_conv_kernel_dim", 4),
+                linear_neg_eigval=bool(hf.get("linear_allow_neg_eigval", True)))
 
 
 def _refuse(c, rules, who):
@@ -225,11 +241,21 @@ def config_from_hf(hf):
     family = FAMILY_OF[hf["model_type"]]
     N = hf["num_attention_heads"]
     L = hf["num_hidden_layers"]
-    olmo3 = family == "olmo3"
+    olmo3, hybrid = family == "olmo3", family == "olmo_hybrid"
     # only Olmo3 slides; without layer_types, HF's default: every 4th full (OLMo-core: the last too)
     types = hf.get("layer_types") or [
         "sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(L)]
-    kinds = "".join("S" if t == "sliding_attention" and olmo3 else "F" for t in types)
+    if hybrid and not hf.get("layer_types"):  # OlmoHybridConfig's: every 4th full, else linear
+        types = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(L)]
+        types[-1] = types[-1] if "full_attention" in types else "full_attention"
+    letter = {"full_attention": "F"}
+    if hybrid:  # OlmoHybridConfig's kinds (its attention layers never slide)
+        letter["linear_attention"] = "G"
+    else:  # (only Olmo3 slides; the others' HF classes attend in full whatever it says)
+        letter["sliding_attention"] = "S" if olmo3 else "F"
+    if unknown := sorted(set(types) - set(letter)):
+        raise ConfigError(f"layer_types {unknown} are not supported ({family}: {sorted(letter)})")
+    kinds = "".join(letter[t] for t in types)
     eos, pad = hf.get("eos_token_id"), hf.get("pad_token_id")
     eos = (eos[0] if isinstance(eos, list) else eos) or 0
     # transformers 5's rope_parameters (flat, or per layer type) or 4's rope_theta/_scaling
@@ -246,10 +272,12 @@ def config_from_hf(hf):
         sliding = params.get("sliding_attention") or {"rope_theta": full.get("rope_theta")}
     else:
         full = sliding = params
+    if hybrid and "rope_theta" in full and full["rope_theta"] is None:
+        full = sliding = dict(full, rope_theta=0.0)  # OLMo Hybrid's released configs: no RoPE
     theta = full.get("rope_theta", 10000.0)
     kind = full.get("rope_type", full.get("type", "default"))
     scaled = {sliding.get("rope_type"), sliding.get("type")} - {None, "default"}
-    if sliding.get("rope_theta", theta) != theta or scaled:
+    if sliding is not full and (sliding.get("rope_theta", theta) != theta or scaled):
         raise ConfigError(f"RoPE {sliding} on sliding layers is not supported (OLMo 3: plain, at "
                           f"rope_theta {theta})")
     if kind != "default" and (kind != "yarn" or full.get("mscale") or full.get("mscale_all_dim")):
@@ -269,7 +297,8 @@ def config_from_hf(hf):
         rope_theta=float(theta), max_seq_len=hf.get("max_position_embeddings", 2048),
         clip_qkv=float(hf.get("clip_qkv") or 0), init_std=float(hf.get("initializer_range", 0.02)),
         eos_token_id=eos, pad_token_id=eos if pad is None else pad,
-        **_layer_pattern(kinds, hf.get("sliding_window")), **yarn, **_hf_experts(hf, family))
+        **_layer_pattern(kinds, hf.get("sliding_window")), **yarn, **_hf_experts(hf, family),
+        **_hf_linear(hf, family))
 
 
 def config_to_hf(m: ModelConfig):
@@ -290,6 +319,16 @@ def config_to_hf(m: ModelConfig):
         hf.update(num_experts=m.n_experts, num_experts_per_tok=m.experts_per_token,
                   norm_topk_prob=m.norm_topk_prob, router_aux_loss_coef=m.lb_loss,
                   router_z_loss_coef=m.router_z_loss, output_router_logits=False)
+    if m.family == "olmo_hybrid":
+        types = ["linear_attention" if k == "G" else "full_attention" for k in m.layer_types()]
+        # no RoPE: rope_theta null, as the released checkpoints (transformers then builds none)
+        hf.update(layer_types=types, rope_parameters=dict(plain, rope_theta=m.rope_theta or None),
+                  linear_num_key_heads=m.linear_key_heads,
+                  linear_num_value_heads=m.linear_value_heads,
+                  linear_key_head_dim=m.linear_key_head_dim,
+                  linear_value_head_dim=m.linear_value_head_dim,
+                  linear_conv_kernel_dim=m.linear_conv_kernel,
+                  linear_allow_neg_eigval=m.linear_neg_eigval)
     if m.family == "olmo3":
         full = dict(plain, rope_type="yarn", factor=m.yarn_factor,
                     original_max_position_embeddings=m.yarn_original_max_seq_len,
@@ -318,7 +357,7 @@ def hf_name(name):
 def expected_tensors(m):
     """Our unstacked names -> shapes, in file order (broadcast zeros: no memory)."""
     zeros = {k: np.broadcast_to(np.float32(0), p.shape) for k, p in param_table(m).items()}
-    return {name: a.shape for name, a in unstack_layers(zeros).items()}
+    return {name: a.shape for name, a in unstack_layers(zeros, m).items()}
 
 
 def open_hf(d):
@@ -346,8 +385,7 @@ def load_hf(d, dtype=None):
               disable=total < 2**30) as bar:
         for name, p in param_table(m).items():
             # HF's tensors at every index of the stacked axes (layers; experts), in order
-            lead = p.shape[:len(model.stacked_axes(name))]
-            parts = [state[model.layer_name(name, *i)] for i in np.ndindex(*lead)]
+            parts = [state[model.layer_name(name, *i)] for i in model.hf_indices(name, p)]
             # on a 64-byte boundary: JAX's CPU client takes it without a copy
             dt = np.dtype(dtype or parts[0].dtype)
             raw = np.empty(len(parts) * parts[0].size * dt.itemsize + 64, np.uint8)
@@ -364,7 +402,8 @@ def save_hf(d, m, params, dtype=np.float32):
     """config.json + model.safetensors, as transformers loads them."""
     d = Path(d)
     d.mkdir(parents=True, exist_ok=True)
-    tensors = {hf_name(k): np.asarray(v).astype(dtype) for k, v in unstack_layers(params).items()}
+    tensors = {hf_name(k): np.asarray(v).astype(dtype)
+               for k, v in unstack_layers(params, m).items()}
     write_safetensors(d / "model.safetensors", tensors, {"format": "pt"})
     (d / "config.json").write_text(_json(config_to_hf(m)))
 
@@ -777,11 +816,90 @@ def _olmo_core_experts(f):
                 router_z_loss=float(f.get(f"{_MOE}.z_loss_weight") or 0.0))
 
 
+# OLMo-core's OLMo Hybrid (TransformerConfig.block {name: block}, block_pattern; its
+# GatedDeltaNetConfig in nn/attention/recurrent.py): the Gated DeltaNet block's settings, by
+# dotted path under it, with GatedDeltaNetConfig's defaults for unset keys, then those we
+# implement. Its block must be the pre-norm "default" one: the released model's G layers, which
+# transformers computes; OLMo-core's official scripts at HEAD build them from the attention block
+# (OLMo 2's post-norm "reordered_norm"), which its own HF converter warns transformers does not
+# compute (docs/hybrid.md)
+_GDN = "sequence_mixer"
+OLMO_CORE_GDN_DEFAULTS = {
+    "name": "default", f"{_GDN}.n_heads": 16, f"{_GDN}.expand_v": 2.0,
+    f"{_GDN}.allow_neg_eigval": True, f"{_GDN}.conv_size": 4, f"{_GDN}.conv_bias": False,
+    f"{_GDN}.norm_eps": 1e-5, "feed_forward.name": "default", "layer_norm.name": "rms"}
+OLMO_CORE_GDN_FLAGS = [
+    ("name", "default", "a norm on each sublayer's input, as the released checkpoints"),
+    (f"{_GDN}.conv_bias", False), (f"{_GDN}.norm_eps", (1e-5,), "FLA's, which transformers keeps"),
+    ("feed_forward.name", "default"), ("layer_norm.name", RMS)]
+
+
+def _is_gdn(block):
+    mixer = block.get(_GDN) or {}
+    return "GatedDeltaNet" in str(mixer.get("_CLASS_", "")) or "expand_v" in mixer
+
+
+def _olmo_core_hybrid(cfg, read):
+    """An OLMo-core OLMo Hybrid config -> ModelConfig: its attention block by `read`
+    (config_from_olmo_core's rules, as if every layer had it), its Gated DeltaNet block by
+    OLMO_CORE_GDN_FLAGS, the layer kinds from block_pattern (cycled over the layers)."""
+    t = cfg["model"]
+    pattern, blocks = t["block_pattern"], t["block"]
+    if not isinstance(blocks, dict) or set(pattern) - set(blocks):
+        raise ConfigError(f"model.block_pattern={pattern!r} is not supported (OLMo Hybrid's: each "
+                          "name a key of model.block, a dict of blocks)")
+    gdn = {n for n, b in blocks.items() if _is_gdn(b)}
+    attn = sorted(set(blocks) - gdn)
+    if len(attn) != 1 or not gdn:
+        raise ConfigError(f"model.block {sorted(blocks)}: OLMo Hybrid has one attention block and "
+                          "Gated DeltaNet blocks")
+    a = blocks[attn[0]]
+    mixer = a.get("sequence_mixer") or a.get("attention") or {}
+    no_rope = not mixer.get("rope")  # its long-context stage and after: rope None
+    if no_rope:  # (read's rules want one; its theta is not used)
+        a = {**a, "sequence_mixer": {**mixer, "rope": {"name": "default"}}}
+    base = read({**cfg, "model": {**t, "block": a, "block_pattern": None}})
+    L = t["n_layers"]
+    kinds = "".join("G" if pattern[i % len(pattern)] in gdn else "F" for i in range(L))
+    sliding = [i for i, (k, own) in enumerate(zip(kinds, base.layer_types())) if k == "F" != own]
+    if sliding or base.yarn_factor:
+        raise ConfigError(f"model.block.{attn[0]}: sliding windows or YaRN on the attention layers "
+                          f"{sliding} are not supported (OLMo Hybrid's attention layers are full)")
+    sizes = set()
+    for name in sorted(gdn):
+        f = {**OLMO_CORE_GDN_DEFAULTS, **_flat(blocks[name], "")}
+        where = f"model.block.{name}."  # (the messages name the whole path)
+        _refuse({where + k: v for k, v in f.items()},
+                [(where + key, *rule) for key, *rule in OLMO_CORE_GDN_FLAGS], "OLMo Hybrid")
+        same = [(k, f.get(k), _flat(a, "").get(k)) for k in ("feed_forward.hidden_size",
+                                                             "layer_norm.eps")]
+        for key, got, want in same:
+            if got != want:
+                raise ConfigError(f"model.block.{name}.{key}={got!r} is not supported (the "
+                                  f"attention block's, {want!r})")
+        K = f[f"{_GDN}.n_heads"]
+        Hk = f.get(f"{_GDN}.head_dim") or t["d_model"] // K
+        sizes.add((K, f.get(f"{_GDN}.n_v_heads") or K, Hk, int(Hk * f[f"{_GDN}.expand_v"]),
+                   f[f"{_GDN}.conv_size"], bool(f[f"{_GDN}.allow_neg_eigval"])))
+    if len(sizes) > 1:
+        raise ConfigError(f"model.block: Gated DeltaNet blocks of different shapes {sizes} are "
+                          "not supported")
+    K, N, Hk, Hv, W, neg = sizes.pop()
+    return dataclasses.replace(
+        base, family="olmo_hybrid", **_layer_pattern(kinds, 0),
+        rope_theta=0.0 if no_rope else base.rope_theta, linear_key_heads=K,
+        linear_value_heads=N, linear_key_head_dim=Hk, linear_value_head_dim=Hv,
+        linear_conv_kernel=W, linear_neg_eigval=neg)
+
+
 @_names_file
 def config_from_olmo_core(cfg):
     """An OLMo-core experiment's config.json (model, dataset.tokenizer, ...)."""
     def bad(why):
         raise ConfigError(why)
+
+    if cfg["model"].get("block_pattern"):  # OLMo Hybrid: a block per layer kind
+        return _olmo_core_hybrid(cfg, config_from_olmo_core.__wrapped__)
 
     def attn(block):
         mixer = block.get("sequence_mixer") or block.get("attention")
@@ -1022,6 +1140,59 @@ LAYER_NAMES = [
     # OLMoE and FlexOlmo (None: the old trainer has no mixture of experts; OLMo-core's names for
     # them, its router flat and its norms by block type, are planned in _bind)
     ("input_layernorm", None, None), ("mlp.gate", None, None)]
+# OLMo Hybrid's G layers: ours (the Hub's HF names), OLMo-core's (GatedDeltaNet in a pre-norm
+# block); the old trainer has none
+LINEAR_NAMES = [
+    *[(f"linear_attn.{x}_proj.weight", f"attention.w_{x}.weight") for x in "qkvabg"],
+    ("linear_attn.o_proj.weight", "attention.w_out.weight"),
+    *[(f"linear_attn.{x}_conv1d.weight", f"attention.{x}_conv1d.weight") for x in "qkv"],
+    ("linear_attn.A_log", "attention.A_log"), ("linear_attn.dt_bias", "attention.dt_bias"),
+    ("linear_attn.o_norm.weight", "attention.o_norm.weight"),
+    ("attention_layer_norm.weight", "attention_norm.weight"),
+    ("feedforward_layer_norm.weight", "feed_forward_norm.weight")]
+
+
+def _hybrid_hf_names(store, m):
+    """An OLMo Hybrid HF store (names without "model.") under the Hub's names (ours), whichever
+    writer made it:
+    - transformers' save_pretrained (5.24) saves an attention layer's post_attention_layernorm as
+      feedforward_layer_norm (it reverses its rename feedforward_layer_norm -> post_attention_
+      layernorm on every layer), and q/k/v_conv1d as equal thirds of its fused conv1d (the reverse
+      of its Concatenate is an equal split): the three are joined and cut at the real sizes;
+    - OLMo-core's converter writes linear_attn.out_proj and linear_attn.norm, and the G layers'
+      norms as input_layernorm and post_attention_layernorm (transformers' in-memory names);
+    - a transformers state_dict holds the fused linear_attn.conv1d."""
+    out, kinds = dict(store), m.layer_types()
+
+    def move(old, new):
+        if old in out and new not in out:
+            out[new] = out.pop(old)
+    K, N = m.linear_key_heads, m.linear_value_heads
+    sizes = [K * m.linear_key_head_dim, K * m.linear_key_head_dim, N * m.linear_value_head_dim]
+    for i, kind in enumerate(kinds):
+        at = f"layers.{i}."
+        if kind != "G":
+            move(at + "feedforward_layer_norm.weight", at + "post_attention_layernorm.weight")
+            continue
+        a = at + "linear_attn."
+        move(a + "out_proj.weight", a + "o_proj.weight")
+        move(a + "norm.weight", a + "o_norm.weight")
+        move(at + "input_layernorm.weight", at + "attention_layer_norm.weight")
+        move(at + "post_attention_layernorm.weight", at + "feedforward_layer_norm.weight")
+        convs = [f"{a}{x}_conv1d.weight" for x in "qkv"]
+        parts = [out[c] for c in convs if c in out] or [out.get(a + "conv1d.weight")]
+        if parts[0] is None or [p.shape[0] for p in parts] == sizes:
+            continue  # (as they are: the Hub's; or missing, which _bind will name)
+        for c in convs + [a + "conv1d.weight"]:
+            out.pop(c, None)
+        # (small: C·W numbers a layer, read here)
+        joined = np.concatenate([Lazy.of(p).load() for p in parts])
+        starts = np.cumsum([0] + sizes)
+        if len(joined) == starts[-1]:  # else the shapes stay wrong, for _bind to name
+            out.update({c: joined[lo:hi] for c, lo, hi in zip(convs, starts, starts[1:])})
+        else:
+            out.update(zip(convs, parts))
+    return out
 # Per expert E of layer I: "layers.I.mlp.experts.E.up_proj.weight" (HF's files; ours)
 EXPERT_NAMES = [f"mlp.experts.{{}}.{x}_proj" for x in ("gate", "up", "down")]
 # Outside the layers; each column's layer prefix
@@ -1067,6 +1238,8 @@ def _bind(store, column, m, where, what):
         else:
             renamed[k.removeprefix("model.")] = v
     store = renamed
+    if column == 0 and "G" in m.layer_pattern:
+        store = _hybrid_hf_names(store, m)
     if m.tie_embeddings:  # some tied files hold a copy of the head (OLMo-core and HF write one)
         store.pop(f"{TOP_NAMES[-1][column]}.weight", None)
     want, prefix = expected_tensors(m), LAYER_PREFIX[column]
@@ -1078,6 +1251,8 @@ def _bind(store, column, m, where, what):
         at = prefix.format(i)
         for row in LAYER_NAMES:
             plan[f"layers.{i}.{row[0]}.weight"] = f"{at}{row[column]}.weight"
+        for ours, core_name in LINEAR_NAMES if "G" in m.layer_pattern else ():
+            plan[f"layers.{i}.{ours}"] = at + (core_name if column == 2 else ours)
         for e in range(m.n_experts):  # HF names; in OLMo-core: rows of one tensor each
             for name, w in zip(EXPERT_NAMES, ("w1", "w3", "w2")):
                 expert = f"{name.format(e)}.weight"

@@ -58,8 +58,15 @@ Q_BLOCK = 256  # attend_in_blocks' query blocks
 class Param:
     shape: tuple
     axes: tuple         # logical axis per dim (shard.RULES: mesh axes)
-    std: object = None  # truncated-normal std, or a tuple (per layer); None = ones
+    # a truncated-normal std, a tuple of them (one per layer), a function (key, shape) -> array
+    # (OLMo Hybrid's A_log and dt_bias), or None: ones
+    std: object = None
     decay: bool = True  # AdamW weight decay
+    # The HF layer numbers a stacked param's leading L holds, in order; None: every layer. OLMo
+    # Hybrid stacks each kind of layer's own weights on their own L (its 24 Gated DeltaNet
+    # layers' linear_attn.*, its 8 attention layers' self_attn.*): layers.linear_attn.q_proj's
+    # row 3 is HF's layers.4.linear_attn.q_proj (hf_indices)
+    layers: tuple = None
 
 
 def param_table(m: ModelConfig):
@@ -74,6 +81,10 @@ def param_table(m: ModelConfig):
     norms to 1; OLMo 1 uses the "mitchell" init below."""
     D, L, N, K, H = m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.head_dim
     hidden, V = m.mlp_hidden, m.vocab_size  # F in shape comments
+    # OLMo Hybrid: attention's weights on the F layers only (the G layers' are further down)
+    kinds = m.layer_types()
+    full = tuple(i for i, kind in enumerate(kinds) if kind != "G") if "G" in kinds else None
+    La = len(full) if full else L  # the layers with attention
     if m.init == "mitchell":
         # 1/sqrt(fan_in), the residual stream's writers also / sqrt(2·(layer+1))
         s_in, s_f = 1 / math.sqrt(D), 1 / math.sqrt(hidden)
@@ -84,13 +95,19 @@ def param_table(m: ModelConfig):
         std = dict.fromkeys(["embed", "qkv", "out", "up", "down", "head"], m.init_std)
     t = {"embed_tokens.weight": Param((V, D), ("vocab", "embed"), std["embed"], decay=False)}
     a = "layers.self_attn."
-    t[a + "q_proj.weight"] = Param((L, N * H, D), ("layers", "heads", "embed"), std["qkv"])
-    t[a + "k_proj.weight"] = Param((L, K * H, D), ("layers", "kv_heads", "embed"), std["qkv"])
-    t[a + "v_proj.weight"] = Param((L, K * H, D), ("layers", "kv_heads", "embed"), std["qkv"])
-    t[a + "o_proj.weight"] = Param((L, D, N * H), ("layers", "embed", "heads"), std["out"])
+    t[a + "q_proj.weight"] = Param((La, N * H, D), ("layers", "heads", "embed"), std["qkv"],
+                                   layers=full)
+    t[a + "k_proj.weight"] = Param((La, K * H, D), ("layers", "kv_heads", "embed"), std["qkv"],
+                                   layers=full)
+    t[a + "v_proj.weight"] = Param((La, K * H, D), ("layers", "kv_heads", "embed"), std["qkv"],
+                                   layers=full)
+    t[a + "o_proj.weight"] = Param((La, D, N * H), ("layers", "embed", "heads"), std["out"],
+                                   layers=full)
     if m.family != "olmo1":
-        t[a + "q_norm.weight"] = Param((L, N * H), ("layers", "heads"))
-        t[a + "k_norm.weight"] = Param((L, K * H), ("layers", "kv_heads"))
+        t[a + "q_norm.weight"] = Param((La, N * H), ("layers", "heads"), layers=full)
+        t[a + "k_norm.weight"] = Param((La, K * H), ("layers", "kv_heads"), layers=full)
+    if full:
+        t.update(linear_attention_table(m, std["qkv"], std["out"]))
     if m.n_experts:  # OLMoE, FlexOlmo: the router, then E experts stacked on an experts axis
         E = m.n_experts
         # the router's (E, D): small, every device keeps all of its rows (shard.RULES)
@@ -114,11 +131,64 @@ def param_table(m: ModelConfig):
         t["layers.post_attention_layernorm.weight"] = Param((L, D), ("layers", "embed"))
         t["norm.weight"] = Param((D,), ("embed",))
     elif m.family != "olmo1":  # OLMo 1's LayerNorms have no parameters
-        t["layers.post_attention_layernorm.weight"] = Param((L, D), ("layers", "embed"))
-        t["layers.post_feedforward_layernorm.weight"] = Param((L, D), ("layers", "embed"))
+        t["layers.post_attention_layernorm.weight"] = Param((La, D), ("layers", "embed"),
+                                                            layers=full)
+        t["layers.post_feedforward_layernorm.weight"] = Param((La, D), ("layers", "embed"),
+                                                              layers=full)
         t["norm.weight"] = Param((D,), ("embed",))
     if not m.tie_embeddings:
         t["lm_head.weight"] = Param((V, D), ("vocab", "embed"), std["head"])
+    return t
+
+
+# OLMo Hybrid's init of A_log and dt_bias (HF's _init_weights for OlmoHybridGatedDeltaNet, from
+# Mamba 2): a value head's decay rate A = exp(A_log) uniform in A_RANGE, its step dt log-uniform
+# in DT_RANGE (at least DT_FLOOR), stored as dt_bias = softplus⁻¹(dt), so that at a = 0 the decay
+# g = -A·softplus(dt_bias) = -A·dt. Init only: a loaded checkpoint brings its own
+A_RANGE, DT_RANGE, DT_FLOOR = (0.0, 16.0), (0.001, 0.1), 1e-4
+
+
+def a_log_init(key, shape):
+    return jnp.log(jax.random.uniform(key, shape, jnp.float32, *A_RANGE))
+
+
+def dt_bias_init(key, shape):
+    low, high = math.log(DT_RANGE[0]), math.log(DT_RANGE[1])
+    dt = jnp.maximum(jnp.exp(jax.random.uniform(key, shape, jnp.float32, low, high)), DT_FLOOR)
+    return dt + jnp.log(-jnp.expm1(-dt))  # softplus⁻¹(dt) = log(exp(dt) - 1), without overflow
+
+
+def linear_attention_table(m, std_in, std_out):
+    """OLMo Hybrid's Gated DeltaNet weights (HF's linear_attn.*, as its checkpoints store them),
+    stacked over the G layers, with the norms of those layers: pre-norm, as OLMoE, under the
+    names attention_layer_norm and feedforward_layer_norm. K and N here: the linear layers' key
+    and value heads, Hk and Hv their dims, W the conv's width."""
+    D, kinds = m.d_model, m.layer_types()
+    numbers = tuple(i for i, kind in enumerate(kinds) if kind == "G")
+    Lg, K, N = len(numbers), m.linear_key_heads, m.linear_value_heads
+    Hk, Hv, W = m.linear_key_head_dim, m.linear_value_head_dim, m.linear_conv_kernel
+
+    def one(shape, axes, std=None, decay=True):
+        return Param((Lg, *shape), ("layers", *axes), std, decay, numbers)
+    g = "layers.linear_attn."
+    t = {g + "q_proj.weight": one((K * Hk, D), ("key_heads", "embed"), std_in),
+         g + "k_proj.weight": one((K * Hk, D), ("key_heads", "embed"), std_in),
+         g + "v_proj.weight": one((N * Hv, D), ("value_heads", "embed"), std_in),
+         # β's and the decay's projections: one number per value head
+         g + "a_proj.weight": one((N, D), ("value_heads", "embed"), std_in),
+         g + "b_proj.weight": one((N, D), ("value_heads", "embed"), std_in),
+         g + "g_proj.weight": one((N * Hv, D), ("value_heads", "embed"), std_in),  # the gate
+         g + "o_proj.weight": one((D, N * Hv), ("embed", "value_heads"), std_out),
+         # depthwise: channel c's W taps, PyTorch's Conv1d layout (C, 1, W) as HF stores it
+         g + "q_conv1d.weight": one((K * Hk, 1, W), ("key_heads", "conv", "conv"), std_in),
+         g + "k_conv1d.weight": one((K * Hk, 1, W), ("key_heads", "conv", "conv"), std_in),
+         g + "v_conv1d.weight": one((N * Hv, 1, W), ("value_heads", "conv", "conv"), std_in),
+         # per value head; no weight decay (Mamba's and FLA's _no_weight_decay)
+         g + "A_log": one((N,), ("value_heads",), a_log_init, decay=False),
+         g + "dt_bias": one((N,), ("value_heads",), dt_bias_init, decay=False),
+         g + "o_norm.weight": one((Hv,), ("head_dim",)),  # one weight shared by every head
+         "layers.attention_layer_norm.weight": one((D,), ("embed",)),
+         "layers.feedforward_layer_norm.weight": one((D,), ("embed",))}
     return t
 
 
@@ -137,12 +207,18 @@ def flops_per_token(m, T=None):
     """Training FLOPs per token at length T, OLMo-core's count: 6 per matmul weight a token
     passes (2 forward, 4 backward: the active parameters, the router's k experts of E) plus
     12·N·H per attended key per layer, T keys on a full layer (the causal mask not discounted)
-    and min(W, T) on a sliding one."""
+    and min(W, T) on a sliding one. An OLMo Hybrid G layer has no keys: its delta rule's matmuls
+    (delta_rule_chunked, per value head and token, forward) are C·Hk for each of q·kᵀ and β·k·kᵀ
+    in its chunk of C, C·Hv for (q·kᵀ)·new, C·(Hk + Hv) for the triangular solves, and Hk·Hv
+    for each of w·S, q·S and S's update, each 2 FLOPs, times 3 with the backward."""
     T = T or m.max_seq_len
     # all but the embedding lookup (a tied head still does its V·D matmul)
     matmul = active_params(m) - (0 if m.tie_embeddings else m.vocab_size * m.d_model)
-    keys = sum(min(m.sliding_window, T) if kind == "S" else T for kind in m.layer_types())
-    return 6 * matmul + 12 * m.n_heads * m.head_dim * keys
+    kinds = m.layer_types()
+    keys = sum(min(m.sliding_window, T) if kind == "S" else T for kind in kinds if kind != "G")
+    C, Hk, Hv = m.linear_chunk, m.linear_key_head_dim, m.linear_value_head_dim
+    rule = 6 * m.linear_value_heads * (C * (3 * Hk + 2 * Hv) + 3 * Hk * Hv) * kinds.count("G")
+    return 6 * matmul + 12 * m.n_heads * m.head_dim * keys + rule
 
 
 def init_params(m, key, names=None):
@@ -154,6 +230,8 @@ def init_params(m, key, names=None):
             continue
         if p.std is None:
             params[name] = jnp.ones(p.shape, jnp.float32)
+        elif callable(p.std):
+            params[name] = p.std(k, p.shape)
         else:  # a per-layer std broadcasts along L
             std = jnp.asarray(p.std, jnp.float32).reshape((-1,) + (1,) * (len(p.shape) - 1))
             params[name] = jax.random.truncated_normal(k, -3.0, 3.0, p.shape, jnp.float32) * std
@@ -183,36 +261,37 @@ def layer_name(name, *index):
     return name
 
 
-def stacked_tensor(state, name, shape, index=()):
-    """state's HF tensors of `name` at `index` and every index of the stacked axes after it, as
-    one numpy array (shape: the param_table shape); at index (): the whole stacked array."""
-    if len(index) == len(stacked_axes(name)):
-        return np.asarray(state[layer_name(name, *index)])
-    parts = [stacked_tensor(state, name, shape, index + (i,)) for i in range(shape[len(index)])]
-    return np.stack(parts)
+def hf_indices(name, p):
+    """HF's index (layer number[, expert]) of each tensor stacked in param p, in the row-major
+    order of its stacked axes: (0,), (1,), ... or, for an OLMo Hybrid kind's own weights, its
+    layers' numbers (Param.layers); [()] for a name outside the layers."""
+    lead = p.shape[:len(stacked_axes(name))]
+    return [(p.layers[i[0]] if p.layers else i[0], *i[1:]) if i else () for i in np.ndindex(*lead)]
 
 
-def unstacked_tensors(name, value, index=()):
-    """{HF name: numpy array} of `value`, the stacked tensor `name` at `index` (any array type, or
-    a list with one entry per index), split along the stacked axes left."""
-    if len(index) == len(stacked_axes(name)):
-        return {layer_name(name, *index): np.asarray(value)}
-    out = {}
-    for i, part in enumerate(value):
-        out.update(unstacked_tensors(name, part, index + (i,)))
-    return out
+def stacked_tensor(state, name, p):
+    """state's HF tensors of stacked param p as one numpy array of p's shape."""
+    parts = [np.asarray(state[layer_name(name, *i)]) for i in hf_indices(name, p)]
+    return np.stack(parts).reshape(p.shape)
+
+
+def unstacked_tensors(name, value, p):
+    """{HF name: numpy array} of stacked param p's value (any array type), one per HF index."""
+    value = np.asarray(value)
+    flat = value.reshape(-1, *value.shape[len(stacked_axes(name)):])  # the stacked axes as one
+    return {layer_name(name, *i): part for i, part in zip(hf_indices(name, p), flat)}
 
 
 def stack_layers(state, m):
     """Per-layer state dict (HF names, numpy or torch) -> stacked numpy params, as param_table."""
-    return {name: stacked_tensor(state, name, p.shape) for name, p in param_table(m).items()}
+    return {name: stacked_tensor(state, name, p) for name, p in param_table(m).items()}
 
 
-def unstack_layers(params):
+def unstack_layers(params, m):
     """Stacked params -> numpy arrays under HF's per-layer names, in the order of params."""
-    out = {}
+    table, out = param_table(m), {}
     for name, value in params.items():
-        out.update(unstacked_tensors(name, value))
+        out.update(unstacked_tensors(name, value, table[name]))
     return out
 
 
@@ -226,10 +305,12 @@ def layer_arrays(m):
     # theta^(2i/H) by torch's fp32 pow, as HF (numpy's is off: 1e-2 rad at 65536)
     pos_freqs = m.rope_theta ** (torch.arange(0, H, 2, dtype=torch.float32, device="cpu") / H)
     plain = (1.0 / pos_freqs).numpy()
+    if not m.rope_theta:  # no RoPE (OLMo Hybrid): every angle 0, so cos 1 and sin 0 rotate
+        plain = np.zeros(H // 2, np.float32)  # nothing, exactly (x·1 + y·0 = x)
     full, full_scale = plain, 1.0
     if m.yarn_factor:
         full, full_scale = yarn_inv_freq(m, pos_freqs), m.yarn_attention_factor
-    sliding = [kind == "S" for kind in m.layer_types()]  # else "F": a full layer
+    sliding = [kind == "S" for kind in m.layer_types()]  # else "F" or "G": full (G: unused)
     window = np.array([m.sliding_window if s else 0 for s in sliding], np.int32)
     inv_freq = np.stack([plain if s else full for s in sliding]).astype(np.float32)
     rope_scale = np.array([1.0 if s else full_scale for s in sliding], np.float32)
@@ -656,10 +737,14 @@ def add_terms(total, terms):
 # exercise: rmsnorm
 def block(p, x, attn, m, ffn=None):
     """One layer: x (B, T, D) -> (x (B, T, D), the feed-forward's auxiliary loss terms). attn(h) ->
-    (B, T, D) is the attention sublayer: over the sequence itself in training, over a KV cache in
-    generation (forward_step); ffn(p, h) -> ((B, T, D), terms) the feed-forward (default: the
-    one feed_forward picks)."""
+    (B, T, D) is the sequence mixer: attention over the sequence itself in training, over a KV
+    cache in generation (forward_step); on OLMo Hybrid's G layers the gated delta rule. ffn(p, h)
+    -> ((B, T, D), terms) is the feed-forward (default: the one feed_forward picks)."""
     ffn = ffn or feed_forward(m)
+    if "attention_layer_norm.weight" in p:  # OLMo Hybrid's G layers: pre-norm, OLMoE's order
+        x = x + attn(rms_norm(x, p["attention_layer_norm.weight"], m.norm_eps))
+        y, terms = ffn(p, rms_norm(x, p["feedforward_layer_norm.weight"], m.norm_eps))
+        return x + y, terms
     if m.family == "olmo1":  # pre-norm
         x = x + attn(layer_norm(x, m.norm_eps))
         y, terms = ffn(p, layer_norm(x, m.norm_eps))
@@ -668,13 +753,14 @@ def block(p, x, attn, m, ffn=None):
         x = x + attn(rms_norm(x, p["input_layernorm.weight"], m.norm_eps))
         y, terms = ffn(p, rms_norm(x, p["post_attention_layernorm.weight"], m.norm_eps))
         return x + y, terms
-    # OLMo 2/3: RMSNorm on each sublayer's output, before the add (none on its input)
+    # OLMo 2/3 (and OLMo Hybrid's attention layers): RMSNorm on each sublayer's output, before
+    # the add (none on its input)
     x = x + rms_norm(attn(x), p["post_attention_layernorm.weight"], m.norm_eps)
     y, terms = ffn(p, x)
     return x + rms_norm(y, p["post_feedforward_layernorm.weight"], m.norm_eps), terms
 
 
-# --- the gated delta rule: OLMo Hybrid's linear attention (its layers are not here yet) ---
+# --- the gated delta rule: OLMo Hybrid's linear attention (the G layers) ---
 # A linear-attention layer keeps, per value head, a state S (Hk, Hv): a map from keys to values
 # that each token first decays, by exp(g_t) (g_t <= 0), then corrects where it mispredicts the
 # token's value (the delta rule, a step of learning rate β_t on ||S^T k_t - v_t||²):
@@ -758,7 +844,105 @@ def delta_rule_chunked(q, k, v, g, beta, chunk=64, state=None):
     return o[:, :T], state
 
 
+# The layer around the rule (HF's OlmoHybridGatedDeltaNet, OLMo-core's GatedDeltaNet): from x,
+# q, k and v by projections, each through a short causal convolution and SiLU (a few tokens of
+# local context before the rule mixes the rest), q and k L2-normalised (so that β alone sets the
+# update's size); β and the decay g per token and value head from two more projections; the
+# rule's output RMS-normed per head, gated by SiLU(g_proj(x)) and projected back to D.
+O_NORM_EPS = 1e-5  # the output norm's eps: FLA's FusedRMSNormGated default, which HF keeps
+
+
+def causal_conv(x, w, before=None):
+    """The depthwise causal convolution and SiLU: x (B, T, C), w (C, 1, W) -> (y (B, T, C), the
+    last W - 1 inputs (B, W - 1, C): generation's window). y_t mixes each channel's own
+    x_{t-W+1..t}, tap j taking x_{t-W+1+j}; before: the W - 1 inputs before x (default zeros:
+    the sequence starts here). In fp32, as HF (its conv runs in the fp32 weight's dtype)."""
+    (B, T, C), W = x.shape, w.shape[-1]
+    before = jnp.zeros((B, W - 1, C), x.dtype) if before is None else before.astype(x.dtype)
+    seen = jnp.concatenate([before, x], axis=1)  # (B, W - 1 + T, C)
+    taps = w[:, 0, :].astype(jnp.float32)  # (C, W)
+    y = sum(seen[:, j:j + T].astype(jnp.float32) * taps[:, j] for j in range(W))
+    return jax.nn.silu(y).astype(x.dtype), seen[:, T:]
+
+
+def l2_normalize(x, eps=1e-6):
+    """x / sqrt(Σ x² + eps) over the last axis, in fp32 (FLA's l2norm, which HF copies)."""
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt((x * x).sum(-1, keepdims=True) + eps)
+
+
+def gated_deltanet(p, x, m, state=None):
+    """A G layer's sequence mixer: x (B, T, D) -> (y (B, T, D), its state after x: the conv
+    windows q, k, v (B, W - 1, channels) and the rule's S (B, N, Hk, Hv)). state: the same from
+    before x (generation), None at a sequence's start. Here K and N are the linear layers' key
+    and value heads, Hk and Hv their dims. T = 1 (a generated token) steps the recurrent form,
+    longer x the chunked one."""
+    B, T, _ = x.shape
+    K, N = m.linear_key_heads, m.linear_value_heads
+    Hk, Hv = m.linear_key_head_dim, m.linear_value_head_dim
+    state = state or {}
+    new, qkv = {}, []
+    for n in "qkv":
+        h = linear(x, p[f"linear_attn.{n}_proj.weight"])  # (B, T, K·Hk) or (B, T, N·Hv)
+        h, new[n] = causal_conv(h, p[f"linear_attn.{n}_conv1d.weight"], state.get(n))
+        qkv.append(h)
+    q = l2_normalize(qkv[0].reshape(B, T, K, Hk))  # (B, T, K, Hk) fp32
+    k = l2_normalize(qkv[1].reshape(B, T, K, Hk))
+    v = qkv[2].reshape(B, T, N, Hv)  # (B, T, N, Hv)
+    beta = jax.nn.sigmoid(linear(x, p["linear_attn.b_proj.weight"]).astype(jnp.float32))  # (B, T, N)
+    if m.linear_neg_eigval:
+        beta = 2 * beta
+    # g = -A·dt <= 0: A = exp(A_log) the head's decay rate, dt = softplus(a + dt_bias) > 0 the
+    # token's step (Mamba 2's discretisation), so exp(g) in (0, 1] decays S
+    dt = jax.nn.softplus(linear(x, p["linear_attn.a_proj.weight"]).astype(jnp.float32)
+                         + p["linear_attn.dt_bias"])
+    g = -jnp.exp(p["linear_attn.A_log"].astype(jnp.float32)) * dt  # (B, T, N)
+    with matmul_precision(jnp.float32):  # the rule in fp32 whatever dtype is (HF's too)
+        if T == 1 and state:
+            o, new["S"] = delta_rule_recurrent(q, k, v, g, beta, state["S"])
+        else:
+            o, new["S"] = delta_rule_chunked(q, k, v, g, beta, m.linear_chunk, state.get("S"))
+    gate = linear(x, p["linear_attn.g_proj.weight"]).reshape(B, T, N, Hv)
+    o = rms_norm(o, p["linear_attn.o_norm.weight"], O_NORM_EPS)  # (B, T, N, Hv) fp32, per head
+    o = (o * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
+    return linear(o.reshape(B, T, N * Hv), p["linear_attn.o_proj.weight"]), new
+
+
+def linear_state_shapes(m, B):
+    """The shapes of a G layer's state for B sequences: gated_deltanet's conv windows q, k, v
+    (B, W - 1, channels) and S (B, N, Hk, Hv); none grows with the sequence."""
+    W, K, N = m.linear_conv_kernel, m.linear_key_heads, m.linear_value_heads
+    Hk, Hv = m.linear_key_head_dim, m.linear_value_head_dim
+    return dict(q=(B, W - 1, K * Hk), k=(B, W - 1, K * Hk), v=(B, W - 1, N * Hv),
+                S=(B, N, Hk, Hv))
+
+
+def new_linear_state(m, B, dtype=jnp.float32):
+    """A G layer's state at a sequence's start: zeros, the conv windows in dtype, S in fp32."""
+    return {n: jnp.zeros(shape, jnp.float32 if n == "S" else dtype)
+            for n, shape in linear_state_shapes(m, B).items()}
+
+
 # --- forward, head and losses ---
+
+def pattern_slots(m):
+    """{stacked name: the layer_pattern positions whose layers have it}: every position, or those
+    of its kind (OLMo Hybrid's "GGGF": linear_attn.* at [0, 1, 2], self_attn.* at [3])."""
+    P = len(m.layer_pattern)
+    return {name: list(range(P)) if p.layers is None else sorted({i % P for i in p.layers})
+            for name, p in param_table(m).items() if name.startswith("layers.")}
+
+
+def one_layer(params, m, i):
+    """Layer i's weights (names without "layers."): row i of the stacked params every layer has,
+    and of its kind's own (Param.layers), its row there."""
+    table, out = param_table(m), {}
+    for name, w in params.items():
+        p = table[name]
+        if name.startswith("layers.") and (p.layers is None or i in p.layers):
+            out[name[len("layers."):]] = w[i if p.layers is None else p.layers.index(i)]
+    return out
+
 
 # remat="dots": MaxText's "minimal" (dots_with_no_batch_dims_saveable), by name: linear's bf16
 # matmul is a custom_vjp, which that policy does not see as a dot (it would keep nothing)
@@ -780,28 +964,39 @@ def forward(params, tokens, m, dtype=jnp.float32, remat="none", constrain=lambda
     layer), "mlp" all but the insides of the MLP (rerun), "dots" the projections (REMAT_DOTS)."""
     x = constrain(embed(params["embed_tokens.weight"], tokens, dtype))  # (B, T, D)
     positions = jnp.arange(tokens.shape[1]) if positions is None else positions
+    if segments is not None and "G" in m.layer_pattern:
+        raise ValueError("data.doc_mask: OLMo Hybrid's Gated DeltaNet layers would carry their "
+                         "state S across documents (resetting it at each document's start is not "
+                         "implemented here): train with data.doc_mask=false")
     # A scan step is one layer_pattern, so windows are Python ints (as data: every block computed)
     P = len(m.layer_pattern)
     window, inv_freq, rope_scale = layer_arrays(m)
     ropes = [rope_cos_sin(positions, inv_freq[i], rope_scale[i]) for i in range(P)]
-    groups = {name[len("layers."):]: w.reshape(-1, P, *w.shape[1:]) for name, w in params.items()
-              if name.startswith("layers.")}
+    slots, groups = pattern_slots(m), {}
+    for name, w in params.items():  # (L, ...) -> (L/P, the pattern's layers that have it, ...)
+        if name.startswith("layers."):
+            groups[name[len("layers."):]] = w.reshape(-1, len(slots[name]), *w.shape[1:])
 
     ffn = feed_forward(m, experts_fn)
     ffn = jax.checkpoint(ffn) if remat == "mlp" else ffn
 
-    def layer(p, x, cos, sin, segments, w):  # -> (x, terms), as block
-        return block(p, x, lambda h: attention(p, h, cos, sin, w, m, segments, attend_fn), m, ffn)
+    def layer(p, x, cos, sin, segments, w, kind):  # -> (x, terms), as block
+        def mixer(h):
+            if kind == "G":
+                return gated_deltanet(p, h, m)[0]
+            return attention(p, h, cos, sin, w, m, segments, attend_fn)
+        return block(p, x, mixer, m, ffn)
     if remat == "block":  # keeps each layer's input only: the backward reruns its forward
-        layer = jax.checkpoint(layer, static_argnums=(5,))
+        layer = jax.checkpoint(layer, static_argnums=(5, 6))
     if remat == "dots":  # keeps the projections' outputs: reruns norms, RoPE, SwiGLU, attention
-        layer = jax.checkpoint(layer, static_argnums=(5,), policy=REMAT_DOTS)
+        layer = jax.checkpoint(layer, static_argnums=(5, 6), policy=REMAT_DOTS)
 
     def step(x, group):  # compile time grows with P, not L
         terms = {}  # the P layers' auxiliary loss terms, summed (their LOADs: a list of P)
-        for i in range(P):
-            p = {name: w[i] for name, w in group.items()}
-            x, layer_terms = layer(p, x, *ropes[i], segments, int(window[i]))
+        for i, kind in enumerate(m.layer_pattern):
+            p = {name: w[slots["layers." + name].index(i)] for name, w in group.items()
+                 if i in slots["layers." + name]}
+            x, layer_terms = layer(p, x, *ropes[i], segments, int(window[i]), kind)
             x = constrain(x)
             terms = add_terms(terms, layer_terms)
         return x, terms
@@ -943,9 +1138,12 @@ def check_tokens(tokens, m, source="tokens"):
 
 def new_cache(m, B, S, dtype=jnp.float32):
     """Empty caches for B sequences of up to S positions: per layer k, v (B, C, K, H), C = S on
-    a full layer, min(W, S) on a sliding one."""
+    a full layer, min(W, S) on a sliding one; an OLMo Hybrid G layer's state instead
+    (new_linear_state: its size independent of S)."""
     sizes = [min(int(w), S) if w else S for w in layer_arrays(m)[0]]
-    return [{n: jnp.zeros((B, C, m.n_kv_heads, m.head_dim), dtype) for n in "kv"} for C in sizes]
+    return [new_linear_state(m, B, dtype) if kind == "G" else
+            {n: jnp.zeros((B, C, m.n_kv_heads, m.head_dim), dtype) for n in "kv"}
+            for C, kind in zip(sizes, m.layer_types())]
 
 
 # exercise: kv_cache
@@ -978,13 +1176,15 @@ def forward_step(params, tokens, pos, cache, m, dtype=jnp.float32):
     window, inv_freq, rope_scale = layer_arrays(m)
     positions = pos + jnp.arange(tokens.shape[1])
     new = []
-    for i in range(m.n_layers):
-        p = {name[len("layers."):]: w[i] for name, w in params.items()
-             if name.startswith("layers.")}
+    for i, kind in enumerate(m.layer_types()):
+        p = one_layer(params, m, i)
         cos, sin = rope_cos_sin(positions, inv_freq[i], rope_scale[i])
 
         def attn(h):  # block calls it once
-            y, c = cached_attention(p, h, cos, sin, cache[i], pos, int(window[i]), m)
+            if kind == "G":  # the conv windows and S: the same size whatever the position
+                y, c = gated_deltanet(p, h, m, cache[i])
+            else:
+                y, c = cached_attention(p, h, cos, sin, cache[i], pos, int(window[i]), m)
             new.append(c)
             return y
 
@@ -1241,12 +1441,133 @@ class MoE(nn.Module):
         return torch.zeros_like(rows).index_add(0, token, out)
 
 
-class Block(nn.Module):
-    def __init__(self, m, window=0):
+def delta_rule_recurrent_torch(q, k, v, g, beta, state=None):
+    """delta_rule_recurrent: the same shapes and maths, fp32, a loop over the tokens."""
+    B, T, N, Hv = v.shape
+    q, k = (a.repeat_interleave(N // a.shape[2], dim=2).float() for a in (q, k))  # (B, T, N, Hk)
+    q = q * q.shape[-1] ** -0.5
+    v, g, beta = v.float(), g.float(), beta.float()
+    S = q.new_zeros(B, N, k.shape[-1], Hv) if state is None else state
+    out = []
+    for t in range(T):
+        S = S * g[:, t].exp()[..., None, None]  # decay first
+        predicted = torch.einsum("bnkv,bnk->bnv", S, k[:, t])
+        S = S + torch.einsum("bnk,bnv->bnkv", k[:, t], beta[:, t, :, None] * (v[:, t] - predicted))
+        out.append(torch.einsum("bnkv,bnk->bnv", S, q[:, t]))
+    return torch.stack(out, 1), S  # (B, T, N, Hv)
+
+
+def delta_rule_chunked_torch(q, k, v, g, beta, chunk=64, state=None):
+    """delta_rule_chunked: the same steps (the UT transform's triangular solve within a chunk, a
+    loop over the chunks), fp32."""
+    B, T, N, Hv = v.shape
+    q, k = (a.repeat_interleave(N // a.shape[2], dim=2).float() for a in (q, k))
+    Hk = k.shape[-1]
+    q = q * Hk ** -0.5
+    pad = -T % chunk
+
+    def chunks(a):  # (B, T, N, ...) -> (B, N, T/C, C, ...), fp32
+        a = F.pad(a.float(), (0, 0) * (a.ndim - 3) + (0, 0, 0, pad))
+        return a.reshape(B, -1, chunk, *a.shape[2:]).movedim(3, 1)
+    q, k, v, g, beta = map(chunks, (q, k, v, g, beta))  # (B, N, T/C, C[, H])
+    decay = g.cumsum(-1)  # (B, N, T/C, C)
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    gap = torch.where(causal, decay[..., :, None] - decay[..., None, :], 0.0)
+    between = torch.where(causal, gap.exp(), 0.0)  # (B, N, T/C, C, C)
+    kb, vb = k * beta[..., None], v * beta[..., None]
+    eye = torch.eye(chunk, dtype=torch.bool, device=q.device)
+    A = (kb @ k.transpose(-1, -2)) * between * ~eye  # strictly lower
+    I_A = A + eye  # (I + A): unit lower triangular
+    u = torch.linalg.solve_triangular(I_A, vb, upper=False, unitriangular=True)  # (.., C, Hv)
+    w = torch.linalg.solve_triangular(I_A, kb * decay.exp()[..., None], upper=False,
+                                      unitriangular=True)  # (..., C, Hk)
+    within = (q @ k.transpose(-1, -2)) * between
+    S = q.new_zeros(B, N, Hk, Hv) if state is None else state.float()
+    out = []
+    for c in range(q.shape[2]):
+        new = u[:, :, c] - w[:, :, c] @ S
+        out.append((q[:, :, c] * decay[:, :, c, :, None].exp()) @ S + within[:, :, c] @ new)
+        last = decay[:, :, c, -1:]  # (B, N, 1)
+        S = S * last.exp()[..., None] + (
+            k[:, :, c] * (last - decay[:, :, c]).exp()[..., None]).transpose(-1, -2) @ new
+    o = torch.stack(out, 2).reshape(B, N, -1, Hv).transpose(1, 2)  # (B, T + pad, N, Hv)
+    return o[:, :T], S
+
+
+def causal_conv_torch(x, w, before=None):
+    """causal_conv: x (B, T, C), w (C, 1, W) -> (silu(conv) (B, T, C), the last W - 1 inputs)."""
+    (B, T, C), W = x.shape, w.shape[-1]
+    before = x.new_zeros(B, W - 1, C) if before is None else before.to(x.dtype)
+    seen = torch.cat([before, x], 1)  # (B, W - 1 + T, C)
+    y = F.conv1d(seen.transpose(1, 2).float(), w.float(), groups=C).transpose(1, 2)  # (B, T, C)
+    return F.silu(y).to(x.dtype), seen[:, T:]
+
+
+class GatedDeltaNet(nn.Module):
+    """gated_deltanet, HF's names (linear_attn.*)."""
+
+    def __init__(self, m):
         super().__init__()
         self.m = m
-        self.self_attn = Attention(m, window)
+        D, W = m.d_model, m.linear_conv_kernel
+        K, N = m.linear_key_heads, m.linear_value_heads
+        Hk, Hv = m.linear_key_head_dim, m.linear_value_head_dim
+        self.q_proj, self.k_proj = Linear(D, K * Hk), Linear(D, K * Hk)
+        self.v_proj = Linear(D, N * Hv)
+        self.a_proj, self.b_proj = Linear(D, N), Linear(D, N)
+        self.g_proj = Linear(D, N * Hv)
+        self.o_proj = Linear(N * Hv, D)
+        # (for their weights (C, 1, W): causal_conv_torch pads and calls F.conv1d itself)
+        self.q_conv1d = nn.Conv1d(K * Hk, K * Hk, W, groups=K * Hk, bias=False)
+        self.k_conv1d = nn.Conv1d(K * Hk, K * Hk, W, groups=K * Hk, bias=False)
+        self.v_conv1d = nn.Conv1d(N * Hv, N * Hv, W, groups=N * Hv, bias=False)
+        self.A_log = nn.Parameter(torch.empty(N))
+        self.dt_bias = nn.Parameter(torch.empty(N))
+        self.o_norm = RMSNorm(Hv, O_NORM_EPS)
+
+    def forward(self, x, state=None):
+        """x (B, T, D) -> (B, T, D); state (generation: OLMo.new_cache's dict for this layer) is
+        read and updated in place."""
+        m, (B, T, _) = self.m, x.shape
+        K, N = m.linear_key_heads, m.linear_value_heads
+        Hk, Hv = m.linear_key_head_dim, m.linear_value_head_dim
+        qkv, new = [], {}
+        for n in "qkv":
+            h = getattr(self, f"{n}_proj")(x)
+            before = state[n] if state else None
+            h, new[n] = causal_conv_torch(h, getattr(self, f"{n}_conv1d").weight, before)
+            qkv.append(h)
+
+        def unit(a):  # l2_normalize
+            a = a.float()
+            return a * torch.rsqrt((a * a).sum(-1, keepdim=True) + 1e-6)
+        q, k = unit(qkv[0].view(B, T, K, Hk)), unit(qkv[1].view(B, T, K, Hk))
+        v = qkv[2].view(B, T, N, Hv)
+        beta = self.b_proj(x).float().sigmoid() * (2 if m.linear_neg_eigval else 1)
+        g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias)
+        S = state["S"] if state else None
+        if T == 1 and state:
+            o, new["S"] = delta_rule_recurrent_torch(q, k, v, g, beta, S)
+        else:
+            o, new["S"] = delta_rule_chunked_torch(q, k, v, g, beta, m.linear_chunk, S)
+        if state is not None:
+            state.update(new)
+        gate = self.g_proj(x).view(B, T, N, Hv)
+        o = (self.o_norm(o) * F.silu(gate.float())).to(x.dtype)
+        return self.o_proj(o.reshape(B, T, N * Hv))
+
+
+class Block(nn.Module):
+    def __init__(self, m, window=0, kind="F"):
+        super().__init__()
+        self.m = m
         self.mlp = MoE(m) if m.n_experts else MLP(m)
+        if kind == "G":  # OLMo Hybrid's linear layer: pre-norm under its checkpoints' names
+            self.linear_attn = GatedDeltaNet(m)
+            self.attention_layer_norm = RMSNorm(m.d_model, m.norm_eps)
+            self.feedforward_layer_norm = RMSNorm(m.d_model, m.norm_eps)
+            return
+        self.self_attn = Attention(m, window)
         if m.family == "olmoe":  # Llama's names: each sublayer's input norm
             self.input_layernorm = RMSNorm(m.d_model, m.norm_eps)
             self.post_attention_layernorm = RMSNorm(m.d_model, m.norm_eps)
@@ -1264,6 +1585,10 @@ class Block(nn.Module):
         position of x's first token (0 but in generation, where x holds the new tokens only).
         self_attn takes mask, cache and pos; the block only hands them on."""
         ffn = partial(checkpoint, self.mlp, use_reentrant=False) if remat_mlp else self.mlp
+        if hasattr(self, "linear_attn"):  # a G layer: no positions, its state is its cache
+            x = x + self.linear_attn(self.attention_layer_norm(x), cache)
+            y, terms = ffn(self.feedforward_layer_norm(x))
+            return x + y, terms
         if self.m.family == "olmo1":
             x = x + self.self_attn(layer_norm_torch(x, self.m.norm_eps), cos, sin, mask, cache, pos)
             y, terms = ffn(layer_norm_torch(x, self.m.norm_eps))
@@ -1293,7 +1618,8 @@ class OLMo(nn.Module):
         self.embed_tokens = nn.Embedding(m.vocab_size, m.d_model)
         window, *rope = layer_arrays(m)
         self.windows = [int(w) for w in window]
-        self.layers = nn.ModuleList(Block(m, w) for w in self.windows)
+        self.layers = nn.ModuleList(Block(m, w, kind) for w, kind in zip(self.windows,
+                                                                          m.layer_types()))
         if m.family != "olmo1":
             self.norm = RMSNorm(m.d_model, m.norm_eps)
         if not m.tie_embeddings:
@@ -1335,10 +1661,16 @@ class OLMo(nn.Module):
         return self.unembed(x, dtype)
 
     def new_cache(self, B, S, dtype):
-        """Empty keys and values per layer (B, K, S, H), S on sliding layers too (no ring)."""
+        """Empty keys and values per layer (B, K, S, H), S on sliding layers too (no ring); an
+        OLMo Hybrid G layer's state (new_linear_state's shapes), whatever S."""
         shape, device = (B, self.m.n_kv_heads, S, self.m.head_dim), self.embed_tokens.weight.device
         new = partial(torch.zeros, shape, dtype=dtype, device=device)
-        return [{n: new() for n in "kv"} for _ in self.layers]
+
+        def linear_state():  # new_linear_state
+            return {n: torch.zeros(shape, dtype=torch.float32 if n == "S" else dtype, device=device)
+                    for n, shape in linear_state_shapes(self.m, B).items()}
+        return [linear_state() if kind == "G" else {n: new() for n in "kv"}
+                for kind in self.m.layer_types()]
 
     def unembed(self, x, dtype):
         """The final norm and the head: x (B, T, D) -> (B, T, V)."""
@@ -1385,7 +1717,8 @@ def torch_model(m, params=None):
     params = init_params(m, jax.random.PRNGKey(0)) if params is None else params
     with torch.device("meta"):
         net = OLMo(m)
-    net.load_state_dict({k: as_torch(v) for k, v in unstack_layers(params).items()}, assign=True)
+    state = unstack_layers(params, m)
+    net.load_state_dict({k: as_torch(v) for k, v in state.items()}, assign=True)
     return net
 
 
@@ -1404,7 +1737,10 @@ def main(argv):
     print(f"{'name':<42} {'shape':<19} {'count':>14}  {'logical axes':<26} init")
     for name, p in param_table(m).items():
         ends = (p.std[0], p.std[-1]) if isinstance(p.std, tuple) else (p.std,)  # (per layer)
-        init = "ones" if p.std is None else f"trunc N(0, {'..'.join(f'{s:.4g}' for s in ends)})"
+        if callable(p.std):
+            init = p.std.__name__
+        else:
+            init = "ones" if p.std is None else f"trunc N(0, {'..'.join(f'{s:.4g}' for s in ends)})"
         count, axes = math.prod(p.shape), ", ".join(p.axes)
         print(f"{name:<42} {str(p.shape):<19} {count:>14,}  {axes:<26} {init}")
     flops = flops_per_token(m)

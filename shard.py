@@ -49,8 +49,13 @@ BATCH = tuple(a for a in AXES if a not in WITHIN_INSTANCE)
 # context as OLMo-core shards it: the embedding lookup's output would then be split on D over
 # every device, and XLA cannot move that to (instances, positions) without first gathering all of
 # it (`train.py plan`: 32 GiB more a device at 64 x 65536 tokens).
+# OLMo Hybrid's Gated DeltaNet layers split their key and value heads over tensor alike: a device
+# gets key heads i·K/t.. and value heads i·N/t.., the ones those key heads serve (model.value_heads:
+# consecutive), so each head's state S never leaves its device; the conv's taps and a head's own
+# dim (o_norm's weight, shared by every head) are not split.
 RULES = {"embed": ("fsdp",), "heads": ("tensor",), "kv_heads": ("tensor",), "mlp": ("tensor",),
-         "vocab": ("tensor",), "layers": (), "experts": ("expert",), "router": ()}
+         "vocab": ("tensor",), "layers": (), "experts": ("expert",), "router": (),
+         "key_heads": ("tensor",), "value_heads": ("tensor",), "conv": (), "head_dim": ()}
 
 
 def mesh_shape(mesh_cfg, n_devices):
@@ -552,20 +557,22 @@ def stacked_span(name, shape, idx):
     return [range(*s.indices(n)) for s, n in zip(idx, shape[:len(model.stacked_axes(name))])]
 
 
-def stored_slices(name, shape, prefix, idx):
-    """[(stored name, index)] slice idx of a param covers, one per layer (and expert) if stacked,
+def stored_slices(name, p, prefix, idx):
+    """[(stored name, index)] slice idx of param p covers, one per layer (and expert) if stacked,
     in row-major order of those axes; prefix "model.": HF's names (convert.hf_name)."""
     rename = convert.hf_name if prefix == "model." else lambda n: prefix + n  # noqa: E731
-    span = stacked_span(name, shape, idx)
+    span = stacked_span(name, p.shape, idx)
     if not span:
         return [(rename(name), idx)]
-    return [(rename(model.layer_name(name, *i)), idx[len(span):])
+    numbers = p.layers or range(p.shape[0])  # row i of the layers axis: HF's layer numbers[i]
+    return [(rename(model.layer_name(name, numbers[i[0]], *i[1:])), idx[len(span):])
             for i in itertools.product(*span)]
 
 
-def jax_pieces(trees):
-    """(stored name, index, read) of each shard here (replica 0) of [(prefix, {name: array})];
-    read() copies it to the host then (a stacked shard once for all its layers)."""
+def jax_pieces(trees, table):
+    """(stored name, index, read) of each shard here (replica 0) of [(prefix, {name: array})],
+    the names model.param_table's (or others outside the layers: AdamW's step count); read()
+    copies it to the host then (a stacked shard once for all its layers)."""
     for prefix, tree in trees:
         for name, a in tree.items():
             n = len(model.stacked_axes(name))  # one stored name per layer (and expert)
@@ -577,14 +584,15 @@ def jax_pieces(trees):
                 def host(sh=sh):  # stacked: those axes flattened, so piece i is row i
                     a = np.asarray(sh.data)
                     return a.reshape(-1, *a.shape[n:]) if n else a
-                for i, (fname, idx) in enumerate(stored_slices(name, a.shape, prefix, sh.index)):
+                p = table.get(name) or model.Param(a.shape, ())  # (step: not stacked)
+                for i, (fname, idx) in enumerate(stored_slices(name, p, prefix, sh.index)):
                     yield fname, idx, (lambda i=i, host=host: host()[i]) if n else host
 
 
 def jax_read(views, prefix, table, shardings):
     """{name: global fp32 array}, each device's slice read from stored tensors."""
     def read(name, idx):
-        pieces = stored_slices(name, table[name].shape, prefix, idx)
+        pieces = stored_slices(name, table[name], prefix, idx)
         parts = [np.asarray(views[f][i], np.float32) for f, i in pieces]
         lead = [len(r) for r in stacked_span(name, table[name].shape, idx)]
         return np.stack(parts).reshape(*lead, *parts[0].shape) if lead else parts[0]
@@ -737,15 +745,18 @@ def set_accelerator_flags(device, environ=os.environ):
     return var
 
 
-def compiler_options(mesh, dtype):
+def compiler_options(mesh, dtype, m):
     """XLA options for the train step: on one CPU in fp32, YNNPACK's fusions (XLA's transpose
     slowly)."""
     # On one CPU, XLA's own code for an elementwise fusion that also transposes (the MLP's gate
     # gradient, laid out for its weight's matmul) runs ~15x slower than the same fusion
     # untransposed; YNNPACK's elementwise fusions avoid it: fp32 steps ~12% faster. bf16 steps
     # ran slower with them, and on a mesh of CPU devices context parallelism's layouts make XLA
-    # refuse them ("unsupported layout in YNN fusion": they are experimental): one CPU, fp32 only
+    # refuse them ("unsupported layout in YNN fusion": they are experimental), as do the transposed
+    # layouts of OLMo Hybrid's chunked delta rule: one CPU, fp32, no G layers only
     if mesh.devices.size > 1 or mesh.devices.flat[0].platform != "cpu" or dtype != "float32":
+        return None
+    if "G" in m.layer_pattern:
         return None
     kinds = ("INDIVIDUAL_DOT", "ELTWISE", "REDUCE")  # (XLA's default: first, last)
     fusions = ",".join(f"LIBRARY_FUSION_TYPE_{k}" for k in kinds)

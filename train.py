@@ -312,7 +312,7 @@ def make_train_step(cfg, mesh):
     p, o, h = shard.state_shardings(mesh, model.param_table(m))
     return jax.jit(step, in_shardings=(p, o, h, None, None),
                    out_shardings=(p, o, h, shard.replicated(mesh)), donate_argnums=(0, 1, 2),
-                   compiler_options=shard.compiler_options(mesh, tc.compute_dtype))
+                   compiler_options=shard.compiler_options(mesh, tc.compute_dtype, m))
 
 
 def peak_flops(kind):  # of a device_kind (shard.DEVICES); None: MFU n/a
@@ -414,7 +414,8 @@ class JaxBackend:
     def pieces(self, kind):
         o = self.opt
         opt = [("exp_avg.", o["m"]), ("exp_avg_sq.", o["v"]), ("", {"step": o["count"]})]
-        return shard.jax_pieces([("model.", self.params)] if kind == "model" else opt)
+        table = model.param_table(self.cfg.model)
+        return shard.jax_pieces([("model.", self.params)] if kind == "model" else opt, table)
 
     def host_params(self):
         return jax.device_get(self.params)
@@ -430,13 +431,16 @@ def stacked_name(n):
     return n
 
 
-def stacked_index(n):
-    """HF's name -> its index on the stacked axes: "layers.3.mlp.experts.5.up_proj.weight" ->
-    (3, 5); () for a name outside the layers."""
+def stacked_index(n, table):
+    """HF's name -> its row on the stacked axes of its param in table:
+    "layers.3.mlp.experts.5.up_proj.weight" -> (3, 5); () for a name outside the layers. An OLMo
+    Hybrid kind's own weights count their own layers (Param.layers): "layers.7.self_attn..." is
+    row 1 of the attention layers 3, 7, ..."""
     indices = []
     for axis in model.STACKED_AXES:
         indices += [int(i) for i in re.findall(rf"\b{axis}\.(\d+)\.", n)]
-    return tuple(indices)
+    numbers = table[stacked_name(n)].layers
+    return (numbers.index(indices[0]), *indices[1:]) if numbers else tuple(indices)
 
 
 class TorchBackend:
@@ -498,13 +502,14 @@ class TorchBackend:
     def init(self, seed):
         """JAX's init_params, drawn on the host a tensor at a time: a JAX run's weights."""
         m, key = self.cfg.model, jax.random.PRNGKey(seed)
+        table = model.param_table(m)
 
         @functools.lru_cache(maxsize=1)  # one stacked tensor on the host at a time
         def drawn(name):
             return np.asarray(model.init_params(m, key, [name])[name])  # (L, ...) if stacked
 
         def draw(n, idx):
-            return drawn(stacked_name(n))[stacked_index(n)][idx]
+            return drawn(stacked_name(n))[stacked_index(n, table)][idx]
         # by stacked name, layers.0.X, layers.1.X, ...: X is drawn once for all L layers, not
         # once per layer (minutes at 1B)
         self._fill(dict(sorted(self.named.items(), key=lambda t: stacked_name(t[0]))), draw)

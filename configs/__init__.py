@@ -51,8 +51,10 @@ class ModelConfig:
     # LayerNorm without weights), olmo2 (Olmo2ForCausalLM: RMSNorm on each sublayer's output,
     # QK-norm), olmo3 (Olmo3ForCausalLM: olmo2, plus sliding-window layers and YaRN), olmoe
     # (OlmoeForCausalLM: RMSNorm on each sublayer's input, Llama's order, QK-norm, a mixture of
-    # experts for the MLP) or flex_olmo (FlexOlmoForCausalLM: olmo2's block, olmoe's experts)
-    family: str = "olmo3"         # olmo1 | olmo2 | olmo3 | olmoe | flex_olmo
+    # experts for the MLP), flex_olmo (FlexOlmoForCausalLM: olmo2's block, olmoe's experts) or
+    # olmo_hybrid (OlmoHybridForCausalLM: Gated DeltaNet layers, G in layer_pattern, beside
+    # olmo2's attention blocks, F)
+    family: str = "olmo3"         # olmo1 | olmo2 | olmo3 | olmoe | flex_olmo | olmo_hybrid
     d_model: int = 256            # D
     n_layers: int = 4             # L
     n_heads: int = 4              # N query heads
@@ -63,11 +65,16 @@ class ModelConfig:
     vocab_size: int = 100352      # V: dolma2's 100278 ids padded to a multiple of 128
     tie_embeddings: bool = False  # lm_head reuses embed_tokens (true in OLMo-1B)
     norm_eps: float = 1e-6        # OLMo 1's LayerNorm: 1e-5 (HF hard-codes it)
+    # 0: no RoPE at all (NoPE: attention sees no positions but the causal mask), which only
+    # olmo_hybrid allows (its released checkpoints: HF's rope_theta null); its linear layers
+    # carry the order
     rope_theta: float = 500000.0
     max_seq_len: int = 4096       # HF max_position_embeddings; T in the FLOP count
     clip_qkv: float = 0.0         # olmo1: clamp q, k, v to +-this; 0 = off (8 in OLMo 1.7)
     sliding_window: int = 0       # W: a sliding layer's query sees W keys (its own too); 0 = none
-    layer_pattern: str = "F"      # S = sliding, F = full; repeated to n_layers (OLMo 3: "SSSF")
+    # S = sliding, F = full attention, G = Gated DeltaNet (olmo_hybrid); the pattern is repeated
+    # to n_layers (OLMo 3: "SSSF"; OLMo Hybrid: "GGGF", HF's layer_types)
+    layer_pattern: str = "F"
     yarn_factor: float = 0.0      # YaRN on full layers' RoPE; 0 = off (OLMo 3 long context: 8)
     yarn_original_max_seq_len: int = 8192
     yarn_beta_fast: float = 32.0
@@ -94,6 +101,23 @@ class ModelConfig:
     # a loop over the experts on a CPU). auto: JAX grouped on GPUs and TPUs, dense on a CPU (the
     # CPU ragged_dot of XLA does k times the dense work: model.experts_function); torch as grouped
     moe_compute: str = "auto"     # auto | dense | grouped
+    # OLMo Hybrid's Gated DeltaNet layers (G; olmo_hybrid only, model.py's "gated delta rule").
+    # q and k have linear_key_heads heads of linear_key_head_dim, v linear_value_heads heads of
+    # linear_value_head_dim; each key head serves linear_value_heads / linear_key_heads
+    # consecutive value heads (as GQA's kv heads serve query heads). 0 = HF's defaults
+    linear_key_heads: int = 0       # HF linear_num_key_heads; 0 = n_heads
+    linear_value_heads: int = 0     # HF linear_num_value_heads; 0 = n_heads
+    linear_key_head_dim: int = 0    # 0 = int(0.75 · d_model / linear_key_heads)
+    linear_value_head_dim: int = 0  # 0 = 2 · linear_key_head_dim
+    # the short causal depthwise convolution over each of q, k and v (HF linear_conv_kernel_dim):
+    # each channel mixes its last linear_conv_kernel tokens
+    linear_conv_kernel: int = 4
+    # β = 2·sigmoid(b_proj(x)) instead of sigmoid: the state's update I - β k kᵀ may then have a
+    # negative eigenvalue, flipping the direction k (HF linear_allow_neg_eigval; OLMo Hybrid: on)
+    linear_neg_eigval: bool = True
+    # How, never what: training's delta rule runs in chunks of this many tokens (matmuls within a
+    # chunk, a scan between chunks: model.delta_rule_chunked); every chunk gives the same numbers
+    linear_chunk: int = 64
     init: str = "normal"          # normal: init_std cut at +-3σ (OLMo 2/3); mitchell: OLMo 1
     init_std: float = 0.02
     eos_token_id: int = 100257    # dolma2's <|endoftext|> (HF config.json)
@@ -114,11 +138,19 @@ class ModelConfig:
         head_dim = self.d_model // self.n_heads if self.n_heads > 0 else 0
         mlp_hidden = 256 * math.ceil(int(8 * self.d_model / 3) / 256)  # OLMo-core's llama rule
         yarn_attention = 0.1 * math.log(self.yarn_factor) + 1 if self.yarn_factor > 0 else 0.0
+        hybrid = self.family == "olmo_hybrid"  # only then are the linear_* sizes derived
+        key_heads = (self.linear_key_heads or self.n_heads) if hybrid else 0
+        key_dim = int(0.75 * self.d_model / key_heads) if key_heads else 0
         for name, value, formula in [
             ("n_kv_heads", self.n_heads, "n_heads"),
             ("head_dim", head_dim, "d_model / n_heads"),
             ("mlp_hidden", mlp_hidden, "256·ceil(int(8·d_model/3) / 256)"),
             ("yarn_attention_factor", yarn_attention, "0.1·ln(yarn_factor) + 1"),
+            ("linear_key_heads", key_heads, "n_heads"),
+            ("linear_value_heads", self.n_heads if hybrid else 0, "n_heads"),
+            ("linear_key_head_dim", key_dim, "int(0.75·d_model / linear_key_heads)"),
+            ("linear_value_head_dim", 2 * (self.linear_key_head_dim or key_dim),
+             "2·linear_key_head_dim"),
         ]:
             if getattr(self, name) == 0 and value:
                 setattr(self, name, value)
@@ -127,8 +159,9 @@ class ModelConfig:
         _checks(self, positive="d_model n_layers n_heads n_kv_heads head_dim mlp_hidden vocab_size "
                                "max_seq_len",
                 nonneg="sliding_window clip_qkv n_experts experts_per_token lb_loss "
-                       "router_z_loss",
-                family=["olmo1", "olmo2", "olmo3", "olmoe", "flex_olmo"],
+                       "router_z_loss rope_theta linear_key_heads linear_value_heads "
+                       "linear_key_head_dim linear_value_head_dim",
+                family=["olmo1", "olmo2", "olmo3", "olmoe", "flex_olmo", "olmo_hybrid"],
                 init=["normal", "mitchell"],
                 attention=["auto", "xla", "splash", "cudnn", "sdpa", "flex"],
                 moe_compute=["auto", "dense", "grouped"])
@@ -136,8 +169,8 @@ class ModelConfig:
         need(self.n_heads % self.n_kv_heads == 0, "n_kv_heads",
              f"n_heads={self.n_heads} must be a multiple of n_kv_heads")
         need(self.head_dim % 2 == 0, "head_dim", "must be even (RoPE rotates pairs)")
-        need(pattern and not set(pattern) - {"S", "F"}, "layer_pattern",
-             "must be a string of S (sliding) and F (full), e.g. 'SSSF'")
+        need(pattern and not set(pattern) - {"S", "F", "G"}, "layer_pattern",
+             "must be a string of S (sliding), F (full) and G (Gated DeltaNet), e.g. 'SSSF'")
         need(self.n_layers % len(pattern) == 0, "layer_pattern",
              f"its length {len(pattern)} must divide n_layers={self.n_layers}")
         need(("S" in pattern) == (self.sliding_window > 0), "sliding_window",
@@ -158,12 +191,26 @@ class ModelConfig:
         need(self.family != "olmo1" or self.norm_eps == 1e-5, "norm_eps",
              "OLMo 1's LayerNorm eps is 1e-5")
         need(not self.yarn_factor or self.yarn_factor > 1, "yarn_factor", "must be > 1, or 0")
+        # OLMo Hybrid: HF's OlmoHybridConfig needs a layer of each kind
+        need(hybrid == ("G" in pattern), "layer_pattern",
+             "G (Gated DeltaNet) layers are olmo_hybrid's, and it needs at least one")
+        need(not hybrid or "F" in pattern, "layer_pattern",
+             "olmo_hybrid needs at least one F (full attention) layer")
+        need(self.rope_theta > 0 or hybrid, "rope_theta",
+             "0 (no RoPE) is olmo_hybrid's only: the other families' HF classes always rotate")
+        for name in ("linear_key_heads", "linear_value_heads", "linear_key_head_dim"):
+            need(hybrid or not getattr(self, name), name, "only olmo_hybrid has linear layers")
+        if hybrid:
+            _checks(self, positive="linear_key_heads linear_value_heads linear_key_head_dim "
+                                   "linear_value_head_dim linear_conv_kernel linear_chunk")
+            need(self.linear_value_heads % self.linear_key_heads == 0, "linear_value_heads",
+                 f"must be a multiple of linear_key_heads={self.linear_key_heads}")
         for name in ("eos_token_id", "pad_token_id"):
             need(0 <= getattr(self, name) < self.vocab_size, name,
                  f"must be a token id below vocab_size={self.vocab_size}")
 
     def layer_types(self):
-        """The pattern repeated to n_layers: "S" or "F" per layer."""
+        """The pattern repeated to n_layers: "S", "F" or "G" per layer."""
         return self.layer_pattern * (self.n_layers // len(self.layer_pattern))
 
     def differences(self, other, ignore=()):

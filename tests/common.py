@@ -4,6 +4,7 @@ import fcntl
 import os
 import shutil
 
+import jax
 import numpy as np
 
 from configs import ModelConfig
@@ -30,6 +31,12 @@ VARIANTS = {
     "flex_olmo": dict(family="flex_olmo", d_model=64, n_layers=2, n_heads=4, head_dim=24, mlp_hidden=32,
                       vocab_size=300, max_seq_len=64, n_experts=5, experts_per_token=3,
                       norm_topk_prob=True, eos_token_id=2, pad_token_id=1),
+    # OLMo Hybrid as released: Gated DeltaNet (G) and full-attention layers, twice, no RoPE, GQA;
+    # the G layers' 2 key heads serve 4 value heads, negative eigenvalues allowed
+    "olmo_hybrid": dict(family="olmo_hybrid", d_model=64, n_layers=4, n_heads=4, n_kv_heads=2,
+                        mlp_hidden=96, vocab_size=300, max_seq_len=64, layer_pattern="GF",
+                        rope_theta=0.0, linear_key_heads=2, linear_value_heads=4,
+                        eos_token_id=2, pad_token_id=1),
 }
 
 
@@ -42,7 +49,10 @@ def random_params(m, seed=0, std=0.2):
     rng = np.random.default_rng(seed)
     out = {}
     for name, p in param_table(m).items():
-        if p.std is None:
+        if callable(p.std):  # OLMo Hybrid's A_log and dt_bias: their own init, decays that keep
+            # tokens in the state for a while (a random normal would forget in a token or two)
+            out[name] = np.asarray(p.std(jax.random.PRNGKey(seed), p.shape))
+        elif p.std is None:
             out[name] = (1 + 0.2 * rng.standard_normal(p.shape)).astype(np.float32)
         else:
             out[name] = (std * rng.standard_normal(p.shape)).astype(np.float32)

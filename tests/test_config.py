@@ -132,7 +132,12 @@ def test_bad_head_counts(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (dict(layer_pattern="SSXF", sliding_window=8), "string of S .* and F"),
+    (dict(layer_pattern="SSXF", sliding_window=8), r"string of S .*, F .* and G"),
+    (dict(layer_pattern="GGGF"), "G .* layers are olmo_hybrid's"),
+    (dict(family="olmo_hybrid", layer_pattern="G", n_layers=4), "needs at least one F"),
+    (dict(family="olmo_hybrid", layer_pattern="GF", linear_key_heads=3), "multiple of"),
+    (dict(rope_theta=0.0), "0 .no RoPE. is olmo_hybrid's only"),
+    (dict(linear_key_heads=2), "only olmo_hybrid has linear layers"),
     (dict(layer_pattern="SSF", sliding_window=8), "length 3 must divide n_layers=4"),
     (dict(layer_pattern="SSSF"), "needs sliding_window > 0 exactly when it has an S layer"),
     (dict(layer_pattern="F", sliding_window=8), "needs sliding_window > 0"),

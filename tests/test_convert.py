@@ -48,7 +48,7 @@ def same_params(a, b):
 
 def olmo_trainer_files(m, params):
     """(config.yaml's model section, state dict) in the old OLMo trainer's layout."""
-    s = model.unstack_layers(params)
+    s = model.unstack_layers(params, m)
     sd = {"transformer.wte.weight": s["embed_tokens.weight"]}
     for i in range(m.n_layers):
         g, b = (lambda n: s[f"layers.{i}.{n}"]), f"transformer.blocks.{i}."
@@ -121,7 +121,7 @@ OLMO_CORE_NAMES = {f"{ours}.weight": f"{core}.weight" for ours, _, core in conve
 
 
 def olmo_core_state(m, params):
-    s = model.unstack_layers(params)
+    s = model.unstack_layers(params, m)
     sd = {"embeddings.weight": s["embed_tokens.weight"], "lm_head.norm.weight": s["norm.weight"],
           "lm_head.w_out.weight": s["lm_head.weight"]}
     for k, v in s.items():
@@ -162,7 +162,7 @@ def test_hf_sources_and_round_trips(name, layout, tmp_path):
     ref = hf_logits(net, toks)
     assert rel(ours(params, m, toks), ref) < 1e-5  # ours, on the converted weights, vs transformers on the source
     state = {k.removeprefix("model."): v.numpy() for k, v in net.state_dict().items()}
-    assert all(np.array_equal(state[k], v) for k, v in model.unstack_layers(params).items())  # tensor for tensor
+    assert all(np.array_equal(state[k], v) for k, v in model.unstack_layers(params, m).items())  # tensor for tensor
     # ours -> release-style HF -> ours: the identity, and transformers reads the release directory.
     convert.convert(tmp_path / "ours", tmp_path / "release", to_hf=True, shard_gb=2e-5)
     assert (tmp_path / "release/model.safetensors.index.json").is_file()

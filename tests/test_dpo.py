@@ -153,7 +153,7 @@ def test_jax_dpo_equals_hf(loss, hf):
     check_dpo_loss(loss, hf, jnp)
     cfg = config(loss, micro=2)  # 2 micro-batches of 2 pairs
     backend = train.JaxBackend(cfg)
-    backend.load(model.unstack_layers(nets["policy"][0]), None)
+    backend.load(model.unstack_layers(nets["policy"][0], m), None)
     check_metrics(jax.device_get(backend.step(batch, 1e-3)), value, margin, grads)
 
     tokens, ref = jnp.asarray(batch["tokens"]), dict(ref=jnp.asarray(batch["ref"]))
@@ -165,7 +165,7 @@ def test_jax_dpo_equals_hf(loss, hf):
         logp, lse = model.token_logps(p, x, labels, m, cfg.train.loss_chunks)
         return train.step_loss(cfg, jnp, logp, lse, labels, terms, ref, total)[0]
     ours = jax.jit(jax.grad(loss))(jax.tree.map(jnp.asarray, nets["policy"][0]))
-    check_grads(model.unstack_layers(ours), grads)
+    check_grads(model.unstack_layers(ours, m), grads)
 
 
 @pytest.mark.parametrize("loss", ["dpo", "dpo_norm"])
@@ -186,7 +186,7 @@ def test_torch_dpo_equals_hf(loss, hf):
     check_grads({k: p.grad.numpy() for k, p in net.named_parameters()}, grads)
 
     backend = train.TorchBackend(cfg)
-    backend.load(model.unstack_layers(nets["policy"][0]), None)
+    backend.load(model.unstack_layers(nets["policy"][0], m), None)
     check_metrics(backend.step(batch, 1e-3), value, margin, grads)
 
 
@@ -195,7 +195,7 @@ def test_reference_pass_equals_hf(hf):
     m, nets, batch = hf
     cfg = config("dpo")
     for backend in (train.JaxBackend(cfg), train.TorchBackend(cfg)):
-        backend.load(model.unstack_layers(nets["reference"][0]), None)
+        backend.load(model.unstack_layers(nets["reference"][0], m), None)
         got = backend.score(dict(tokens=batch["tokens"], mask=batch["mask"]))
         np.testing.assert_allclose(got, batch["ref"], rtol=1e-5, atol=1e-5, err_msg=type(backend).__name__)
 
@@ -283,12 +283,12 @@ def test_grpo_loss_takes_the_sampling_temperature():
     want, untempered = norm_at(0.7), norm_at(1.0)
     assert abs(untempered / want - 1) > 0.02  # the temperature matters at these logits
     jb = train.JaxBackend(cfg)
-    jb.load(model.unstack_layers(params), None)
+    jb.load(model.unstack_layers(params, m), None)
     logp = jax.jit(lambda p, b: train.token_stats(cfg, jb.mesh, p, b)[0])(params, batch)  # (as the step runs it)
     np.testing.assert_allclose(np.asarray(logp), np.asarray(policy(params, jnp.float32(0.7))),
                                rtol=1e-5, atol=1e-5)
     tb = train.TorchBackend(cfg)
-    tb.load(model.unstack_layers(params), None)
+    tb.load(model.unstack_layers(params, m), None)
     for backend in (jb, tb):
         grad_norm = float(jax.device_get(backend.step(batch, 1e-3))["grad_norm"])
         assert grad_norm == pytest.approx(want, rel=1e-4)

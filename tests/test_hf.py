@@ -35,6 +35,13 @@ def hf_model(name):
     elif name == "olmo2":
         net = tf.Olmo2ForCausalLM(tf.Olmo2Config(**common, head_dim=v["head_dim"], rms_norm_eps=1e-6,
                                                  rope_parameters={"rope_type": "default", "rope_theta": 500000.0}))
+    elif name == "olmo_hybrid":
+        types = ["linear_attention" if k == "G" else "full_attention"
+                 for k in v["layer_pattern"] * (v["n_layers"] // len(v["layer_pattern"]))]
+        net = tf.OlmoHybridForCausalLM(tf.OlmoHybridConfig(
+            **common, layer_types=types, linear_num_key_heads=v["linear_key_heads"],
+            linear_num_value_heads=v["linear_value_heads"], rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": None}))
     elif name in ("olmoe", "flex_olmo"):
         experts = dict(num_experts=v["n_experts"], num_experts_per_tok=v["experts_per_token"],
                        norm_topk_prob=v.get("norm_topk_prob", False),
@@ -53,8 +60,10 @@ def hf_model(name):
                           "original_max_position_embeddings": v["yarn_original_max_seq_len"]}))
     torch.manual_seed(0)
     with torch.no_grad():
-        for p in net.parameters():
+        for n, p in net.named_parameters():
             p.copy_(1 + 0.2 * torch.randn_like(p) if p.ndim == 1 else 0.15 * torch.randn_like(p))
+            if n.endswith(("A_log", "dt_bias")):  # decays that keep a token a while: g ≈ -0.1
+                p.copy_(-2.5 + 0.3 * torch.randn_like(p))
     return net.eval()
 
 

@@ -222,7 +222,7 @@ def test_flops_per_token_by_hand():
 def test_stack_unstack_round_trip():
     m = variant("olmo2")
     params = random_params(m)
-    flat = model.unstack_layers(params)
+    flat = model.unstack_layers(params, m)
     assert "layers.1.self_attn.q_norm.weight" in flat and "layers.self_attn.q_norm.weight" not in flat
     back = model.stack_layers(flat, m)
     assert all(np.array_equal(back[k], params[k]) for k in params)

@@ -225,7 +225,7 @@ def test_olmo_core_moe_checkpoints_convert(name, tmp_path):
     s = convert.open_source(src)
     assert s.kind == "olmo_core" and s.m.differences(m, ignore=("max_seq_len",)) == []
     got = {k: t.load() for k, t in s.tensors.items()}
-    want = model.unstack_layers(params)
+    want = model.unstack_layers(params, m)
     assert set(got) == set(want) and all(np.array_equal(got[k], want[k]) for k in want)
     convert.convert(src, tmp_path / "ours")
     convert.convert(tmp_path / "ours", tmp_path / "release", to_hf=True)

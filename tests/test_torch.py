@@ -74,7 +74,7 @@ def test_eval_and_score_in_micro_batches_equal_the_whole_batch(setup, monkeypatc
                         label_logps(x, *a))
     backends = train.TorchBackend(cfg), train.JaxBackend(cfg)
     for backend in backends:
-        backend.load(model.unstack_layers(params), None)
+        backend.load(model.unstack_layers(params, m), None)
         nats, count = backend.eval(batch)
         assert count == (labels != model.IGNORE_INDEX).sum()
         assert nats == pytest.approx(-want.sum(), rel=1e-6), type(backend).__name__
