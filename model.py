@@ -766,9 +766,17 @@ def block(p, x, attn, m, ffn=None):
 # token's value (the delta rule, a step of learning rate β_t on ||S^T k_t - v_t||²):
 #     S_t = S_{t-1} exp(g_t) + β_t k_t (v_t - S_{t-1}^T k_t exp(g_t))^T
 #     o_t = S_t^T q_t / sqrt(Hk)
-# (Hk: key head dim, Hv: value head dim; q and k L2-normalised by the caller). Written twice:
-# token by token (the definition, which generation will step) and in chunks of tokens (matmuls, for
+# (Hk: key head dim, Hv: value head dim; q and k L2-normalised first). With ||k_t|| = 1 the update
+# is S ← (I - β_t k_t k_tᵀ) S exp(g_t) + β_t k_t v_tᵀ, and I - β k kᵀ scales the direction k by
+# 1 - β: β in (0, 1) shrinks it, β in (1, 2) (linear_neg_eigval) flips its sign too. Written twice:
+# token by token (the definition, which generation steps) and in chunks of tokens (matmuls, for
 # training), equal to rounding (tests/test_hybrid.py, against transformers' torch references).
+
+
+def l2_normalize(x, eps=1e-6):
+    """x / sqrt(Σ x² + eps) over the last axis, in fp32 (FLA's l2norm, which HF copies)."""
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt((x * x).sum(-1, keepdims=True) + eps)
 
 
 def value_heads(x, n):
@@ -777,11 +785,14 @@ def value_heads(x, n):
     return jnp.repeat(x, n // x.shape[2], axis=2)
 
 
+# exercise: delta_rule
 def delta_rule_recurrent(q, k, v, g, beta, state=None):
-    """The definition, one token at a time: q, k (B, T, K, Hk), v (B, T, N, Hv), g and beta
-    (B, T, N) -> (o (B, T, N, Hv), the final state (B, N, Hk, Hv)), fp32; N value heads, K key
-    heads (N a multiple of K). state: the state before the first token (default zeros)."""
+    """The definition, one token at a time: q, k (B, T, K, Hk) as projected (L2-normalised here,
+    as FLA's kernel does with use_qk_l2norm_in_kernel), v (B, T, N, Hv), g and beta (B, T, N) ->
+    (o (B, T, N, Hv), the final state (B, N, Hk, Hv)), fp32; N value heads, K key heads (N a
+    multiple of K). state: the state before the first token (default zeros)."""
     B, T, N, Hv = v.shape
+    q, k = l2_normalize(q), l2_normalize(k)
     q, k = value_heads(q, N), value_heads(k, N)  # (B, T, N, Hk)
     q = q * q.shape[-1] ** -0.5
     f32 = [a.astype(jnp.float32) for a in (q, k, v, g, beta)]
@@ -804,6 +815,7 @@ def delta_rule_chunked(q, k, v, g, beta, chunk=64, state=None):
     transform" of DeltaNet), solved once; between chunks the state is carried as in the
     recurrent form. Work linear in T, in (C, C) and (C, Hk) matmuls."""
     B, T, N, Hv = v.shape
+    q, k = l2_normalize(q), l2_normalize(k)
     q, k = value_heads(q, N), value_heads(k, N)
     Hk = k.shape[-1]
     q = q * Hk ** -0.5
@@ -846,9 +858,9 @@ def delta_rule_chunked(q, k, v, g, beta, chunk=64, state=None):
 
 # The layer around the rule (HF's OlmoHybridGatedDeltaNet, OLMo-core's GatedDeltaNet): from x,
 # q, k and v by projections, each through a short causal convolution and SiLU (a few tokens of
-# local context before the rule mixes the rest), q and k L2-normalised (so that β alone sets the
-# update's size); β and the decay g per token and value head from two more projections; the
-# rule's output RMS-normed per head, gated by SiLU(g_proj(x)) and projected back to D.
+# local context before the rule mixes the rest); β and the decay g per token and value head from
+# two more projections; the rule (which L2-normalises q and k, so that β alone sets the update's
+# size); its output RMS-normed per head, gated by SiLU(g_proj(x)) and projected back to D.
 O_NORM_EPS = 1e-5  # the output norm's eps: FLA's FusedRMSNormGated default, which HF keeps
 
 
@@ -863,12 +875,6 @@ def causal_conv(x, w, before=None):
     taps = w[:, 0, :].astype(jnp.float32)  # (C, W)
     y = sum(seen[:, j:j + T].astype(jnp.float32) * taps[:, j] for j in range(W))
     return jax.nn.silu(y).astype(x.dtype), seen[:, T:]
-
-
-def l2_normalize(x, eps=1e-6):
-    """x / sqrt(Σ x² + eps) over the last axis, in fp32 (FLA's l2norm, which HF copies)."""
-    x = x.astype(jnp.float32)
-    return x * jax.lax.rsqrt((x * x).sum(-1, keepdims=True) + eps)
 
 
 def gated_deltanet(p, x, m, state=None):
@@ -886,8 +892,7 @@ def gated_deltanet(p, x, m, state=None):
         h = linear(x, p[f"linear_attn.{n}_proj.weight"])  # (B, T, K·Hk) or (B, T, N·Hv)
         h, new[n] = causal_conv(h, p[f"linear_attn.{n}_conv1d.weight"], state.get(n))
         qkv.append(h)
-    q = l2_normalize(qkv[0].reshape(B, T, K, Hk))  # (B, T, K, Hk) fp32
-    k = l2_normalize(qkv[1].reshape(B, T, K, Hk))
+    q, k = qkv[0].reshape(B, T, K, Hk), qkv[1].reshape(B, T, K, Hk)  # (B, T, K, Hk)
     v = qkv[2].reshape(B, T, N, Hv)  # (B, T, N, Hv)
     beta = jax.nn.sigmoid(linear(x, p["linear_attn.b_proj.weight"]).astype(jnp.float32))  # (B, T, N)
     if m.linear_neg_eigval:
@@ -1441,10 +1446,18 @@ class MoE(nn.Module):
         return torch.zeros_like(rows).index_add(0, token, out)
 
 
+def l2_normalize_torch(x, eps=1e-6):
+    """l2_normalize."""
+    x = x.float()
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+# exercise: delta_rule
 def delta_rule_recurrent_torch(q, k, v, g, beta, state=None):
     """delta_rule_recurrent: the same shapes and maths, fp32, a loop over the tokens."""
     B, T, N, Hv = v.shape
-    q, k = (a.repeat_interleave(N // a.shape[2], dim=2).float() for a in (q, k))  # (B, T, N, Hk)
+    q, k = l2_normalize_torch(q), l2_normalize_torch(k)
+    q, k = (a.repeat_interleave(N // a.shape[2], dim=2) for a in (q, k))  # (B, T, N, Hk)
     q = q * q.shape[-1] ** -0.5
     v, g, beta = v.float(), g.float(), beta.float()
     S = q.new_zeros(B, N, k.shape[-1], Hv) if state is None else state
@@ -1461,7 +1474,8 @@ def delta_rule_chunked_torch(q, k, v, g, beta, chunk=64, state=None):
     """delta_rule_chunked: the same steps (the UT transform's triangular solve within a chunk, a
     loop over the chunks), fp32."""
     B, T, N, Hv = v.shape
-    q, k = (a.repeat_interleave(N // a.shape[2], dim=2).float() for a in (q, k))
+    q, k = l2_normalize_torch(q), l2_normalize_torch(k)
+    q, k = (a.repeat_interleave(N // a.shape[2], dim=2) for a in (q, k))
     Hk = k.shape[-1]
     q = q * Hk ** -0.5
     pad = -T % chunk
@@ -1537,11 +1551,7 @@ class GatedDeltaNet(nn.Module):
             before = state[n] if state else None
             h, new[n] = causal_conv_torch(h, getattr(self, f"{n}_conv1d").weight, before)
             qkv.append(h)
-
-        def unit(a):  # l2_normalize
-            a = a.float()
-            return a * torch.rsqrt((a * a).sum(-1, keepdim=True) + 1e-6)
-        q, k = unit(qkv[0].view(B, T, K, Hk)), unit(qkv[1].view(B, T, K, Hk))
+        q, k = qkv[0].view(B, T, K, Hk), qkv[1].view(B, T, K, Hk)
         v = qkv[2].view(B, T, N, Hv)
         beta = self.b_proj(x).float().sigmoid() * (2 if m.linear_neg_eigval else 1)
         g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias)

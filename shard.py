@@ -358,6 +358,18 @@ def check_mesh(sizes, m, seq_len):
         raise ValueError(f"mesh.tensor={tensor} splits the attention heads, and model.n_heads="
                          f"{m.n_heads} / n_kv_heads={m.n_kv_heads} do not divide over it: use "
                          f"mesh.tensor in {fits}")
+    if "G" not in m.layer_pattern:
+        return
+    if m.linear_key_heads % tensor:  # (value heads: a multiple of the key heads)
+        raise ValueError(f"mesh.tensor={tensor} splits the Gated DeltaNet heads, and "
+                         f"model.linear_key_heads={m.linear_key_heads} does not divide over it")
+    if sizes["context"] > 1:
+        # A G layer's scan runs over the whole sequence in order; split over devices, each would
+        # need the state S its predecessors end with (OLMo-core: Ulysses, an all-to-all that
+        # gives each device whole sequences of some heads instead; not here)
+        raise ValueError(f"mesh.context={sizes['context']}: OLMo Hybrid's Gated DeltaNet layers "
+                         "run over the whole sequence; context parallelism for them is not "
+                         "implemented here (set mesh.context=1; docs/hybrid.md)")
 
 
 def mesh_where(mesh):

@@ -3,8 +3,10 @@ two train steps of the tiny config at T = 512, documents kept apart, the head in
 tensor and context-parallel meshes, and the splash kernel (interpreted) per device under shard.attention's
 shard_map, with a context axis too (one kernel per shard's offset); then the tiny OLMoE (tiny-olmoe.toml)
 at T = 128 on one device and on fsdp 2 x expert 2 x tensor 2 (expert parallelism: each device 4 of the
-8 experts, each expert's width split over tensor, pairs sent by all-to-all); prints losses and whether
-shardings held."""
+8 experts, each expert's width split over tensor, pairs sent by all-to-all), and the tiny OLMo Hybrid
+(tiny-hybrid.toml) at T = 128 on one device and on fsdp 2 x tensor 2 (its Gated DeltaNet heads split over
+tensor; documents not kept apart: its G layers do not reset at them); prints losses and whether shardings
+held."""
 import json
 import sys
 from pathlib import Path
@@ -22,13 +24,17 @@ from configs import build, load_config  # noqa: E402
 
 TINY = load_config(["configs/tiny.toml", "--model.max_seq_len=512"]).model.__dict__
 MOE = load_config(["configs/tiny.toml", "configs/tiny-olmoe.toml"]).model.__dict__
+HYBRID = load_config(["configs/tiny.toml", "configs/tiny-hybrid.toml"]).model.__dict__
 # (d, f, e, c, t): data, fsdp, expert, context, tensor; tensor parallelism alone is in "mixed" and
 # "splash_fsdp_tensor", context parallelism with fsdp in "fsdp_context" and "splash_context" (each
 # compile is ~6 s of the test: a mesh that adds no new layout is left out)
 MESHES = {"one": (1, 1, 1, 1, 1), "fsdp": (1, 8, 1, 1, 1), "mixed": (2, 2, 1, 1, 2),
           "fsdp_context": (1, 2, 1, 4, 1), "splash_fsdp_tensor": (1, 2, 1, 1, 2),
           "splash_context": (1, 2, 1, 2, 1),
-          "moe_one": (1, 1, 1, 1, 1), "moe_expert": (1, 2, 2, 1, 2)}
+          "moe_one": (1, 1, 1, 1, 1), "moe_expert": (1, 2, 2, 1, 2),
+          "hybrid_one": (1, 1, 1, 1, 1), "hybrid_tensor": (1, 2, 1, 1, 2)}
+# (hybrid_tensor on 4 devices: on all 8 of this 2-core machine's fake devices, XLA's CPU runtime
+# hangs in the backward of the G layers' scan, any mesh shape, with no collective in it; 4 run)
 out = {}
 rng = np.random.default_rng(0)
 tokens = rng.integers(0, 4094, (2, 1, 8, 512)).astype(np.int32)  # (steps, micro-batches, B, T)
@@ -37,16 +43,18 @@ tokens[rng.random(tokens.shape) < 1 / 60] = TINY["eos_token_id"]  # documents of
 # (a jitted init per mesh would compile again; the attention choice changes no parameter)
 DENSE = {k: v for k, v in TINY.items() if k != "derived"}
 EXPERTS = {k: v for k, v in MOE.items() if k != "derived"}
+LINEAR = {k: v for k, v in HYBRID.items() if k != "derived"}
+MODELS = {"dense": DENSE, "moe": EXPERTS, "hybrid": LINEAR}
 drawn, zeros = {}, {}
-for kind, m in (("dense", DENSE), ("moe", EXPERTS)):
+for kind, m in MODELS.items():
     drawn[kind] = jax.device_get(model.init_params(build({"model": m}).model, jax.random.PRNGKey(0)))
     zeros[kind] = jax.device_get(train.new_optimizer(drawn[kind]))
 for name, (d, f, e, c, t) in MESHES.items():
     attention = "splash" if name.startswith("splash") else "xla"
-    kind = "moe" if name.startswith("moe") else "dense"
-    T = 128 if kind == "moe" else 512
-    cfg = build({"model": {**(EXPERTS if kind == "moe" else DENSE), "attention": attention},
-                 "data": dict(global_batch=8, seq_len=T, doc_mask=True),
+    kind = name.split("_")[0] if name.startswith(("moe", "hybrid")) else "dense"
+    T = 512 if kind == "dense" else 128
+    cfg = build({"model": {**MODELS[kind], "attention": attention},
+                 "data": dict(global_batch=8, seq_len=T, doc_mask=kind != "hybrid"),
                  "mesh": dict(data=d, fsdp=f, expert=e, context=c, tensor=t),
                  "train": dict(lr=1e-2, warmup=0, loss_chunks=4)})  # the head in 4 passes, on every mesh
     devices = jax.devices()[: d * f * e * c * t]
@@ -65,5 +73,6 @@ for name, (d, f, e, c, t) in MESHES.items():
     fraction = sum(x.addressable_shards[0].data.size for x in params.values()) / sum(x.size for x in params.values())
     out[name] = dict(losses=losses, shardings_kept=kept, param_fraction_per_device=fraction,
                      q_spec=str(p_sh["layers.self_attn.q_proj.weight"].spec),
+                     v_spec=str(p_sh.get("layers.linear_attn.v_proj.weight", p_sh["norm.weight"]).spec),
                      router_losses=[float(metrics.get(k, 0)) for k in train.MOE_METRICS])
 print(json.dumps(out))

@@ -26,14 +26,12 @@ hybrid = pytest.importorskip("transformers.models.olmo_hybrid.modeling_olmo_hybr
 
 
 def inputs(B=2, T=150, K=2, N=4, Hk=16, Hv=24, seed=0, negative=True):
-    """q, k L2-normalised (B, T, K, Hk); v (B, T, N, Hv); g <= 0 and beta (B, T, N), beta in (0, 2)
-    where negative eigenvalues are allowed (OLMo Hybrid doubles the sigmoid), else (0, 1); an
-    initial state (B, N, Hk, Hv). T = 150: two whole chunks of 64 and a padded one."""
+    """q, k (B, T, K, Hk) as projected (the rule L2-normalises them); v (B, T, N, Hv); g <= 0 and
+    beta (B, T, N), beta in (0, 2) where negative eigenvalues are allowed (OLMo Hybrid doubles the
+    sigmoid), else (0, 1); an initial state (B, N, Hk, Hv). T = 150: two whole chunks of 64 and a
+    padded one."""
     rng = np.random.default_rng(seed)
-
-    def unit(x):
-        return (x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)).astype(np.float32)
-    q, k = unit(rng.standard_normal((B, T, K, Hk))), unit(rng.standard_normal((B, T, K, Hk)))
+    q, k = (rng.standard_normal((2, B, T, K, Hk)) * 3).astype(np.float32)
     v = rng.standard_normal((B, T, N, Hv)).astype(np.float32)
     g = (-0.3 * np.exp(0.5 * rng.standard_normal((B, T, N)))).astype(np.float32)
     beta = ((2 if negative else 1) / (1 + np.exp(-rng.standard_normal((B, T, N))))).astype(np.float32)
@@ -47,17 +45,21 @@ def test_both_forms_equal_transformers(negative, grouped):
     q, k, v, g, beta, state = inputs(K=2 if grouped else 4, negative=negative)
     ref, ref_state = hybrid.torch_recurrent_gated_delta_rule(
         *map(torch.from_numpy, (q, k, v, g, beta)), initial_state=torch.from_numpy(state),
-        output_final_state=True)
+        output_final_state=True, use_qk_l2norm_in_kernel=True)
     scale = np.abs(ref.numpy()).max()
-    for form in (model.delta_rule_recurrent, model.delta_rule_chunked):
-        o, s = form(*map(jnp.asarray, (q, k, v, g, beta)), state=jnp.asarray(state))
+    for form, xp in ((model.delta_rule_recurrent, jnp.asarray),
+                     (model.delta_rule_chunked, jnp.asarray),
+                     (model.delta_rule_recurrent_torch, torch.from_numpy),
+                     (model.delta_rule_chunked_torch, torch.from_numpy)):
+        o, s = form(*map(xp, (q, k, v, g, beta)), state=xp(state))
         np.testing.assert_allclose(np.asarray(o), ref.numpy(), rtol=0, atol=1e-5 * scale,
                                    err_msg=form.__name__)
         np.testing.assert_allclose(np.asarray(s), ref_state.numpy(), rtol=0, atol=1e-5,
                                    err_msg=form.__name__)
     # transformers' own chunked form agrees with its recurrent one to the same rounding
     chunked, _ = hybrid.torch_chunk_gated_delta_rule(*map(torch.from_numpy, (q, k, v, g, beta)),
-                                                     initial_state=torch.from_numpy(state))
+                                                     initial_state=torch.from_numpy(state),
+                                                     use_qk_l2norm_in_kernel=True)
     np.testing.assert_allclose(chunked.numpy(), ref.numpy(), rtol=0, atol=1e-5 * scale)
 
 

@@ -63,7 +63,7 @@ def test_bits_linear_is_the_bf16_linear(out):
 
 
 @pytest.mark.parametrize("name, dtype", [("olmo3", "float32"), ("olmo2", "bfloat16"), ("olmo3", "bfloat16"),
-                                         ("olmoe", "float32")])
+                                         ("olmoe", "float32"), ("olmo_hybrid", "float32")])
 def test_greedy_tokens_equal_transformers(tmp_path, name, dtype):
     """transformers writes the checkpoint (in `dtype`) and generates; both our backends, with their KV caches,
     choose the same 24 tokens from its weights in that dtype. bf16 JAX sums in another order than torch, so

@@ -35,6 +35,10 @@ def test_meshes_train_like_one_device():
         np.testing.assert_allclose(out["moe_expert"][key], out["moe_one"][key], rtol=1e-5, err_msg=key)
     assert out["moe_expert"]["shardings_kept"]
     assert out["moe_expert"]["param_fraction_per_device"] < 0.5  # (the experts: 1/8 a device)
+    # the tiny OLMo Hybrid, its Gated DeltaNet heads (and their states) split over tensor
+    np.testing.assert_allclose(out["hybrid_tensor"]["losses"], out["hybrid_one"]["losses"], rtol=1e-5)
+    assert out["hybrid_tensor"]["shardings_kept"]
+    assert out["hybrid_tensor"]["v_spec"] == "P(None, 'tensor', 'fsdp')"
     assert out["fsdp"]["q_spec"] == "P(None, None, 'fsdp')" and out["mixed"]["q_spec"] == "P(None, 'tensor', 'fsdp')"
     assert out["fsdp"]["param_fraction_per_device"] < 0.2  # each device keeps about 1/8 of the weights
     assert out["mixed"]["param_fraction_per_device"] < 0.3
