@@ -245,7 +245,7 @@ def config_from_hf(hf):
     # only Olmo3 slides; without layer_types, HF's default: every 4th full (OLMo-core: the last too)
     types = hf.get("layer_types") or [
         "sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(L)]
-    if hybrid and not hf.get("layer_types"):  # OlmoHybridConfig's: every 4th full, else linear
+    if hybrid and not hf.get("layer_types"):  # the default of OlmoHybridConfig: every 4th full
         types = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(L)]
         types[-1] = types[-1] if "full_attention" in types else "full_attention"
     letter = {"full_attention": "F"}
@@ -1182,7 +1182,7 @@ def _hybrid_hf_names(store, m):
         convs = [f"{a}{x}_conv1d.weight" for x in "qkv"]
         parts = [out[c] for c in convs if c in out] or [out.get(a + "conv1d.weight")]
         if parts[0] is None or [p.shape[0] for p in parts] == sizes:
-            continue  # (as they are: the Hub's; or missing, which _bind will name)
+            continue  # (as the Hub stores them; or missing, which _bind will name)
         for c in convs + [a + "conv1d.weight"]:
             out.pop(c, None)
         # (small: C·W numbers a layer, read here)

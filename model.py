@@ -1,5 +1,6 @@
-"""The OLMo architecture (OLMo 1, 2 and 3; the mixtures of experts OLMoE and FlexOlmo) twice, in
-the same order and names: JAX (pure functions over a flat params dict), then PyTorch (nn.Module).
+"""The OLMo architecture (OLMo 1, 2 and 3; the mixtures of experts OLMoE and FlexOlmo; OLMo Hybrid)
+twice, in the same order and names: JAX (pure functions over a flat params dict), then PyTorch
+(nn.Module).
 The parameter table, init, counts and losses (xp: jnp or torch) serve both. The device attention
 kernels (splash, cuDNN) and the choice between them live in shard.py, where the device is known;
 so does the experts' placement on a mesh (shard.experts).
@@ -17,13 +18,19 @@ a token. The families (HF names):
     OLMoE:    x = x + o_proj(attn(input_layernorm(x)))
               x = x + moe(post_attention_layernorm(x))
     FlexOlmo: OLMo 2's block, moe for mlp
+    OLMo Hybrid, its G layers (Gated DeltaNet):
+              x = x + gated_deltanet(attention_layer_norm(x))
+              x = x + mlp(feedforward_layer_norm(x))
+              and its F layers OLMo 2's block (RoPE or none), 3 G : 1 F
 LN: LayerNorm with no weight or bias; the others: RMSNorm with a weight, QK-norm over the
 projected width. OLMo 3 adds sliding-window layers (3 sliding : 1 full) and YaRN on full layers.
 moe: a router picks k of E SwiGLU experts for each token and sums their outputs, each weighted
-by its probability. Every family: RoPE in the half-split convention, SwiGLU, no biases, GQA where
-K < N, and H independent of D / N. `family` decides the block, and sliding windows and YaRN need
-olmo3, clip_qkv olmo1 or olmoe, experts olmoe or flex_olmo: every config we accept has an HF class
-computing the same function, which the parity tests compare with.
+by its probability. gated_deltanet: linear attention, a fixed-size state per head that each token
+decays and corrects by the delta rule ("the gated delta rule" below: its own K, N, Hk, Hv). Every
+family: RoPE in the half-split convention, SwiGLU, no biases, GQA where K < N, and H independent
+of D / N. `family` decides the block, and sliding windows and YaRN need olmo3, clip_qkv olmo1 or
+olmoe, experts olmoe or flex_olmo, G layers and no RoPE olmo_hybrid: every config we accept has an
+HF class computing the same function, which the parity tests compare with.
 
 Params are fp32 (an AdamW update is often smaller than one bf16 step of its weight, and would round
 away) and `dtype` is the compute dtype: each matmul casts its fp32 weight to it where it is used.
@@ -64,8 +71,8 @@ class Param:
     decay: bool = True  # AdamW weight decay
     # The HF layer numbers a stacked param's leading L holds, in order; None: every layer. OLMo
     # Hybrid stacks each kind of layer's own weights on their own L (its 24 Gated DeltaNet
-    # layers' linear_attn.*, its 8 attention layers' self_attn.*): layers.linear_attn.q_proj's
-    # row 3 is HF's layers.4.linear_attn.q_proj (hf_indices)
+    # layers' linear_attn.*, its 8 attention layers' self_attn.*): row 3 of
+    # layers.linear_attn.q_proj is HF's layers.4.linear_attn.q_proj (hf_indices)
     layers: tuple = None
 
 
@@ -145,7 +152,9 @@ def param_table(m: ModelConfig):
 # Mamba 2): a value head's decay rate A = exp(A_log) uniform in A_RANGE, its step dt log-uniform
 # in DT_RANGE (at least DT_FLOOR), stored as dt_bias = softplus⁻¹(dt), so that at a = 0 the decay
 # g = -A·softplus(dt_bias) = -A·dt. Init only: a loaded checkpoint brings its own
-A_RANGE, DT_RANGE, DT_FLOOR = (0.0, 16.0), (0.001, 0.1), 1e-4
+A_RANGE = (0.0, 16.0)
+DT_RANGE = (0.001, 0.1)
+DT_FLOOR = 1e-4
 
 
 def a_log_init(key, shape):
@@ -165,8 +174,10 @@ def linear_attention_table(m, std_in, std_out):
     and value heads, Hk and Hv their dims, W the conv's width."""
     D, kinds = m.d_model, m.layer_types()
     numbers = tuple(i for i, kind in enumerate(kinds) if kind == "G")
-    Lg, K, N = len(numbers), m.linear_key_heads, m.linear_value_heads
-    Hk, Hv, W = m.linear_key_head_dim, m.linear_value_head_dim, m.linear_conv_kernel
+    Lg = len(numbers)
+    K, N = m.linear_key_heads, m.linear_value_heads
+    Hk, Hv = m.linear_key_head_dim, m.linear_value_head_dim
+    W = m.linear_conv_kernel
 
     def one(shape, axes, std=None, decay=True):
         return Param((Lg, *shape), ("layers", *axes), std, decay, numbers)
@@ -859,8 +870,8 @@ def delta_rule_chunked(q, k, v, g, beta, chunk=64, state=None):
 # The layer around the rule (HF's OlmoHybridGatedDeltaNet, OLMo-core's GatedDeltaNet): from x,
 # q, k and v by projections, each through a short causal convolution and SiLU (a few tokens of
 # local context before the rule mixes the rest); β and the decay g per token and value head from
-# two more projections; the rule (which L2-normalises q and k, so that β alone sets the update's
-# size); its output RMS-normed per head, gated by SiLU(g_proj(x)) and projected back to D.
+# two more projections; the rule (which L2-normalises q and k, so that β alone sets the size of
+# the update); its output RMS-normed per head, gated by SiLU(g_proj(x)) and projected back to D.
 O_NORM_EPS = 1e-5  # the output norm's eps: FLA's FusedRMSNormGated default, which HF keeps
 
 
@@ -894,7 +905,8 @@ def gated_deltanet(p, x, m, state=None):
         qkv.append(h)
     q, k = qkv[0].reshape(B, T, K, Hk), qkv[1].reshape(B, T, K, Hk)  # (B, T, K, Hk)
     v = qkv[2].reshape(B, T, N, Hv)  # (B, T, N, Hv)
-    beta = jax.nn.sigmoid(linear(x, p["linear_attn.b_proj.weight"]).astype(jnp.float32))  # (B, T, N)
+    b = linear(x, p["linear_attn.b_proj.weight"]).astype(jnp.float32)  # (B, T, N)
+    beta = jax.nn.sigmoid(b)
     if m.linear_neg_eigval:
         beta = 2 * beta
     # g = -A·dt <= 0: A = exp(A_log) the head's decay rate, dt = softplus(a + dt_bias) > 0 the
@@ -1146,9 +1158,13 @@ def new_cache(m, B, S, dtype=jnp.float32):
     a full layer, min(W, S) on a sliding one; an OLMo Hybrid G layer's state instead
     (new_linear_state: its size independent of S)."""
     sizes = [min(int(w), S) if w else S for w in layer_arrays(m)[0]]
-    return [new_linear_state(m, B, dtype) if kind == "G" else
-            {n: jnp.zeros((B, C, m.n_kv_heads, m.head_dim), dtype) for n in "kv"}
-            for C, kind in zip(sizes, m.layer_types())]
+    caches = []
+    for C, kind in zip(sizes, m.layer_types()):
+        if kind == "G":
+            caches.append(new_linear_state(m, B, dtype))
+        else:
+            caches.append({n: jnp.zeros((B, C, m.n_kv_heads, m.head_dim), dtype) for n in "kv"})
+    return caches
 
 
 # exercise: kv_cache
@@ -1459,13 +1475,14 @@ def delta_rule_recurrent_torch(q, k, v, g, beta, state=None):
     q, k = l2_normalize_torch(q), l2_normalize_torch(k)
     q, k = (a.repeat_interleave(N // a.shape[2], dim=2) for a in (q, k))  # (B, T, N, Hk)
     q = q * q.shape[-1] ** -0.5
-    v, g, beta = v.float(), g.float(), beta.float()
+    v = v.float()
     S = q.new_zeros(B, N, k.shape[-1], Hv) if state is None else state
     out = []
     for t in range(T):
-        S = S * g[:, t].exp()[..., None, None]  # decay first
+        S = S * g[:, t].float().exp()[..., None, None]  # decay first
         predicted = torch.einsum("bnkv,bnk->bnv", S, k[:, t])
-        S = S + torch.einsum("bnk,bnv->bnkv", k[:, t], beta[:, t, :, None] * (v[:, t] - predicted))
+        step = beta[:, t, :, None].float() * (v[:, t] - predicted)  # (B, N, Hv)
+        S = S + torch.einsum("bnk,bnv->bnkv", k[:, t], step)
         out.append(torch.einsum("bnkv,bnk->bnv", S, q[:, t]))
     return torch.stack(out, 1), S  # (B, T, N, Hv)
 
@@ -1679,8 +1696,10 @@ class OLMo(nn.Module):
         def linear_state():  # new_linear_state
             return {n: torch.zeros(shape, dtype=torch.float32 if n == "S" else dtype, device=device)
                     for n, shape in linear_state_shapes(self.m, B).items()}
-        return [linear_state() if kind == "G" else {n: new() for n in "kv"}
-                for kind in self.m.layer_types()]
+        caches = []
+        for kind in self.m.layer_types():
+            caches.append(linear_state() if kind == "G" else {n: new() for n in "kv"})
+        return caches
 
     def unembed(self, x, dtype):
         """The final norm and the head: x (B, T, D) -> (B, T, V)."""

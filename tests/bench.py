@@ -6,6 +6,8 @@
     python tests/bench.py generate olmo2-1b|olmo3-7b # a released shape: nanolmo vs transformers
     python tests/bench.py fsdp configs/olmo2-1b.toml # bytes a sharded step moves; its MFU bound
     python tests/bench.py moe [--dtype both]         # the experts: JAX dense vs grouped, torch
+    python tests/bench.py hybrid                     # OLMo Hybrid: its cache and decode against
+                                                     # prompt length; the delta rule's two forms
 
 They live here, not in the files a learner reads; `python tests/tables.py` runs them to regenerate
 the tables in docs/ (each table shows its command).
@@ -679,8 +681,155 @@ def moe_bench(argv):
                   "weights: k times dense's expert work, not k/E of it)")
 
 
+# --- hybrid: what OLMo Hybrid's linear layers keep and cost against the sequence's length ---------
+
+def cache_gib(m, S):
+    """GiB of generation's cache for one sequence of S positions (model.new_cache's arrays, as
+    jax.eval_shape gives them: none allocated), bf16: (G layers' total, F layers' total)."""
+    import jax
+    import jax.numpy as jnp
+
+    import model
+    cache = jax.eval_shape(lambda: model.new_cache(m, 1, S, jnp.bfloat16))
+    sums = {"G": 0, "F": 0}
+    for kind, layer in zip(m.layer_types(), cache):
+        sums["G" if kind == "G" else "F"] += sum(a.size * a.dtype.itemsize for a in layer.values())
+    return sums["G"] / 2**30, sums["F"] / 2**30
+
+
+def hybrid_bench(argv):
+    """python tests/bench.py hybrid [--repeats 5] [--seconds 4]: (1) the cache OLMo Hybrid 7B
+    (configs/olmo-hybrid-7b.toml) keeps for one sequence, its G and its F layers, against the
+    prompt's length, beside OLMo 3 7B's (configs/olmo3-7b.toml, all attention; its sliding layers'
+    windows of 4096); (2) a decode step of the tiny hybrid (tiny.toml + tiny-hybrid.toml) after
+    prompts of growing length, JAX, beside the tiny dense model with both layers full attention:
+    the G layer's state is the same whatever came before; (3) one G layer's delta rule, forward
+    and backward, recurrent (a scan over tokens) against chunked (matmuls, a scan over chunks of
+    64) at growing T, beside full attention over T (attend_in_blocks) at the same shape."""
+    import argparse
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import model
+    from configs import in_range, load_config
+    ap = argparse.ArgumentParser(prog="bench.py hybrid", description=hybrid_bench.__doc__)
+    ap.add_argument("--repeats", type=in_range(int, 1), default=5)
+    ap.add_argument("--seconds", type=in_range(float, 0, open_lo=True), default=4.0)
+    args = ap.parse_args(argv)
+    hybrid = load_config([str(ROOT / "configs/olmo-hybrid-7b.toml")]).model
+    dense = load_config([str(ROOT / "configs/olmo3-7b.toml")]).model
+    print("(1) generation's cache for one sequence, GiB in bf16 (jax.eval_shape of "
+          "model.new_cache)")
+    print(f"{'prompt':>8} {'hybrid G (24)':>14} {'hybrid F (8)':>13} {'hybrid':>9} "
+          f"{'olmo3-7b':>9}")
+    for S in (1024, 8192, 65536, 131072):
+        g, f = cache_gib(hybrid, S)
+        print(f"{S:>8} {g:>14.4f} {f:>13.3f} {g + f:>9.3f} {sum(cache_gib(dense, S)):>9.3f}")
+
+    print("\n(2) one decode step after a prompt of P tokens, ms (JAX, fp32, the tiny shapes)")
+    tiny = load_config([str(ROOT / "configs/tiny.toml"), str(ROOT / "configs/tiny-hybrid.toml"),
+                        "--model.max_seq_len=16384"]).model
+    full = load_config([str(ROOT / "configs/tiny.toml"), "--model.max_seq_len=16384",
+                        "--model.layer_pattern=F", "--model.sliding_window=0"]).model
+    lengths = (256, 2048, 16383)
+    rows = []
+    for name, m in (("tiny-hybrid (G, F)", tiny), ("tiny, all full (F, F)", full)):
+        params = model.init_params(m, jax.random.PRNGKey(0))
+        step = jax.jit(lambda p, t, pos, c, m=m: model.forward_step(p, t, pos, c, m))
+        runs = []
+        for P in lengths:
+            cache = model.new_cache(m, 1, P + 1)
+            token = jnp.zeros((1, 1), jnp.int32)
+            step(params, token, jnp.int32(P), cache)  # compiled for this cache's size
+
+            def run(cache=cache, token=token, P=P, step=step, params=params):
+                return jax.block_until_ready(step(params, token, jnp.int32(P), cache)[0])
+            runs.append(run)
+        rows.append((name, [ms for ms, _, _ in take_turns(runs, args.repeats, args.seconds)]))
+    print(f"{'model':<24}" + "".join(f"{'P=' + str(P):>10}" for P in lengths))
+    for name, times in rows:
+        print(f"{name:<24}" + "".join(f"{t:>10.2f}" for t in times))
+
+    print("\n(3) one layer's sequence mixing, forward + backward, ms (JAX, fp32; B 1, "
+          "4 heads, Hk 32, Hv 64; attention: 4 heads of 64)")
+    rng = np.random.default_rng(0)
+    print(f"{'T':>6} {'recurrent':>10} {'chunked':>9} {'attention':>10}")
+    for T in (256, 1024, 4096):
+        q, k = (jnp.asarray(rng.standard_normal((1, T, 4, 32)), jnp.float32) for _ in "qk")
+        v = jnp.asarray(rng.standard_normal((1, T, 4, 64)), jnp.float32)
+        g = -jnp.abs(jnp.asarray(rng.standard_normal((1, T, 4)), jnp.float32))
+        beta = jax.nn.sigmoid(jnp.asarray(rng.standard_normal((1, T, 4)), jnp.float32))
+        qa, ka = (jnp.asarray(rng.standard_normal((1, T, 4, 64)), jnp.float32) for _ in "qk")
+
+        def grad_of(f, *a):
+            fn = jax.jit(jax.grad(lambda *a: f(*a).sum(), range(len(a))))
+            fn(*a)  # compiled
+            return lambda: jax.block_until_ready(fn(*a))
+        runs = [grad_of(lambda *a: model.delta_rule_recurrent(*a)[0], q, k, v, g, beta),
+                grad_of(lambda *a: model.delta_rule_chunked(*a)[0], q, k, v, g, beta),
+                grad_of(lambda q, k, v: model.attend_in_blocks(q, k, v, 0, 0.125), qa, ka, v)]
+        ms = [t for t, _, _ in take_turns(runs, args.repeats, args.seconds)]
+        print(f"{T:>6} {ms[0]:>10.1f} {ms[1]:>9.1f} {ms[2]:>10.1f}")
+    print(f"(JAX on {jax.default_backend()}; ms: the median of up to --repeats calls, taking "
+          "turns)")
+    hybrid_accuracy()
+
+
+def hybrid_accuracy(T=150):
+    """(4) max |diff| / max |reference| of fp32 logits against transformers' OlmoHybrid in
+    float64 (random weights, T tokens: chunks of 64 and a part), per variant: transformers' own
+    fp32, ours in JAX and torch; then the delta rule alone, ours against transformers' recurrent
+    reference (fp32) and our two forms against each other."""
+    import tempfile
+
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+    import transformers
+
+    import convert
+    import model
+    sys.path.insert(0, str(ROOT / "tests"))
+    from common import random_params, tokens, variant
+    from test_hybrid import inputs
+    print(f"\n(4) fp32 logits against transformers' float64, relative max |diff| (T = {T})")
+    print(f"{'variant':<44} {'hf fp32':>9} {'jax':>9} {'torch':>9}")
+    cases = {"no RoPE, 2 key : 4 value heads, β in (0, 2)": {},
+             "RoPE, 2 key : 4 value heads, β in (0, 1)": dict(rope_theta=500000.0,
+                                                               linear_neg_eigval=False),
+             "no RoPE, 2 key : 2 value heads, β in (0, 2)": dict(linear_value_heads=2)}
+    for name, overrides in cases.items():
+        m = variant("olmo_hybrid", **overrides)
+        params = random_params(m, seed=4, std=0.15)
+        toks = torch.from_numpy(tokens(m, T=T))
+        with tempfile.TemporaryDirectory() as d, torch.no_grad():
+            convert.save_hf(d, m, params)
+            load = transformers.AutoModelForCausalLM.from_pretrained
+            ref = load(d, dtype=torch.float64)(toks).logits.numpy()
+            hf = load(d, dtype=torch.float32)(toks).logits.double().numpy()
+            pt = model.torch_model(m, params)(toks).double().numpy()
+        jx = np.asarray(model.forward(params, jnp.asarray(toks.numpy()), m), np.float64)
+        rel = [np.abs(a - ref).max() / np.abs(ref).max() for a in (hf, jx, pt)]
+        print(f"{name:<44} " + " ".join(f"{r:>9.1e}" for r in rel))
+    from transformers.models.olmo_hybrid import modeling_olmo_hybrid as hybrid
+    q, k, v, g, beta, state = inputs()
+    want, _ = hybrid.torch_recurrent_gated_delta_rule(
+        *map(torch.from_numpy, (q, k, v, g, beta)), initial_state=torch.from_numpy(state),
+        use_qk_l2norm_in_kernel=True)
+    scale = np.abs(want.numpy()).max()
+    a = [np.asarray(f(*map(jnp.asarray, (q, k, v, g, beta)), state=jnp.asarray(state))[0])
+         for f in (model.delta_rule_recurrent, model.delta_rule_chunked)]
+    print(f"the rule alone (tests/test_hybrid.py's inputs, T 150, output scale {scale:.2f}): "
+          f"recurrent vs transformers {np.abs(a[0] - want.numpy()).max() / scale:.1e}, chunked "
+          f"vs transformers {np.abs(a[1] - want.numpy()).max() / scale:.1e}, recurrent vs "
+          f"chunked {np.abs(a[0] - a[1]).max() / scale:.1e}")
+
+
 COMMANDS = {"train": train_bench, "attention": attention_bench, "data": data_bench,
-            "generate": generate_bench, "fsdp": fsdp_bench, "moe": moe_bench}
+            "generate": generate_bench, "fsdp": fsdp_bench, "moe": moe_bench,
+            "hybrid": hybrid_bench}
 
 if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:

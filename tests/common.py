@@ -72,7 +72,8 @@ SHIPPED = [["olmo1-1b"], ["olmo1-7b"], ["olmo2-1b"], ["olmo2-7b"], ["olmo2-13b"]
            ["olmo3-7b", "olmo3-7b-stage3"], ["olmo3-32b", "olmo3-32b-stage3"],
            ["olmo3-7b", "olmo3-7b-stage3", "olmo3-7b-sft"],
            ["olmo3-7b", "olmo3-7b-stage3", "olmo3-7b-dpo"],
-           ["olmo3-7b", "olmo3-7b-stage3", "olmo3-7b-rl"], ["olmoe-1b-7b"], ["flexolmo-7x7b"]]
+           ["olmo3-7b", "olmo3-7b-stage3", "olmo3-7b-rl"], ["olmoe-1b-7b"], ["flexolmo-7x7b"],
+           ["olmo-hybrid-7b"]]
 
 
 def once_per_session(tmp_path_factory, name, make):

@@ -41,6 +41,9 @@ CASES = {  # name: (config files, flags): shipped configs at 4 layers, on 8 devi
     "olmo2-1b-fp32": (["olmo2-1b"], TP + ["--train.compute_dtype=float32"]),
     # a mixture of experts, expert parallel: grouped experts, pairs sent by all-to-all
     "olmoe-1b-7b": (["olmoe-1b-7b"], ["--mesh.fsdp=2", "--mesh.expert=4"]),
+    # OLMo Hybrid (its first 4 layers: GGGF), heads split over tensor: the chunked delta rule's
+    # triangular solves beside the attention layer's kernel
+    "olmo-hybrid-7b": (["olmo-hybrid-7b"], TP),
 }
 
 
@@ -70,6 +73,7 @@ def summary(text):
                 cudnn_backward=text.count("fmhaSoftmaxBackward"),
                 mosaic=text.count("tpu_custom_call"), dots=len(dots),
                 ragged_dot=text.count("ragged_dot"), all_to_all=text.count("all_to_all"),
+                triangular_solve=text.count("triangular_solve"),
                 highest=sum("precision = [HIGHEST, HIGHEST]" in d for d in dots),
                 types=dict(Counter(map(operand_types, dots))))
 

@@ -46,7 +46,7 @@ BLOCK = re.compile(r"(<!-- table:([\w.-]+) -->\n)(.*?)(<!-- /table -->)", re.S)
 # Stages that change the data, the schedule or the loss but not the model: not rows of the configs table
 SAME_MODEL = re.compile(r"-(pretrain-2|stage2|midtrain|sft|dpo|rl|grpo)$")
 OVERLAYS = {"olmo3-7b-stage3": "olmo3-7b", "olmo3-32b-stage3": "olmo3-32b", "tiny-stage3": "tiny",
-            "tiny-olmoe": "tiny"}
+            "tiny-olmoe": "tiny", "tiny-hybrid": "tiny"}
 TINY = load_config([str(ROOT / "configs/tiny.toml")])
 SHARED = ROOT.parent / "shared"
 
@@ -105,6 +105,8 @@ def config_rows():
 
 
 def attention_kind(m):
+    if "G" in m.layer_pattern:  # OLMo Hybrid: G Gated DeltaNet, F full attention
+        return f"{m.layer_pattern} (G: DeltaNet)" + ("" if m.rope_theta else ", no RoPE")
     if m.sliding_window == 0 or "S" not in m.layer_pattern:
         return "full"
     return f"{m.layer_pattern}, W {m.sliding_window}" + (f", YaRN ×{m.yarn_factor:g}" if m.yarn_factor else "")
@@ -209,7 +211,11 @@ def parity():
                                  ("SWA", v.get("sliding_window")), ("YaRN", v.get("yarn_factor")),
                                  (f"top {v.get('experts_per_token')} of {v.get('n_experts')} experts"
                                   + (", renormalised" if v.get("norm_topk_prob") else ""),
-                                  v.get("n_experts"))] if on]
+                                  v.get("n_experts")),
+                                 (f"layers {v.get('layer_pattern')}, no RoPE, "
+                                  f"{v.get('linear_key_heads')} key : "
+                                  f"{v.get('linear_value_heads')} value heads",
+                                  v.get("family") == "olmo_hybrid")] if on]
         cells = [f"{rel[name, d, p]:.1e}" if rel[name, d, p] else "0" for d, p in pairs]
         lines.append(f"| {name} ({', '.join(feats)}) | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -115,6 +115,17 @@ def test_moe_steps_lower_with_grouped_experts_and_all_to_all(lowered):
         assert case["forward"]["ragged_dot"] and case["generate"]["ragged_dot"]
 
 
+def test_hybrid_steps_lower_with_the_chunked_rule(lowered):
+    """olmo-hybrid-7b's first four layers (three Gated DeltaNet, one attention) on fsdp 4 x
+    tensor 2, for an H100 and a TPU: the step's G layers are the chunked rule (triangular solves)
+    beside the attention layer's kernel; eval's forward runs it too, and generation's step the
+    recurrent form (no solve)."""
+    for accel, kernel in [("h100", "cudnn_forward"), ("tpu", "mosaic")]:
+        case = lowered[f"olmo-hybrid-7b {accel}"]
+        assert case["step"]["triangular_solve"] and case["step"][kernel], case
+        assert case["forward"]["triangular_solve"] and not case["generate"]["triangular_solve"]
+
+
 # --- 8: float32 means float32 ------------------------------------------------------------------
 
 def test_float32_matmuls_are_full_precision_on_a_gpu(lowered):

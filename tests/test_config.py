@@ -20,6 +20,7 @@ PUBLISHED = {
     "olmo2-13b": 13_716_198_400,
     "olmo3-7b": 7_298_617_344,    # at the training vocabulary, 100352 rows
     "olmo3-32b": 32_234_279_936,  # likewise
+    "olmo-hybrid-7b": 7_430_870_688,  # transformers' OlmoHybridConfig() (test_hybrid.py)
 }
 
 
@@ -191,6 +192,10 @@ OFFICIAL = {
         lr=6e-4, warmup=2000, schedule="cosine", alpha_f=0.1, epochs=1, skip_step=True,
         weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8, clip=1.0, z_loss=1e-5, seed=34521,
         tokens_per_step=8 * 1024 * 1024, instance_filter=True)),
+    "olmo-hybrid-7b": ("OLMo-hybrid-7B-pretrain.py", dict(
+        lr=3e-4, warmup=2000, schedule="cosine", alpha_f=0.1, steps=1_414_078, skip_step=True,
+        weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8, clip=1.0, z_loss=1e-5, seed=34521,
+        tokens_per_step=512 * 8192, instance_filter=True)),
     # A stage is its file stacked on the model's (name + name): only the stage's own values here.
     "olmo3-7b+olmo3-7b-pretrain-2": ("OLMo-3-1025-7B-pretrain-2.py", dict(
         run_dir="runs/olmo3-7b", schedule="half_cosine", epochs=1, lr=3e-4, skip_step=True,

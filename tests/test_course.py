@@ -1,8 +1,9 @@
 """The course's focused tests (docs/exercises.md), in course order, for the exercises the whole
 model needs: each checks one exercise's functions, JAX and its PyTorch twin, against something real
 nobody here wrote (transformers' RMSNorm, decoder layer, rotary embedding, masks and attention,
-MoE router and sparse MoE block; OLMo-core's skip-step rule as reference/olmo-facts.md states it),
-on tiny shapes, and calls only that exercise and earlier ones, so the course can be taken in order.
+MoE router and sparse MoE block, OLMo Hybrid's gated delta rule; OLMo-core's skip-step rule as
+reference/olmo-facts.md states it), on tiny shapes, and calls only that exercise and earlier ones,
+so the course can be taken in order.
 A failure says what differs, where, and which usual mistake gives that pattern (teach.py). The
 whole model against transformers is the capstone: test_hf.py::test_hf_to_ours, under exercise 6
 for OLMo 1, 2 and 3 and under the router (7) for OLMoE and FlexOlmo.
@@ -23,7 +24,7 @@ import torch
 import model
 import train
 from common import variant
-from teach import compare, fail, mistake, report, spans
+from teach import close, compare, fail, mistake, report, spans
 
 AXES = ("batch", "position", "head", "dim")  # q, k, v and attention outputs: (B, T, N, H)
 
@@ -801,7 +802,185 @@ def test_moe_is_transformers_sparse_moe_block(family):
                  "0 <= e < E.")
 
 
-# --- 10. skip_step: is_outlier --------------------------------------------------------------------
+# --- 8. delta_rule: delta_rule_recurrent (torch: delta_rule_recurrent_torch) ---------------------
+# delta_rule_chunked (the same rule in matmuls) and gated_deltanet (the layer) are given
+
+RULE_AXES = ("batch", "position", "value head", "dim")  # the rule's output o (B, T, N, Hv)
+STATE_AXES = ("batch", "value head", "key dim", "value dim")  # its state S (B, N, Hk, Hv)
+RULE = ("The gated delta rule, per token and value head: S ← S·exp(g_t) (the decay first); S ← S "
+        "+ k_t (β_t (v_t - Sᵀk_t))ᵀ; o_t = Sᵀq_t, the updated S; q and k L2-normalised over Hk "
+        "(eps 1e-6, fp32), key head n // (N / K) for value head n, q times Hk**-0.5; in fp32.")
+
+
+def rule_inputs(B=2, T=12, K=2, N=4, Hk=8, Hv=6, seed=9):
+    """q, k (B, T, K, Hk) as projected (no unit vectors: the rule L2-normalises them); v (B, T,
+    N, Hv); g <= 0 and beta in (0, 2) (B, T, N), OLMo Hybrid's doubled sigmoid; a state (B, N,
+    Hk, Hv) to start from. fp32 numpy; K = 2 key heads for N = 4 value heads, Hk != Hv."""
+    rng = np.random.default_rng(seed)
+    q, k = rng.standard_normal((2, B, T, K, Hk)).astype(np.float32)
+    v = rng.standard_normal((B, T, N, Hv)).astype(np.float32)
+    g = (-0.3 * np.exp(0.5 * rng.standard_normal((B, T, N)))).astype(np.float32)
+    beta = (2 / (1 + np.exp(-rng.standard_normal((B, T, N))))).astype(np.float32)
+    state = rng.standard_normal((B, N, Hk, Hv)).astype(np.float32)
+    return q, k, v, g, beta, state
+
+
+def delta_rule_as(q, k, v, g, beta, state=None, wrong=None):
+    """The rule token by token in float64 numpy, right or with one usual mistake (`wrong`, a key
+    of RULE_MISTAKES): (o (B, T, N, Hv), the final state (B, N, Hk, Hv))."""
+    B, T, N, Hv = v.shape
+    q, k, v, g, beta = (np.asarray(a, np.float64) for a in (q, k, v, g, beta))
+    S = np.zeros((B, N, k.shape[-1], Hv)) if state is None else np.asarray(state, np.float64)
+    if wrong != "no_l2":
+        q, k = (a / np.sqrt((a * a).sum(-1, keepdims=True) + 1e-6) for a in (q, k))
+    group = N // k.shape[2]
+    if wrong == "tiled":
+        q, k = (np.tile(a, (1, 1, group, 1)) for a in (q, k))
+    else:
+        q, k = (np.repeat(a, group, axis=2) for a in (q, k))
+    if wrong != "no_scale":
+        q = q * q.shape[-1] ** -0.5
+    o = []
+    for t in range(T):
+        q_t, k_t, v_t = q[:, t], k[:, t], v[:, t]  # (B, N, Hk), (B, N, Hk), (B, N, Hv)
+        decay, b = np.exp(g[:, t])[..., None, None], beta[:, t, :, None]
+        before = S
+        if wrong != "decay_after":
+            S = S * decay
+        decayed = S
+        predicted = np.einsum("bnkv,bnk->bnv", before if wrong == "undecayed" else S, k_t)
+        error = b * v_t - predicted if wrong == "beta_on_v" else b * (v_t - predicted)
+        S = S + np.einsum("bnk,bnv->bnkv", k_t, error)
+        if wrong == "decay_after":
+            S = S * decay
+        read = dict(read_decayed=decayed, read_before=before).get(wrong, S)
+        o.append(np.einsum("bnkv,bnk->bnv", read, q_t))
+    return np.stack(o, 1), S
+
+
+RULE_MISTAKES = {  # wrong: (what it is, the fix); `delta_rule_as` writes each out
+    "decay_after": (
+        "decaying the state after the correction, S ← (S + k_t (β_t (v_t - Sᵀk_t))ᵀ)·exp(g_t),",
+        "decay first: S ← S·exp(g_t), then predict k_t's value from the decayed S and correct "
+        "it (transformers' and FLA's order; the chunked form assumes it)."),
+    "no_l2": (
+        "leaving q and k as projected (no L2 norm)",
+        "the rule L2-normalises q and k itself, over the head dim Hk, in fp32 with eps 1e-6 under "
+        "the root (model.l2_normalize). With ||k_t|| = 1, β_t alone sets the step; unnormalised, "
+        "I - β_t k_t k_tᵀ scales k_t's direction by 1 - β_t ||k_t||², far below -1 for a long "
+        "k_t, and S grows without bound."),
+    "tiled": (
+        "tiling the key heads (value head n reads key head n % K)",
+        "value head n reads key head n // (N / K): each key head serves N / K consecutive value "
+        "heads (model.value_heads: jnp.repeat or torch's repeat_interleave along the heads, not "
+        "jnp.tile or torch's repeat)."),
+    "no_scale": (
+        "leaving out q's scale Hk**-0.5",
+        "after the L2 norm, multiply q by Hk**-0.5, Hk the key head dim (o_t = S_tᵀq_t / "
+        "sqrt(Hk))."),
+    "read_decayed": (
+        "reading o_t from the state before this token's correction (decayed, not yet corrected)",
+        "o_t reads the updated state: decay, correct, then o_t = S_tᵀq_t."),
+    "read_before": (
+        "reading o_t from the state before this token (S_{t-1}, neither decayed nor corrected)",
+        "o_t reads the updated state: decay, correct, then o_t = S_tᵀq_t."),
+    "undecayed": (
+        "predicting k_t's value from the state before its decay",
+        "predict from the decayed state, (S_{t-1}·exp(g_t))ᵀk_t: the correction fixes the state "
+        "it is added to."),
+    "beta_on_v": (
+        "applying β_t to v_t alone, S ← S + k_t (β_t v_t - Sᵀk_t)ᵀ,",
+        "β_t scales the whole error, v_t - Sᵀk_t: it is the learning rate of one step on "
+        "||Sᵀk_t - v_t||²."),
+}
+
+
+def rule_arrays(name, out):
+    """delta_rule_recurrent's (o, state) as numpy; or a failure that says what the function
+    returns."""
+    if not isinstance(out, tuple) or len(out) != 2 or any(a is None for a in out):
+        what = type(out).__name__ if not isinstance(out, tuple) else \
+            f"({', '.join(type(a).__name__ for a in out)})"
+        fail(f"{name} returns {what}, not the pair (o, state): the output (B, T, N, Hv) and the "
+             "state after the last token (B, N, Hk, Hv), zeros before the first when none is "
+             "given.")
+    dtypes = [str(a.dtype).replace("torch.", "") for a in out]
+    if dtypes != ["float32", "float32"]:
+        fail(f"{name} returns o in {dtypes[0]} and the state in {dtypes[1]}: the rule runs in "
+             "fp32 whatever dtype q, k and v come in (transformers' too); both come out fp32.")
+    return [host(a) for a in out]
+
+
+def rule_mistakes(inputs, state=None):
+    """(mistakes for o, mistakes for the final state) on these inputs: each usual mistake with the
+    output it gives; for the state only those that change it, and returning the state given."""
+    on_o, on_state = [], []
+    right = delta_rule_as(*inputs, state=state)[1]
+    for wrong, (what, fix) in RULE_MISTAKES.items():
+        o, S = delta_rule_as(*inputs, state=state, wrong=wrong)
+        on_o.append(mistake(what, o, fix))
+        if not close(S, right, 1e-5):
+            on_state.append(mistake(what, S, fix))
+    if state is not None:
+        on_state.append(mistake("returning the state you were given", state, "return S after the "
+                                "last token's update: the state the next call starts from."))
+    return on_o, on_state
+
+
+def test_delta_rule_is_transformers():
+    """delta_rule_recurrent and the torch delta_rule_recurrent_torch against transformers'
+    torch_recurrent_gated_delta_rule (OLMo Hybrid's, use_qk_l2norm_in_kernel=True) on random
+    inputs: 2 key heads for 4 value heads, Hk != Hv, β in (0, 2), a state to start from; the
+    output and the final state, with the usual mistakes named."""
+    hybrid = pytest.importorskip("transformers.models.olmo_hybrid.modeling_olmo_hybrid")
+    q, k, v, g, beta, state = rule_inputs()
+    want_o, want_s = hybrid.torch_recurrent_gated_delta_rule(
+        *map(torch.from_numpy, (q, k, v, g, beta)), initial_state=torch.from_numpy(state),
+        output_final_state=True, use_qk_l2norm_in_kernel=True)
+    on_o, on_state = rule_mistakes((q, k, v, g, beta), state)
+    # jitted, as generation steps it (forward_step), and one compile is faster than op by op
+    runs = [("model.delta_rule_recurrent", lambda: jax.jit(model.delta_rule_recurrent)(
+                *map(jnp.asarray, (q, k, v, g, beta)), state=jnp.asarray(state))),
+            ("model.delta_rule_recurrent_torch", lambda: model.delta_rule_recurrent_torch(
+                *map(torch.from_numpy, (q, k, v, g, beta)), state=torch.from_numpy(state.copy())))]
+    for name, run in runs:  # the JAX function first, then its twin
+        o, S = rule_arrays(name, run())
+        what = f"{name} (B = 2, T = 12, K = 2 key heads, N = 4 value heads, Hk = 8, Hv = 6)"
+        compare(f"{what}: o", o, numpy(want_o), RULE_AXES, 1e-5, on_o, RULE)
+        compare(f"{what}: the final state", S, numpy(want_s), STATE_AXES, 1e-5, on_state,
+                "o matches, so the steps are right: return the state after the last token's "
+                "update, (B, N, Hk, Hv), key dim before value dim.")
+
+
+def test_delta_rule_recurrent_equals_chunked():
+    """delta_rule_recurrent against the chunked form (model.delta_rule_chunked, given: the same
+    rule in matmuls, C tokens at a time, as training runs it), T = 40 over chunks of 16 (two whole
+    and a padded one), no state given (zeros), q, k and v in bf16 as a bf16 forward hands them
+    over; the torch twin against delta_rule_chunked_torch the same."""
+    q, k, v, g, beta, _ = rule_inputs(T=40, seed=10)
+    q, k, v = (numpy(torch.from_numpy(a).bfloat16()) for a in (q, k, v))  # bf16 values
+    jax_in = [jnp.asarray(a, jnp.bfloat16) for a in (q, k, v)] + [jnp.asarray(g), jnp.asarray(beta)]
+    torch_in = [torch.from_numpy(a).bfloat16() for a in (q, k, v)] + [torch.from_numpy(g),
+                                                                       torch.from_numpy(beta)]
+    on_o, on_state = rule_mistakes((q, k, v, g, beta))
+    hint = ("delta_rule_chunked computes the same rule in chunks of C tokens (and is right: "
+            "tests/test_hybrid.py checks it against transformers); test_delta_rule_is_transformers "
+            "places a difference more closely. " + RULE)
+    runs = [("model.delta_rule_recurrent", lambda: jax.jit(model.delta_rule_recurrent)(*jax_in),
+             lambda: jax.jit(partial(model.delta_rule_chunked, chunk=16))(*jax_in)),
+            ("model.delta_rule_recurrent_torch", lambda: model.delta_rule_recurrent_torch(
+                *torch_in), lambda: model.delta_rule_chunked_torch(*torch_in, chunk=16))]
+    for name, run, chunked in runs:  # the JAX function first, then its twin
+        what = f"{name} of bf16 q, k, v (T = 40, no state given)"
+        o, S = rule_arrays(what, run())
+        want_o, want_s = rule_arrays("the chunked form", chunked())
+        compare(f"{what}: o, against the chunked form", o, want_o, RULE_AXES, 1e-5, on_o, hint)
+        compare(f"{what}: the final state, against the chunked form's", S, want_s, STATE_AXES,
+                1e-5, on_state, "o matches, so the steps are right: with no state given, start "
+                "from zeros (B, N, Hk, Hv) and return the state after the last token.")
+
+
+# --- 11. skip_step: is_outlier --------------------------------------------------------------------
 
 def skip_cases():
     """(what, n, losses, grad norms, loss, grad_norm, hint): histories laid out as push_history

@@ -18,12 +18,13 @@ SCRIPT = [sys.executable, str(ROOT / "tests" / "exercises.py")]
 # Each exercise's PyTorch twins, which its marker removes with the JAX functions.
 TWINS = {"rmsnorm": ["RMSNorm.forward", "Block.forward"],
          "rope": ["rope_cos_sin_torch", "rope_torch"],
-         "qk_norm": ["Attention.project"], "router": ["MoE.route"]}
+         "qk_norm": ["Attention.project"], "router": ["MoE.route"],
+         "delta_rule": ["delta_rule_recurrent_torch"]}
 
 
 def test_every_exercise_has_a_marker_and_existing_tests():
     every = exercises.exercises()
-    assert len(every) == 15 and len({name for _, name, _ in every}) == len(every)
+    assert len(every) == 16 and len({name for _, name, _ in every}) == len(every)
     sources = exercises.sources().values()
     markers = {name for source in sources for name in exercises.marked(source)}
     assert markers == {name for _, name, _ in every}, "a marker in the code without its section"
@@ -79,7 +80,7 @@ def test_commands(tmp_path):
     every = exercises.exercises()
     assert [ln.split() for ln in lines] == [[name, *tests] for _, name, tests in every]
     r = run("student", str(tmp_path / "s"), "--from", "adamw")
-    assert r.returncode == 0 and "without 8 of the 15 exercises (adamw to dpo" in r.stdout, r.stderr
+    assert r.returncode == 0 and "without 8 of the 16 exercises (adamw to dpo" in r.stdout, r.stderr
     later = set(stubbed((tmp_path / "s" / "model.py").read_text()))
     assert later == {"cached_attention", "dpo_loss"}
     train = set(stubbed((tmp_path / "s" / "train.py").read_text()))

@@ -36,7 +36,9 @@ def test_jax_torch_logits_loss_grads_fp32(name):
     assert np.abs(lj).max() > 1.0  # far from uniform, so a wrong tensor would show
     np.testing.assert_allclose(lj, lt, atol=2e-5 * np.abs(lt).max(), rtol=0)
 
-    loss_j, grads_j = jax.value_and_grad(model.loss_fn)(params, jnp.asarray(toks), jnp.asarray(labels), m, z_loss=1e-2)
+    # jitted: op by op, JAX would dispatch each op of the layer scan's body on its own (seconds)
+    value_and_grad = jax.jit(jax.value_and_grad(lambda p, t, y: model.loss_fn(p, t, y, m, z_loss=1e-2)))
+    loss_j, grads_j = value_and_grad(params, jnp.asarray(toks), jnp.asarray(labels))
     net = model.torch_model(m, params)
     loss_t = model.cross_entropy_torch(net(torch.from_numpy(toks)), torch.from_numpy(labels), z_loss=1e-2)[0]
     loss_t.backward()

@@ -57,6 +57,9 @@ def test_config_table_matches_the_configs():
         assert row["family"] == m.family, where
         if m.sliding_window and "S" in m.layer_pattern:
             assert row["attention"].startswith(f"{m.layer_pattern}, W {m.sliding_window}"), where
+        elif "G" in m.layer_pattern:  # OLMo Hybrid's Gated DeltaNet layers
+            assert row["attention"].startswith(f"{m.layer_pattern} (G: DeltaNet)"), where
+            assert row["attention"].endswith("no RoPE") == (m.rope_theta == 0), where
         else:
             assert row["attention"] == "full", where
         assert ("YaRN" in row["attention"]) == bool(m.yarn_factor), where
