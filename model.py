@@ -820,6 +820,37 @@ def delta_rule_recurrent(q, k, v, g, beta, state=None):
     return jnp.moveaxis(o, 0, 1), state  # (B, T, N, Hv)
 
 
+@jax.custom_vjp
+def unit_lower_inverse(A):
+    """(I + A)⁻¹ for A (..., C, C) strictly lower triangular, by forward substitution: row i of
+    the inverse is e_i - Σ_{j<i} A_ij (row j of it), the rows after i still zero. Not
+    jax.scipy.linalg.solve_triangular: in its backward XLA's CPU runtime deadlocks when several
+    programs run at once (8 fake devices, or a busy test worker: the whole process then waits
+    forever). FLA's kernels, and transformers' export path, invert the same way."""
+    C = A.shape[-1]
+    eye = jnp.eye(C, dtype=A.dtype)
+
+    def row(i, inverse):
+        r = eye[i] - jnp.einsum("...j,...jc->...c", A[..., i, :], inverse)
+        return inverse.at[..., i, :].set(r)
+    return jax.lax.fori_loop(0, C, row, jnp.zeros_like(A))
+
+
+def unit_lower_inverse_fwd(A):
+    inverse = unit_lower_inverse(A)
+    return inverse, inverse
+
+
+def unit_lower_inverse_bwd(inverse, grad):
+    """d(M⁻¹) = -M⁻¹ dM M⁻¹, so A's gradient is -M⁻ᵀ grad M⁻ᵀ on its strictly lower part (a
+    backward through the loop would keep all C of its steps' rows)."""
+    t = jnp.swapaxes(inverse, -1, -2)
+    return (jnp.tril(-(t @ grad @ t), -1),)
+
+
+unit_lower_inverse.defvjp(unit_lower_inverse_fwd, unit_lower_inverse_bwd)
+
+
 def delta_rule_chunked(q, k, v, g, beta, chunk=64, state=None):
     """delta_rule_recurrent's output and final state, C = chunk tokens at a time: within a chunk
     the C corrections depend on each other only through a unit lower-triangular system (the "UT
@@ -848,9 +879,9 @@ def delta_rule_chunked(q, k, v, g, beta, chunk=64, state=None):
     # Unit lower-triangular A: A_ij = β_i k_i·k_j exp(decay_i - decay_j) below the diagonal; the
     # corrections u (and the decayed keys w) solve (I + A) u = β v, (I + A) w = β k exp(decay)
     A = jnp.einsum("...ik,...jk->...ij", kb, k) * between * ~jnp.eye(chunk, dtype=bool)
-    solve = partial(jax.scipy.linalg.solve_triangular, lower=True, unit_diagonal=True)
-    u = solve(A, vb)  # (T/C, B, N, C, Hv)
-    w = solve(A, kb * jnp.exp(decay)[..., None])  # (T/C, B, N, C, Hk)
+    inverse = unit_lower_inverse(A)  # (T/C, B, N, C, C)
+    u = inverse @ vb  # (T/C, B, N, C, Hv)
+    w = inverse @ (kb * jnp.exp(decay)[..., None])  # (T/C, B, N, C, Hk)
     within = jnp.einsum("...ik,...jk->...ij", q, k) * between  # (T/C, B, N, C, C)
     state = jnp.zeros((B, N, Hk, Hv), jnp.float32) if state is None else state
 

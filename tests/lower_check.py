@@ -41,8 +41,8 @@ CASES = {  # name: (config files, flags): shipped configs at 4 layers, on 8 devi
     "olmo2-1b-fp32": (["olmo2-1b"], TP + ["--train.compute_dtype=float32"]),
     # a mixture of experts, expert parallel: grouped experts, pairs sent by all-to-all
     "olmoe-1b-7b": (["olmoe-1b-7b"], ["--mesh.fsdp=2", "--mesh.expert=4"]),
-    # OLMo Hybrid (its first 4 layers: GGGF), heads split over tensor: the chunked delta rule's
-    # triangular solves beside the attention layer's kernel
+    # OLMo Hybrid (its first 4 layers: GGGF), heads split over tensor: the chunked delta rule
+    # beside the attention layer's kernel
     "olmo-hybrid-7b": (["olmo-hybrid-7b"], TP),
 }
 

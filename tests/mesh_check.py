@@ -4,9 +4,9 @@ tensor and context-parallel meshes, and the splash kernel (interpreted) per devi
 shard_map, with a context axis too (one kernel per shard's offset); then the tiny OLMoE (tiny-olmoe.toml)
 at T = 128 on one device and on fsdp 2 x expert 2 x tensor 2 (expert parallelism: each device 4 of the
 8 experts, each expert's width split over tensor, pairs sent by all-to-all), and the tiny OLMo Hybrid
-(tiny-hybrid.toml) at T = 128 on one device and on fsdp 2 x tensor 2 (its Gated DeltaNet heads split over
-tensor; documents not kept apart: its G layers do not reset at them); prints losses and whether shardings
-held."""
+(tiny-hybrid.toml) at T = 128 on one device and on data 2 x fsdp 2 x tensor 2 (its Gated DeltaNet heads split
+over tensor; documents not kept apart: its G layers do not reset at them); prints losses and whether
+shardings held."""
 import json
 import sys
 from pathlib import Path
@@ -32,9 +32,7 @@ MESHES = {"one": (1, 1, 1, 1, 1), "fsdp": (1, 8, 1, 1, 1), "mixed": (2, 2, 1, 1,
           "fsdp_context": (1, 2, 1, 4, 1), "splash_fsdp_tensor": (1, 2, 1, 1, 2),
           "splash_context": (1, 2, 1, 2, 1),
           "moe_one": (1, 1, 1, 1, 1), "moe_expert": (1, 2, 2, 1, 2),
-          "hybrid_one": (1, 1, 1, 1, 1), "hybrid_tensor": (1, 2, 1, 1, 2)}
-# (hybrid_tensor on 4 devices: on all 8 of this 2-core machine's fake devices, XLA's CPU runtime
-# hangs in the backward of the G layers' scan, any mesh shape, with no collective in it; 4 run)
+          "hybrid_one": (1, 1, 1, 1, 1), "hybrid_tensor": (2, 2, 1, 1, 2)}
 out = {}
 rng = np.random.default_rng(0)
 tokens = rng.integers(0, 4094, (2, 1, 8, 512)).astype(np.int32)  # (steps, micro-batches, B, T)

@@ -117,13 +117,14 @@ def test_moe_steps_lower_with_grouped_experts_and_all_to_all(lowered):
 
 def test_hybrid_steps_lower_with_the_chunked_rule(lowered):
     """olmo-hybrid-7b's first four layers (three Gated DeltaNet, one attention) on fsdp 4 x
-    tensor 2, for an H100 and a TPU: the step's G layers are the chunked rule (triangular solves)
-    beside the attention layer's kernel; eval's forward runs it too, and generation's step the
-    recurrent form (no solve)."""
+    tensor 2, for an H100 and a TPU: the step lowers with the attention layer's kernel beside the
+    G layers' chunked rule, whose (I + A)⁻¹ is a loop of matmuls, no triangular_solve
+    (model.unit_lower_inverse: why); eval's forward and generation's step lower too."""
     for accel, kernel in [("h100", "cudnn_forward"), ("tpu", "mosaic")]:
         case = lowered[f"olmo-hybrid-7b {accel}"]
-        assert case["step"]["triangular_solve"] and case["step"][kernel], case
-        assert case["forward"]["triangular_solve"] and not case["generate"]["triangular_solve"]
+        assert case["step"][kernel] and case["step"]["dots"], case
+        for path in ("step", "forward", "generate"):
+            assert case[path]["dots"] and not case[path]["triangular_solve"], (accel, path)
 
 
 # --- 8: float32 means float32 ------------------------------------------------------------------
