@@ -93,3 +93,50 @@ def once_per_session(tmp_path_factory, name, make):
             make(folder)
             (folder / "made").touch()
     return folder
+
+
+def olmo_core_round_trip(m, params, config, sd, tmp_path):
+    """An OLMo-core checkpoint of (m, params) (its config.json `config`, state dict `sd`) written
+    in tmp_path/core reads as ours, tensor for tensor, and converts to ours, then to a
+    release-style HF folder -> (that OLMo-core folder, its Source, transformers' model of the HF
+    folder, in eval mode)."""
+    import json
+
+    import pytest
+
+    import convert
+    import model
+    src = tmp_path / "core"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps(config))
+    convert.write_safetensors(src / "model.safetensors", sd)
+    s = convert.open_source(src)
+    assert s.kind == "olmo_core" and s.m.differences(m, ignore=("max_seq_len",)) == []
+    got = {k: t.load() for k, t in s.tensors.items()}
+    want = model.unstack_layers(params, m)
+    assert set(got) == set(want) and all(np.array_equal(got[k], want[k]) for k in want)
+    convert.convert(src, tmp_path / "ours")
+    convert.convert(tmp_path / "ours", tmp_path / "release", to_hf=True)
+    tf = pytest.importorskip("transformers")
+    return src, s, tf.AutoModelForCausalLM.from_pretrained(tmp_path / "release").eval()
+
+
+def train_tiny_overlay(overlay, root, run, steps, log_every):
+    """configs/tiny.toml with configs/OVERLAY.toml on top, on the test corpus in root (conftest's
+    setup: a 384-id BPE), steps of 8 x 32 tokens in this process, into run -> the metrics'
+    lines that hold a loss (each the mean since the line before)."""
+    import json
+    from pathlib import Path
+
+    import train
+    from configs import run_cli
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    run_cli(train.cli, [str(configs / "tiny.toml"), str(configs / f"{overlay}.toml"),
+                        f"--data.path={root / 'data'}", "--model.vocab_size=384",
+                        "--model.eos_token_id=382", "--model.pad_token_id=383",
+                        "--data.seq_len=32", "--data.global_batch=8", f"--train.steps={steps}",
+                        f"--train.log_every={log_every}", "--train.warmup=5",
+                        f"--train.checkpoint_every={steps}", "--eval.prompt=", "--eval.every=0",
+                        f"--train.run_dir={run}"])
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "loss" in r]

@@ -18,7 +18,7 @@ import torch
 
 import convert
 import model
-from common import random_params, tokens, variant
+from common import olmo_core_round_trip, random_params, tokens, train_tiny_overlay, variant
 from configs import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -252,22 +252,9 @@ def test_olmo_core_hybrid_checkpoints_convert(tmp_path):
     """OLMo-core's hybrid checkpoints read as ours, tensor for tensor, and convert to a directory
     transformers loads as OlmoHybridForCausalLM with the same logits; a post-norm Gated DeltaNet
     block (OLMo-core's scripts at HEAD; not the released model) is refused by name."""
-    tf = pytest.importorskip("transformers")
     m = variant("olmo_hybrid")
     params = random_params(m, seed=6)
-    config, sd = olmo_core_hybrid(m, params)
-    src = tmp_path / "core"
-    src.mkdir()
-    (src / "config.json").write_text(json.dumps(config))
-    convert.write_safetensors(src / "model.safetensors", sd)
-    s = convert.open_source(src)
-    assert s.kind == "olmo_core" and s.m.differences(m, ignore=("max_seq_len",)) == []
-    got = {k: t.load() for k, t in s.tensors.items()}
-    want = model.unstack_layers(params, m)
-    assert set(got) == set(want) and all(np.array_equal(got[k], want[k]) for k in want)
-    convert.convert(src, tmp_path / "ours")
-    convert.convert(tmp_path / "ours", tmp_path / "release", to_hf=True)
-    net = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "release").eval()
+    src, s, net = olmo_core_round_trip(m, params, *olmo_core_hybrid(m, params), tmp_path)
     assert type(net).__name__ == "OlmoHybridForCausalLM"
     toks = tokens(m, T=16)
     with torch.no_grad():
@@ -283,18 +270,9 @@ def test_olmo_core_hybrid_checkpoints_convert(tmp_path):
 def test_tiny_hybrid_trains(setup, tmp_path):
     """configs/tiny-hybrid.toml stacked on tiny.toml, on the test corpus (conftest's setup), 20
     steps in this process: the loss falls and the checkpoint reads back as the same model."""
-    import train
-    from configs import run_cli
     root, _ = setup
     run = tmp_path / "run"
-    run_cli(train.cli, [str(ROOT / "configs/tiny.toml"), str(ROOT / "configs/tiny-hybrid.toml"),
-                        f"--data.path={root / 'data'}", "--model.vocab_size=384",
-                        "--model.eos_token_id=382", "--model.pad_token_id=383",
-                        "--data.seq_len=32", "--data.global_batch=8", "--train.steps=20",
-                        "--train.log_every=5", "--train.warmup=5", "--train.checkpoint_every=20",
-                        "--eval.prompt=", "--eval.every=0", f"--train.run_dir={run}"])
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "loss" in r]
+    rows = train_tiny_overlay("tiny-hybrid", root, run, steps=20, log_every=5)
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.5  # (the first line averages steps 1-5)
     m, _ = convert.load_hf(run / "step_20")
     assert m.family == "olmo_hybrid" and m.layer_types() == "GF"

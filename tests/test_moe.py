@@ -17,8 +17,8 @@ import torch
 
 import convert
 import model
-from common import random_params, tokens, variant
-from configs import ConfigError, load_config, run_cli
+from common import olmo_core_round_trip, random_params, tokens, train_tiny_overlay, variant
+from configs import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -149,18 +149,9 @@ def test_tiny_moe_trains_and_uses_every_expert(setup, tmp_path):
     """configs/tiny-olmoe.toml stacked on tiny.toml, on the test corpus (conftest's setup), 30
     steps in this process: the loss falls, the router losses and each layer's load imbalance are
     logged under OLMo-core's names, and every expert of every layer takes tokens."""
-    import train
     root, _ = setup
     run = tmp_path / "run"
-    run_cli(train.cli, [str(ROOT / "configs/tiny.toml"), str(ROOT / "configs/tiny-olmoe.toml"),
-                        f"--data.path={root / 'data'}", "--model.vocab_size=384",
-                        "--model.eos_token_id=382", "--model.pad_token_id=383",
-                        "--data.seq_len=32", "--data.global_batch=8", "--train.steps=30",
-                        "--train.log_every=10", "--train.warmup=5", "--train.checkpoint_every=30",
-                        "--eval.prompt=",
-                        "--eval.every=0", f"--train.run_dir={run}"])
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "loss" in r]
+    rows = train_tiny_overlay("tiny-olmoe", root, run, steps=30, log_every=10)
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.5  # (the first line averages steps 1-10)
     for key in ("load balancing loss", "router Z loss", "load imbalance",
                 "block 00/load imbalance", "block 01/load imbalance"):
@@ -218,19 +209,7 @@ def test_olmo_core_moe_checkpoints_convert(name, tmp_path):
     m = variant(name, clip_qkv=0.0)  # (OLMo-core clamps before the QK-norm, HF's OLMoE after)
     params = random_params(m, seed=6)
     config, sd = olmo_core_moe(m, params)
-    src = tmp_path / "core"
-    src.mkdir()
-    (src / "config.json").write_text(json.dumps(config))
-    convert.write_safetensors(src / "model.safetensors", sd)
-    s = convert.open_source(src)
-    assert s.kind == "olmo_core" and s.m.differences(m, ignore=("max_seq_len",)) == []
-    got = {k: t.load() for k, t in s.tensors.items()}
-    want = model.unstack_layers(params, m)
-    assert set(got) == set(want) and all(np.array_equal(got[k], want[k]) for k in want)
-    convert.convert(src, tmp_path / "ours")
-    convert.convert(tmp_path / "ours", tmp_path / "release", to_hf=True)
-    tf = pytest.importorskip("transformers")
-    net = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "release").eval()
+    src, s, net = olmo_core_round_trip(m, params, config, sd, tmp_path)
     assert type(net).__name__ == convert.HF_CLASS[name][1]
     toks = tokens(m, T=16)
     with torch.no_grad():
