@@ -136,7 +136,9 @@ def test_loss_against_torch_reference():
                       "cross_entropy_of returns (loss, ce, z), loss = ce + z_loss · z."))
 
 
-@pytest.mark.parametrize("name", MODEL_VARIANTS)
+# (olmo_hybrid's causality: test_hybrid.py's generation test, each position's logits from the
+# tokens before it alone equal to the whole sequence's)
+@pytest.mark.parametrize("name", [v for v in MODEL_VARIANTS if v != "olmo_hybrid"])
 def test_causal(name):
     m = variant(name)
     params = random_params(m)
