@@ -42,7 +42,7 @@ CASES = {  # name: (config files, flags): shipped configs at 4 layers, on 8 devi
     # a mixture of experts, expert parallel: grouped experts, pairs sent by all-to-all
     "olmoe-1b-7b": (["olmoe-1b-7b"], ["--mesh.fsdp=2", "--mesh.expert=4"]),
     # OLMo Hybrid (its first 4 layers: GGGF), heads split over tensor: the chunked delta rule
-    # beside the attention layer's kernel
+    # beside the attention layer's kernel (its train step only: eval's paths as olmo3-7b's)
     "olmo-hybrid-7b": (["olmo-hybrid-7b"], TP),
 }
 
@@ -130,7 +130,7 @@ def main():
                 text, cfg = train_step(files, flags, platform)
                 case = dict(step=summary(text), attention=shard.pick_attention(
                     cfg.model, cfg.train.compute_dtype, cfg.data.doc_mask, None, cfg.mesh.context))
-                if "stage3" not in name:
+                if "stage3" not in name and "hybrid" not in name:
                     forward, cached = eval_paths(cfg, platform)
                     case.update(forward=summary(forward), generate=summary(cached))
                 out[f"{name} {accel}"] = case
