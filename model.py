@@ -1519,8 +1519,9 @@ def delta_rule_recurrent_torch(q, k, v, g, beta, state=None):
 
 
 def delta_rule_chunked_torch(q, k, v, g, beta, chunk=64, state=None):
-    """delta_rule_chunked: the same steps (the UT transform's triangular solve within a chunk, a
-    loop over the chunks), fp32."""
+    """delta_rule_chunked: the same steps (the UT transform's system within a chunk, a loop over
+    the chunks), fp32; the system by torch.linalg.solve_triangular, whose backward has none of
+    XLA's CPU deadlock (unit_lower_inverse)."""
     B, T, N, Hv = v.shape
     q, k = l2_normalize_torch(q), l2_normalize_torch(k)
     q, k = (a.repeat_interleave(N // a.shape[2], dim=2) for a in (q, k))
